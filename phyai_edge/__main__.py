@@ -1,0 +1,5 @@
+import sys
+
+from phyai_edge.cli import main
+
+sys.exit(main())

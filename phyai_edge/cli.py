@@ -1,0 +1,76 @@
+"""`phyai-edge` command line. Each subcommand lives in `phyai_edge/commands/<name>.py`.
+
+A command module defines `HELP` (one line), `add_arguments(parser)` and `main(args) -> int`.
+Modules are imported only when their command runs, so `phyai-edge run` on a robot never
+imports onnx, matplotlib or the exporter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Order is the order `--help` lists them in.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("phyai_edge.commands.info", "what this machine has: torch, CUDA, GPUs, TensorRT, onnxruntime"),
+    "run": ("phyai_edge.commands.run", "the real-time control daemon (fixed-period loop, RTC, ZeroMQ actions)"),
+    "listen": ("phyai_edge.commands.listen", "subscribe to a daemon's actions and report rate, gaps and latency"),
+    "bench": ("phyai_edge.commands.bench", "time a model's stages on a backend and device"),
+    "export": ("phyai_edge.commands.export", "build an engine bundle (ONNX, TensorRT, CUDA graph) from a checkpoint"),
+    "roofline": ("phyai_edge.commands.roofline", "what bounds the control rate: model, processing, transport or robot"),
+    "eval": ("phyai_edge.commands.eval", "replay recorded observations through an engine and compare actions"),
+    "serve": ("phyai_edge.commands.serve", "one engine on one GPU serving many robot daemons over ZeroMQ"),
+    "sim": ("phyai_edge.commands.sim", "a simulated ALOHA robot process that talks to the daemon over ZeroMQ"),
+}
+
+
+def build_parser(available: dict[str, tuple[str, str]] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phyai-edge",
+        description="Run a vision-language-action policy on a robot: export fast engines, run the "
+        "fixed-period control daemon, and see what bounds your control rate.",
+    )
+    from phyai_edge import __version__
+
+    parser.add_argument("--version", action="version", version=f"phyai-edge {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in (available or COMMANDS).items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+    return parser
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    """Commands whose module exists in this install."""
+    found = {}
+    for name, (module_name, help_text) in COMMANDS.items():
+        if importlib.util.find_spec(module_name) is not None:
+            found[name] = (module_name, help_text)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    available = _available()
+    parser = build_parser(available)
+    # Two passes: the first finds the command, the second parses its own arguments.
+    if argv and argv[0] in available:
+        module = importlib.import_module(available[argv[0]][0])
+        sub = argparse.ArgumentParser(
+            prog=f"phyai-edge {argv[0]}",
+            description=getattr(module, "DESCRIPTION", available[argv[0]][1]),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
+        args = sub.parse_args(argv[1:])
+        return int(module.main(args) or 0)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return 0  # unreachable: a known command is handled above
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `phyai-edge` subcommand (see `phyai_edge.cli`)."""
