@@ -7,12 +7,15 @@ It knows nothing of cameras, sockets or robots.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 import torch
 
 from phyai_edge.adapters.base import ModelInputs
+
+if TYPE_CHECKING:
+    from phyai_edge.engines.rtc import RTCGuidance
 
 RTCMode = Literal["none", "crossfade", "inpaint", "guided-approx", "guided"]
 SOLVER_RTC_MODES = ("inpaint", "guided-approx", "guided")
@@ -58,8 +61,7 @@ class Engine(Protocol):
         self,
         inputs: ModelInputs,
         noise: torch.Tensor | None = None,
-        rtc_prefix: torch.Tensor | None = None,
-        rtc: RTCRequest | None = None,
+        rtc: RTCGuidance | None = None,
     ) -> torch.Tensor: ...
 
     @property

@@ -91,7 +91,7 @@ def tiny() -> PI05Config:
         expert=GemmaSpec(width=32, depth=2, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16),
         vocab_size=1024,
         chunk_size=50,
-        max_token_len=64,
+        max_token_len=128,
         preset="tiny",
     )
 

@@ -1,0 +1,77 @@
+"""Normalisation statistics for state and actions: quantile (q01/q99) or mean/std.
+
+Quantile mode maps [q01, q99] to [-1, 1]; mean/std mode is the usual z-score. The mode is a
+property of how the checkpoint was trained and is read from its files, never guessed silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+NormMode = Literal["quantile", "mean_std", "identity"]
+_EPS = 1e-8
+
+
+@dataclass
+class NormStats:
+    mode: NormMode
+    mean: np.ndarray | None = None
+    std: np.ndarray | None = None
+    q01: np.ndarray | None = None
+    q99: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("mean", "std", "q01", "q99"):
+            val = getattr(self, name)
+            if val is not None:
+                setattr(self, name, np.asarray(val, dtype=np.float32).reshape(-1))
+        if self.mode == "quantile" and (self.q01 is None or self.q99 is None):
+            raise ValueError("quantile normalisation needs q01 and q99 statistics")
+        if self.mode == "mean_std" and (self.mean is None or self.std is None):
+            raise ValueError("mean/std normalisation needs mean and std statistics")
+
+    @property
+    def dim(self) -> int | None:
+        ref = self.q01 if self.mode == "quantile" else self.mean
+        return None if ref is None else int(ref.shape[0])
+
+    def normalize(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float32)
+        if self.mode == "identity":
+            return x
+        self._check(x)
+        if self.mode == "quantile":
+            denom = self.q99 - self.q01
+            denom = np.where(denom == 0, _EPS, denom)
+            return 2.0 * (x - self.q01) / denom - 1.0
+        return (x - self.mean) / (self.std + _EPS)
+
+    def unnormalize(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float32)
+        if self.mode == "identity":
+            return x
+        self._check(x)
+        if self.mode == "quantile":
+            denom = self.q99 - self.q01
+            denom = np.where(denom == 0, _EPS, denom)
+            return (x + 1.0) * denom / 2.0 + self.q01
+        return x * (self.std + _EPS) + self.mean
+
+    def _check(self, x: np.ndarray) -> None:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"expected last dimension {self.dim} for these statistics, got shape {x.shape}")
+
+    def to_json(self) -> dict:
+        out: dict = {"mode": self.mode}
+        for name in ("mean", "std", "q01", "q99"):
+            val = getattr(self, name)
+            if val is not None:
+                out[name] = val.tolist()
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> NormStats:
+        return cls(d["mode"], d.get("mean"), d.get("std"), d.get("q01"), d.get("q99"))

@@ -1,0 +1,160 @@
+"""The PI0.5 Model Adapter: everything the runtime needs to know about PI0.5, and nothing else."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from phyai_edge.adapters.base import ModelInputs, Observation, SolverSpec, StageSpec
+from phyai_edge.adapters.normalization import NormStats
+from phyai_edge.adapters.pi05.config import PI05Config
+from phyai_edge.adapters.pi05.model import PI05Model
+from phyai_edge.adapters.pi05.preprocess import (
+    discretize_state,
+    format_prompt,
+    image_to_float_chw,
+    resize_with_pad,
+)
+from phyai_edge.adapters.tokenizer import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+STAGES = ("embed_images", "encode_prefix", "denoise_step")
+
+
+@dataclass
+class RobotIO:
+    """How a robot's observations and actions map onto the model's fixed slots."""
+
+    camera_names: list[str]
+    state_dim: int
+    action_dim: int
+    state_stats: NormStats
+    action_stats: NormStats
+    # openpi pads the state to the action width before writing it into the prompt; LeRobot does not.
+    pad_state_in_prompt: bool = False
+    default_prompt: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class PI05Adapter:
+    name = "pi05"
+
+    def __init__(self, cfg: PI05Config, model: PI05Model, tokenizer: PromptTokenizer, io: RobotIO) -> None:
+        if io.action_dim > cfg.max_action_dim:
+            raise ValueError(f"action_dim {io.action_dim} exceeds the model's padded width {cfg.max_action_dim}")
+        if io.state_dim > cfg.max_state_dim:
+            raise ValueError(f"state_dim {io.state_dim} exceeds the model's padded width {cfg.max_state_dim}")
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model embeds {cfg.vocab_size}")
+        self.cfg, self.module, self.tokenizer, self.io = cfg, model, tokenizer, io
+        self.chunk_size = cfg.chunk_size
+        self.model_action_dim = cfg.max_action_dim
+        self.action_dim = io.action_dim
+        self.state_dim = io.state_dim
+        self.camera_names = list(io.camera_names)
+        self.solver = SolverSpec(cfg.num_steps)
+        self._warned_truncation = False
+
+    # -- stages ---------------------------------------------------------------------------
+    def stage_names(self) -> list[str]:
+        return list(STAGES)
+
+    def stage(self, name: str) -> Callable[..., Any]:
+        if name not in STAGES:
+            raise KeyError(f"PI0.5 has no stage {name!r}; stages are {STAGES}")
+        return getattr(self.module, name)
+
+    def stage_specs(self, batch_size: int, num_views: int | None = None) -> list[StageSpec]:
+        c = self.cfg
+        nv = num_views or len(self.camera_names)
+        s, t = c.vision.image_size, c.vision.tokens_per_image
+        p_len = nv * t + c.max_token_len
+        dt = self.module.compute_dtype
+        b, layers, kvh, hd = batch_size, c.prefix.depth, c.prefix.num_kv_heads, c.prefix.head_dim
+        kv = ((layers, b, kvh, p_len, hd), dt)
+        return [
+            StageSpec("embed_images", {"images": ((b, nv, 3, s, s), torch.float32)},
+                      {"image_embeds": ((b, nv * t, c.prefix.width), dt)}),
+            StageSpec(
+                "encode_prefix",
+                {"image_embeds": ((b, nv * t, c.prefix.width), dt), "image_mask": ((b, nv), torch.bool),
+                 "tokens": ((b, c.max_token_len), torch.int64), "token_mask": ((b, c.max_token_len), torch.bool)},
+                {"k_cache": kv, "v_cache": kv, "prefix_mask": ((b, p_len), torch.bool)},
+            ),
+            StageSpec(
+                "denoise_step",
+                {"x_t": ((b, c.chunk_size, c.max_action_dim), torch.float32), "t": ((b,), torch.float32),
+                 "k_cache": kv, "v_cache": kv, "prefix_mask": ((b, p_len), torch.bool)},
+                {"velocity": ((b, c.chunk_size, c.max_action_dim), torch.float32)},
+            ),
+        ]
+
+    # -- pre / post -----------------------------------------------------------------------
+    def preprocess(self, observations: list[Observation], device: torch.device | str = "cpu") -> ModelInputs:
+        if not observations:
+            raise ValueError("preprocess needs at least one observation")
+        size = self.cfg.vision.image_size
+        images, image_mask, tokens, token_mask = [], [], [], []
+        for i, obs in enumerate(observations):
+            views, present = [], []
+            unknown = set(obs.images) - set(self.camera_names)
+            if unknown:
+                raise ValueError(f"observation {i}: unknown cameras {sorted(unknown)}; the model expects {self.camera_names}")
+            for name in self.camera_names:
+                img = obs.images.get(name)
+                if img is None:
+                    views.append(torch.full((3, size, size), -1.0))
+                    present.append(False)
+                else:
+                    views.append(resize_with_pad(image_to_float_chw(img, name), size) * 2.0 - 1.0)
+                    present.append(True)
+            if not any(present):
+                raise ValueError(f"observation {i}: every camera is missing; at least one image is required")
+            images.append(torch.stack(views))
+            image_mask.append(present)
+            ids, mask = self._prompt_tokens(obs, i)
+            tokens.append(ids)
+            token_mask.append(mask)
+        tensors = {
+            "images": torch.stack(images).to(device),
+            "image_mask": torch.tensor(image_mask, dtype=torch.bool, device=device),
+            "tokens": torch.tensor(tokens, dtype=torch.int64, device=device),
+            "token_mask": torch.tensor(token_mask, dtype=torch.bool, device=device),
+        }
+        return ModelInputs(tensors, len(observations))
+
+    def _prompt_tokens(self, obs: Observation, i: int) -> tuple[list[int], list[bool]]:
+        state = np.asarray(obs.state, dtype=np.float32).reshape(-1)
+        if state.shape[0] != self.state_dim:
+            raise ValueError(f"observation {i}: state has {state.shape[0]} values, the robot config says {self.state_dim}")
+        if not np.isfinite(state).all():
+            raise ValueError(f"observation {i}: state has NaN or Inf values")
+        norm = self.io.state_stats.normalize(state)
+        if self.io.pad_state_in_prompt:
+            norm = np.pad(norm, (0, self.cfg.max_action_dim - norm.shape[0]))
+        prompt = obs.prompt or self.io.default_prompt
+        if not prompt:
+            raise ValueError(f"observation {i}: empty prompt and no default prompt configured")
+        tok = self.tokenizer(format_prompt(prompt, discretize_state(norm, self.cfg.state_bins)), self.cfg.max_token_len)
+        if tok.truncated and not self._warned_truncation:
+            log.warning("prompt longer than %d tokens was truncated; raise max_token_len", self.cfg.max_token_len)
+            self._warned_truncation = True
+        return tok.ids, tok.mask
+
+    def postprocess(self, chunk: torch.Tensor) -> np.ndarray:
+        """(B, H, D) model-space chunk -> (B, H, action_dim) robot units, float32."""
+        arr = chunk[..., : self.action_dim].detach().float().cpu().numpy()
+        return self.io.action_stats.unnormalize(arr).astype(np.float32)
+
+    def normalize_actions(self, actions: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Robot-unit actions (..., action_dim) -> model space (..., D), zero-padded."""
+        arr = actions.detach().cpu().numpy() if isinstance(actions, torch.Tensor) else np.asarray(actions)
+        norm = self.io.action_stats.normalize(arr.astype(np.float32))
+        pad = [(0, 0)] * (norm.ndim - 1) + [(0, self.model_action_dim - norm.shape[-1])]
+        return torch.from_numpy(np.pad(norm, pad))

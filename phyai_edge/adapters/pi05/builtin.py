@@ -1,0 +1,66 @@
+"""The embedded default: the tiny PI0.5 preset with seeded random weights, the shipped tiny
+tokenizer and identity-like statistics, for a 14-joint bimanual robot with three camera slots.
+It makes `phyai-edge run` work on a fresh machine; it is not a trained policy."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from phyai_edge.adapters.normalization import NormStats
+from phyai_edge.adapters.pi05.adapter import PI05Adapter, RobotIO
+from phyai_edge.adapters.pi05.config import PI05Config, preset
+from phyai_edge.adapters.pi05.model import PI05Model
+from phyai_edge.adapters.tokenizer import PromptTokenizer
+
+DEFAULT_CAMERAS = ["top", "left_wrist", "right_wrist"]
+DEFAULT_DIM = 14
+
+
+def tiny_tokenizer_path() -> Path:
+    return Path(str(resources.files("phyai_edge") / "assets" / "tiny_tokenizer.json"))
+
+
+def seeded_model(cfg: PI05Config, seed: int = 0) -> PI05Model:
+    """Random weights that are the same on every machine for a given seed."""
+    gen = torch.Generator().manual_seed(seed)
+    model = PI05Model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # biases and RMSNorm offsets (used as 1 + w): small
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):  # LayerNorm scales multiply directly
+                m.weight.add_(1.0)
+    return model
+
+
+def builtin_adapter(
+    preset_name: str = "tiny",
+    seed: int = 0,
+    camera_names: list[str] | None = None,
+    state_dim: int = DEFAULT_DIM,
+    action_dim: int = DEFAULT_DIM,
+    prompt: str = "pick up the cube",
+) -> PI05Adapter:
+    cfg = preset(preset_name)
+    if preset_name == "full":
+        with torch.device("meta"):
+            model = PI05Model(cfg)
+    else:
+        model = seeded_model(cfg, seed)
+    lo, hi = -np.ones(action_dim, np.float32), np.ones(action_dim, np.float32)
+    io = RobotIO(
+        camera_names=list(camera_names or DEFAULT_CAMERAS),
+        state_dim=state_dim,
+        action_dim=action_dim,
+        state_stats=NormStats("quantile", q01=-np.ones(state_dim, np.float32), q99=np.ones(state_dim, np.float32)),
+        action_stats=NormStats("quantile", q01=lo, q99=hi),
+        default_prompt=prompt,
+    )
+    return PI05Adapter(cfg, model, PromptTokenizer(tiny_tokenizer_path()), io)

@@ -1,0 +1,254 @@
+"""Load PI0.5 from the folders people have: a LeRobot `pi05` policy folder, an openpi PyTorch
+folder, or our own native folder. Everything is local; nothing is downloaded.
+
+LeRobot silently falls back to random weights when keys do not match; here any missing,
+extra, mis-shaped or wrongly typed tensor is an error that lists the names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from phyai_edge.adapters.checkpoint import (
+    CheckpointError,
+    checkpoint_keys,
+    load_safetensors_strict,
+    regex_key_map,
+)
+from phyai_edge.adapters.normalization import NormStats
+from phyai_edge.adapters.pi05.adapter import PI05Adapter, RobotIO
+from phyai_edge.adapters.pi05.config import PI05Config, full
+from phyai_edge.adapters.pi05.model import PI05Model
+from phyai_edge.adapters.tokenizer import TOKENIZER_FILES, PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+NATIVE_MANIFEST = "phyai_edge.json"
+NATIVE_FORMAT = "phyai-edge/pi05/1"
+
+# Both the transformers-5 layout (paligemma.model.language_model...) and the transformers-4
+# layout (paligemma.language_model.model...) occur in checkpoints people have.
+_P = r"^(?:model\.)?paligemma_with_expert\."
+PI_KEY_RULES = [
+    (_P + r"paligemma\.(?:model\.)?vision_tower\.vision_model\.", "vision."),
+    (_P + r"paligemma\.(?:model\.)?multi_modal_projector\.linear\.", "projector."),
+    (_P + r"paligemma\.(?:model\.language_model|language_model\.model|language_model)\.embed_tokens\.", "embed_tokens."),
+    (_P + r"paligemma\.(?:model\.language_model|language_model\.model|language_model)\.layers\.", "prefix_layers."),
+    (_P + r"paligemma\.(?:model\.language_model|language_model\.model|language_model)\.norm\.", "prefix_norm."),
+    (_P + r"gemma_expert\.model\.layers\.", "expert_layers."),
+    (_P + r"gemma_expert\.model\.norm\.", "expert_norm."),
+    (r"^(?:model\.)?(?:action_)?time_mlp_(in|out)\.", r"time_mlp_\1."),
+    (r"^(?:model\.)?action_(in|out)_proj\.", r"action_\1_proj."),
+]
+LM_HEAD = r"lm_head\.weight$"
+
+
+def detect_format(folder: Path) -> str:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {folder}")
+    if (folder / NATIVE_MANIFEST).exists():
+        return "native"
+    cfg = folder / "config.json"
+    if cfg.exists():
+        try:
+            kind = json.loads(cfg.read_text()).get("type")
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{cfg} is not valid JSON: {exc}") from exc
+        if kind == "pi05":
+            return "lerobot"
+    if list(folder.glob("assets/*/norm_stats.json")) and (folder / "model.safetensors").exists():
+        return "openpi"
+    raise CheckpointError(
+        f"{folder} is not a PI0.5 checkpoint folder I know: expected {NATIVE_MANIFEST} (native), "
+        "config.json with type 'pi05' (LeRobot), or model.safetensors + assets/*/norm_stats.json (openpi)"
+    )
+
+
+def load_pi05(
+    folder: str | Path,
+    device: str | torch.device = "cpu",
+    tokenizer: str | Path | None = None,
+    camera_names: list[str] | None = None,
+) -> PI05Adapter:
+    folder = Path(folder)
+    fmt = detect_format(folder)
+    loader = {"native": _load_native, "lerobot": _load_lerobot, "openpi": _load_openpi}[fmt]
+    cfg, io, key_map_rules = loader(folder)
+    if camera_names is not None:
+        if len(camera_names) != len(io.camera_names):
+            raise ValueError(f"camera_names has {len(camera_names)} entries, the checkpoint has {len(io.camera_names)} views")
+        io.camera_names = list(camera_names)
+    tok = PromptTokenizer(tokenizer if tokenizer is not None else _find_tokenizer(folder))
+    files = sorted(folder.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no model*.safetensors in {folder}")
+    with torch.device("meta"):
+        model = PI05Model(cfg)
+    keys = checkpoint_keys(files)
+    rules = list(key_map_rules)
+    skip = [LM_HEAD]
+    if fmt != "native" and not any("embed_tokens" in k for k in keys):
+        # Tied embeddings saved only as the language-model head: read it as the embedding.
+        rules.insert(0, (_P + r"paligemma\.lm_head\.weight$", "embed_tokens.weight"))
+        skip = [_P + r"gemma_expert\.lm_head\.weight$"]
+    skipped = load_safetensors_strict(model, files, regex_key_map(rules, skip), device=device)
+    if skipped:
+        log.info("skipped %d unused tensors without reading them: %s", len(skipped), ", ".join(sorted(skipped)))
+    model.float()
+    return PI05Adapter(cfg, model, tok, io)
+
+
+def _find_tokenizer(folder: Path) -> Path:
+    for cand in (folder, folder / "tokenizer", *sorted(folder.glob("assets/*"))):
+        if any((cand / f).exists() for f in TOKENIZER_FILES):
+            return cand
+    raise FileNotFoundError(
+        f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {folder}; PI0.5 uses the PaliGemma "
+        "tokenizer: copy its tokenizer.json or tokenizer.model into the checkpoint folder, or pass tokenizer="
+    )
+
+
+# -- native ------------------------------------------------------------------------------
+def _load_native(folder: Path) -> tuple[PI05Config, RobotIO, list]:
+    meta = json.loads((folder / NATIVE_MANIFEST).read_text())
+    if meta.get("format") != NATIVE_FORMAT:
+        raise CheckpointError(f"{folder / NATIVE_MANIFEST}: format {meta.get('format')!r}, expected {NATIVE_FORMAT!r}")
+    stats = json.loads((folder / "norm_stats.json").read_text())
+    io = meta["io"]
+    robot = RobotIO(
+        camera_names=io["camera_names"], state_dim=io["state_dim"], action_dim=io["action_dim"],
+        state_stats=NormStats.from_json(stats["state"]), action_stats=NormStats.from_json(stats["action"]),
+        pad_state_in_prompt=io.get("pad_state_in_prompt", False), default_prompt=io.get("default_prompt", ""),
+    )
+    return PI05Config.from_dict(meta["config"]), robot, []
+
+
+def save_native(adapter: PI05Adapter, folder: str | Path) -> Path:
+    """Write `adapter` as a native folder (weights in float32, our tensor names)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    io = adapter.io
+    meta: dict[str, Any] = {
+        "format": NATIVE_FORMAT,
+        "adapter": "pi05",
+        "config": adapter.cfg.to_dict(),
+        "io": {"camera_names": io.camera_names, "state_dim": io.state_dim, "action_dim": io.action_dim,
+               "pad_state_in_prompt": io.pad_state_in_prompt, "default_prompt": io.default_prompt},
+    }
+    (folder / NATIVE_MANIFEST).write_text(json.dumps(meta, indent=2))
+    (folder / "norm_stats.json").write_text(
+        json.dumps({"state": io.state_stats.to_json(), "action": io.action_stats.to_json()}, indent=2)
+    )
+    state = {k: v.detach().float().cpu().contiguous() for k, v in adapter.module.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    tok_src = adapter.tokenizer.path
+    (folder / tok_src.name).write_bytes(tok_src.read_bytes())
+    return folder
+
+
+# -- LeRobot -----------------------------------------------------------------------------
+_LEROBOT_MODES = {"QUANTILES": "quantile", "MEAN_STD": "mean_std", "IDENTITY": "identity"}
+
+
+def _load_lerobot(folder: Path) -> tuple[PI05Config, RobotIO, list]:
+    c = json.loads((folder / "config.json").read_text())
+    for key, want in (("paligemma_variant", "gemma_2b"), ("action_expert_variant", "gemma_300m")):
+        if c.get(key, want) != want:
+            raise CheckpointError(f"config.json {key} = {c[key]!r}; this adapter supports {want!r}")
+    res = c.get("image_resolution", [224, 224])
+    if list(res) != [224, 224]:
+        raise CheckpointError(f"config.json image_resolution = {res}; PI0.5 uses [224, 224]")
+    cfg = full().with_overrides(
+        chunk_size=int(c.get("chunk_size", 50)),
+        max_action_dim=int(c.get("max_action_dim", 32)),
+        max_state_dim=int(c.get("max_state_dim", 32)),
+        max_token_len=int(c.get("tokenizer_max_length", 200)),
+        num_steps=int(c.get("num_inference_steps", 10)),
+        time_min_period=float(c.get("min_period", 4e-3)),
+        time_max_period=float(c.get("max_period", 4.0)),
+    )
+    inputs = c.get("input_features") or {}
+    outputs = c.get("output_features") or {}
+    cams = [k.removeprefix("observation.images.") for k, f in inputs.items() if f.get("type") == "VISUAL"]
+    cams += [f"empty_camera_{i}" for i in range(int(c.get("empty_cameras", 0)))
+             if f"observation.images.empty_camera_{i}" not in inputs]
+    if not cams:
+        raise CheckpointError("config.json input_features has no VISUAL features (cameras)")
+    try:
+        state_dim = int(inputs["observation.state"]["shape"][0])
+        action_dim = int(outputs["action"]["shape"][0])
+    except KeyError as exc:
+        raise CheckpointError(f"config.json lacks the feature {exc} (need observation.state and action shapes)") from exc
+    modes = c.get("normalization_mapping", {"STATE": "QUANTILES", "ACTION": "QUANTILES"})
+    pre = _read_stats(folder, "policy_preprocessor*normalizer_processor.safetensors")
+    post = _read_stats(folder, "policy_postprocessor*unnormalizer_processor.safetensors")
+    io = RobotIO(
+        camera_names=cams, state_dim=state_dim, action_dim=action_dim,
+        state_stats=_stats_for(pre, "observation.state", modes.get("STATE", "QUANTILES")),
+        action_stats=_stats_for(post or pre, "action", modes.get("ACTION", "QUANTILES")),
+        pad_state_in_prompt=False,
+    )
+    return cfg, io, PI_KEY_RULES
+
+
+def _read_stats(folder: Path, pattern: str) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(folder.glob(pattern)):
+        with safe_open(str(f), framework="np") as sf:
+            for k in sf.keys():  # noqa: SIM118
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+def _stats_for(stats: dict[str, np.ndarray], feature: str, mode: str) -> NormStats:
+    m = _LEROBOT_MODES.get(mode)
+    if m is None:
+        raise CheckpointError(f"normalisation mode {mode!r} for {feature} is not supported (use one of {sorted(_LEROBOT_MODES)})")
+    if m == "identity":
+        return NormStats("identity")
+    need = ("q01", "q99") if m == "quantile" else ("mean", "std")
+    missing = [f"{feature}.{n}" for n in need if f"{feature}.{n}" not in stats]
+    if missing:
+        raise CheckpointError(f"normaliser statistics missing from the processor files: {', '.join(missing)}")
+    return NormStats(m, **{n: stats[f"{feature}.{n}"] for n in need})
+
+
+# -- openpi ------------------------------------------------------------------------------
+OPENPI_CAMERAS = ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"]
+
+
+def _load_openpi(folder: Path) -> tuple[PI05Config, RobotIO, list]:
+    stats_files = sorted(folder.glob("assets/*/norm_stats.json"))
+    if len(stats_files) > 1:
+        log.warning("several norm_stats.json files; using %s", stats_files[0])
+    raw = json.loads(stats_files[0].read_text())
+    raw = raw.get("norm_stats", raw)
+    cfg = full()
+    meta_path = folder / "config.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        cfg = cfg.with_overrides(chunk_size=int(meta.get("action_horizon", cfg.chunk_size)),
+                                 max_action_dim=int(meta.get("action_dim", cfg.max_action_dim)))
+    try:
+        s, a = raw["state"], raw["actions"]
+    except KeyError as exc:
+        raise CheckpointError(f"{stats_files[0]} has no {exc} statistics") from exc
+    mode = "quantile" if "q01" in s and "q01" in a else "mean_std"
+    io = RobotIO(
+        camera_names=list(OPENPI_CAMERAS),
+        state_dim=len(s["q01" if mode == "quantile" else "mean"]),
+        action_dim=len(a["q01" if mode == "quantile" else "mean"]),
+        state_stats=NormStats(mode, s.get("mean"), s.get("std"), s.get("q01"), s.get("q99")),
+        action_stats=NormStats(mode, a.get("mean"), a.get("std"), a.get("q01"), a.get("q99")),
+        pad_state_in_prompt=True,
+    )
+    return cfg, io, PI_KEY_RULES

@@ -1,0 +1,169 @@
+"""PI0.5 as plain PyTorch: SigLIP + projector, a Gemma prefix model, and an action expert.
+
+The model is exposed as three static-shape stages, which is all the runtime ever calls:
+
+    embed_images(images)                                   -> image_embeds
+    encode_prefix(image_embeds, image_mask, tokens, token_mask) -> k_cache, v_cache, prefix_mask
+    denoise_step(x_t, t, k_cache, v_cache, prefix_mask)    -> velocity
+
+The prefix (images + prompt) attends bidirectionally over its valid tokens and is encoded once
+per chunk into a per-layer KV cache; every flow step of the action expert reads that cache and
+attends bidirectionally among the chunk's own tokens. The solver loop belongs to the engine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phyai_edge.adapters.pi05.config import PI05Config
+from phyai_edge.layers.gemma import GemmaBlock
+from phyai_edge.layers.norm import AdaRMSNorm, LayerNorm, RMSNorm
+from phyai_edge.layers.rotary import rope_cos_sin
+from phyai_edge.layers.siglip import SiglipVisionTower
+
+
+def sinusoidal_time_embedding(
+    t: torch.Tensor, dim: int, min_period: float, max_period: float, fp64: bool = True
+) -> torch.Tensor:
+    """t (B,) -> (B, dim): sin then cos of t at geometrically spaced periods, returned in fp32.
+
+    The published model computes this in float64; `fp64=False` is for exporters whose
+    runtimes have no double-precision sine (the difference is ~1e-4 rad at the shortest period).
+    """
+    dtype = torch.float64 if fp64 else torch.float32
+    frac = torch.linspace(0.0, 1.0, dim // 2, dtype=dtype, device=t.device)
+    period = min_period * (max_period / min_period) ** frac
+    angle = (2 * math.pi / period)[None, :] * t.to(dtype)[:, None]
+    return torch.cat([angle.sin(), angle.cos()], dim=-1).float()
+
+
+class PI05Model(nn.Module):
+    def __init__(self, cfg: PI05Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        v, p, e = cfg.vision, cfg.prefix, cfg.expert
+        self.vision = SiglipVisionTower(v.image_size, v.patch_size, v.width, v.depth, v.num_heads, v.mlp_dim, v.ln_eps)
+        self.projector = nn.Linear(v.width, p.width)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, p.width)
+        self.prefix_layers = nn.ModuleList(
+            GemmaBlock(p.width, p.mlp_dim, p.num_heads, p.num_kv_heads, p.head_dim, p.rms_eps) for _ in range(p.depth)
+        )
+        self.prefix_norm = RMSNorm(p.width, p.rms_eps)  # loaded for completeness; nothing reads its output
+        self.expert_layers = nn.ModuleList(
+            GemmaBlock(e.width, e.mlp_dim, e.num_heads, e.num_kv_heads, e.head_dim, e.rms_eps, cond_dim=e.width)
+            for _ in range(e.depth)
+        )
+        self.expert_norm = AdaRMSNorm(e.width, e.width, e.rms_eps)
+        self.action_in_proj = nn.Linear(cfg.max_action_dim, e.width)
+        self.action_out_proj = nn.Linear(e.width, cfg.max_action_dim)
+        self.time_mlp_in = nn.Linear(e.width, e.width)
+        self.time_mlp_out = nn.Linear(e.width, e.width)
+        self.time_embed_fp64 = True
+        self.compute_dtype = torch.float32
+
+    # -- precision -------------------------------------------------------------------------
+    def set_precision(self, dtype: torch.dtype) -> PI05Model:
+        """Big matmuls in `dtype`; norms, the time MLP and the action projections stay float32
+        (they are tiny, and the published bf16 model keeps them in float32 too)."""
+        self.float()
+        self.compute_dtype = dtype
+        if dtype == torch.float32:
+            return self
+        norm_parts = {
+            id(sub)
+            for m in self.modules()
+            if isinstance(m, (RMSNorm, AdaRMSNorm, LayerNorm))
+            for sub in m.modules()
+        }
+        for module in (self.vision, self.projector, self.embed_tokens, self.prefix_layers, self.expert_layers):
+            for sub in module.modules():
+                if isinstance(sub, (nn.Linear, nn.Conv2d, nn.Embedding)) and id(sub) not in norm_parts:
+                    sub.to(dtype)
+        return self
+
+    # -- stages ----------------------------------------------------------------------------
+    def embed_images(self, images: torch.Tensor) -> torch.Tensor:
+        """images (B, V, 3, S, S) in [-1, 1] -> (B, V * tokens_per_image, prefix width)."""
+        b, nv = images.shape[:2]
+        feats = self.vision(images.flatten(0, 1))
+        feats = self.projector(feats.to(self.projector.weight.dtype))
+        return feats.reshape(b, nv * feats.shape[1], feats.shape[2]).to(self.compute_dtype)
+
+    def embed_prefix(
+        self, image_embeds: torch.Tensor, image_mask: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        per_image = image_embeds.shape[1] // image_mask.shape[1]
+        scale = torch.tensor(self.cfg.prefix.width**0.5, dtype=self.embed_tokens.weight.dtype)
+        text = self.embed_tokens(tokens) * scale.to(tokens.device)
+        x = torch.cat([image_embeds.to(self.compute_dtype), text.to(self.compute_dtype)], dim=1)
+        mask = torch.cat([image_mask.repeat_interleave(per_image, dim=1), token_mask], dim=1)
+        return x, mask
+
+    def encode_prefix(
+        self, image_embeds: torch.Tensor, image_mask: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> k_cache, v_cache (layers, B, kv_heads, P, head_dim) and prefix_mask (B, P) bool.
+
+        Masked tokens (absent cameras, prompt padding) take no position: positions count valid
+        tokens only, as in the published model.
+        """
+        p = self.cfg.prefix
+        x, mask = self.embed_prefix(image_embeds, image_mask, tokens, token_mask)
+        positions = torch.cumsum(mask.long(), dim=1) - 1
+        cos, sin = rope_cos_sin(positions, p.head_dim, p.rope_theta, self.compute_dtype)
+        pair_mask = (mask[:, None, :, None] & mask[:, None, None, :])
+        ks, vs = [], []
+        last = len(self.prefix_layers) - 1
+        for i, layer in enumerate(self.prefix_layers):
+            q, k, v, gate = layer.project_kv(x, cos, sin)
+            ks.append(k)
+            vs.append(v)
+            if i < last:  # the last layer's output feeds nothing the action expert reads
+                x = layer.finish(x, q, k, v, pair_mask, gate)
+        return torch.stack(ks), torch.stack(vs), mask
+
+    def time_condition(self, t: torch.Tensor) -> torch.Tensor:
+        """Flow time (B,) -> the adaptive-norm conditioning vector (B, expert width)."""
+        e = self.cfg.expert
+        emb = sinusoidal_time_embedding(
+            t, e.width, self.cfg.time_min_period, self.cfg.time_max_period, self.time_embed_fp64
+        )
+        h = F.silu(self.time_mlp_in(emb.to(self.time_mlp_in.weight.dtype)))
+        return F.silu(self.time_mlp_out(h))
+
+    def denoise_step(
+        self,
+        x_t: torch.Tensor,
+        t: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        prefix_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """x_t (B, H, D) at flow time t (B,) -> velocity (B, H, D) float32."""
+        e = self.cfg.expert
+        b, h = x_t.shape[:2]
+        cond = self.time_condition(t)
+        x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
+        offset = prefix_mask.long().sum(dim=1, keepdim=True)
+        positions = offset + torch.arange(h, device=x_t.device)[None, :]
+        cos, sin = rope_cos_sin(positions, e.head_dim, e.rope_theta, self.compute_dtype)
+        p_len = prefix_mask.shape[1]
+        mask = torch.cat(
+            [
+                prefix_mask[:, None, None, :].expand(b, 1, h, p_len),
+                torch.ones(b, 1, h, h, dtype=torch.bool, device=x_t.device),
+            ],
+            dim=-1,
+        )
+        for i, layer in enumerate(self.expert_layers):
+            q, k, v, gate = layer.project_kv(x, cos, sin, cond)
+            k_all = torch.cat([k_cache[i], k], dim=2)
+            v_all = torch.cat([v_cache[i], v], dim=2)
+            x = layer.finish(x, q, k_all, v_all, mask, gate, cond)
+        out, _ = self.expert_norm(x, cond)
+        return self.action_out_proj(out.to(self.action_out_proj.weight.dtype)).float()
+

@@ -1,0 +1,83 @@
+"""Prompt tokenisers loaded from local files only (never a hub).
+
+`tokenizer.json` (Hugging Face `tokenizers`) is preferred; a SentencePiece `tokenizer.model`
+works too when the optional `sentencepiece` package is installed. The beginning-of-sequence
+token is prepended explicitly, so behaviour does not depend on a file's post-processor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+@dataclass
+class Tokenized:
+    ids: list[int]
+    mask: list[bool]
+    truncated: bool
+
+
+class PromptTokenizer:
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.is_dir():
+            found = [path / f for f in TOKENIZER_FILES if (path / f).exists()]
+            if not found:
+                raise FileNotFoundError(
+                    f"no tokenizer in {path}: expected one of {', '.join(TOKENIZER_FILES)} "
+                    "(copy the PaliGemma tokenizer files into the checkpoint folder or pass --tokenizer)"
+                )
+            path = found[0]
+        if not path.exists():
+            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        self.path = path
+        if path.suffix == ".json":
+            from tokenizers import Tokenizer
+
+            self._tok = Tokenizer.from_file(str(path))
+            self._kind = "hf"
+            self.bos_id = self._special_id(["<bos>", "<s>", "[BOS]"])
+            self.pad_id = self._special_id(["<pad>", "[PAD]"], default=0)
+            self.vocab_size = self._tok.get_vocab_size()
+        else:
+            try:
+                import sentencepiece as spm
+            except ImportError as exc:
+                raise ImportError(
+                    f"{path} is a SentencePiece model; install phyai-edge[sentencepiece] or provide tokenizer.json"
+                ) from exc
+            self._tok = spm.SentencePieceProcessor(model_file=str(path))
+            self._kind = "sp"
+            self.bos_id = self._tok.bos_id()
+            self.pad_id = max(self._tok.pad_id(), 0)
+            self.vocab_size = self._tok.get_piece_size()
+
+    def _special_id(self, names: list[str], default: int | None = None) -> int:
+        for n in names:
+            i = self._tok.token_to_id(n)
+            if i is not None:
+                return i
+        if default is not None:
+            return default
+        raise ValueError(f"tokenizer {self.path} has none of the tokens {names}")
+
+    def encode_plain(self, text: str) -> list[int]:
+        if self._kind == "hf":
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return list(self._tok.encode(text))
+
+    def __call__(self, text: str, max_len: int) -> Tokenized:
+        """BOS + text, right-padded to max_len; truncated (and flagged) if longer."""
+        ids = [self.bos_id, *self.encode_plain(text)]
+        truncated = len(ids) > max_len
+        ids = ids[:max_len]
+        n = len(ids)
+        return Tokenized(ids + [self.pad_id] * (max_len - n), [True] * n + [False] * (max_len - n), truncated)
+
+
+def write_tokenizer_info(path: Path, tok: PromptTokenizer) -> None:
+    path.write_text(json.dumps({"file": tok.path.name, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id}))

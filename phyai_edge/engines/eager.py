@@ -1,0 +1,70 @@
+"""The reference engine: calls the adapter's stages as plain PyTorch, on CPU or GPU.
+
+Every other backend is checked against this one on the same inputs and noise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phyai_edge.adapters.base import Adapter, ModelInputs
+from phyai_edge.engines.rtc import RTCGuidance
+from phyai_edge.engines.solver import integrate
+from phyai_edge.engines.timing import StageTimer
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+class EagerEngine:
+    backend = "eager"
+
+    def __init__(self, adapter: Adapter, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
+                 seed: int = 0) -> None:
+        self.adapter = adapter
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype)
+        module = adapter.module
+        if next(module.parameters()).device.type != "meta":
+            module.to(self.device)
+        module.set_precision(self.dtype)
+        module.eval().requires_grad_(False)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._stage_ms: dict[str, float] = {}
+
+    @property
+    def last_stage_ms(self) -> dict[str, float]:
+        return dict(self._stage_ms)
+
+    def sample_noise(self, batch: int) -> torch.Tensor:
+        a = self.adapter
+        return torch.randn(batch, a.chunk_size, a.model_action_dim, generator=self.generator, device=self.device)
+
+    @torch.no_grad()
+    def run(self, inputs: ModelInputs, noise: torch.Tensor | None = None, rtc: RTCGuidance | None = None) -> torch.Tensor:
+        a, b = self.adapter, inputs.batch_size
+        x = inputs.tensors
+        noise = self.sample_noise(b) if noise is None else noise.to(self.device, torch.float32)
+        timer = StageTimer(self.device)
+        with timer.stage("embed_images"):
+            img = a.stage("embed_images")(x["images"].to(self.device))
+        with timer.stage("encode_prefix"):
+            k, v, mask = a.stage("encode_prefix")(
+                img, x["image_mask"].to(self.device), x["tokens"].to(self.device), x["token_mask"].to(self.device)
+            )
+        step = a.stage("denoise_step")
+        with timer.stage("solver_loop"):
+            chunk = integrate(lambda xt, t: step(xt, t, k, v, mask), noise, a.solver,
+                              rtc.to(self.device) if rtc is not None else None)
+        timer.ms["denoise_step"] = timer.ms["solver_loop"] / a.solver.num_steps
+        self._stage_ms = timer.ms
+        return chunk

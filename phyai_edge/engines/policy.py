@@ -1,0 +1,97 @@
+"""`Policy`: an adapter and an engine behind one call, observations in, robot actions out.
+
+This is what the daemon, batch evaluation, RL rollouts and the multi-robot server all call,
+so they give the same actions for the same observations and noise.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from phyai_edge.adapters import load_adapter
+from phyai_edge.adapters.base import Adapter, Observation
+from phyai_edge.engines import make_engine
+from phyai_edge.engines.base import SOLVER_RTC_MODES, InferenceResult, RTCRequest
+from phyai_edge.engines.rtc import RTCGuidance, prefix_weights
+
+
+class Policy:
+    def __init__(self, adapter: Adapter, engine) -> None:
+        self.adapter, self.engine = adapter, engine
+        self.chunk_size = adapter.chunk_size
+        self.action_dim = adapter.action_dim
+        self.state_dim = adapter.state_dim
+        self.camera_names = list(adapter.camera_names)
+        self.device = engine.device
+
+    def rtc_guidance(self, rtc: RTCRequest, batch: int) -> RTCGuidance | None:
+        """Robot-unit RTC request -> model-space guidance for the solver (None if daemon-side)."""
+        if rtc.mode not in SOLVER_RTC_MODES:
+            return None
+        a = self.adapter
+        h, d_model = a.chunk_size, a.model_action_dim
+        prefix = rtc.prefix.detach().cpu().numpy() if isinstance(rtc.prefix, torch.Tensor) else np.asarray(rtc.prefix)
+        if prefix.ndim == 2:
+            prefix = np.broadcast_to(prefix, (batch, *prefix.shape))
+        if prefix.ndim != 3 or prefix.shape[0] != batch or prefix.shape[2] != a.action_dim:
+            raise ValueError(f"RTC prefix must be (n, {a.action_dim}) or ({batch}, n, {a.action_dim}), got {prefix.shape}")
+        n = prefix.shape[1]
+        if n > h:
+            raise ValueError(f"RTC prefix has {n} actions, more than the chunk length {h}")
+        if rtc.delay > n:
+            raise ValueError(f"RTC delay {rtc.delay} exceeds the {n} prefix actions given")
+        if not np.isfinite(prefix).all():
+            raise ValueError("RTC prefix has NaN or Inf values")
+        target = torch.zeros(batch, h, d_model)
+        target[:, :n] = a.normalize_actions(prefix)
+        weights = prefix_weights(h, rtc.delay, rtc.execution_horizon)
+        weights[n:] = 0.0  # nothing to agree with past the prefix
+        dim_mask = torch.zeros(d_model)
+        dim_mask[: a.action_dim] = 1.0
+        return RTCGuidance(rtc.mode, target, weights, dim_mask, rtc.delay, rtc.max_guidance_weight)
+
+    def infer(
+        self,
+        observations: list[Observation] | Observation,
+        rtc: RTCRequest | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> InferenceResult:
+        obs = [observations] if isinstance(observations, Observation) else list(observations)
+        t0 = time.perf_counter()
+        inputs = self.adapter.preprocess(obs, device=self.device)
+        t1 = time.perf_counter()
+        guidance = self.rtc_guidance(rtc, len(obs)) if rtc is not None else None
+        chunk = self.engine.run(inputs, noise=noise, rtc=guidance)
+        t2 = time.perf_counter()
+        actions = self.adapter.postprocess(chunk)
+        t3 = time.perf_counter()
+        stage_ms = {"preprocess": (t1 - t0) * 1e3, **self.engine.last_stage_ms,
+                    "postprocess": (t3 - t2) * 1e3, "total": (t3 - t0) * 1e3}
+        return InferenceResult(actions=actions, chunk=chunk, stage_ms=stage_ms)
+
+
+def load_policy(
+    adapter: str = "pi05",
+    checkpoint: str | Path | None = None,
+    preset: str = "tiny",
+    backend: str = "eager",
+    device: str = "cpu",
+    dtype: str = "float32",
+    bundle: str | Path | None = None,
+    seed: int = 0,
+    tokenizer: str | Path | None = None,
+    camera_names: list[str] | None = None,
+) -> Policy:
+    """Build a ready Policy. `bundle` (an exported engine folder) takes precedence over backend."""
+    if bundle is not None:
+        from phyai_edge.engines.bundle import load_bundle_policy
+
+        return load_bundle_policy(Path(bundle), device=device)
+    ad = load_adapter(adapter, checkpoint=checkpoint, preset_name=preset, device="cpu", tokenizer=tokenizer,
+                      camera_names=camera_names, seed=seed)
+    engine = make_engine(backend, ad, device=device, dtype=dtype, seed=seed)
+    return Policy(ad, engine)

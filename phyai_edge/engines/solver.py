@@ -1,0 +1,63 @@
+"""The flow-matching Euler loop with Real-Time Chunking hooks. Every backend shares it.
+
+`velocity(x, t)` is whatever the backend runs for one denoise step (eager module call,
+CUDA-graph replay, ONNX session, TensorRT context); the loop itself is backend-agnostic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from phyai_edge.adapters.base import SolverSpec
+from phyai_edge.engines.rtc import RTCGuidance, guidance_weight
+
+Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def rtc_velocity(velocity: Velocity, x: torch.Tensor, tt: torch.Tensor, t: float, rtc: RTCGuidance) -> torch.Tensor:
+    """Velocity corrected towards the executing chunk (guided modes)."""
+    w = guidance_weight(t, rtc.max_guidance_weight)
+    mask = rtc.mask
+    if rtc.mode == "guided":
+        with torch.enable_grad():
+            x_in = x.detach().requires_grad_(True)
+            v = velocity(x_in, tt)
+            x1 = x_in - t * v
+            err = ((rtc.target - x1) * mask).detach()
+            (correction,) = torch.autograd.grad(x1, x_in, err)
+        return v.detach() - w * correction
+    v = velocity(x, tt)
+    err = (rtc.target - (x - t * v)) * mask
+    return v - w * err
+
+
+def integrate(
+    velocity: Velocity,
+    noise: torch.Tensor,
+    solver: SolverSpec,
+    rtc: RTCGuidance | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """Euler from t_start (noise) to t_end; returns the chunk (B, H, D) in model space."""
+    x = noise
+    dt = solver.dt
+    batch = noise.shape[0]
+    mode = rtc.mode if rtc is not None else "none"
+    for i, t in enumerate(solver.times()):
+        tt = torch.full((batch,), t, dtype=torch.float32, device=noise.device)
+        if mode in ("guided", "guided-approx"):
+            v = rtc_velocity(velocity, x, tt, t, rtc)
+        else:
+            v = velocity(x, tt)
+        x = x + dt * v
+        if mode == "inpaint":
+            # Put the fixed prefix where the straight noise->target path is at the next time.
+            t_next = t + dt
+            d = rtc.delay
+            x = x.clone()
+            x[:, :d] = t_next * noise[:, :d] + (1.0 - t_next) * rtc.target[:, :d]
+        if on_step is not None:
+            on_step(i)
+    return x

@@ -1,0 +1,51 @@
+"""Attention over a static KV cache, with grouped KV heads and a boolean key mask.
+
+`attention_ref` is the plain reference (explicit softmax in float32, the way the published
+PyTorch PI0.5 computes it); `attention` picks the fused SDPA kernel. Both take a boolean mask
+of allowed (query, key) pairs; a query row with no allowed key (a padding token) is given
+all keys so no kernel ever sees an empty softmax: its output is never read by a valid token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# The additive value the reference path uses for masked logits (finite, so a fully masked
+# row stays finite), matching openpi.
+MASK_VALUE = -2.3819763e38
+
+
+def _full_rows(mask: torch.Tensor) -> torch.Tensor:
+    empty = ~mask.any(dim=-1, keepdim=True)
+    return mask | empty
+
+
+def attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D); mask bool (B, 1 or Hq, Tq, Tk) -> (B, Hq, Tq, D)."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    logits = logits.float() + torch.where(_full_rows(mask), 0.0, MASK_VALUE)
+    probs = torch.softmax(logits, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Same contract as `attention_ref`, through `scaled_dot_product_attention`."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        # enable_gqa is not supported by every SDPA backend or by ONNX export; an expand is a view.
+        b, h, t, d = k.shape
+        k = k[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+        v = v[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_full_rows(mask), scale=scale)

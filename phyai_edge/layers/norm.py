@@ -1,0 +1,70 @@
+"""RMSNorm (Gemma's `1 + weight` form), adaptive RMSNorm, and LayerNorm in float32.
+
+Statistics are always taken in float32, whatever the activation dtype, as the published
+checkpoints were trained that way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) with the statistic in float32. Returns float32."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return (rms_normalize(x, eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def ada_rms_norm_ref(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """normed * (1 + scale) + shift; scale/shift broadcast over the token axis."""
+    return (rms_normalize(x, eps) * (1.0 + scale.float()) + shift.float()).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_ref(x, self.weight, self.eps)
+
+
+class AdaRMSNorm(nn.Module):
+    """RMSNorm whose scale, shift and residual gate come from a conditioning vector.
+
+    `modulation(cond)` is split out so an engine can compute it once per flow step and reuse
+    it for every token (it depends only on the flow time).
+    """
+
+    def __init__(self, dim: int, cond_dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.dense = nn.Linear(cond_dim, 3 * dim)
+
+    def modulation(self, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cond (B, C) -> scale, shift, gate, each (B, 1, dim)."""
+        mod = self.dense(cond.to(self.dense.weight.dtype)).unsqueeze(1)
+        scale, shift, gate = mod.chunk(3, dim=-1)
+        return scale, shift, gate
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale, shift, gate = self.modulation(cond)
+        return ada_rms_norm_ref(x, scale, shift, self.eps), gate.to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in float32 and cast back, for bf16 activations."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.float() if self.weight is not None else None
+        b = self.bias.float() if self.bias is not None else None
+        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
