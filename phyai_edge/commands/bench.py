@@ -1,0 +1,142 @@
+"""`phyai-edge bench`: per-stage latency of a model on a backend and device."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+HELP = "time a model's stages on a backend and device"
+DESCRIPTION = """Time each stage of a model (preprocess, vision, prefix, one denoise step, the whole
+solver loop, postprocess) on synthetic inputs and print median and p90 latency and samples/s.
+
+Examples:
+  phyai-edge bench --preset tiny --device cpu
+  phyai-edge bench --preset full --device cuda --dtype bfloat16 --backend cudagraph --views 3 --batch 1
+  phyai-edge bench --engine engines/pi05-orin            # an exported bundle
+  phyai-edge bench --preset full --device meta           # structure and parameter count only
+"""
+
+STAGE_ORDER = ["preprocess", "embed_images", "encode_prefix", "denoise_step", "solver_loop", "postprocess", "total"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter", default="pi05", help="model adapter (default: pi05)")
+    p.add_argument("--preset", default="tiny", help="built-in size when no checkpoint is given: tiny | full")
+    p.add_argument("--checkpoint", help="checkpoint folder (LeRobot, openpi or native)")
+    p.add_argument("--engine", help="an exported engine bundle folder (overrides --backend)")
+    p.add_argument("--backend", default="eager", help="eager | cudagraph | onnxruntime | tensorrt")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | meta (structure only)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--batch", type=int, default=1, help="observations per call")
+    p.add_argument("--views", type=int, default=None, help="cameras with images (default: all the model has)")
+    p.add_argument("--steps", type=int, default=None, help="flow steps (default: the model's)")
+    p.add_argument("--prompt-tokens", type=int, default=48, help="valid prompt tokens per sample (rest is padding)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+    p.add_argument("--iters", type=int, default=20, help="timed calls")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", action="store_true", help="print one JSON object (input to `phyai-edge roofline`)")
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    import numpy as np
+    import torch
+
+    from phyai_edge.adapters.base import ModelInputs, Observation, SolverSpec
+    from phyai_edge.engines.policy import load_policy
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "meta":
+        from phyai_edge.adapters import load_adapter
+
+        adapter = load_adapter(args.adapter, checkpoint=None, preset_name=args.preset)
+        n = sum(p.numel() for p in adapter.module.parameters())
+        parts = {name: sum(p.numel() for p in m.parameters()) for name, m in adapter.module.named_children()}
+        return {"adapter": args.adapter, "preset": args.preset, "device": "meta", "params": n, "params_by_part": parts}
+
+    policy = load_policy(adapter=args.adapter, checkpoint=args.checkpoint, preset=args.preset, backend=args.backend,
+                         device=args.device, dtype=args.dtype, bundle=args.engine)
+    adapter = policy.adapter
+    if args.steps:
+        adapter.solver = SolverSpec(args.steps)
+    cams = policy.camera_names
+    views = args.views or len(cams)
+    if not 1 <= views <= len(cams):
+        raise SystemExit(f"--views must be between 1 and {len(cams)} for this model")
+    rng = np.random.default_rng(0)
+    obs = [
+        Observation(images={c: (rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) if i < views else None)
+                            for i, c in enumerate(cams)},
+                    state=rng.uniform(-1, 1, policy.state_dim).astype(np.float32), prompt="pick up the cube")
+        for _ in range(args.batch)
+    ]
+    base = adapter.preprocess(obs, device=policy.device)
+    # A fixed number of valid prompt tokens, as a real prompt of that length would give.
+    tokens = base.tensors["tokens"].clone()
+    max_len = tokens.shape[1]
+    n_valid = min(args.prompt_tokens, max_len)
+    tokens[:, :n_valid] = torch.randint(4, getattr(adapter.tokenizer, "vocab_size", 256), (args.batch, n_valid))
+    tokens[:, n_valid:] = 0
+    mask = torch.zeros_like(base.tensors["token_mask"])
+    mask[:, :n_valid] = True
+    inputs = ModelInputs({**base.tensors, "tokens": tokens.to(policy.device), "token_mask": mask.to(policy.device)},
+                         args.batch)
+    samples: dict[str, list[float]] = {}
+    for i in range(args.warmup + args.iters):
+        t0 = time.perf_counter()
+        adapter.preprocess(obs, device=policy.device)
+        t1 = time.perf_counter()
+        chunk = policy.engine.run(inputs)
+        t2 = time.perf_counter()
+        adapter.postprocess(chunk)
+        t3 = time.perf_counter()
+        if i < args.warmup:
+            continue
+        row = {"preprocess": (t1 - t0) * 1e3, **policy.engine.last_stage_ms, "postprocess": (t3 - t2) * 1e3,
+               "engine": (t2 - t1) * 1e3, "total": (t3 - t0) * 1e3}
+        for k, v in row.items():
+            samples.setdefault(k, []).append(v)
+    stages = {k: {"p50_ms": statistics.median(v), "p90_ms": _percentile(v, 90)} for k, v in samples.items()}
+    from phyai_edge.commands.info import collect
+
+    info = collect()
+    return {
+        "adapter": args.adapter, "preset": args.preset if not args.checkpoint else "checkpoint",
+        "backend": getattr(policy.engine, "backend", args.backend), "device": args.device, "dtype": args.dtype,
+        "batch": args.batch, "views": views, "steps": adapter.solver.num_steps, "prompt_tokens": n_valid,
+        "iters": args.iters, "stages": stages,
+        "samples_per_s": args.batch / (stages["engine"]["p50_ms"] / 1e3),
+        "torch": info["torch"], "gpu": info["gpus"][0]["name"] if info["gpus"] and args.device != "cpu" else None,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run_bench(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    if result["device"] == "meta":
+        print(f"{result['adapter']} preset {result['preset']}: {result['params']:,} parameters")
+        for name, n in result["params_by_part"].items():
+            print(f"  {name:<18}{n:>15,}")
+        return 0
+    print(f"{result['adapter']} {result['preset']} on {result['device']} ({result['backend']}, {result['dtype']}), "
+          f"batch {result['batch']}, {result['views']} views, {result['steps']} steps, "
+          f"{result['prompt_tokens']} prompt tokens, {result['iters']} iterations")
+    print(f"{'stage':<16}{'p50 ms':>10}{'p90 ms':>10}")
+    for name in [*STAGE_ORDER[:-1], "engine", "total"]:
+        if name in result["stages"]:
+            s = result["stages"][name]
+            print(f"{name:<16}{s['p50_ms']:>10.2f}{s['p90_ms']:>10.2f}")
+    print(f"samples/s (engine p50): {result['samples_per_s']:.1f}")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,64 @@
+"""`phyai-edge info`: what this machine offers the runtime."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+
+HELP = "what this machine has: torch, CUDA, GPUs, TensorRT, onnxruntime"
+DESCRIPTION = "Print the Python, torch, CUDA, GPU, TensorRT and onnxruntime versions this install can use."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _version(module: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "installed")
+    except Exception:
+        return None
+
+
+def collect() -> dict:
+    import torch
+
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            prop = torch.cuda.get_device_properties(i)
+            gpus.append({"index": i, "name": prop.name, "capability": f"{prop.major}.{prop.minor}",
+                         "memory_gib": round(prop.total_memory / 2**30, 1)})
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": gpus,
+        "tensorrt": _version("tensorrt"),
+        "onnxruntime": _version("onnxruntime"),
+        "onnx": _version("onnx"),
+        "triton": _version("triton"),
+        "pyzmq": _version("zmq"),
+        "opencv": _version("cv2"),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    info = collect()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for key, val in info.items():
+        if key == "gpus":
+            if not val:
+                print(f"{'gpus':<16}none")
+            for g in val:
+                print(f"{'gpu ' + str(g['index']):<16}{g['name']} (sm {g['capability']}, {g['memory_gib']} GiB)")
+        else:
+            print(f"{key:<16}{val if val is not None else 'not installed'}")
+    return 0
