@@ -1,0 +1,263 @@
+"""Camera sources that keep only the newest frame and its capture time.
+
+Every source answers `latest()` with a `Frame` (or None before the first one) without blocking:
+the clock thread calls it every tick to check freshness. OpenCV sources (V4L2, GStreamer, RTSP,
+video files) read on their own thread and reconnect with backoff; the ZeroMQ source drains its
+conflating socket on the caller's thread; the synthetic source needs no thread at all.
+OpenCV is imported only when an OpenCV source starts (the `camera` extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from phyai_edge.control.config import CameraConfig
+
+log = logging.getLogger("phyai_edge.control")
+
+
+@dataclass(frozen=True)
+class Frame:
+    image: np.ndarray  # uint8 HxWx3
+    capture_s: float  # time.monotonic() seconds when the frame was captured
+    seq: int
+    bgr: bool = False  # OpenCV delivers BGR; the worker converts off the clock thread
+
+
+class CameraSource(Protocol):
+    name: str
+
+    def start(self) -> None: ...
+
+    def latest(self) -> Frame | None: ...
+
+    def stop(self) -> None: ...
+
+    def describe(self) -> str: ...
+
+
+# ---------------------------------------------------------------- synthetic
+
+
+class SyntheticCamera:
+    """Moving test pattern on the fps grid. `alive = False` freezes it (tests: a camera that dies)."""
+
+    def __init__(self, cfg: CameraConfig, cycle: int = 32) -> None:
+        self.name = cfg.name
+        self.fps = cfg.fps
+        h, w = cfg.height, cfg.width
+        # Precomputed so that latest() is an index, not image synthesis on the clock thread.
+        yy, xx = np.mgrid[0:h, 0:w]
+        self._frames = []
+        for k in range(cycle):
+            phase = 2 * np.pi * k / cycle
+            r = (127 + 120 * np.sin(xx / max(w, 1) * 6.28 + phase)).astype(np.uint8)
+            g = (127 + 120 * np.sin(yy / max(h, 1) * 6.28 - phase)).astype(np.uint8)
+            b = np.full((h, w), (k * 255) // cycle, dtype=np.uint8)
+            frame = np.stack([r, g, b], axis=-1)
+            frame.setflags(write=False)
+            self._frames.append(frame)
+        self.alive = True
+        self._last: Frame | None = None
+
+    def start(self) -> None:
+        self.alive = True
+
+    def latest(self) -> Frame | None:
+        if self.alive:
+            k = int(time.monotonic() * self.fps)
+            if self._last is None or self._last.seq != k:
+                self._last = Frame(self._frames[k % len(self._frames)], k / self.fps, k)
+        return self._last
+
+    def stop(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"synthetic {self._frames[0].shape[1]}x{self._frames[0].shape[0]} @ {self.fps:g} fps"
+
+
+# ---------------------------------------------------------------- OpenCV (V4L2, GStreamer, RTSP, file)
+
+
+def _open_opencv(cfg: CameraConfig) -> Any:
+    import cv2  # lazily: the `camera` extra
+
+    if cfg.source == "v4l2":
+        cap = cv2.VideoCapture(cfg.device, cv2.CAP_V4L2)
+    elif cfg.source == "gstreamer":
+        cap = cv2.VideoCapture(cfg.pipeline, cv2.CAP_GSTREAMER)
+    elif cfg.source == "rtsp":
+        cap = cv2.VideoCapture(cfg.url, cv2.CAP_FFMPEG)
+    else:
+        cap = cv2.VideoCapture(cfg.path)
+    if cap.isOpened():
+        # Ask for a one-frame queue so read() returns the newest frame; not every backend obeys.
+        cap.set(cv2.CAP_PROP_BUFFERSIZE, 1)
+        if cfg.source == "v4l2":
+            cap.set(cv2.CAP_PROP_FRAME_WIDTH, cfg.width)
+            cap.set(cv2.CAP_PROP_FRAME_HEIGHT, cfg.height)
+            cap.set(cv2.CAP_PROP_FPS, cfg.fps)
+    return cap
+
+
+class OpenCVCamera:
+    """One capture thread; `latest()` reads an attribute the thread replaces (atomic under the GIL)."""
+
+    def __init__(
+        self,
+        cfg: CameraConfig,
+        open_capture: Callable[[CameraConfig], Any] = _open_opencv,
+        backoff_s: tuple[float, float] = (0.2, 5.0),
+    ) -> None:
+        self.name = cfg.name
+        self.cfg = cfg
+        self._open = open_capture
+        self._backoff = backoff_s
+        self._latest: Frame | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reconnects = 0
+        self.connected = False
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"camera-{self.name}", daemon=True)
+        self._thread.start()
+
+    def latest(self) -> Frame | None:
+        return self._latest
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    def describe(self) -> str:
+        where = {"v4l2": self.cfg.device, "gstreamer": self.cfg.pipeline, "rtsp": self.cfg.url, "file": self.cfg.path}
+        return f"{self.cfg.source} {where.get(self.cfg.source, '')}"
+
+    def _run(self) -> None:
+        delay = self._backoff[0]
+        seq = 0
+        is_file = self.cfg.source == "file"
+        period = 1.0 / self.cfg.fps
+        while not self._stop.is_set():
+            cap = None
+            try:
+                cap = self._open(self.cfg)
+                if not cap.isOpened():
+                    raise OSError("could not open")
+                self.connected = True
+                log.info("camera %s: connected (%s)", self.name, self.describe())
+                delay = self._backoff[0]
+                next_t = time.monotonic()
+                while not self._stop.is_set():
+                    ok, image = cap.read()
+                    now = time.monotonic()
+                    if not ok or image is None:
+                        if is_file and self.cfg.loop and seq > 0:
+                            cap.set(1, 0)  # CAP_PROP_POS_FRAMES: back to the first frame
+                            continue
+                        raise OSError("read failed")
+                    seq += 1
+                    self._latest = Frame(image, now, seq, bgr=image.ndim == 3)
+                    if is_file:  # files read as fast as the disk allows; pace them like a camera
+                        next_t += period
+                        self._stop.wait(max(0.0, next_t - time.monotonic()))
+            except Exception as exc:
+                if self.connected:
+                    log.warning("camera %s: lost (%s); reconnecting", self.name, exc)
+                else:
+                    log.warning("camera %s: %s; retrying in %.1f s", self.name, exc, delay)
+                self.connected = False
+            finally:
+                if cap is not None:
+                    with contextlib.suppress(Exception):
+                        cap.release()
+            if self._stop.wait(delay):
+                break
+            self.reconnects += 1
+            delay = min(delay * 2, self._backoff[1])
+
+
+# ---------------------------------------------------------------- ZeroMQ (simulator frames)
+
+
+class ZmqCamera:
+    """SUB with ZMQ_CONFLATE on one camera's topic; drained on the caller's thread (no copy)."""
+
+    def __init__(self, cfg: CameraConfig, context: Any = None) -> None:
+        import zmq
+
+        from phyai_edge.control.protocol import frame_topic
+
+        self.name = cfg.name
+        self.cfg = cfg
+        self._zmq = zmq
+        self._ctx = context or zmq.Context.instance()
+        self._topic = frame_topic(cfg.topic or cfg.name)
+        self._sock: Any = None
+        self._latest: Frame | None = None
+        self.bad_messages = 0
+
+    def start(self) -> None:
+        zmq = self._zmq
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.CONFLATE, 1)  # keep only the newest message (frames are single-part)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sock.connect(self.cfg.endpoint)
+        self._sock = sock
+
+    def latest(self) -> Frame | None:
+        from phyai_edge.control.protocol import PIXEL_BGR8, PIXEL_GRAY8, FrameMessage
+
+        zmq = self._zmq
+        while self._sock is not None:
+            try:
+                msg = self._sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            recv_s = time.monotonic()
+            try:
+                fm = FrameMessage.decode(msg.buffer)
+            except ValueError as exc:
+                self.bad_messages += 1
+                if self.bad_messages in (1, 10, 100) or self.bad_messages % 1000 == 0:
+                    log.warning("camera %s: bad frame message (%s); %d so far", self.name, exc, self.bad_messages)
+                continue
+            if self.cfg.clock == "monotonic":
+                cap_s = fm.capture_mono_ns / 1e9
+            elif self.cfg.clock == "realtime":
+                cap_s = recv_s - (time.time_ns() - fm.capture_wall_ns) / 1e9
+            else:
+                cap_s = recv_s
+            image = fm.image
+            if fm.pixel_format == PIXEL_GRAY8:
+                image = np.repeat(image, 3, axis=-1)
+            self._latest = Frame(image, cap_s, fm.seq, bgr=fm.pixel_format == PIXEL_BGR8)
+        return self._latest
+
+    def stop(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def describe(self) -> str:
+        return f"zmq {self.cfg.endpoint} topic {self.cfg.topic or self.cfg.name}"
+
+
+def make_camera(cfg: CameraConfig, context: Any = None) -> CameraSource:
+    if cfg.source == "synthetic":
+        return SyntheticCamera(cfg)
+    if cfg.source == "zmq":
+        return ZmqCamera(cfg, context)
+    return OpenCVCamera(cfg)

@@ -1,0 +1,139 @@
+"""The fixed-period clock: absolute deadlines, measured lateness, counted overruns, real-time setup.
+
+Deadlines are `start + k * period` on CLOCK_MONOTONIC (nanoseconds, integer arithmetic), so
+lateness never accumulates. When a tick is woken more than one period late, the missed slots are
+skipped (their actions are obsolete) and counted; the caller learns how many slots passed so it
+can keep the chunk aligned with time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger("phyai_edge.control")
+
+
+@dataclass
+class Tick:
+    slot: int  # index of the deadline on the grid (skipped slots included)
+    deadline_ns: int
+    wake_ns: int
+    slots_advanced: int  # 1 normally; more when earlier slots were missed
+
+    @property
+    def lateness_ns(self) -> int:
+        return self.wake_ns - self.deadline_ns
+
+
+class LatenessLog:
+    """Preallocated lateness samples (ns) so the tick path never allocates; wraps when full."""
+
+    def __init__(self, capacity: int = 1 << 20) -> None:
+        self.values = np.zeros(capacity, dtype=np.int64)
+        self.count = 0
+
+    def add(self, value_ns: int) -> None:
+        self.values[self.count % self.values.size] = value_ns
+        self.count += 1
+
+    def samples(self) -> np.ndarray:
+        return self.values[: min(self.count, self.values.size)]
+
+    def summary_ms(self) -> dict[str, float]:
+        s = self.samples()
+        if s.size == 0:
+            return {"p50": float("nan"), "p99": float("nan"), "max": float("nan"), "n": 0}
+        ms = s / 1e6
+        return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)), "max": float(ms.max()), "n": int(s.size)}
+
+
+class PeriodicClock:
+    def __init__(self, period_s: float, spin_s: float = 150e-6) -> None:
+        if period_s <= 0:
+            raise ValueError("period must be positive")
+        self.period_ns = round(period_s * 1e9)
+        self.spin_ns = round(spin_s * 1e9)
+        self.start_ns = 0
+        self.slot = -1
+        self.missed = 0  # slots skipped because a tick woke more than one period late
+
+    def start(self, start_ns: int | None = None) -> None:
+        """The first deadline is one period after start (or `start_ns` itself if given)."""
+        self.start_ns = time.monotonic_ns() + self.period_ns if start_ns is None else start_ns
+        self.slot = -1
+
+    def deadline(self, slot: int) -> int:
+        return self.start_ns + slot * self.period_ns
+
+    def wait(self, stop_check=None) -> Tick:
+        """Sleep to the next deadline (coarse sleep, then spin the last `spin_ns`)."""
+        target_slot = self.slot + 1
+        deadline = self.deadline(target_slot)
+        now = time.monotonic_ns()
+        remaining = deadline - now - self.spin_ns
+        if remaining > 0:
+            time.sleep(remaining / 1e9)
+        while True:
+            now = time.monotonic_ns()
+            if now >= deadline:
+                break
+        # More than one period late: the next slots' deadlines have passed too; jump to the latest.
+        late_slots = (now - deadline) // self.period_ns
+        if late_slots > 0:
+            self.missed += late_slots
+            target_slot += late_slots
+            deadline = self.deadline(target_slot)
+        advanced = target_slot - self.slot
+        self.slot = target_slot
+        return Tick(target_slot, deadline, now, advanced)
+
+
+# ---------------------------------------------------------------- real-time setup
+
+_MCL_CURRENT, _MCL_FUTURE, _MCL_ONFAULT = 1, 2, 4
+
+
+def setup_realtime(priority: int, cpus: tuple[int, ...], mlock: bool) -> list[str]:
+    """Best effort: SCHED_FIFO for the calling thread, CPU affinity, locked memory.
+
+    Returns one human line per setting (what was done or why not); the caller logs them. Called
+    from the clock thread after every helper thread and the worker process have started, since
+    Linux applies these to the calling thread and threads/processes inherit them.
+    """
+    notes: list[str] = []
+    if not sys.platform.startswith("linux"):
+        return ["real-time setup skipped: not Linux"]
+    if priority > 0:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+            notes.append(f"clock thread: SCHED_FIFO priority {priority}")
+        except PermissionError:
+            notes.append(
+                f"clock thread: SCHED_FIFO {priority} not permitted; running SCHED_OTHER "
+                "(grant LimitRTPRIO / CAP_SYS_NICE, see systemd/INSTALL.md)"
+            )
+        except OSError as exc:
+            notes.append(f"clock thread: SCHED_FIFO {priority} failed ({exc.strerror}); running SCHED_OTHER")
+    if cpus:
+        try:
+            os.sched_setaffinity(0, set(cpus))
+            notes.append(f"clock thread: CPU affinity {sorted(cpus)}")
+        except OSError as exc:
+            notes.append(f"clock thread: CPU affinity {sorted(cpus)} failed ({exc.strerror})")
+    if mlock:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # ONFAULT locks pages as they are touched instead of faulting in every mapping now.
+        flags = _MCL_CURRENT | _MCL_FUTURE | _MCL_ONFAULT
+        if libc.mlockall(flags) != 0 and libc.mlockall(_MCL_CURRENT | _MCL_FUTURE) != 0:
+            err = ctypes.get_errno()
+            notes.append(f"memory: mlockall failed ({os.strerror(err)}); pages may be swapped (raise LimitMEMLOCK)")
+        else:
+            notes.append("memory: locked (mlockall)")
+    return notes

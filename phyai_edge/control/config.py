@@ -1,0 +1,615 @@
+"""The daemon's TOML configuration: typed sections, validation that names the key, an embedded default.
+
+Every error is a `ConfigError` whose message starts with the dotted key path, e.g.
+`cameras.top.fps: expected a positive number, got "abc"`. Unknown keys are errors too (a typo
+in a safety limit must not silently fall back to a default). Checks that need the loaded policy
+(action width, camera views, chunk size) happen in `check_against_policy`.
+
+The camera, state and ZeroMQ sections are reused by the multi-robot server and the simulator,
+so `load_config` / `parse_config` and the section dataclasses are the public surface.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message starts with the key path."""
+
+
+CAMERA_SOURCES = ("synthetic", "v4l2", "gstreamer", "rtsp", "file", "zmq")
+STATE_SOURCES = ("synthetic", "zmq")
+RTC_MODES = ("none", "crossfade", "inpaint", "guided-approx", "guided")
+HOLD_MODES = ("last", "state", "zero")
+FRAME_CLOCKS = ("monotonic", "realtime", "receive")
+WORKER_KINDS = ("process", "thread")
+
+
+# ---------------------------------------------------------------- sections
+
+
+@dataclass
+class Limits:
+    """Per-dimension bounds; each is None (no limit) or a tuple of action_dim floats after resolve."""
+
+    action_min: float | tuple[float, ...] | None = None
+    action_max: float | tuple[float, ...] | None = None
+    max_rate: float | tuple[float, ...] | None = None  # robot units per second
+
+
+@dataclass
+class RobotConfig:
+    name: str = "robot"
+    control_hz: float = 50.0
+    action_names: tuple[str, ...] = ()
+    action_dim: int = 0  # 0: take the policy's
+    state_dim: int = 0  # 0: take the policy's
+    limits: Limits = field(default_factory=Limits)
+
+    @property
+    def period_s(self) -> float:
+        return 1.0 / self.control_hz
+
+
+@dataclass
+class CameraConfig:
+    name: str
+    source: str = "synthetic"
+    view: str = ""  # the policy's camera slot this feeds; "" means the camera's own name
+    device: int | str = 0  # v4l2: index or /dev/videoN
+    pipeline: str = ""  # gstreamer
+    url: str = ""  # rtsp
+    path: str = ""  # file
+    loop: bool = True  # file: start again at the end
+    endpoint: str = ""  # zmq
+    topic: str = ""  # zmq: camera name in the frame header; "" means the camera's own name
+    clock: str = "monotonic"  # zmq: which header time is the capture time
+    width: int = 224
+    height: int = 224
+    fps: float = 30.0
+    required: bool = True  # stale required camera -> HOLD; stale optional camera -> masked out
+    max_age_ms: float = 0.0  # 0: safety.camera_max_age_ms
+
+    @property
+    def view_name(self) -> str:
+        return self.view or self.name
+
+
+@dataclass
+class StateConfig:
+    source: str = "synthetic"
+    endpoint: str = "tcp://127.0.0.1:5556"
+    clock: str = "monotonic"  # which header time is the sample time (or "receive")
+
+
+@dataclass
+class ModelConfig:
+    adapter: str = "pi05"
+    checkpoint: str = ""
+    bundle: str = ""
+    preset: str = "tiny"
+    backend: str = "eager"
+    device: str = "cpu"
+    dtype: str = "float32"
+    prompt: str = "pick up the cube"
+    worker: str = "process"  # "process" keeps the policy's GIL and allocator away from the clock
+    threads: int = 0  # torch intra-op threads in the worker; 0: torch's default
+    warmup: int = 1  # inferences run before the clock starts
+    load_timeout_s: float = 600.0
+    factory: str = ""  # "module:function" building the policy; "" means load_policy (tests use fakes)
+    factory_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments for `factory`
+
+
+@dataclass
+class ChunkingConfig:
+    mode: str = "guided-approx"
+    horizon: int = 0  # H; 0: the policy's chunk size
+    execution_horizon: int = 25  # s
+    max_guidance_weight: float = 5.0
+    delay: int = 0  # d estimate to use; 0: estimate from recent delays
+    delay_initial: int = 3  # estimate before any inference was measured
+    delay_window: int = 10  # recent delays the estimate looks at (it takes their maximum)
+    crossfade_steps: int = 8
+
+
+@dataclass
+class PublishConfig:
+    endpoint: str = "tcp://127.0.0.1:5555"
+    bind: bool = True
+    topic: str = "action"
+    chunk_topic: str = ""  # "" disables the whole-chunk topic
+    sndhwm: int = 1000
+
+
+@dataclass
+class SafetyConfig:
+    camera_max_age_ms: float = 200.0
+    state_max_age_ms: float = 100.0
+    hold: str = "last"
+
+
+@dataclass
+class MetricsConfig:
+    port: int = 0  # 0: off
+    host: str = "127.0.0.1"
+
+
+@dataclass
+class ClockConfig:
+    priority: int = 80  # SCHED_FIFO priority of the clock thread; 0: leave the scheduler alone
+    cpus: tuple[int, ...] = ()  # CPU affinity of the clock thread; () leaves it
+    mlock: bool = True
+    spin_us: float = 150.0  # sleep until this close to the deadline, then spin
+    switch_interval_us: float = 200.0  # Python's GIL switch interval while the daemon runs
+
+
+@dataclass
+class DaemonConfig:
+    robot: RobotConfig = field(default_factory=RobotConfig)
+    cameras: dict[str, CameraConfig] = field(default_factory=dict)
+    state: StateConfig = field(default_factory=StateConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    clock: ClockConfig = field(default_factory=ClockConfig)
+    source: str = "<embedded default>"
+
+    def camera_max_age_s(self, cam: CameraConfig) -> float:
+        return (cam.max_age_ms or self.safety.camera_max_age_ms) / 1000.0
+
+
+# ---------------------------------------------------------------- reading with key paths
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+class _Section:
+    """Reads one TOML table, remembering which keys were used so leftovers can be reported."""
+
+    def __init__(self, data: Any, path: str) -> None:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a table, got {_show(data)}")
+        self.data = data
+        self.path = path
+        self.used: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def _take(self, name: str) -> tuple[bool, Any]:
+        self.used.add(name)
+        if name in self.data:
+            return True, self.data[name]
+        return False, None
+
+    def table(self, name: str) -> _Section:
+        present, value = self._take(name)
+        return _Section(value if present else {}, self.key(name))
+
+    def string(self, name: str, default: str, choices: Sequence[str] | None = None) -> str:
+        present, value = self._take(name)
+        if not present:
+            return default
+        if not isinstance(value, str):
+            raise ConfigError(f"{self.key(name)}: expected a string, got {_show(value)}")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{self.key(name)}: expected one of {', '.join(choices)}; got {_show(value)}")
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        present, value = self._take(name)
+        if not present:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.key(name)}: expected true or false, got {_show(value)}")
+        return value
+
+    def number(self, name: str, default: float, *, positive: bool = False, minimum: float | None = None) -> float:
+        present, value = self._take(name)
+        if not present:
+            return default
+        return _number(value, self.key(name), positive=positive, minimum=minimum)
+
+    def integer(self, name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
+        present, value = self._take(name)
+        if not present:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            expected = "an integer" if minimum is None else f"an integer >= {minimum}"
+            raise ConfigError(f"{self.key(name)}: expected {expected}, got {_show(value)}")
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"{self.key(name)}: expected an integer >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise ConfigError(f"{self.key(name)}: expected an integer <= {maximum}, got {value}")
+        return value
+
+    def scalar_or_list(self, name: str, *, positive: bool = False) -> float | tuple[float, ...] | None:
+        present, value = self._take(name)
+        if not present:
+            return None
+        if isinstance(value, list):
+            if not value:
+                raise ConfigError(f"{self.key(name)}: expected a number or a non-empty list of numbers, got []")
+            return tuple(_number(v, f"{self.key(name)}[{i}]", positive=positive) for i, v in enumerate(value))
+        return _number(value, self.key(name), positive=positive)
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.data) - self.used)
+        if unknown:
+            known = ", ".join(sorted(self.used)) or "none"
+            raise ConfigError(f"{self.key(unknown[0])}: unknown key (known keys here: {known})")
+
+
+def _number(value: Any, key: str, *, positive: bool = False, minimum: float | None = None) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # NaN != NaN
+    if ok and value in (float("inf"), float("-inf")):
+        ok = False
+    if ok and positive and value <= 0:
+        ok = False
+    if ok and minimum is not None and value < minimum:
+        ok = False
+    if not ok:
+        what = "a positive number" if positive else ("a number" if minimum is None else f"a number >= {minimum}")
+        raise ConfigError(f"{key}: expected {what}, got {_show(value)}")
+    return float(value)
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _parse_robot(sec: _Section) -> RobotConfig:
+    r = RobotConfig()
+    r.name = sec.string("name", r.name)
+    r.control_hz = sec.number("control_hz", r.control_hz, positive=True)
+    present, names = sec._take("action_names")
+    if present:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"{sec.key('action_names')}: expected a list of strings, got {_show(names)}")
+        r.action_names = tuple(names)
+    r.action_dim = sec.integer("action_dim", r.action_dim, minimum=0)
+    if r.action_names and r.action_dim and len(r.action_names) != r.action_dim:
+        raise ConfigError(
+            f"{sec.key('action_names')}: has {len(r.action_names)} names but robot.action_dim is {r.action_dim}"
+        )
+    if r.action_names and not r.action_dim:
+        r.action_dim = len(r.action_names)
+    r.state_dim = sec.integer("state_dim", r.state_dim, minimum=0)
+    lim = sec.table("limits")
+    r.limits = Limits(
+        action_min=lim.scalar_or_list("action_min"),
+        action_max=lim.scalar_or_list("action_max"),
+        max_rate=lim.scalar_or_list("max_rate", positive=True),
+    )
+    lim.finish()
+    for key in ("action_min", "action_max", "max_rate"):
+        value = getattr(r.limits, key)
+        if isinstance(value, tuple) and r.action_dim and len(value) != r.action_dim:
+            raise ConfigError(f"robot.limits.{key}: has {len(value)} values but the robot has {r.action_dim} actions")
+    lo, hi = r.limits.action_min, r.limits.action_max
+    if lo is not None and hi is not None:
+        los = lo if isinstance(lo, tuple) else (lo,)
+        his = hi if isinstance(hi, tuple) else (hi,)
+        if len(los) == len(his) or len(los) == 1 or len(his) == 1:
+            n = max(len(los), len(his))
+            for i in range(n):
+                a, b = los[i % len(los)], his[i % len(his)]
+                if a >= b:
+                    raise ConfigError(f"robot.limits.action_min: must be below action_max (index {i}: {a} >= {b})")
+    sec.finish()
+    return r
+
+
+def _parse_camera(name: str, sec: _Section) -> CameraConfig:
+    c = CameraConfig(name=name)
+    c.source = sec.string("source", c.source, CAMERA_SOURCES)
+    c.view = sec.string("view", c.view)
+    c.width = sec.integer("width", c.width, minimum=1)
+    c.height = sec.integer("height", c.height, minimum=1)
+    c.fps = sec.number("fps", c.fps, positive=True)
+    c.required = sec.boolean("required", c.required)
+    c.max_age_ms = sec.number("max_age_ms", c.max_age_ms, minimum=0)
+    if c.source == "v4l2":
+        present, dev = sec._take("device")
+        if present:
+            if isinstance(dev, bool) or not isinstance(dev, (int, str)) or (isinstance(dev, int) and dev < 0):
+                raise ConfigError(f"{sec.key('device')}: expected a device index >= 0 or a path like /dev/video0, got {_show(dev)}")
+            c.device = dev
+    elif c.source == "gstreamer":
+        c.pipeline = sec.string("pipeline", "")
+        if not c.pipeline:
+            raise ConfigError(f"{sec.key('pipeline')}: required for source = \"gstreamer\" (a pipeline ending in appsink)")
+    elif c.source == "rtsp":
+        c.url = sec.string("url", "")
+        if not c.url.startswith(("rtsp://", "rtsps://")):
+            raise ConfigError(f"{sec.key('url')}: expected an rtsp:// URL, got {_show(c.url)}")
+    elif c.source == "file":
+        c.path = sec.string("path", "")
+        if not c.path:
+            raise ConfigError(f"{sec.key('path')}: required for source = \"file\" (a video file)")
+        c.loop = sec.boolean("loop", c.loop)
+    elif c.source == "zmq":
+        c.endpoint = _endpoint(sec, "endpoint", "", required=True)
+        c.topic = sec.string("topic", c.topic)
+        c.clock = sec.string("clock", c.clock, FRAME_CLOCKS)
+        try:
+            from phyai_edge.control.protocol import frame_topic
+
+            frame_topic(c.topic or name)
+        except (ValueError, UnicodeEncodeError) as exc:
+            raise ConfigError(f"{sec.key('topic')}: {exc}") from None
+    sec.finish()
+    return c
+
+
+def _endpoint(sec: _Section, name: str, default: str, *, required: bool = False) -> str:
+    value = sec.string(name, default)
+    if required and not value:
+        raise ConfigError(f"{sec.key(name)}: required (e.g. \"tcp://127.0.0.1:5556\" or \"ipc:///run/phyai/x\")")
+    if value and "://" not in value:
+        raise ConfigError(f"{sec.key(name)}: expected a ZeroMQ endpoint like tcp://host:port or ipc://path, got {_show(value)}")
+    return value
+
+
+def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
+    """Validate a parsed TOML document into a `DaemonConfig`."""
+    root = _Section(data, "")
+    cfg = DaemonConfig(source=source)
+    cfg.robot = _parse_robot(root.table("robot"))
+
+    cams = root.table("cameras")
+    for name in list(cams.data):
+        cams.used.add(name)
+        if not name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"cameras.{name}: camera names may use letters, digits, '_' and '-' only")
+        cfg.cameras[name] = _parse_camera(name, _Section(cams.data[name], cams.key(name)))
+    views = [c.view_name for c in cfg.cameras.values()]
+    for cam in cfg.cameras.values():
+        if views.count(cam.view_name) > 1:
+            raise ConfigError(f"cameras.{cam.name}.view: view {cam.view_name!r} is fed by more than one camera")
+
+    st = root.table("state")
+    cfg.state = StateConfig(
+        source=st.string("source", "synthetic", STATE_SOURCES),
+        endpoint=_endpoint(st, "endpoint", StateConfig.endpoint),
+        clock=st.string("clock", "monotonic", ("monotonic", "realtime", "receive")),
+    )
+    st.finish()
+
+    m = root.table("model")
+    d = ModelConfig()
+    cfg.model = ModelConfig(
+        adapter=m.string("adapter", d.adapter),
+        checkpoint=m.string("checkpoint", d.checkpoint),
+        bundle=m.string("bundle", d.bundle),
+        preset=m.string("preset", d.preset),
+        backend=m.string("backend", d.backend),
+        device=m.string("device", d.device),
+        dtype=m.string("dtype", d.dtype, ("float32", "float16", "bfloat16")),
+        prompt=m.string("prompt", d.prompt),
+        worker=m.string("worker", d.worker, WORKER_KINDS),
+        threads=m.integer("threads", d.threads, minimum=0),
+        warmup=m.integer("warmup", d.warmup, minimum=0),
+        load_timeout_s=m.number("load_timeout_s", d.load_timeout_s, positive=True),
+        factory=m.string("factory", d.factory),
+    )
+    present, fargs = m._take("factory_args")
+    if present:
+        if not isinstance(fargs, dict):
+            raise ConfigError(f"model.factory_args: expected a table, got {_show(fargs)}")
+        if not cfg.model.factory:
+            raise ConfigError("model.factory_args: only meaningful with model.factory")
+        cfg.model.factory_args = dict(fargs)
+    if cfg.model.factory and ":" not in cfg.model.factory:
+        raise ConfigError(f"model.factory: expected \"module:function\", got {_show(cfg.model.factory)}")
+    m.finish()
+
+    c = root.table("chunking")
+    d2 = ChunkingConfig()
+    cfg.chunking = ChunkingConfig(
+        mode=c.string("mode", d2.mode, RTC_MODES),
+        horizon=c.integer("horizon", d2.horizon, minimum=0),
+        execution_horizon=c.integer("execution_horizon", d2.execution_horizon, minimum=1),
+        max_guidance_weight=c.number("max_guidance_weight", d2.max_guidance_weight, positive=True),
+        delay=c.integer("delay", d2.delay, minimum=0),
+        delay_initial=c.integer("delay_initial", d2.delay_initial, minimum=0),
+        delay_window=c.integer("delay_window", d2.delay_window, minimum=1),
+        crossfade_steps=c.integer("crossfade_steps", d2.crossfade_steps, minimum=1),
+    )
+    if cfg.chunking.horizon and cfg.chunking.execution_horizon >= cfg.chunking.horizon:
+        raise ConfigError(
+            f"chunking.execution_horizon: must be below chunking.horizon ({cfg.chunking.execution_horizon} >= {cfg.chunking.horizon})"
+        )
+    c.finish()
+
+    p = root.table("publish")
+    d3 = PublishConfig()
+    cfg.publish = PublishConfig(
+        endpoint=_endpoint(p, "endpoint", d3.endpoint, required=True),
+        bind=p.boolean("bind", d3.bind),
+        topic=p.string("topic", d3.topic),
+        chunk_topic=p.string("chunk_topic", d3.chunk_topic),
+        sndhwm=p.integer("sndhwm", d3.sndhwm, minimum=1),
+    )
+    if not cfg.publish.topic:
+        raise ConfigError("publish.topic: must not be empty")
+    t, ct = cfg.publish.topic, cfg.publish.chunk_topic
+    if ct and (t.startswith(ct) or ct.startswith(t)):
+        # SUB filters by prefix: a subscriber to one topic would also receive the other.
+        raise ConfigError(f"publish.chunk_topic: {ct!r} and publish.topic {t!r} must not be prefixes of each other")
+    p.finish()
+
+    s = root.table("safety")
+    d4 = SafetyConfig()
+    cfg.safety = SafetyConfig(
+        camera_max_age_ms=s.number("camera_max_age_ms", d4.camera_max_age_ms, positive=True),
+        state_max_age_ms=s.number("state_max_age_ms", d4.state_max_age_ms, positive=True),
+        hold=s.string("hold", d4.hold, HOLD_MODES),
+    )
+    s.finish()
+
+    mt = root.table("metrics")
+    cfg.metrics = MetricsConfig(
+        port=mt.integer("port", 0, minimum=0, maximum=65535),
+        host=mt.string("host", "127.0.0.1"),
+    )
+    mt.finish()
+
+    ck = root.table("clock")
+    d5 = ClockConfig()
+    present, cpus = ck._take("cpus")
+    cpu_tuple: tuple[int, ...] = ()
+    if present:
+        if not isinstance(cpus, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in cpus):
+            raise ConfigError(f"clock.cpus: expected a list of CPU indices >= 0, got {_show(cpus)}")
+        cpu_tuple = tuple(cpus)
+    cfg.clock = ClockConfig(
+        priority=ck.integer("priority", d5.priority, minimum=0, maximum=99),
+        cpus=cpu_tuple,
+        mlock=ck.boolean("mlock", d5.mlock),
+        spin_us=ck.number("spin_us", d5.spin_us, minimum=0),
+        switch_interval_us=ck.number("switch_interval_us", d5.switch_interval_us, positive=True),
+    )
+    ck.finish()
+
+    root.finish()
+    return cfg
+
+
+def load_config(path: str | Path | None = None) -> DaemonConfig:
+    """Read and validate a TOML file; None gives the embedded default."""
+    if path is None:
+        return parse_config(tomllib.loads(DEFAULT_CONFIG_TOML), "<embedded default>")
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read ({exc.strerror})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML ({exc})") from None
+    return parse_config(data, str(p))
+
+
+def check_against_policy(cfg: DaemonConfig, chunk_size: int, action_dim: int, state_dim: int, camera_names: Sequence[str]) -> None:
+    """Checks that need the loaded policy. Fills in dims and H left at 0 ("take the policy's")."""
+    r = cfg.robot
+    if r.action_dim and r.action_dim != action_dim:
+        raise ConfigError(f"robot.action_dim: the policy outputs {action_dim} actions, the config says {r.action_dim}")
+    r.action_dim = action_dim
+    if r.state_dim and r.state_dim != state_dim:
+        raise ConfigError(f"robot.state_dim: the policy expects {state_dim} state values, the config says {r.state_dim}")
+    r.state_dim = state_dim
+    for key in ("action_min", "action_max", "max_rate"):
+        value = getattr(r.limits, key)
+        if isinstance(value, tuple) and len(value) != action_dim:
+            raise ConfigError(f"robot.limits.{key}: has {len(value)} values but the policy outputs {action_dim} actions")
+    for cam in cfg.cameras.values():
+        if cam.view_name not in camera_names:
+            raise ConfigError(
+                f"cameras.{cam.name}.view: the policy has no camera {cam.view_name!r} (it expects {', '.join(camera_names)})"
+            )
+    ch = cfg.chunking
+    if ch.horizon > chunk_size:
+        raise ConfigError(f"chunking.horizon: {ch.horizon} is longer than the policy's chunk ({chunk_size})")
+    ch.horizon = ch.horizon or chunk_size
+    if ch.execution_horizon >= ch.horizon:
+        raise ConfigError(f"chunking.execution_horizon: must be below the horizon ({ch.execution_horizon} >= {ch.horizon})")
+
+
+# The default: the tiny PI0.5 (random seeded weights), one synthetic camera, synthetic state and a
+# local endpoint, so that `phyai-edge run` works on a fresh machine. Printed by
+# `phyai-edge run --print-default-config` as a starting point for a real robot.
+DEFAULT_CONFIG_TOML = """\
+# phyai-edge run: daemon configuration. Every key is optional; these are the defaults.
+
+[robot]
+name = "demo"
+control_hz = 50.0            # the fixed control period is 1 / control_hz
+# action_names = ["waist", "shoulder", ...]   # optional; sets action_dim
+action_dim = 0               # 0: the policy's action width
+state_dim = 0                # 0: the policy's state width
+
+[robot.limits]               # scalars apply to every dimension; lists give one value per action
+# action_min = -3.2
+# action_max = 3.2
+# max_rate = 6.0             # robot units per second
+
+[cameras.base_0_rgb]         # the table name is the camera's name
+source = "synthetic"         # synthetic | v4l2 | gstreamer | rtsp | file | zmq
+view = "base_0_rgb"          # which of the policy's camera slots this feeds
+width = 224
+height = 224
+fps = 30.0
+# device = 0                 # v4l2: index or "/dev/video0"
+# pipeline = "..."           # gstreamer: a pipeline ending in appsink
+# url = "rtsp://..."         # rtsp
+# path = "clip.mp4"          # file (loop = true)
+# endpoint = "tcp://127.0.0.1:5560"   # zmq: frames in docs/protocol.md format; clock = "monotonic"
+
+[state]
+source = "synthetic"         # synthetic | zmq
+# endpoint = "tcp://127.0.0.1:5556"   # zmq: the motor controller's joint-state PUB
+
+[model]
+adapter = "pi05"
+preset = "tiny"              # tiny: random seeded weights, for trying the daemon out
+checkpoint = ""              # a local checkpoint folder (safetensors)
+bundle = ""                  # or an engine bundle from `phyai-edge export`
+backend = "eager"
+device = "cpu"
+dtype = "float32"
+prompt = "pick up the cube"
+worker = "process"           # process | thread: where the policy runs
+threads = 1                  # torch threads in the worker (leave a core for the clock)
+warmup = 1
+
+[chunking]
+mode = "guided-approx"       # none | crossfade | inpaint | guided-approx | guided
+horizon = 0                  # H; 0: the policy's chunk size
+execution_horizon = 25       # s: actions run before the next inference starts
+max_guidance_weight = 5.0    # beta (guided modes)
+delay = 0                    # d; 0: the maximum of the last delay_window measured delays
+delay_initial = 3
+delay_window = 10
+crossfade_steps = 8
+
+[publish]
+endpoint = "tcp://127.0.0.1:5555"
+topic = "action"
+chunk_topic = "chunk"        # whole remaining chunk on adoption; "" to disable
+
+[safety]
+camera_max_age_ms = 200.0
+state_max_age_ms = 100.0
+hold = "last"                # last | state | zero: the payload of HOLD messages
+
+[metrics]
+port = 0                     # Prometheus on host:port; 0 is off
+host = "127.0.0.1"
+
+[clock]
+priority = 80                # SCHED_FIFO priority of the clock thread; 0 leaves it
+cpus = []                    # CPU affinity of the clock thread
+mlock = true
+spin_us = 150.0
+switch_interval_us = 200.0
+"""

@@ -1,0 +1,515 @@
+"""The control daemon: one fixed-period loop that publishes an action every tick, whatever happens.
+
+Per tick, on the clock thread (nothing here blocks or allocates much):
+  1. wait for the slot's absolute deadline; skip (and count) slots missed by an overrun;
+  2. read the newest camera frames and robot state; check their ages and the e-stop bit;
+  3. collect a finished inference, if any, and let the chunk queue adopt it at the measured delay;
+  4. start the next inference when s actions of the executing chunk have run;
+  5. pick the action (or a HOLD), clamp it, publish it with the next sequence number.
+The policy runs in the worker (worker.py); the daemon neither waits for it nor knows its backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from phyai_edge.control.cameras import CameraSource, make_camera
+from phyai_edge.control.clock import LatenessLog, PeriodicClock, setup_realtime
+from phyai_edge.control.config import DaemonConfig, check_against_policy
+from phyai_edge.control.metrics import Metrics
+from phyai_edge.control.notify import Notifier
+from phyai_edge.control.protocol import Flag
+from phyai_edge.control.publisher import ActionPublisher
+from phyai_edge.control.rtc import SOLVER_MODES, ChunkQueue, DelayEstimator
+from phyai_edge.control.safety import ActionGuard
+from phyai_edge.control.state import StateSource, make_state
+from phyai_edge.control.worker import (
+    Job,
+    JobResult,
+    PolicyInfo,
+    PolicyLike,
+    PolicySpec,
+    ProcessWorker,
+    ThreadWorker,
+    make_warmup_job,
+)
+
+log = logging.getLogger("phyai_edge.control")
+
+
+@dataclass
+class _Inflight:
+    job: Job
+    start_slot: int
+    obs_time_s: float
+    delay_estimate: int
+    valid: bool = True  # False once inputs went stale: the result will be discarded
+
+
+@dataclass
+class DaemonStats:
+    ticks: int = 0
+    published: int = 0
+    missed_slots: int = 0
+    inferences: int = 0
+    adopted: int = 0
+    failures: int = 0
+    nonfinite_chunks: int = 0
+    stale_results: int = 0  # results that arrived too late to use (delay >= H) or after a reset
+    delays: list[int] = field(default_factory=list)
+    infer_ms: list[float] = field(default_factory=list)
+    stage_ms: dict[str, list[float]] = field(default_factory=dict)
+    holds: dict[str, int] = field(default_factory=dict)
+    lateness: LatenessLog = field(default_factory=lambda: LatenessLog(1 << 18))
+    wake_lateness: LatenessLog = field(default_factory=lambda: LatenessLog(1 << 18))
+    stop_to_final_ms: float = float("nan")
+
+    def hold(self, reason: str) -> None:
+        self.holds[reason] = self.holds.get(reason, 0) + 1
+
+
+def policy_spec_from_config(cfg: DaemonConfig) -> PolicySpec:
+    m = cfg.model
+    if m.factory:
+        return PolicySpec(m.factory, dict(m.factory_args), m.threads)
+    kwargs = {
+        "adapter": m.adapter,
+        "checkpoint": m.checkpoint or None,
+        "preset": m.preset,
+        "backend": m.backend,
+        "device": m.device,
+        "dtype": m.dtype,
+        "bundle": m.bundle or None,
+    }
+    return PolicySpec("phyai_edge.engines.policy:load_policy", kwargs, m.threads)
+
+
+class Daemon:
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        *,
+        policy: PolicyLike | None = None,
+        cameras: dict[str, CameraSource] | None = None,
+        state: StateSource | None = None,
+        record_dir: str | None = None,
+        realtime: bool = True,
+        status_line: bool | None = None,
+        notifier: Notifier | None = None,
+        context: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self._policy = policy
+        self._cameras_override = cameras
+        self._state_override = state
+        self.record_dir = record_dir
+        self.realtime = realtime
+        self.status_line_wanted = status_line
+        self.notifier = notifier or Notifier()
+        self.context = context
+        self.stats = DaemonStats()
+        self.metrics = Metrics()
+        self._stop = threading.Event()
+        self._stop_requested_ns = 0
+        self._started = threading.Event()
+        self.info: PolicyInfo | None = None
+        self.worker: Any = None
+        self.cameras: dict[str, CameraSource] = {}
+        self.state: StateSource | None = None
+        self.publisher: ActionPublisher | None = None
+        self.recorder: Any = None
+        self._status: Any = None
+
+    # ------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        t0 = time.monotonic()
+        if self._policy is not None:
+            self.worker = ThreadWorker(policy=self._policy)
+        elif cfg.model.worker == "thread":
+            self.worker = ThreadWorker(spec=policy_spec_from_config(cfg))
+        else:
+            self.worker = ProcessWorker(policy_spec_from_config(cfg))
+        info = self.worker.start(cfg.model.load_timeout_s)
+        self.info = info
+        log.info(
+            "policy: %s, H=%d, %d actions, %d state values, cameras %s (%s worker, loaded in %.1f s)",
+            info.description, info.chunk_size, info.action_dim, info.state_dim, ", ".join(info.camera_names),
+            type(self.worker).__name__.replace("Worker", "").lower(), time.monotonic() - t0,
+        )
+        check_against_policy(cfg, info.chunk_size, info.action_dim, info.state_dim, info.camera_names)
+        missing = [n for n in info.camera_names if n not in {c.view_name for c in cfg.cameras.values()}]
+        if missing:
+            log.warning("policy cameras with no source (masked out): %s", ", ".join(missing))
+
+        ch = cfg.chunking
+        self.delays = DelayEstimator(ch.delay, ch.delay_initial, ch.delay_window)
+        self.queue = ChunkQueue(ch.mode, ch.horizon, ch.execution_horizon, ch.crossfade_steps, self.delays)
+        self.guard = ActionGuard(info.action_dim, cfg.robot.limits, cfg.robot.period_s, cfg.safety.hold)
+
+        for i in range(cfg.model.warmup):
+            res = self.worker.run_sync(make_warmup_job(info, cfg.model.prompt))
+            if res.error:
+                raise RuntimeError(f"warm-up inference failed: {res.error}")
+            log.info("warm-up inference %d: %.1f ms", i + 1, res.infer_ms)
+            if i == cfg.model.warmup - 1 and not ch.delay:
+                # Start the delay estimate from what inference really costs here, plus a slot of margin.
+                self.delays.initial = max(ch.delay_initial, math.ceil(res.infer_ms / 1e3 / cfg.robot.period_s) + 1)
+        if ch.execution_horizon < self.delays.estimate():
+            log.warning(
+                "chunking.execution_horizon (%d) is below the expected delay (%d slots): inference will "
+                "run back to back", ch.execution_horizon, self.delays.estimate()
+            )
+
+        self.cameras = self._cameras_override if self._cameras_override is not None else {
+            name: make_camera(c, self.context) for name, c in cfg.cameras.items()
+        }
+        for name, cam in self.cameras.items():
+            cam.start()
+            log.info("camera %s -> %s: %s", name, cfg.cameras[name].view_name if name in cfg.cameras else name, cam.describe())
+        self.state = self._state_override or make_state(cfg.state, info.state_dim, self.context)
+        self.state.start()
+        log.info("state: %s", self.state.describe())
+        p = cfg.publish
+        self.publisher = ActionPublisher(p.endpoint, p.topic, p.chunk_topic, p.bind, p.sndhwm, self.context)
+        log.info(
+            "publishing on %s (topic %r%s), %g Hz, RTC %s (H=%d, s=%d)",
+            self.publisher.endpoint, p.topic, f", chunks on {p.chunk_topic!r}" if p.chunk_topic else "",
+            cfg.robot.control_hz, ch.mode, ch.horizon, ch.execution_horizon,
+        )
+        if cfg.metrics.port:
+            self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
+        if self.record_dir:
+            from phyai_edge.control.recorder import Recorder
+
+            meta = {
+                "config": cfg.source,
+                "policy": info.__dict__,
+                "cameras": {n: c.view_name for n, c in cfg.cameras.items()},
+                "control_hz": cfg.robot.control_hz,
+                "rtc_mode": ch.mode,
+                "horizon": ch.horizon,
+                "execution_horizon": ch.execution_horizon,
+            }
+            self.recorder = Recorder(self.record_dir, meta)
+            log.info("recording observations to %s", self.record_dir)
+
+    # ------------------------------------------------------------ control
+
+    def stop(self) -> None:
+        """Thread-safe and signal-safe: the next tick publishes HOLD | SHUTDOWN and the loop ends."""
+        if not self._stop.is_set():
+            self._stop_requested_ns = time.monotonic_ns()
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: Any) -> None:
+            self.stop()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        return self._started.wait(timeout)
+
+    def run(self, duration_s: float | None = None, max_ticks: int | None = None) -> DaemonStats:
+        if self.publisher is None:
+            self.setup()
+        cfg = self.cfg
+        old_switch = sys.getswitchinterval()
+        # A short GIL switch interval bounds how long a helper thread can keep the clock waiting.
+        sys.setswitchinterval(cfg.clock.switch_interval_us / 1e6)
+        if self.realtime:
+            for line in setup_realtime(cfg.clock.priority, cfg.clock.cpus, cfg.clock.mlock):
+                log.info(line)
+        if self.status_line_wanted or (self.status_line_wanted is None and _status_line_default()):
+            from phyai_edge.control.status import StatusLine
+
+            self._status = StatusLine(self.render_status)
+            self._status.start()
+        clock = PeriodicClock(cfg.robot.period_s, cfg.clock.spin_us / 1e6)
+        self.clock = clock
+        clock.start()
+        end_ns = clock.start_ns + round(duration_s * 1e9) if duration_s else None
+        self.notifier.ready(f"publishing at {cfg.robot.control_hz:g} Hz on {self.publisher.endpoint}")
+        self._started.set()
+        log.info("running")
+        try:
+            self._loop(clock, end_ns, max_ticks)
+        finally:
+            sys.setswitchinterval(old_switch)
+            self.shutdown()
+        return self.stats
+
+    def _loop(self, clock: PeriodicClock, end_ns: int | None, max_ticks: int | None) -> None:
+        cfg, st, pub, guard, q = self.cfg, self.stats, self.publisher, self.guard, self.queue
+        assert pub is not None and self.state is not None
+        state_age = cfg.safety.state_max_age_ms / 1000.0
+        cam_ages = {name: cfg.camera_max_age_s(cfg.cameras[name]) if name in cfg.cameras else cfg.safety.camera_max_age_ms / 1000
+                    for name in self.cameras}
+        required = {name: cfg.cameras[name].required if name in cfg.cameras else True for name in self.cameras}
+        views = {name: cfg.cameras[name].view_name if name in cfg.cameras else name for name in self.cameras}
+        inflight: _Inflight | None = None
+        infer_failed = False
+        adopted_now = False
+        next_job_id = 1
+        last_watchdog_ns = 0
+        watchdog_missed = 0
+        last_status_ns = 0
+        wd_ns = round(self.notifier.watchdog_interval_s * 1e9)
+        m = self.metrics
+
+        while True:
+            tick = clock.wait()
+            now_s = tick.wake_ns / 1e9
+            flags = 0
+            stop = self._stop.is_set() or (end_ns is not None and tick.wake_ns >= end_ns) or (
+                max_ticks is not None and st.ticks >= max_ticks
+            )
+            if tick.slots_advanced > 1:
+                missed = tick.slots_advanced - 1
+                st.missed_slots += missed
+                m.missed_ticks.inc(missed)
+                q.skip(missed)
+                flags |= Flag.LATE
+
+            sample = self.state.latest()
+            state_values = sample.values if sample is not None else None
+
+            if stop:
+                payload, extra = guard.finalize(guard.hold_target(state_values))
+                pub.publish(payload, flags | extra | Flag.HOLD | Flag.SHUTDOWN, 0.0, 0, 0)
+                st.published += 1
+                st.hold("shutdown")
+                if self._stop_requested_ns:
+                    st.stop_to_final_ms = (time.monotonic_ns() - self._stop_requested_ns) / 1e6
+                break
+
+            # -- inputs and their ages
+            frames = {}
+            stale: list[str] = []
+            for name, cam in self.cameras.items():
+                fr = cam.latest()
+                if fr is None or now_s - fr.capture_s > cam_ages[name]:
+                    if required[name]:
+                        stale.append(f"camera {name}")
+                    fr = None
+                frames[views[name]] = fr
+            if sample is None or now_s - sample.time_s > state_age:
+                stale.append("state")
+            estop = sample is not None and sample.estop
+
+            # -- a finished inference
+            res = self.worker.poll()
+            if res is not None:
+                assert inflight is not None
+                infer_failed = self._collect(res, inflight, tick.slot, infer_failed)
+                adopted_now = q.current is not None and q.current.chunk_id == inflight.job.job_id and q.current.index == tick.slot - inflight.start_slot
+                if adopted_now:
+                    pub.publish_chunk(q.current.actions, q.current.index, pub.seq, q.current.obs_time_s, q.current.chunk_id)
+                inflight = None
+
+            if stale or estop:
+                # Do not act on old inputs: hold, forget the executing chunk (its timing no longer
+                # matches the robot), and drop whatever is in flight. Recovery starts a fresh chunk.
+                reason = "estop" if estop else "stale"
+                flags |= Flag.HOLD | (Flag.ESTOP if estop else Flag.STALE)
+                if q.current is not None or inflight is not None:
+                    log.warning("HOLD: %s (%s)", reason, ", ".join(stale) or "e-stop from the state stream")
+                q.reset()
+                if inflight is not None:
+                    inflight.valid = False
+                payload = guard.hold_target(state_values)
+                obs_t, chunk_id, index = 0.0, 0, 0
+                st.hold(reason)
+                m.holds.labels(reason).inc()
+            else:
+                if inflight is None and not self.worker.busy and q.wants_inference():
+                    assert sample is not None
+                    inflight = self._start_inference(next_job_id, tick.slot, frames, sample, now_s)
+                    next_job_id += 1
+                nxt = q.next_action()
+                if nxt is None:
+                    reason = "starved" if q.current is not None else "warmup"
+                    flags |= Flag.HOLD | (Flag.STARVED if q.current is not None else Flag.WARMUP)
+                    payload = guard.hold_target(state_values)
+                    obs_t, chunk_id, index = 0.0, 0, 0
+                    st.hold(reason)
+                    m.holds.labels(reason).inc()
+                else:
+                    payload, chunk = nxt
+                    obs_t, chunk_id, index = chunk.obs_time_s, chunk.chunk_id, chunk.index - 1
+                    if adopted_now:
+                        flags |= Flag.CHUNK_START
+            adopted_now = False
+            if infer_failed:
+                flags |= Flag.INFER_FAIL
+
+            out, extra = guard.finalize(payload)
+            if extra & Flag.NONFINITE:
+                st.hold("nonfinite")
+                m.nonfinite.inc()
+            if extra & Flag.CLAMPED:
+                m.clamped.labels("position_or_rate").inc()
+            header = pub.publish(out, flags | extra, obs_t, chunk_id, index)
+            st.published += 1
+            st.ticks += 1
+            late = header.publish_mono_ns - tick.deadline_ns
+            st.lateness.add(late)
+            st.wake_lateness.add(tick.lateness_ns)
+            m.tick_lateness.observe(late / 1e9)
+            m.seq.set(header.seq)
+
+            # -- service duties, rate-limited so they cost nothing most ticks
+            if wd_ns and tick.wake_ns - last_watchdog_ns >= wd_ns:
+                # Ping only while the clock keeps its deadlines: a stalled or overrunning loop
+                # lets systemd's watchdog restart the service.
+                if clock.missed == watchdog_missed:
+                    self.notifier.watchdog()
+                watchdog_missed = clock.missed
+                last_watchdog_ns = tick.wake_ns
+            if self.notifier.enabled and tick.wake_ns - last_status_ns >= 5 * 10**9:
+                self.notifier.status(self.render_status())
+                last_status_ns = tick.wake_ns
+
+    def _start_inference(self, job_id: int, slot: int, frames: dict[str, Any], sample: Any, now_s: float) -> _Inflight:
+        assert self.info is not None
+        cfg, q = self.cfg, self.queue
+        plan = q.plan(slot)
+        images = {name: (frames[name].image if frames.get(name) is not None else None) for name in self.info.camera_names}
+        bgr = {name: frames[name].bgr for name in self.info.camera_names if frames.get(name) is not None}
+        times = [fr.capture_s for fr in frames.values() if fr is not None] + [sample.time_s]
+        obs_time = min(times)
+        mode = cfg.chunking.mode
+        job = Job(
+            job_id=job_id,
+            images=images,
+            bgr=bgr,
+            state=sample.values,
+            prompt=cfg.model.prompt,
+            timestamp=obs_time,
+            rtc_mode=mode,
+            prefix=plan.prefix if mode in SOLVER_MODES else None,
+            delay=plan.delay,
+            execution_horizon=cfg.chunking.execution_horizon,
+            max_guidance_weight=cfg.chunking.max_guidance_weight,
+        )
+        self.worker.submit(job)
+        self.stats.inferences += 1
+        return _Inflight(job, slot, obs_time, plan.delay)
+
+    def _collect(self, res: JobResult, inflight: _Inflight, slot: int, infer_failed: bool) -> bool:
+        """Adopt a finished chunk (or note the failure). Returns the new INFER_FAIL state."""
+        st, m = self.stats, self.metrics
+        delay = slot - inflight.start_slot
+        if self.recorder is not None:
+            job = inflight.job
+            self.recorder.add({
+                "job_id": job.job_id, "images": job.images, "bgr": job.bgr, "state": job.state,
+                "timestamp": job.timestamp, "prompt": job.prompt, "rtc_mode": job.rtc_mode,
+                "prefix": job.prefix, "delay_estimate": job.delay, "start_slot": inflight.start_slot,
+                "actions": res.actions, "delay": delay, "error": res.error or "",
+            })
+        if res.error is not None:
+            st.failures += 1
+            m.inference_failures.inc()
+            if not infer_failed or st.failures % 100 == 0:
+                log.error("inference failed (%d so far): %s; running out the current chunk", st.failures, res.error)
+            return True
+        assert res.actions is not None
+        st.infer_ms.append(res.infer_ms)
+        m.inference_seconds.observe(res.infer_ms / 1e3)
+        for stage, ms in res.stage_ms.items():
+            st.stage_ms.setdefault(stage, []).append(ms)
+            m.stage_seconds.labels(stage).observe(ms / 1e3)
+        if not inflight.valid:
+            st.stale_results += 1
+            return infer_failed
+        if not np.isfinite(res.actions).all():
+            st.nonfinite_chunks += 1
+            st.failures += 1
+            m.nonfinite.inc()
+            log.error("inference returned non-finite actions; chunk rejected")
+            return True
+        taken = self.queue.adopt(res.actions, inflight.job.job_id, inflight.start_slot, slot, inflight.obs_time_s)
+        st.delays.append(delay)
+        m.rtc_delay.set(delay)
+        if taken is None:
+            st.stale_results += 1
+            log.warning("chunk arrived after %d slots, longer than the horizon; dropped", delay)
+            return infer_failed
+        st.adopted += 1
+        if infer_failed:
+            log.info("inference recovered")
+        return False
+
+    def render_status(self) -> str:
+        st = self.stats
+        q = getattr(self, "queue", None)
+        cur = q.current if q is not None else None
+        lat = st.lateness.samples()[-500:]
+        p99 = float(np.percentile(lat, 99)) / 1e6 if lat.size else float("nan")
+        infer = st.infer_ms[-1] if st.infer_ms else float("nan")
+        holds = sum(st.holds.values())
+        seq = self.publisher.seq if self.publisher is not None else 0
+        chunk = f"{cur.chunk_id}@{cur.index}" if cur is not None else "-"
+        return (
+            f"seq {seq} chunk {chunk} d {q.last_delay if q else -1} infer {infer:.1f} ms "
+            f"late p99 {p99:.2f} ms missed {st.missed_slots} holds {holds} fails {st.failures}"
+        )
+
+    def shutdown(self) -> None:
+        """Fast teardown: the last HOLD is already out; nothing here may take long."""
+        self.notifier.stopping()
+        if self._status is not None:
+            self._status.stop()
+        if self.worker is not None:
+            self.worker.close()
+        for cam in self.cameras.values():
+            cam.stop()
+        if self.state is not None:
+            self.state.stop()
+        if self.publisher is not None:
+            self.publisher.close(linger_ms=max(50, round(self.cfg.robot.period_s * 1000)))
+        if self.recorder is not None:
+            self.recorder.close()
+        self.notifier.close()
+
+    def summary(self) -> dict[str, Any]:
+        st = self.stats
+        lat = st.lateness.summary_ms()
+        return {
+            "ticks": st.ticks,
+            "published": st.published,
+            "missed_slots": st.missed_slots,
+            "lateness_ms": lat,
+            "wake_lateness_ms": st.wake_lateness.summary_ms(),
+            "inferences": st.inferences,
+            "adopted": st.adopted,
+            "failures": st.failures,
+            "nonfinite_chunks": st.nonfinite_chunks,
+            "stale_results": st.stale_results,
+            "delay_ticks": {"min": min(st.delays, default=-1), "max": max(st.delays, default=-1),
+                            "mean": float(np.mean(st.delays)) if st.delays else float("nan")},
+            "infer_ms_p50": float(np.percentile(st.infer_ms, 50)) if st.infer_ms else float("nan"),
+            "holds": dict(st.holds),
+            "clamped": {"limit": self.guard.counters.clamped_limit, "rate": self.guard.counters.clamped_rate},
+            "nonfinite_actions": self.guard.counters.nonfinite,
+            "stop_to_final_ms": st.stop_to_final_ms,
+        }
+
+
+def _status_line_default() -> bool:
+    from phyai_edge.control.status import StatusLine
+
+    return StatusLine.wanted()

@@ -1,0 +1,60 @@
+"""Logging for a daemon on stdout: one line per event, journald priorities when under systemd.
+
+Under systemd (JOURNAL_STREAM set) each line starts with `<N>` (sd-daemon(3) priority prefixes)
+and carries no timestamp (journald adds one). On a terminal or in a file: an ISO-ish timestamp
+and the level. Never colours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+
+_PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
+
+
+class JournalFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        prio = _PRIORITY.get(record.levelno, 6)
+        text = record.getMessage()
+        if record.exc_info:
+            text += " | " + self.formatException(record.exc_info).replace("\n", " | ")
+        return f"<{prio}>{text}".replace("\n", " ")
+
+
+class LineFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s.%(msecs)03d %(levelname)-7s %(message)s", "%Y-%m-%dT%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).replace("\n", " | ")
+
+
+class _StatusAwareHandler(logging.StreamHandler):
+    """Clears a live status line (see status.py) before writing a log line on a terminal."""
+
+    clear_line = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.clear_line:
+            with contextlib.suppress(Exception):
+                sys.stderr.write("\r\033[K")
+        super().emit(record)
+
+
+def under_journald() -> bool:
+    return bool(os.environ.get("JOURNAL_STREAM"))
+
+
+def setup_logging(level: int = logging.INFO) -> logging.Handler:
+    handler = _StatusAwareHandler(sys.stdout)
+    handler.setFormatter(JournalFormatter() if under_journald() else LineFormatter())
+    root = logging.getLogger("phyai_edge")
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False
+    return handler

@@ -1,0 +1,79 @@
+"""Prometheus metrics on localhost (prometheus-client, the `metrics` extra), or nothing.
+
+The clock thread updates these every tick, so the no-op stand-in matters: without the package,
+or with `metrics.port = 0`, every update is an empty method call.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("phyai_edge.control")
+
+# Tick lateness spans tens of microseconds (healthy) to whole periods (overrun).
+LATENESS_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 0.1)
+STAGE_BUCKETS = (1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class _Nop:
+    def labels(self, *args: object, **kwargs: object) -> _Nop:
+        return self
+
+    def observe(self, value: float) -> None:
+        pass
+
+    def inc(self, amount: float = 1.0) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+
+class Metrics:
+    def __init__(self) -> None:
+        nop = _Nop()
+        self.enabled = False
+        self.tick_lateness = nop
+        self.stage_seconds = nop
+        self.inference_seconds = nop
+        self.rtc_delay = nop
+        self.holds = nop
+        self.clamped = nop
+        self.missed_ticks = nop
+        self.nonfinite = nop
+        self.inference_failures = nop
+        self.seq = nop
+
+    def serve(self, host: str, port: int) -> bool:
+        """Start the HTTP endpoint. Returns False (after one log line) when that is not possible."""
+        try:
+            import prometheus_client as pc
+        except ImportError:
+            log.warning("metrics: prometheus-client is not installed (pip install 'phyai-edge[metrics]'); metrics off")
+            return False
+        registry = pc.CollectorRegistry()
+        self.tick_lateness = pc.Histogram(
+            "phyai_tick_lateness_seconds", "Publish time minus the tick's deadline", buckets=LATENESS_BUCKETS, registry=registry
+        )
+        self.stage_seconds = pc.Histogram(
+            "phyai_inference_stage_seconds", "Inference time per stage", ["stage"], buckets=STAGE_BUCKETS, registry=registry
+        )
+        self.inference_seconds = pc.Histogram(
+            "phyai_inference_seconds", "Whole inference as the worker measured it", buckets=STAGE_BUCKETS, registry=registry
+        )
+        self.rtc_delay = pc.Gauge("phyai_rtc_delay_ticks", "Measured delay d of the last adopted chunk", registry=registry)
+        self.holds = pc.Counter("phyai_hold_ticks", "Ticks published with HOLD, by reason", ["reason"], registry=registry)
+        self.clamped = pc.Counter("phyai_clamped_actions", "Actions changed by a limit", ["limit"], registry=registry)
+        self.missed_ticks = pc.Counter("phyai_missed_ticks", "Clock slots skipped after an overrun", registry=registry)
+        self.nonfinite = pc.Counter("phyai_nonfinite_actions", "Non-finite actions replaced by HOLD", registry=registry)
+        self.inference_failures = pc.Counter("phyai_inference_failures", "Inferences that raised", registry=registry)
+        self.seq = pc.Gauge("phyai_published_seq", "Sequence number of the last published action", registry=registry)
+        try:
+            pc.start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            log.error("metrics: cannot listen on %s:%d (%s); metrics off", host, port, exc.strerror)
+            self.__init__()  # type: ignore[misc]
+            return False
+        self.enabled = True
+        log.info("metrics: Prometheus on http://%s:%d/metrics", host, port)
+        return True

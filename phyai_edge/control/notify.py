@@ -1,0 +1,57 @@
+"""systemd's sd_notify protocol, written by hand: one datagram on $NOTIFY_SOCKET per message.
+
+No python-systemd dependency. Outside systemd (no NOTIFY_SOCKET) every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+class Notifier:
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        addr = env.get("NOTIFY_SOCKET", "")
+        self._sock: socket.socket | None = None
+        self._addr = ""
+        if addr:
+            # A leading '@' names a Linux abstract socket (NUL first byte).
+            self._addr = "\0" + addr[1:] if addr.startswith("@") else addr
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._sock.setblocking(False)
+        usec = env.get("WATCHDOG_USEC", "")
+        pid = env.get("WATCHDOG_PID", "")
+        watchdog_ok = usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid()))
+        # Ping at half the timeout, as sd_watchdog_enabled(3) recommends.
+        self.watchdog_interval_s = int(usec) / 2e6 if watchdog_ok else 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self._sock is not None
+
+    def notify(self, *fields: str) -> bool:
+        if self._sock is None:
+            return False
+        try:
+            self._sock.sendto("\n".join(fields).encode(), self._addr)
+            return True
+        except OSError:
+            return False  # systemd gone or socket full: never let this stop the clock
+
+    def ready(self, status: str = "") -> bool:
+        return self.notify("READY=1", *( [f"STATUS={status}"] if status else []))
+
+    def watchdog(self) -> bool:
+        return self.notify("WATCHDOG=1")
+
+    def status(self, text: str) -> bool:
+        return self.notify(f"STATUS={text}")
+
+    def stopping(self) -> bool:
+        return self.notify("STOPPING=1")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -1,0 +1,86 @@
+"""Last line before the socket: position and rate limits, hold targets, the no-NaN guarantee.
+
+Everything the daemon publishes goes through `ActionGuard.finalize`, so no code path can put a
+non-finite number or an unclamped value on the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from phyai_edge.control.config import Limits
+from phyai_edge.control.protocol import Flag
+
+
+def _per_dim(value: float | tuple[float, ...] | None, dim: int, fill: float) -> np.ndarray:
+    if value is None:
+        return np.full(dim, fill, dtype=np.float32)
+    if isinstance(value, tuple):
+        return np.asarray(value, dtype=np.float32)
+    return np.full(dim, value, dtype=np.float32)
+
+
+@dataclass
+class SafetyCounters:
+    clamped_limit: int = 0
+    clamped_rate: int = 0
+    nonfinite: int = 0
+    holds: dict[str, int] = field(default_factory=dict)
+
+    def hold(self, reason: str) -> None:
+        self.holds[reason] = self.holds.get(reason, 0) + 1
+
+
+class ActionGuard:
+    def __init__(self, dim: int, limits: Limits, period_s: float, hold_mode: str) -> None:
+        self.dim = dim
+        self.lo = _per_dim(limits.action_min, dim, -np.inf)
+        self.hi = _per_dim(limits.action_max, dim, np.inf)
+        self.max_step = _per_dim(limits.max_rate, dim, np.inf) * np.float32(period_s)
+        self.hold_mode = hold_mode
+        self.last: np.ndarray | None = None  # last published payload (always finite)
+        self.counters = SafetyCounters()
+
+    def hold_target(self, state: np.ndarray | None) -> np.ndarray:
+        """Payload of a HOLD message, per `safety.hold`."""
+        state_ok = state is not None and state.shape == (self.dim,) and bool(np.isfinite(state).all())
+        if self.hold_mode == "zero":
+            return np.zeros(self.dim, dtype=np.float32)
+        if self.hold_mode == "state" and state_ok:
+            return np.asarray(state, dtype=np.float32)
+        if self.last is not None:
+            return self.last.copy()
+        # Nothing published yet: the measured state is the best "stay where you are" for position
+        # control (when the action and state spaces match); zeros otherwise.
+        if state_ok:
+            return np.asarray(state, dtype=np.float32)
+        return np.zeros(self.dim, dtype=np.float32)
+
+    def finalize(self, action: np.ndarray) -> tuple[np.ndarray, int]:
+        """Clamp, rate-limit and check one action. Returns (payload, flags to add).
+
+        A non-finite action is replaced by the hold target with HOLD | NONFINITE.
+        """
+        flags = 0
+        a = np.asarray(action, dtype=np.float32)
+        if a.shape != (self.dim,) or not np.isfinite(a).all():
+            self.counters.nonfinite += 1
+            flags |= Flag.HOLD | Flag.NONFINITE
+            a = self.hold_target(None)
+            if not np.isfinite(a).all():  # cannot happen (last is finite), but never publish NaN
+                a = np.zeros(self.dim, dtype=np.float32)
+        clamped = np.clip(a, self.lo, self.hi)
+        if not np.array_equal(clamped, a):
+            self.counters.clamped_limit += 1
+            flags |= Flag.CLAMPED
+        if self.last is not None:
+            limited = np.clip(clamped, self.last - self.max_step, self.last + self.max_step)
+            if not np.array_equal(limited, clamped):
+                self.counters.clamped_rate += 1
+                flags |= Flag.CLAMPED
+            clamped = limited
+        out = np.ascontiguousarray(clamped, dtype=np.float32)
+        self.last = out
+        return out, flags

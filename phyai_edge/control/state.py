@@ -1,0 +1,133 @@
+"""Robot state sources: the motor controller's joint-state stream over ZeroMQ, or a synthetic one.
+
+Both are polled on the clock thread (`latest()` never blocks). The ZeroMQ SUB uses ZMQ_CONFLATE,
+so however fast the controller publishes, one receive gives the newest sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from phyai_edge.control.config import StateConfig
+
+log = logging.getLogger("phyai_edge.control")
+
+
+@dataclass(frozen=True)
+class StateSample:
+    values: np.ndarray  # float32 (state_dim,)
+    time_s: float  # time.monotonic() seconds of the sample
+    seq: int
+    estop: bool = False
+
+
+class StateSource(Protocol):
+    def start(self) -> None: ...
+
+    def latest(self) -> StateSample | None: ...
+
+    def stop(self) -> None: ...
+
+    def describe(self) -> str: ...
+
+
+class SyntheticState:
+    """Slow sinusoids, sampled at 500 Hz on demand. `alive = False` freezes it (tests: stale state)."""
+
+    def __init__(self, dim: int, rate_hz: float = 500.0) -> None:
+        self.dim = dim
+        self.rate_hz = rate_hz
+        self.alive = True
+        self.estop = False
+        self._last: StateSample | None = None
+        self._phase = np.arange(dim, dtype=np.float64) * 0.7
+
+    def start(self) -> None:
+        pass
+
+    def latest(self) -> StateSample | None:
+        if self.alive:
+            k = int(time.monotonic() * self.rate_hz)
+            if self._last is None or self._last.seq != k or self._last.estop != self.estop:
+                t = k / self.rate_hz
+                values = (0.3 * np.sin(2 * math.pi * 0.2 * t + self._phase)).astype(np.float32)
+                self._last = StateSample(values, t, k, self.estop)
+        return self._last
+
+    def stop(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"synthetic ({self.dim} values)"
+
+
+class ZmqState:
+    def __init__(self, cfg: StateConfig, dim: int, context: Any = None) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.cfg = cfg
+        self.dim = dim
+        self._ctx = context or zmq.Context.instance()
+        self._sock: Any = None
+        self._last: StateSample | None = None
+        self.bad_messages = 0
+
+    def start(self) -> None:
+        from phyai_edge.control.protocol import STATE_MAGIC
+
+        zmq = self._zmq
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.CONFLATE, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, STATE_MAGIC)
+        sock.connect(self.cfg.endpoint)
+        self._sock = sock
+
+    def latest(self) -> StateSample | None:
+        from phyai_edge.control.protocol import STATE_FLAG_ESTOP, StateMessage
+
+        zmq = self._zmq
+        while self._sock is not None:
+            try:
+                raw = self._sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            recv_s = time.monotonic()
+            try:
+                msg = StateMessage.decode(raw.buffer)
+                if msg.values.size != self.dim:
+                    raise ValueError(f"{msg.values.size} values, the policy expects {self.dim}")
+            except ValueError as exc:
+                self.bad_messages += 1
+                if self.bad_messages in (1, 10, 100) or self.bad_messages % 1000 == 0:
+                    log.warning("state: bad message (%s); %d so far", exc, self.bad_messages)
+                continue
+            if self.cfg.clock == "monotonic":
+                t = msg.mono_ns / 1e9
+            elif self.cfg.clock == "realtime":
+                t = recv_s - (time.time_ns() - msg.wall_ns) / 1e9
+            else:
+                t = recv_s
+            self._last = StateSample(msg.values, t, msg.seq, bool(msg.flags & STATE_FLAG_ESTOP))
+        return self._last
+
+    def stop(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def describe(self) -> str:
+        return f"zmq {self.cfg.endpoint}"
+
+
+def make_state(cfg: StateConfig, dim: int, context: Any = None) -> StateSource:
+    if cfg.source == "synthetic":
+        return SyntheticState(dim)
+    return ZmqState(cfg, dim, context)
