@@ -380,10 +380,14 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         if not name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"cameras.{name}: camera names may use letters, digits, '_' and '-' only")
         cfg.cameras[name] = _parse_camera(name, _Section(cams.data[name], cams.key(name)))
-    views = [c.view_name for c in cfg.cameras.values()]
+    seen_views: dict[str, str] = {}
     for cam in cfg.cameras.values():
-        if views.count(cam.view_name) > 1:
-            raise ConfigError(f"cameras.{cam.name}.view: view {cam.view_name!r} is fed by more than one camera")
+        if cam.view_name in seen_views:
+            raise ConfigError(
+                f"cameras.{cam.name}.view: view {cam.view_name!r} is fed by more than one camera "
+                f"(also cameras.{seen_views[cam.view_name]})"
+            )
+        seen_views[cam.view_name] = cam.name
 
     st = root.table("state")
     cfg.state = StateConfig(
@@ -553,9 +557,10 @@ state_dim = 0                # 0: the policy's state width
 # action_max = 3.2
 # max_rate = 6.0             # robot units per second
 
-[cameras.base_0_rgb]         # the table name is the camera's name
+[cameras.top]                # the table name is the camera's name
 source = "synthetic"         # synthetic | v4l2 | gstreamer | rtsp | file | zmq
-view = "base_0_rgb"          # which of the policy's camera slots this feeds
+view = "top"                 # which of the policy's camera slots this feeds (top, left_wrist, right_wrist
+                             # for PI0.5); slots with no camera are masked out
 width = 224
 height = 224
 fps = 30.0

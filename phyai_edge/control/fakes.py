@@ -27,7 +27,7 @@ class FakePolicy:
         chunk_size: int = 50,
         action_dim: int = 6,
         state_dim: int = 6,
-        camera_names: tuple[str, ...] = ("base_0_rgb",),
+        camera_names: tuple[str, ...] = ("top",),
         latency_s: float = 0.03,
         nan_calls: tuple[int, ...] = (),
         fail_calls: tuple[int, ...] = (),
@@ -75,3 +75,39 @@ def make_fake_policy(**kwargs: Any) -> FakePolicy:
     if "camera_names" in kwargs:
         kwargs["camera_names"] = tuple(kwargs["camera_names"])
     return FakePolicy(**kwargs)
+
+
+# ---------------------------------------------------------------- test helpers
+
+
+def free_tcp_endpoint() -> str:
+    """tcp://127.0.0.1:<a port that was free a moment ago>."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_config(**sections: dict[str, Any]) -> Any:
+    """A daemon config for tests: thread worker, no real-time setup, a free local endpoint.
+
+    Keyword arguments are TOML sections merged over these defaults.
+    """
+    from phyai_edge.control.config import parse_config
+
+    data: dict[str, Any] = {
+        "robot": {"control_hz": 50.0},
+        "cameras": {"top": {"source": "synthetic", "width": 32, "height": 32}},
+        "state": {"source": "synthetic"},
+        "model": {"worker": "thread", "warmup": 0},
+        "chunking": {"mode": "inpaint", "execution_horizon": 10, "delay_initial": 3},
+        "publish": {"endpoint": free_tcp_endpoint(), "chunk_topic": "chunk"},
+        "clock": {"priority": 0, "mlock": False},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return parse_config(data, "<test>")
+
+
+test_config.__test__ = False  # type: ignore[attr-defined]  # not a pytest test despite the name

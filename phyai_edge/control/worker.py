@@ -153,6 +153,10 @@ class ThreadWorker:
         self.info: PolicyInfo | None = None
 
     def start(self, timeout_s: float = 600.0) -> PolicyInfo:
+        # Import what run_job needs now, not on the first job while the clock is running.
+        import phyai_edge.adapters.base
+        import phyai_edge.engines.base  # noqa: F401
+
         if self._policy is None:
             assert self._spec is not None
             self._policy = self._spec.build()

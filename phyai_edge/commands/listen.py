@@ -1,0 +1,99 @@
+"""`phyai-edge listen`: subscribe to a daemon's actions and report rate, gaps and latency."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+
+HELP = "subscribe to a daemon's actions and report rate, gaps and latency"
+DESCRIPTION = """Subscribe to a `phyai-edge run` action stream (docs/protocol.md) and print, once a
+second, the message rate, sequence gaps and repeats, publish-to-receive latency and flag counts.
+
+Examples:
+  phyai-edge listen                                   # tcp://127.0.0.1:5555, topic "action"
+  phyai-edge listen --endpoint ipc:///run/phyai-edge/actions --duration 60 --json summary.json
+  phyai-edge listen --print                           # one line per action
+  phyai-edge listen --record actions.npz              # every header and payload
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="the daemon's publish endpoint")
+    p.add_argument("--topic", default="action", help="action topic (publish.topic)")
+    p.add_argument("--chunk-topic", default="", help="also count whole-chunk messages on this topic")
+    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--count", type=int, default=None, help="stop after this many actions")
+    p.add_argument("--print", dest="print_each", action="store_true", help="print every action")
+    p.add_argument("--wall", action="store_true", help="latency from CLOCK_REALTIME (other host, PTP-synced)")
+    p.add_argument("--json", dest="json_path", help="write the final summary as JSON to this file ('-': stdout)")
+    p.add_argument("--record", help="save every received header and payload to this .npz file")
+    p.add_argument("--quiet", action="store_true", help="no per-second lines")
+
+
+def main(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from phyai_edge.control.listener import Listener
+    from phyai_edge.control.protocol import Flag
+
+    lis = Listener(args.endpoint, args.topic, args.chunk_topic, args.wall, keep=bool(args.record or args.print_each))
+    stop = False
+
+    def on_signal(signum, frame):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    t_end = time.monotonic() + args.duration if args.duration else None
+    next_report = time.monotonic() + 1.0
+    last_count, printed = 0, 0
+    while not stop:
+        lis.poll(0.1)
+        st = lis.stats
+        if args.print_each:
+            for h, v in lis.messages[printed:]:
+                names = [f.name for f in Flag if h.flags & f]
+                print(f"seq {h.seq} chunk {h.chunk_id}@{h.index} flags {'|'.join(names) or '-'} {np.array2string(v[0], precision=3)}")
+            printed = len(lis.messages)
+        now = time.monotonic()
+        if now >= next_report and not args.quiet:
+            lat = np.asarray(st.latency_ns[last_count:], dtype=np.float64) / 1e3
+            rate = st.received - last_count
+            p99 = f"{np.percentile(lat, 99):.0f}" if lat.size else "-"
+            p50 = f"{np.percentile(lat, 50):.0f}" if lat.size else "-"
+            print(f"{rate} msg/s  seq {st.last_seq}  gaps {st.gaps}  repeats {st.repeats}  latency p50 {p50} us p99 {p99} us  "
+                  f"holds {st.flags.get('HOLD', 0)}", flush=True)
+            last_count = st.received
+            next_report = now + 1.0
+        if (t_end and now >= t_end) or (args.count and st.received >= args.count):
+            break
+        if st.flags.get("SHUTDOWN") and args.count is None and args.duration is None:
+            break  # the daemon said goodbye
+    summary = lis.stats.summary()
+    lis.close()
+    if args.record:
+        msgs = lis.messages
+        np.savez(
+            args.record,
+            seq=np.array([h.seq for h, _ in msgs], dtype=np.uint64),
+            kind=np.array([h.kind for h, _ in msgs], dtype=np.uint16),
+            flags=np.array([h.flags for h, _ in msgs], dtype=np.uint32),
+            chunk_id=np.array([h.chunk_id for h, _ in msgs], dtype=np.uint32),
+            index=np.array([h.index for h, _ in msgs], dtype=np.uint16),
+            publish_mono_ns=np.array([h.publish_mono_ns for h, _ in msgs], dtype=np.int64),
+            obs_mono_ns=np.array([h.obs_mono_ns for h, _ in msgs], dtype=np.int64),
+            actions=np.array([v[0] for h, v in msgs if h.kind == 1], dtype=np.float32),
+        )
+    text = json.dumps(summary, indent=2)
+    if args.json_path == "-":
+        print(text)
+    elif args.json_path:
+        with open(args.json_path, "w") as f:
+            f.write(text)
+    if not args.quiet and args.json_path != "-":
+        print(text, file=sys.stderr)
+    return 0

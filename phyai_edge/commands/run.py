@@ -1,0 +1,96 @@
+"""`phyai-edge run`: the real-time control daemon (see phyai_edge/control/daemon.py, docs/daemon.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+HELP = "the real-time control daemon (fixed-period loop, RTC, ZeroMQ actions)"
+DESCRIPTION = """Run a policy on a robot: a fixed-period loop publishes one action per tick over
+ZeroMQ (docs/protocol.md) while inference runs asynchronously with Real-Time Chunking.
+With no --config it runs an embedded default (the tiny PI0.5, a synthetic camera and state,
+tcp://127.0.0.1:5555), so it works on a fresh machine; watch it with `phyai-edge listen`.
+
+Examples:
+  phyai-edge run --duration 10
+  phyai-edge run --print-default-config > robot.toml
+  phyai-edge run --check-config robot.toml
+  phyai-edge run --config robot.toml --record runs/calib-01
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="daemon configuration (TOML); default: the embedded one")
+    p.add_argument("--print-default-config", action="store_true", help="print the embedded default configuration and exit")
+    p.add_argument("--check-config", metavar="FILE", help="validate a configuration file and exit (0: valid, 2: not)")
+    p.add_argument("--duration", type=float, default=None, help="stop by itself after this many seconds")
+    p.add_argument("--record", metavar="DIR", help="save every inference's observation and chunk to DIR")
+    p.add_argument("--no-realtime", action="store_true", help="skip SCHED_FIFO, CPU affinity and mlockall")
+    p.add_argument("--summary", metavar="FILE", help="write the run's timing summary as JSON ('-': stdout)")
+    p.add_argument("--log-level", default=os.environ.get("PHYAI_EDGE_LOG_LEVEL", "info"),
+                   choices=["debug", "info", "warning", "error"])
+
+
+def main(args: argparse.Namespace) -> int:
+    from phyai_edge.control.config import DEFAULT_CONFIG_TOML, ConfigError, load_config
+
+    if args.print_default_config:
+        sys.stdout.write(DEFAULT_CONFIG_TOML)
+        return 0
+    if args.check_config:
+        try:
+            cfg = load_config(args.check_config)
+        except ConfigError as exc:
+            print(f"{args.check_config}: invalid: {exc}", file=sys.stderr)
+            return 2
+        cams = ", ".join(f"{c.name} ({c.source})" for c in cfg.cameras.values()) or "none"
+        print(f"{args.check_config}: valid. {cfg.robot.control_hz:g} Hz, cameras: {cams}, state: {cfg.state.source}, "
+              f"model: {cfg.model.adapter} {cfg.model.bundle or cfg.model.checkpoint or cfg.model.preset}, "
+              f"RTC {cfg.chunking.mode}, publish {cfg.publish.endpoint}")
+        return 0
+
+    from phyai_edge.control.log import setup_logging
+
+    setup_logging(getattr(logging, args.log_level.upper()))
+    log = logging.getLogger("phyai_edge.control")
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        log.error("configuration: %s", exc)
+        return 2
+    log.info("configuration: %s", cfg.source)
+
+    from phyai_edge.control.daemon import Daemon
+
+    daemon = Daemon(cfg, record_dir=args.record, realtime=not args.no_realtime)
+    daemon.install_signal_handlers()
+    try:
+        daemon.setup()
+    except ConfigError as exc:
+        log.error("configuration: %s", exc)
+        daemon.shutdown()
+        return 2
+    except Exception as exc:
+        log.error("start-up failed: %s", exc)
+        daemon.shutdown()
+        return 1
+    daemon.run(duration_s=args.duration)
+    summary = daemon.summary()
+    lat = summary["lateness_ms"]
+    log.info(
+        "stopped: %d ticks, lateness p50 %.3f p99 %.3f max %.3f ms, %d missed slots, %d inferences (%d failed), holds %s",
+        summary["ticks"], lat["p50"], lat["p99"], lat["max"], summary["missed_slots"], summary["inferences"],
+        summary["failures"], summary["holds"],
+    )
+    if args.summary:
+        text = json.dumps(summary, indent=2)
+        if args.summary == "-":
+            print(text)
+        else:
+            with open(args.summary, "w") as f:
+                f.write(text)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,106 @@
+"""Daemon configuration: the embedded default, and an error that names the key for each mistake."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from phyai_edge.control.config import (
+    DEFAULT_CONFIG_TOML,
+    ConfigError,
+    check_against_policy,
+    load_config,
+    parse_config,
+)
+
+
+def test_embedded_default_is_valid_and_self_describing():
+    cfg = load_config(None)
+    assert cfg.model.preset == "tiny" and cfg.cameras["top"].source == "synthetic"
+    assert cfg.state.source == "synthetic" and cfg.publish.endpoint.startswith("tcp://127.0.0.1:")
+    # The printed default is exactly what `load_config(None)` uses.
+    assert parse_config(__import__("tomllib").loads(DEFAULT_CONFIG_TOML)) == cfg.__class__(**{**cfg.__dict__, "source": "<dict>"})
+
+
+BAD = [
+    ({"cameras": {"top": {"fps": "abc"}}}, 'cameras.top.fps: expected a positive number, got "abc"'),
+    ({"cameras": {"top": {"fps": -1}}}, "cameras.top.fps: expected a positive number, got -1"),
+    ({"cameras": {"top": {"fsp": 30}}}, "cameras.top.fsp: unknown key"),
+    ({"cameras": {"top": {"source": "webcam"}}}, 'cameras.top.source: expected one of synthetic, v4l2'),
+    ({"cameras": {"top": {"source": "rtsp", "url": "http://x"}}}, "cameras.top.url: expected an rtsp:// URL"),
+    ({"cameras": {"top": {"source": "gstreamer"}}}, "cameras.top.pipeline: required"),
+    ({"cameras": {"top": {"source": "zmq"}}}, "cameras.top.endpoint: required"),
+    ({"cameras": {"top": {"source": "zmq", "endpoint": "localhost"}}}, "cameras.top.endpoint: expected a ZeroMQ endpoint"),
+    ({"cameras": {"top": {"source": "v4l2", "device": -2}}}, "cameras.top.device: expected a device index"),
+    ({"cameras": {"top": {"width": 0}}}, "cameras.top.width: expected an integer >= 1, got 0"),
+    ({"cameras": {"a": {"view": "top"}, "b": {"view": "top"}}}, "cameras.b.view: view 'top' is fed by more than one camera"),
+    ({"robot": {"control_hz": 0}}, "robot.control_hz: expected a positive number, got 0"),
+    ({"robot": {"control_hz": True}}, "robot.control_hz: expected a positive number, got true"),
+    ({"robot": {"action_names": ["a", "b"], "action_dim": 3}}, "robot.action_names: has 2 names but robot.action_dim is 3"),
+    ({"robot": {"limits": {"action_min": [0, 0], "action_max": 1, "foo": 1}}}, "robot.limits.foo: unknown key"),
+    ({"robot": {"limits": {"action_min": 1, "action_max": 0}}}, "robot.limits.action_min: must be below action_max"),
+    ({"robot": {"limits": {"max_rate": [1, "x"]}}}, 'robot.limits.max_rate[1]: expected a positive number, got "x"'),
+    ({"state": {"source": "zmq", "endpoint": "5556"}}, "state.endpoint: expected a ZeroMQ endpoint"),
+    ({"model": {"dtype": "float64"}}, "model.dtype: expected one of float32, float16, bfloat16"),
+    ({"model": {"worker": "fiber"}}, "model.worker: expected one of process, thread"),
+    ({"model": {"factory": "nocolon"}}, 'model.factory: expected "module:function"'),
+    ({"chunking": {"mode": "magic"}}, "chunking.mode: expected one of none, crossfade, inpaint"),
+    ({"chunking": {"horizon": 20, "execution_horizon": 20}}, "chunking.execution_horizon: must be below chunking.horizon"),
+    ({"chunking": {"execution_horizon": 0}}, "chunking.execution_horizon: expected an integer >= 1, got 0"),
+    ({"chunking": {"max_guidance_weight": "big"}}, 'chunking.max_guidance_weight: expected a positive number, got "big"'),
+    ({"publish": {"endpoint": ""}}, "publish.endpoint: required"),
+    ({"publish": {"topic": "act", "chunk_topic": "action"}}, "publish.chunk_topic:"),
+    ({"safety": {"hold": "freeze"}}, "safety.hold: expected one of last, state, zero"),
+    ({"safety": {"state_max_age_ms": 0}}, "safety.state_max_age_ms: expected a positive number, got 0"),
+    ({"metrics": {"port": 70000}}, "metrics.port: expected an integer <= 65535, got 70000"),
+    ({"clock": {"cpus": [0, -1]}}, "clock.cpus: expected a list of CPU indices"),
+    ({"clock": {"priority": 120}}, "clock.priority: expected an integer <= 99, got 120"),
+    ({"robot": []}, "robot: expected a table"),
+    ({"rbot": {}}, "rbot: unknown key"),
+]
+
+
+@pytest.mark.parametrize("data,message", BAD, ids=[m.split(":")[0] for _, m in BAD])
+def test_each_error_names_its_key(data, message):
+    with pytest.raises(ConfigError) as exc:
+        parse_config(data)
+    assert str(exc.value).startswith(message), str(exc.value)
+
+
+def test_checks_against_the_policy_name_the_key():
+    cfg = parse_config({"robot": {"action_dim": 6}})
+    with pytest.raises(ConfigError, match=r"^robot.action_dim: the policy outputs 14 actions"):
+        check_against_policy(cfg, 50, 14, 14, ["top"])
+    cfg = parse_config({"cameras": {"front": {}}})
+    with pytest.raises(ConfigError, match=r"^cameras.front.view: the policy has no camera 'front'"):
+        check_against_policy(cfg, 50, 14, 14, ["top", "left_wrist"])
+    cfg = parse_config({"chunking": {"horizon": 60}})
+    with pytest.raises(ConfigError, match=r"^chunking.horizon: 60 is longer"):
+        check_against_policy(cfg, 50, 14, 14, ["top"])
+    cfg = parse_config({"robot": {"limits": {"max_rate": [1.0, 2.0]}}})
+    with pytest.raises(ConfigError, match=r"^robot.limits.max_rate: has 2 values"):
+        check_against_policy(cfg, 50, 14, 14, ["top"])
+    cfg = parse_config({})
+    check_against_policy(cfg, 50, 14, 14, ["top"])
+    assert (cfg.robot.action_dim, cfg.chunking.horizon) == (14, 50)
+
+
+def test_cli_print_and_check_config(tmp_path):
+    run = [sys.executable, "-m", "phyai_edge", "run"]
+    out = subprocess.run([*run, "--print-default-config"], capture_output=True, text=True, check=True).stdout
+    assert out == DEFAULT_CONFIG_TOML
+    good = tmp_path / "good.toml"
+    good.write_text(out)
+    res = subprocess.run([*run, "--check-config", str(good)], capture_output=True, text=True)
+    assert res.returncode == 0 and "valid" in res.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text(out.replace("fps = 30.0", 'fps = "abc"'))
+    res = subprocess.run([*run, "--check-config", str(bad)], capture_output=True, text=True)
+    assert res.returncode == 2
+    assert 'cameras.top.fps: expected a positive number, got "abc"' in res.stderr
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[robot\n")
+    res = subprocess.run([*run, "--check-config", str(broken)], capture_output=True, text=True)
+    assert res.returncode == 2 and "not valid TOML" in res.stderr

@@ -1,0 +1,205 @@
+"""The daemon loop with a stand-in policy: sequence numbers, HOLD on stale inputs, NaN, failures."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import zmq
+
+from phyai_edge.control.daemon import Daemon
+from phyai_edge.control.fakes import FakePolicy, free_tcp_endpoint, test_config
+from phyai_edge.control.listener import Listener
+from phyai_edge.control.protocol import Flag, FrameMessage
+from phyai_edge.control.state import SyntheticState
+
+
+class Running:
+    """A daemon on a background thread plus a subscriber on the test's thread."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        daemon.setup()
+        cfg = daemon.cfg
+        self.listener = Listener(daemon.publisher.endpoint, cfg.publish.topic, cfg.publish.chunk_topic, keep=True)
+        time.sleep(0.2)  # PUB/SUB join: let the subscription reach the publisher before the first tick
+        self.thread = threading.Thread(target=daemon.run, daemon=True)
+        self.thread.start()
+        assert daemon.wait_started(10)
+
+    def actions(self):
+        return [(h, v) for h, v in self.listener.messages if h.kind == 1]
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.listener.poll(0.05)
+            if predicate():
+                return
+        raise AssertionError(f"timed out waiting for {what or predicate}")
+
+    def stop(self) -> None:
+        self.daemon.stop()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+        self.wait_for(lambda: any(h.flags & Flag.SHUTDOWN for h, _ in self.actions()), 2, "SHUTDOWN message")
+        self.listener.close()
+
+
+def count(run: Running, pred: Callable) -> int:
+    return sum(1 for h, v in run.actions() if pred(h, v))
+
+
+def test_every_sequence_number_exactly_once_and_chunks_take_over():
+    cfg = test_config()
+    run = Running(Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.03), realtime=False))
+    run.wait_for(lambda: count(run, lambda h, v: not h.flags & Flag.HOLD) >= 60, what="60 policy actions")
+    run.stop()
+    seqs = [h.seq for h, _ in run.actions()]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "gap or repeat in sequence numbers"
+    assert seqs[0] == 0 and run.listener.stats.gaps == 0 and run.listener.stats.repeats == 0
+    assert run.actions()[-1][0].flags & Flag.HOLD and run.actions()[-1][0].seq == run.daemon.publisher.seq - 1
+    st = run.daemon.stats
+    assert st.adopted >= 3 and st.failures == 0
+    # The 30 ms fake needs 2-3 slots at 50 Hz; each new chunk takes over at exactly that index.
+    starts = [h for h, _ in run.actions() if h.flags & Flag.CHUNK_START]
+    assert starts and all(h.index == d for h, d in zip(starts, st.delays))
+    assert all(2 <= d <= 6 for d in st.delays), st.delays
+    # The whole-chunk topic: one message per adopted chunk, row 0 == the CHUNK_START action.
+    chunk_msgs = [(h, v) for h, v in run.listener.messages if h.kind == 2]
+    by_seq = {h.seq: v for h, v in run.actions()}
+    assert chunk_msgs
+    for h, rows in chunk_msgs:
+        assert rows.shape == (cfg.chunking.horizon - h.index, 6)
+        np.testing.assert_allclose(by_seq[h.seq][0], rows[0], atol=1e-6)
+    # Inference starts after s actions of the executing chunk: every RTC prefix came with d.
+    reqs = [r for r in run.daemon.worker._policy.requests if r is not None]
+    assert reqs and all(r.execution_horizon == 10 and r.mode == "inpaint" for r in reqs)
+
+
+def test_stale_state_gives_hold_then_recovery():
+    cfg = test_config(safety={"state_max_age_ms": 60.0})
+    state = SyntheticState(6)
+    run = Running(Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), state=state, realtime=False))
+    run.wait_for(lambda: count(run, lambda h, v: not h.flags & Flag.HOLD) >= 10, what="policy actions")
+    state.alive = False  # the controller's stream stops
+    run.wait_for(lambda: count(run, lambda h, v: h.flags & Flag.STALE) >= 5, what="STALE holds")
+    n_before = len(run.actions())
+    state.alive = True
+    run.wait_for(lambda: any(not h.flags & Flag.HOLD for h, _ in run.actions()[n_before:]), what="recovery")
+    run.stop()
+    flags = [h.flags for h, _ in run.actions()]
+    first_stale = next(i for i, f in enumerate(flags) if f & Flag.STALE)
+    stale_run = flags[first_stale:first_stale + 5]
+    assert all(f & Flag.HOLD for f in stale_run)
+    # The hold target ("last") repeats the last published action.
+    acts = run.actions()
+    np.testing.assert_array_equal(acts[first_stale][1], acts[first_stale - 1][1])
+    # After the stale period, a fresh chunk starts (WARMUP holds until it arrives), then policy actions.
+    assert run.daemon.stats.holds.get("stale", 0) >= 5
+    assert run.listener.stats.gaps == 0 and run.listener.stats.repeats == 0
+
+
+def test_zmq_camera_that_dies_and_comes_back():
+    cam_ep = free_tcp_endpoint()
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(cam_ep)
+    alive = threading.Event()
+    alive.set()
+    done = threading.Event()
+
+    def camera():
+        seq = 0
+        img = np.zeros((32, 32, 3), np.uint8)
+        while not done.is_set():
+            if alive.is_set():
+                seq += 1
+                pub.send(FrameMessage("top", img, seq, time.monotonic_ns()).encode())
+            time.sleep(0.01)
+
+    t = threading.Thread(target=camera, daemon=True)
+    t.start()
+    cfg = test_config(cameras={"top": {"source": "zmq", "endpoint": cam_ep}}, safety={"camera_max_age_ms": 80.0})
+    run = Running(Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), realtime=False))
+    try:
+        run.wait_for(lambda: count(run, lambda h, v: not h.flags & Flag.HOLD) >= 10, what="policy actions")
+        alive.clear()  # camera dies
+        run.wait_for(lambda: count(run, lambda h, v: h.flags & Flag.STALE) >= 3, what="STALE holds")
+        n = len(run.actions())
+        alive.set()  # and comes back
+        run.wait_for(lambda: any(not h.flags & Flag.HOLD for h, _ in run.actions()[n:]), what="recovery")
+        run.stop()
+    finally:
+        done.set()
+        t.join(1)
+        pub.close(0)
+    flags = [h.flags for h, _ in run.actions()]
+    i_stale = next(i for i, f in enumerate(flags) if f & Flag.STALE)
+    i_back = next(i for i in range(i_stale, len(flags)) if not flags[i] & Flag.HOLD)
+    assert all(f & Flag.HOLD for f in flags[i_stale:i_back])
+    assert any(f & Flag.WARMUP for f in flags[i_stale:i_back])  # a fresh chunk after recovery
+    assert run.listener.stats.gaps == 0
+
+
+def test_nan_from_the_policy_is_never_published():
+    cfg = test_config()
+    pol = FakePolicy(action_dim=6, state_dim=6, latency_s=0.01, nan_calls=(2, 3, 5))
+    run = Running(Daemon(cfg, policy=pol, realtime=False))
+    run.wait_for(lambda: pol.calls >= 7 and count(run, lambda h, v: not h.flags & Flag.HOLD) >= 30, what="7 calls")
+    run.stop()
+    assert all(np.isfinite(v).all() for _, v in run.listener.messages)
+    assert run.listener.stats.nonfinite == 0
+    assert run.daemon.stats.nonfinite_chunks >= 3
+    # Each rejected chunk is flagged INFER_FAIL until a good chunk arrives.
+    assert count(run, lambda h, v: h.flags & Flag.INFER_FAIL) >= 1
+
+
+def test_inference_failure_runs_out_the_chunk_then_holds():
+    cfg = test_config(chunking={"mode": "none", "execution_horizon": 10})
+    pol = FakePolicy(action_dim=6, state_dim=6, latency_s=0.01, fail_from=3)
+    run = Running(Daemon(cfg, policy=pol, realtime=False))
+    run.wait_for(lambda: count(run, lambda h, v: h.flags & Flag.STARVED) >= 3, what="STARVED holds")
+    run.stop()
+    acts = run.actions()
+    last_chunk = max(h.chunk_id for h, _ in acts)
+    mine = [h for h, _ in acts if h.chunk_id == last_chunk]
+    assert mine[-1].index == cfg.chunking.horizon - 1, "the last good chunk must run to its end"
+    i_end = max(i for i, (h, _) in enumerate(acts) if h.chunk_id == last_chunk)
+    after = [h.flags for h, _ in acts[i_end + 1:]]
+    assert after and all(f & Flag.HOLD for f in after)
+    assert all(f & Flag.INFER_FAIL for f in after[:-1])
+    fail_flagged = [h for h, _ in acts if h.chunk_id == last_chunk and h.flags & Flag.INFER_FAIL]
+    assert fail_flagged, "actions run after a failure carry INFER_FAIL"
+
+
+def test_record_writes_observations_and_chunks(tmp_path):
+    cfg = test_config()
+    d = Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), record_dir=str(tmp_path), realtime=False)
+    run = Running(d)
+    run.wait_for(lambda: d.stats.adopted >= 3, what="3 chunks")
+    run.stop()
+    files = sorted(tmp_path.glob("obs_*.npz"))
+    assert (tmp_path / "meta.json").exists() and len(files) >= 3
+    z = np.load(files[1])
+    assert z["image.top"].shape == (32, 32, 3) and z["state"].shape == (6,)
+    assert z["actions"].shape == (50, 6) and str(z["error"]) == ""
+    assert int(z["delay"]) >= 1 and z["prefix"].shape[1] == 6
+
+
+@pytest.mark.parametrize("mode", ["crossfade", "guided-approx"])
+def test_other_modes_run_without_gaps(mode):
+    cfg = test_config(chunking={"mode": mode, "execution_horizon": 8})
+    pol = FakePolicy(action_dim=6, state_dim=6, latency_s=0.02)
+    run = Running(Daemon(cfg, policy=pol, realtime=False))
+    run.wait_for(lambda: run.daemon.stats.adopted >= 4, what="4 chunks")
+    run.stop()
+    assert run.listener.stats.gaps == 0
+    reqs = [r for r in pol.requests if r is not None]
+    if mode == "crossfade":
+        assert not reqs  # daemon-side: the solver gets no prefix
+    else:
+        assert reqs and reqs[0].mode == "guided-approx" and reqs[0].max_guidance_weight == 5.0

@@ -1,0 +1,89 @@
+"""Chunk queue (daemon-side RTC), clock and safety guard, without a daemon around them."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from phyai_edge.control.clock import PeriodicClock
+from phyai_edge.control.config import Limits
+from phyai_edge.control.protocol import Flag
+from phyai_edge.control.rtc import ChunkQueue, DelayEstimator
+from phyai_edge.control.safety import ActionGuard
+
+
+def chunk(h: int, value: float, dim: int = 2) -> np.ndarray:
+    return np.full((h, dim), value, np.float32) + np.arange(h, dtype=np.float32)[:, None] / 100
+
+
+def test_takeover_at_measured_delay_and_prefix_alignment():
+    q = ChunkQueue("inpaint", 20, 5, 4, DelayEstimator(initial=2))
+    assert q.wants_inference() and q.plan(100).prefix is None
+    assert q.adopt(chunk(20, 0.0), 1, start_slot=100, now_slot=103, obs_time_s=1.0) == 3
+    assert q.delays.estimate() == 3
+    a, c = q.next_action()
+    assert c.index == 4 and a[0] == np.float32(0.03)
+    q.next_action()  # index 5 is next: s = 5 actions of this chunk have "run" (0..4)
+    assert q.wants_inference()
+    plan = q.plan(105)
+    # prefix[i] is what runs at index i of the new chunk = executing index 5 + i
+    np.testing.assert_allclose(plan.prefix[:, 0], chunk(20, 0.0)[5:, 0])
+    assert plan.delay == 3
+
+
+def test_missed_slots_skip_actions_and_late_chunks_are_dropped():
+    q = ChunkQueue("none", 10, 4, 4, DelayEstimator(initial=1))
+    q.adopt(chunk(10, 0.0), 1, 0, 1, 0.0)
+    q.skip(3)
+    _a, c = q.next_action()
+    assert c.index == 5  # took index 4: slot 1 + 3 skipped
+    assert q.adopt(chunk(10, 1.0), 2, 0, 10, 0.0) is None  # delay 10 >= H: nothing left to run
+    assert q.current.chunk_id == 1
+
+
+def test_crossfade_blends_from_old_to_new():
+    q = ChunkQueue("crossfade", 20, 5, 4, DelayEstimator(initial=2))
+    q.adopt(np.zeros((20, 2), np.float32), 1, 0, 0, 0.0)
+    for _ in range(6):
+        q.next_action()
+    q.adopt(np.ones((20, 2), np.float32), 2, 5, 7, 0.0)
+    got = [q.next_action()[0][0] for _ in range(6)]
+    np.testing.assert_allclose(got, [0.2, 0.4, 0.6, 0.8, 1.0, 1.0], rtol=1e-6)
+
+
+def test_delay_estimator_takes_recent_maximum():
+    d = DelayEstimator(initial=3, window=3)
+    assert d.estimate() == 3
+    for x in (2, 5, 1, 1):
+        d.record(x)
+    assert d.estimate() == 5
+    d.record(1)
+    assert d.estimate() == 1
+    assert DelayEstimator(fixed=4).estimate() == 4
+
+
+def test_guard_clamps_rate_limits_and_never_passes_nan():
+    g = ActionGuard(2, Limits(action_min=-1.0, action_max=(1.0, 0.5), max_rate=10.0), period_s=0.02, hold_mode="last")
+    out, flags = g.finalize(np.array([0.1, 2.0], np.float32))
+    assert flags == Flag.CLAMPED and out.tolist() == [np.float32(0.1), 0.5]
+    out, flags = g.finalize(np.array([0.9, 0.5], np.float32))  # 0.8 in one 20 ms tick > 10/s
+    assert flags == Flag.CLAMPED and np.allclose(out, [0.3, 0.5])
+    out, flags = g.finalize(np.array([np.nan, 0.0], np.float32))
+    assert flags & Flag.NONFINITE and flags & Flag.HOLD and np.isfinite(out).all() and np.allclose(out, [0.3, 0.5])
+    assert (g.counters.clamped_limit, g.counters.clamped_rate, g.counters.nonfinite) == (1, 1, 1)
+    assert np.allclose(ActionGuard(2, Limits(), 0.02, "zero").hold_target(np.ones(2)), 0)
+    assert np.allclose(ActionGuard(2, Limits(), 0.02, "state").hold_target(np.ones(2)), 1)
+
+
+def test_clock_keeps_absolute_deadlines_and_counts_overruns():
+    c = PeriodicClock(0.005, spin_s=0.0005)
+    c.start()
+    t = c.wait()
+    assert t.slot == 0 and t.lateness_ns >= 0
+    time.sleep(0.0125)  # overrun: slots 1 and 2 pass
+    t = c.wait()
+    assert t.slots_advanced >= 2 and c.missed >= 1
+    assert t.deadline_ns == c.start_ns + t.slot * c.period_ns
+    t2 = c.wait()
+    assert t2.slot == t.slot + 1 and t2.slots_advanced == 1
