@@ -8,10 +8,12 @@ from phyai_edge.adapters.pi05.model import PI05Model
 
 
 def load_adapter(checkpoint=None, preset_name: str = "tiny", device="cpu", tokenizer=None, camera_names=None,
-                 seed: int = 0) -> PI05Adapter:
-    """A checkpoint folder if given, else the built-in seeded preset."""
+                 seed: int = 0, structure=None) -> PI05Adapter:
+    """A checkpoint folder if given, else the built-in seeded preset. `structure` (a preset name
+    or PI05Config) sizes LeRobot/openpi checkpoints, which do not record it (default: full)."""
     if checkpoint is not None:
-        return load_pi05(checkpoint, device=device, tokenizer=tokenizer, camera_names=camera_names)
+        return load_pi05(checkpoint, device=device, tokenizer=tokenizer, camera_names=camera_names,
+                         structure=structure)
     return builtin_adapter(preset_name, seed=seed, camera_names=camera_names)
 
 

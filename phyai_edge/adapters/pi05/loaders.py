@@ -25,7 +25,7 @@ from phyai_edge.adapters.checkpoint import (
 )
 from phyai_edge.adapters.normalization import NormStats
 from phyai_edge.adapters.pi05.adapter import PI05Adapter, RobotIO
-from phyai_edge.adapters.pi05.config import PI05Config, full
+from phyai_edge.adapters.pi05.config import PI05Config, full, preset
 from phyai_edge.adapters.pi05.model import PI05Model
 from phyai_edge.adapters.tokenizer import TOKENIZER_FILES, PromptTokenizer
 
@@ -35,10 +35,12 @@ NATIVE_MANIFEST = "phyai_edge.json"
 NATIVE_FORMAT = "phyai-edge/pi05/1"
 
 # Both the transformers-5 layout (paligemma.model.language_model...) and the transformers-4
-# layout (paligemma.language_model.model...) occur in checkpoints people have.
+# layout (paligemma.language_model.model...) occur in checkpoints people have. Likewise the
+# vision tower: `vision_tower.vision_model.` (SiglipVisionModel wrapping a transformer) or
+# `vision_tower.` (newer transformers, where SiglipVisionModel holds the layers itself).
 _P = r"^(?:model\.)?paligemma_with_expert\."
 PI_KEY_RULES = [
-    (_P + r"paligemma\.(?:model\.)?vision_tower\.vision_model\.", "vision."),
+    (_P + r"paligemma\.(?:model\.)?vision_tower\.(?:vision_model\.)?", "vision."),
     (_P + r"paligemma\.(?:model\.)?multi_modal_projector\.linear\.", "projector."),
     (_P + r"paligemma\.(?:model\.language_model|language_model\.model|language_model)\.embed_tokens\.", "embed_tokens."),
     (_P + r"paligemma\.(?:model\.language_model|language_model\.model|language_model)\.layers\.", "prefix_layers."),
@@ -78,11 +80,32 @@ def load_pi05(
     device: str | torch.device = "cpu",
     tokenizer: str | Path | None = None,
     camera_names: list[str] | None = None,
+    structure: PI05Config | str | None = None,
 ) -> PI05Adapter:
+    """Load a PI0.5 checkpoint folder (native, LeRobot or openpi) into an adapter.
+
+    structure: the network's shape, as a `PI05Config` or a preset name. LeRobot and openpi
+        folders do not record widths and depths (LeRobot's config.json only names the variants
+        `gemma_2b` / `gemma_300m`, i.e. the `full` preset, which is the default). Pass another
+        structure for checkpoints of other sizes, e.g. the tiny ones tests write. Only the
+        architecture (vision tower, prefix, expert, vocabulary) is taken from it; chunk length,
+        padded widths, prompt length and steps still come from the folder, and the strict loader
+        checks every tensor's shape against the result. Native folders record their structure:
+        a `structure` that disagrees with it is an error.
+    """
     folder = Path(folder)
     fmt = detect_format(folder)
-    loader = {"native": _load_native, "lerobot": _load_lerobot, "openpi": _load_openpi}[fmt]
-    cfg, io, key_map_rules = loader(folder)
+    base = preset(structure) if isinstance(structure, str) else structure
+    if fmt == "native":
+        cfg, io, key_map_rules = _load_native(folder)
+        if base is not None and _architecture(base) != _architecture(cfg):
+            raise CheckpointError(
+                f"{folder} records a different structure than the one passed: "
+                f"{_architecture(cfg)} vs {_architecture(base)}"
+            )
+    else:
+        loader = {"lerobot": _load_lerobot, "openpi": _load_openpi}[fmt]
+        cfg, io, key_map_rules = loader(folder, base if base is not None else full())
     if camera_names is not None:
         if len(camera_names) != len(io.camera_names):
             raise ValueError(f"camera_names has {len(camera_names)} entries, the checkpoint has {len(io.camera_names)} views")
@@ -100,7 +123,15 @@ def load_pi05(
         # Tied embeddings saved only as the language-model head: read it as the embedding.
         rules.insert(0, (_P + r"paligemma\.lm_head\.weight$", "embed_tokens.weight"))
         skip = [_P + r"gemma_expert\.lm_head\.weight$"]
-    skipped = load_safetensors_strict(model, files, regex_key_map(rules, skip), device=device)
+    try:
+        skipped = load_safetensors_strict(model, files, regex_key_map(rules, skip), device=device)
+    except CheckpointError as exc:
+        if fmt != "native" and base is None and "mis-shaped" in str(exc):
+            raise CheckpointError(
+                f"{exc}\n  (the {fmt} format does not record the model's size; it was read as the published "
+                "`full` size. For another size pass structure=, e.g. structure='tiny'.)"
+            ) from None
+        raise
     if skipped:
         log.info("skipped %d unused tensors without reading them: %s", len(skipped), ", ".join(sorted(skipped)))
     model.float()
@@ -159,7 +190,12 @@ def save_native(adapter: PI05Adapter, folder: str | Path) -> Path:
 _LEROBOT_MODES = {"QUANTILES": "quantile", "MEAN_STD": "mean_std", "IDENTITY": "identity"}
 
 
-def _load_lerobot(folder: Path) -> tuple[PI05Config, RobotIO, list]:
+def _architecture(cfg: PI05Config) -> dict[str, Any]:
+    d = cfg.to_dict()
+    return {k: d[k] for k in ("vision", "prefix", "expert", "vocab_size")}
+
+
+def _load_lerobot(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, list]:
     c = json.loads((folder / "config.json").read_text())
     for key, want in (("paligemma_variant", "gemma_2b"), ("action_expert_variant", "gemma_300m")):
         if c.get(key, want) != want:
@@ -167,7 +203,7 @@ def _load_lerobot(folder: Path) -> tuple[PI05Config, RobotIO, list]:
     res = c.get("image_resolution", [224, 224])
     if list(res) != [224, 224]:
         raise CheckpointError(f"config.json image_resolution = {res}; PI0.5 uses [224, 224]")
-    cfg = full().with_overrides(
+    cfg = base.with_overrides(
         chunk_size=int(c.get("chunk_size", 50)),
         max_action_dim=int(c.get("max_action_dim", 32)),
         max_state_dim=int(c.get("max_state_dim", 32)),
@@ -226,13 +262,13 @@ def _stats_for(stats: dict[str, np.ndarray], feature: str, mode: str) -> NormSta
 OPENPI_CAMERAS = ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"]
 
 
-def _load_openpi(folder: Path) -> tuple[PI05Config, RobotIO, list]:
+def _load_openpi(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, list]:
     stats_files = sorted(folder.glob("assets/*/norm_stats.json"))
     if len(stats_files) > 1:
         log.warning("several norm_stats.json files; using %s", stats_files[0])
     raw = json.loads(stats_files[0].read_text())
     raw = raw.get("norm_stats", raw)
-    cfg = full()
+    cfg = base
     meta_path = folder / "config.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
