@@ -37,7 +37,8 @@ def attend(q, k, v, allowed):
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     logits = logits.masked_fill(~allowed[:, None], float("-inf"))
-    return torch.softmax(logits, -1) @ v
+    # a query with no allowed key (a padding token) gets zeros; nothing valid ever reads it
+    return torch.softmax(logits, -1).nan_to_num(0.0) @ v
 
 
 def heads(x, n, d):
