@@ -182,7 +182,9 @@ def save_native(adapter: PI05Adapter, folder: str | Path) -> Path:
     state = {k: v.detach().float().cpu().contiguous() for k, v in adapter.module.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"))
     tok_src = adapter.tokenizer.path
-    (folder / tok_src.name).write_bytes(tok_src.read_bytes())
+    # Under the canonical name the loader looks for (the source may be e.g. tiny_tokenizer.json).
+    tok_name = "tokenizer.json" if tok_src.suffix == ".json" else "tokenizer.model"
+    (folder / tok_name).write_bytes(tok_src.read_bytes())
     return folder
 
 
