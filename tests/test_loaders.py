@@ -1,0 +1,279 @@
+"""Checkpoint loaders on tiny checkpoints written in each real layout: LeRobot `pi05` folders,
+openpi PyTorch folders, our native folders. Round trips give identical chunks; any missing,
+extra, mis-shaped or wrongly typed tensor is a CheckpointError naming it; the language-model
+heads are never read."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers.ckpt import EX, PG, published_state, write_lerobot, write_openpi
+
+from phyai_edge.adapters import checkpoint as ckpt_mod
+from phyai_edge.adapters.base import Observation
+from phyai_edge.adapters.checkpoint import CheckpointError
+from phyai_edge.adapters.normalization import NormStats
+from phyai_edge.adapters.pi05.loaders import OPENPI_CAMERAS, detect_format, load_pi05, save_native
+from phyai_edge.engines.eager import EagerEngine
+from phyai_edge.engines.policy import Policy
+
+EMBED = "model." + PG + "model.language_model.embed_tokens.weight"
+
+
+@pytest.fixture
+def adapter(tiny_adapter):
+    """The tiny adapter with non-trivial statistics, so normalisation is exercised."""
+    io = tiny_adapter.io
+    rng = np.random.default_rng(0)
+    q01 = rng.uniform(-3, -0.5, io.state_dim).astype(np.float32)
+    io.state_stats = NormStats("quantile", q01=q01, q99=q01 + rng.uniform(1, 4, io.state_dim).astype(np.float32))
+    a01 = rng.uniform(-2, 0, io.action_dim).astype(np.float32)
+    io.action_stats = NormStats("quantile", q01=a01, q99=a01 + rng.uniform(0.5, 3, io.action_dim).astype(np.float32))
+    return tiny_adapter
+
+
+def _run(adapter, obs, noise):
+    pol = Policy(adapter, EagerEngine(adapter, device="cpu", dtype="float32"))
+    return pol.infer(obs, noise=noise)
+
+
+def _obs(adapter, names=None, seed=0):
+    rng = np.random.default_rng(seed)
+    names = names or adapter.camera_names
+    return Observation({n: rng.integers(0, 256, (120, 160, 3), dtype=np.uint8) for n in names},
+                       rng.uniform(-1, 1, adapter.state_dim).astype(np.float32), "fold the towel")
+
+
+def _assert_same(a, b, obs_a, obs_b, noise):
+    ra, rb = _run(a, obs_a, noise), _run(b, obs_b, noise)
+    assert torch.equal(ra.chunk, rb.chunk)
+    assert np.array_equal(ra.actions, rb.actions)
+
+
+def test_native_round_trip(adapter, tmp_path, noise_for):
+    folder = save_native(adapter, tmp_path / "native")
+    assert detect_format(folder) == "native"
+    loaded = load_pi05(folder)
+    assert loaded.cfg == adapter.cfg
+    assert loaded.io.camera_names == adapter.io.camera_names
+    _assert_same(adapter, loaded, _obs(adapter), _obs(adapter), noise_for(adapter))
+
+
+@pytest.mark.parametrize("vision_layout", ["vision_model.", ""])
+def test_lerobot_round_trip(adapter, tmp_path, noise_for, vision_layout):
+    folder = write_lerobot(adapter, tmp_path / "lerobot", vision_layout=vision_layout)
+    assert detect_format(folder) == "lerobot"
+    loaded = load_pi05(folder, structure="tiny")
+    assert loaded.camera_names == adapter.camera_names
+    assert (loaded.state_dim, loaded.action_dim) == (adapter.state_dim, adapter.action_dim)
+    assert loaded.io.state_stats.mode == loaded.io.action_stats.mode == "quantile"
+    assert not loaded.io.pad_state_in_prompt
+    assert all(p.dtype == torch.float32 and not p.is_meta for p in loaded.module.parameters())
+    _assert_same(adapter, loaded, _obs(adapter), _obs(adapter), noise_for(adapter))
+
+
+def test_lerobot_mean_std_statistics(adapter, tmp_path, noise_for):
+    io = adapter.io
+    io.state_stats = NormStats("mean_std", mean=np.linspace(-1, 1, io.state_dim), std=np.linspace(0.5, 2, io.state_dim))
+    io.action_stats = NormStats("mean_std", mean=np.linspace(1, 2, io.action_dim), std=np.linspace(0.1, 1, io.action_dim))
+    folder = write_lerobot(adapter, tmp_path / "lr", modes={"STATE": "MEAN_STD", "ACTION": "MEAN_STD"})
+    loaded = load_pi05(folder, structure="tiny")
+    assert loaded.io.state_stats.mode == "mean_std"
+    np.testing.assert_array_equal(loaded.io.action_stats.std, io.action_stats.std)
+    _assert_same(adapter, loaded, _obs(adapter), _obs(adapter), noise_for(adapter))
+
+
+def test_openpi_round_trip(adapter, tmp_path, noise_for):
+    folder = write_openpi(adapter, tmp_path / "openpi")
+    assert detect_format(folder) == "openpi"
+    loaded = load_pi05(folder, structure="tiny")
+    assert loaded.camera_names == OPENPI_CAMERAS
+    assert loaded.io.pad_state_in_prompt  # openpi writes the padded state into the prompt
+    adapter.io.pad_state_in_prompt = True
+    noise = noise_for(adapter)
+    ra = _run(adapter, _obs(adapter), noise)
+    rb = _run(loaded, _obs(loaded, OPENPI_CAMERAS), noise)
+    assert torch.equal(ra.chunk, rb.chunk)
+    np.testing.assert_allclose(ra.actions, rb.actions, rtol=0, atol=1e-6)  # stats went through JSON
+
+
+def test_full_structure_is_the_default_and_says_so(adapter, tmp_path):
+    """LeRobot folders do not record their size: without structure= they are read as `full`,
+    and a tiny checkpoint then fails with every mis-shaped tensor named and a hint."""
+    folder = write_lerobot(adapter, tmp_path / "lr")
+    with pytest.raises(CheckpointError) as err:
+        load_pi05(folder)
+    msg = str(err.value)
+    assert "mis-shaped" in msg and "structure=" in msg
+    assert "missing tensors (" in msg  # full has 18 layers, the checkpoint 2
+    assert "model.action_in_proj.weight: checkpoint [32, 32], model [1024, 32]" in msg
+
+
+def test_native_rejects_a_conflicting_structure(adapter, tmp_path):
+    folder = save_native(adapter, tmp_path / "n")
+    assert load_pi05(folder, structure="tiny").cfg == adapter.cfg
+    with pytest.raises(CheckpointError, match="different structure"):
+        load_pi05(folder, structure="full")
+
+
+# -- strictness --------------------------------------------------------------------------
+def _broken(adapter, tmp_path, edit):
+    state = published_state(adapter)
+    edit(state)
+    return write_lerobot(adapter, tmp_path / "broken", state=state)
+
+
+def test_missing_tensor_is_named(adapter, tmp_path):
+    name = "model." + EX + "model.layers.1.mlp.up_proj.weight"
+    folder = _broken(adapter, tmp_path, lambda s: s.pop(name))
+    with pytest.raises(CheckpointError, match="missing tensors \\(1\\)") as err:
+        load_pi05(folder, structure="tiny")
+    assert "expert_layers.1.mlp.up_proj.weight" in str(err.value)
+
+
+def test_extra_tensor_is_named(adapter, tmp_path):
+    extra = "model." + PG + "model.language_model.layers.0.self_attn.rotary.extra"
+    folder = _broken(adapter, tmp_path, lambda s: s.update({extra: torch.zeros(3), "model.state_proj.weight": torch.zeros(2, 2)}))
+    with pytest.raises(CheckpointError, match="unexpected tensors \\(2\\)") as err:
+        load_pi05(folder, structure="tiny")
+    assert extra in str(err.value) and "model.state_proj.weight" in str(err.value)
+
+
+def test_misshaped_tensor_is_named_with_shapes(adapter, tmp_path):
+    name = "model.action_in_proj.weight"
+    folder = _broken(adapter, tmp_path, lambda s: s.update({name: torch.zeros(32, 31)}))
+    with pytest.raises(CheckpointError, match="mis-shaped tensors \\(1\\)") as err:
+        load_pi05(folder, structure="tiny")
+    assert f"{name}: checkpoint [32, 31], model [32, 32]" in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_wrongly_typed_tensor_is_named(adapter, tmp_path, dtype):
+    name = "model.time_mlp_in.bias"
+    folder = _broken(adapter, tmp_path, lambda s: s.update({name: torch.zeros(s[name].shape, dtype=dtype)}))
+    with pytest.raises(CheckpointError, match="wrongly typed tensors \\(1\\)") as err:
+        load_pi05(folder, structure="tiny")
+    assert name in str(err.value)
+
+
+def test_all_problems_reported_at_once(adapter, tmp_path):
+    def edit(s):
+        s.pop("model.action_out_proj.bias")
+        s["model.bogus"] = torch.zeros(1)
+        s["model.time_mlp_out.weight"] = torch.zeros(2, 2)
+    folder = _broken(adapter, tmp_path, edit)
+    with pytest.raises(CheckpointError) as err:
+        load_pi05(folder, structure="tiny")
+    msg = str(err.value)
+    assert "action_out_proj.bias" in msg and "model.bogus" in msg and "model.time_mlp_out.weight" in msg
+
+
+def test_bf16_checkpoint_loads_as_float32(adapter, tmp_path, noise_for):
+    state = {k: v.to(torch.bfloat16) for k, v in published_state(adapter).items()}
+    loaded = load_pi05(write_lerobot(adapter, tmp_path / "bf", state=state), structure="tiny")
+    assert all(p.dtype == torch.float32 for p in loaded.module.parameters())
+    w = adapter.module.action_in_proj.weight
+    assert torch.equal(loaded.module.action_in_proj.weight, w.to(torch.bfloat16).float())
+
+
+# -- language-model heads ----------------------------------------------------------------
+class _Recorder:
+    """Wraps safetensors.safe_open and records which tensors' data or headers were touched."""
+
+    def __init__(self, real):
+        self.real, self.read, self.sliced = real, [], []
+
+    def __call__(self, *a, **kw):
+        handle = self.real(*a, **kw)
+        rec = self
+
+        class H:
+            def __enter__(self):
+                handle.__enter__()
+                return self
+
+            def __exit__(self, *e):
+                return handle.__exit__(*e)
+
+            def keys(self):
+                return handle.keys()
+
+            def get_tensor(self, k):
+                rec.read.append(k)
+                return handle.get_tensor(k)
+
+            def get_slice(self, k):
+                rec.sliced.append(k)
+                return handle.get_slice(k)
+
+        return H()
+
+
+def test_lm_heads_are_skipped_unread(adapter, tmp_path, monkeypatch):
+    folder = write_lerobot(adapter, tmp_path / "lr")
+    rec = _Recorder(ckpt_mod.safe_open)
+    monkeypatch.setattr(ckpt_mod, "safe_open", rec)
+    loaded = load_pi05(folder, structure="tiny")
+    heads = {"model." + PG + "lm_head.weight", "model." + EX + "lm_head.weight"}
+    assert heads.isdisjoint(rec.read) and heads.isdisjoint(rec.sliced)
+    assert len(rec.read) == len(loaded.module.state_dict())  # everything else read exactly once
+    assert EMBED in rec.read
+
+
+def test_tied_embedding_falls_back_to_lm_head(adapter, tmp_path, noise_for, monkeypatch):
+    """Checkpoints saved with tied weights may hold the embedding only as paligemma's lm_head."""
+    def edit(s):
+        s["model." + PG + "lm_head.weight"] = s.pop(EMBED)
+    folder = _broken(adapter, tmp_path, edit)
+    rec = _Recorder(ckpt_mod.safe_open)
+    monkeypatch.setattr(ckpt_mod, "safe_open", rec)
+    loaded = load_pi05(folder, structure="tiny")
+    assert "model." + EX + "lm_head.weight" not in rec.read  # the expert's head is still skipped
+    assert torch.equal(loaded.module.embed_tokens.weight, adapter.module.embed_tokens.weight)
+    _assert_same(adapter, loaded, _obs(adapter), _obs(adapter), noise_for(adapter))
+
+
+# -- folder-level errors ---------------------------------------------------------------------
+def test_folder_errors(adapter, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        detect_format(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="not a PI0.5 checkpoint folder"):
+        detect_format(tmp_path / "empty")
+    bad = tmp_path / "badjson"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        detect_format(bad)
+
+
+def test_missing_tokenizer_is_a_clear_error(adapter, tmp_path):
+    folder = write_lerobot(adapter, tmp_path / "lr", tokenizer=False)
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        load_pi05(folder, structure="tiny")
+    # an explicit tokenizer path works
+    assert load_pi05(folder, structure="tiny", tokenizer=adapter.tokenizer.path).tokenizer.vocab_size > 0
+
+
+def test_lerobot_config_errors(adapter, tmp_path):
+    folder = write_lerobot(adapter, tmp_path / "v", config_extra={"paligemma_variant": "gemma_7b"})
+    with pytest.raises(CheckpointError, match="paligemma_variant"):
+        load_pi05(folder, structure="tiny")
+    folder = write_lerobot(adapter, tmp_path / "r", config_extra={"image_resolution": [256, 256]})
+    with pytest.raises(CheckpointError, match="image_resolution"):
+        load_pi05(folder, structure="tiny")
+    folder = write_lerobot(adapter, tmp_path / "s", modes={"STATE": "MEAN_STD", "ACTION": "QUANTILES"})
+    with pytest.raises(CheckpointError, match="observation.state.mean"):
+        load_pi05(folder, structure="tiny")
+
+
+def test_lerobot_settings_come_from_config(adapter, tmp_path):
+    folder = write_lerobot(adapter, tmp_path / "lr", config_extra={"num_inference_steps": 4,
+                                                                  "tokenizer_max_length": 64})
+    loaded = load_pi05(folder, structure="tiny")
+    assert loaded.solver.num_steps == 4 and loaded.cfg.max_token_len == 64
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["type"] == "pi05"
