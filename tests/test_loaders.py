@@ -241,7 +241,7 @@ def test_folder_errors(adapter, tmp_path):
     with pytest.raises(FileNotFoundError):
         detect_format(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="not a PI0.5 checkpoint folder"):
+    with pytest.raises(CheckpointError, match=r"not a PI0\.5 checkpoint folder"):
         detect_format(tmp_path / "empty")
     bad = tmp_path / "badjson"
     bad.mkdir()
@@ -266,7 +266,7 @@ def test_lerobot_config_errors(adapter, tmp_path):
     with pytest.raises(CheckpointError, match="image_resolution"):
         load_pi05(folder, structure="tiny")
     folder = write_lerobot(adapter, tmp_path / "s", modes={"STATE": "MEAN_STD", "ACTION": "QUANTILES"})
-    with pytest.raises(CheckpointError, match="observation.state.mean"):
+    with pytest.raises(CheckpointError, match=r"observation\.state\.mean"):
         load_pi05(folder, structure="tiny")
 
 

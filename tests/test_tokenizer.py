@@ -83,7 +83,7 @@ def test_missing_files_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer file not found"):
         PromptTokenizer(tmp_path / "nope.json")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="expected one of tokenizer.json, tokenizer.model"):
+    with pytest.raises(FileNotFoundError, match=r"expected one of tokenizer\.json, tokenizer\.model"):
         PromptTokenizer(tmp_path / "empty")
 
 
