@@ -1,0 +1,363 @@
+"""Where measured stage times come from: a `phyai-edge bench --json` file or a daemon's
+Prometheus `/metrics` endpoint. Both parsers are tolerant: unknown keys are ignored, stage names
+have aliases, values may be in ms or s, and a missing stage is simply zero (and reported).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from phyai_edge.roofline.model import StageTimes
+
+# Our stage key -> names a bench file or metric may use for it (compared after normalising).
+STAGE_ALIASES: dict[str, tuple[str, ...]] = {
+    "camera_age": ("camera_age", "frame_age", "image_age", "observation_age", "obs_age"),
+    "preprocess": ("preprocess", "pre_process", "preprocessing"),
+    "vision": ("embed_images", "vision", "vision_encoder", "siglip"),
+    "prefix": ("encode_prefix", "prefix", "prefill"),
+    "denoise_step": ("denoise_step", "flow_step", "expert_step"),
+    "solver_loop": ("solver_loop", "solver", "denoise_loop", "denoise"),
+    "postprocess": ("postprocess", "post_process", "postprocessing"),
+    "transport": ("transport", "publish", "zmq_publish", "network"),
+    "inference": ("inference", "infer", "model", "engine"),
+    "total": ("total", "end_to_end", "e2e", "chunk"),
+}
+_ALIAS_TO_STAGE = {a: k for k, names in STAGE_ALIASES.items() for a in names}
+
+# Preference order of statistics when the asked one is missing.
+STATS = ("p50", "p90", "p95", "p99", "mean", "median", "max", "min")
+
+
+@dataclass
+class Measurement:
+    """Stage times from one measured run, in seconds, plus what was run."""
+
+    label: str
+    stages_s: dict[str, float]  # our stage keys (see STAGE_ALIASES) -> seconds
+    adapter: str | None = None
+    preset: str | None = None
+    device: str | None = None
+    batch: int | None = None
+    views: int | None = None
+    steps: int | None = None
+    precision: str | None = None
+    horizon: int | None = None
+    exec_horizon: int | None = None
+    rate_hz: float | None = None
+    stat: str = "p50"
+    notes: list[str] = field(default_factory=list)
+
+    def stage_times(self, steps: int | None = None) -> StageTimes:
+        """Fold into the model's StageTimes. `steps` rescales the solver (what-if --steps)."""
+        s = self.stages_s
+        n_meas = self.steps or steps or 10
+        n = steps or n_meas
+        if s.get("denoise_step"):
+            step = s["denoise_step"]
+        elif s.get("solver_loop"):
+            step = s["solver_loop"] / n_meas
+        else:
+            step = 0.0
+        vision, prefix = s.get("vision", 0.0), s.get("prefix", 0.0)
+        if not (vision or prefix or step):
+            # Only an aggregate is known: book it all as inference (vision) so d still counts it.
+            agg = s.get("inference") or max(
+                0.0, s.get("total", 0.0) - s.get("preprocess", 0.0) - s.get("postprocess", 0.0)
+            )
+            vision = agg
+        return StageTimes(
+            camera_age_s=s.get("camera_age", 0.0),
+            preprocess_s=s.get("preprocess", 0.0),
+            vision_s=vision,
+            prefix_s=prefix,
+            denoise_step_s=step,
+            steps=n,
+            postprocess_s=s.get("postprocess", 0.0),
+            transport_s=s.get("transport", 0.0),
+        )
+
+
+def normalise_name(name: str) -> str:
+    n = name.strip().lower()
+    n = re.sub(r"^phyai[_-]?edge[_:]", "", n)  # daemon metric prefix
+    n = re.sub(r"[^a-z0-9]+", "_", n).strip("_")
+    return n
+
+
+def stage_key(name: str) -> str | None:
+    """Map a bench/metric stage name to our stage key, or None if it is not a stage."""
+    n = normalise_name(name)
+    for suffix in ("_seconds", "_second", "_ms", "_s", "_latency", "_time", "_duration"):
+        if n.endswith(suffix) and n[: -len(suffix)]:
+            n = n[: -len(suffix)]
+    for prefix in ("stage_", "latency_", "time_"):
+        if n.startswith(prefix) and n[len(prefix) :] in _ALIAS_TO_STAGE:
+            n = n[len(prefix) :]
+    return _ALIAS_TO_STAGE.get(n)
+
+
+def _stat_value(entry: Any, stat: str) -> tuple[float | None, str]:
+    """A stage entry -> (seconds, the statistic used). Accepts a number (ms) or a dict whose keys
+    look like p50_ms, p50, p50_s, mean_ms, median... (values in ms unless the key ends in _s)."""
+    if isinstance(entry, bool):
+        return None, ""
+    if isinstance(entry, (int, float)):
+        return float(entry) / 1e3, "value"
+    if not isinstance(entry, Mapping):
+        return None, ""
+    found: dict[str, float] = {}
+    for k, v in entry.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            continue
+        key = str(k).lower()
+        scale = 1e-3
+        if key.endswith("_ms"):
+            key = key[:-3]
+        elif key.endswith("_us"):
+            key, scale = key[:-3], 1e-6
+        elif key.endswith("_s"):
+            key, scale = key[:-2], 1.0
+        found[key] = float(v) * scale
+    for s in (stat, *STATS):
+        if s in found:
+            return found[s], s
+    return None, ""
+
+
+def parse_bench(data: Any, stat: str = "p50", label: str | None = None) -> list[Measurement]:
+    """A bench JSON document -> one Measurement per run. Accepts one run (a dict with "stages"),
+    a list of runs, or {"runs"/"results": [...]}."""
+    if isinstance(data, list):
+        runs = data
+    elif isinstance(data, Mapping) and isinstance(data.get("runs") or data.get("results"), list):
+        runs = data.get("runs") or data.get("results")
+    else:
+        runs = [data]
+    out = []
+    for i, run in enumerate(runs):
+        if not isinstance(run, Mapping):
+            raise ValueError(f"bench run #{i} is a {type(run).__name__}, expected an object with 'stages'")
+        stages_obj = run.get("stages", run.get("timings"))
+        if not isinstance(stages_obj, Mapping):
+            raise ValueError(f"bench run #{i} has no 'stages' object (keys: {sorted(run)})")
+        m = Measurement(label="", stages_s={}, stat=stat)
+        for name, entry in stages_obj.items():
+            key = stage_key(str(name))
+            if key is None:
+                m.notes.append(f"ignored stage {name!r}")
+                continue
+            value, used = _stat_value(entry, stat)
+            if value is None:
+                m.notes.append(f"stage {name!r} has no usable number")
+                continue
+            if used not in (stat, "value"):
+                m.notes.append(f"{name}: no {stat}, used {used}")
+            m.stages_s[key] = value
+        _fill_run_info(m, run)
+        m.label = label or _default_label(m, i, len(runs))
+        out.append(m)
+    return out
+
+
+def _int_or_none(v: Any) -> int | None:
+    try:
+        return None if v is None else int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _fill_run_info(m: Measurement, run: Mapping[str, Any]) -> None:
+    m.adapter = run.get("adapter") or run.get("model")
+    m.preset = run.get("preset")
+    dev = run.get("device") or run.get("gpu")
+    if isinstance(dev, Mapping):  # {"name": "NVIDIA H200", ...}
+        dev = dev.get("name")
+    m.device = None if dev is None else str(dev)
+    m.batch = _int_or_none(run.get("batch", run.get("batch_size")))
+    m.views = _int_or_none(run.get("views", run.get("num_views")))
+    m.steps = _int_or_none(run.get("steps", run.get("num_steps")))
+    m.precision = run.get("precision") or run.get("dtype")
+    if isinstance(m.precision, str):
+        m.precision = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(m.precision, m.precision)
+    m.horizon = _int_or_none(run.get("horizon", run.get("chunk_size")))
+
+
+def _default_label(m: Measurement, i: int, n: int) -> str:
+    parts = [p for p in (m.device, m.adapter and f"{m.adapter}/{m.preset or '?'}") if p]
+    base = " ".join(parts) or "bench"
+    return f"{base} (measured)" if n == 1 else f"{base} #{i} (measured)"
+
+
+def load_bench(path: str | Path, stat: str = "p50") -> list[Measurement]:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e})") from None
+    return parse_bench(data, stat=stat)
+
+
+# --------------------------------------------------------------------------- Prometheus
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?\s*$")
+_LABEL_RE = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+
+
+def _unescape(v: str) -> str:
+    return v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+
+
+def parse_prometheus(text: str) -> list[Sample]:
+    """The Prometheus text exposition format, version 0.0.4: comments skipped, labels parsed
+    with escapes, values as floats (+Inf, NaN accepted). Malformed lines are skipped."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_RE.match(line)
+        if not m:
+            continue
+        name, label_block, raw = m.groups()
+        labels: dict[str, str] = {}
+        if label_block:
+            body = label_block[1:-1]
+            pos = 0
+            while pos < len(body):
+                lm = _LABEL_RE.match(body, pos)
+                if not lm:
+                    break
+                labels[lm.group(1)] = _unescape(lm.group(2))
+                pos = lm.end()
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        out.append(Sample(name, labels, value))
+    return out
+
+
+def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile: linear interpolation inside the bucket holding rank q."""
+    bs = sorted(buckets)
+    if not bs or bs[-1][1] <= 0:
+        return None
+    total = bs[-1][1]
+    rank = q * total
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in bs:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le  # the quantile lies above the highest finite bound
+            if count == prev_count:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
+        prev_le, prev_count = le, count
+    return bs[-1][0]
+
+
+def _unit_scale(name: str) -> float:
+    n = name.lower()
+    if "_ms" in n or "milliseconds" in n:
+        return 1e-3
+    if "_us" in n or "microseconds" in n:
+        return 1e-6
+    return 1.0  # Prometheus convention: seconds
+
+
+def _metric_stage(sample_name: str, labels: Mapping[str, str]) -> str | None:
+    for lbl in ("stage", "phase", "step", "name"):
+        if lbl in labels:
+            key = stage_key(labels[lbl])
+            if key:
+                return key
+    base = re.sub(r"_(bucket|sum|count)$", "", sample_name)
+    return stage_key(base)
+
+
+def measurement_from_metrics(text: str, stat: str = "p50", label: str = "daemon (measured)") -> Measurement:
+    """Stage times from a daemon's /metrics text. Per stage, in order of preference: a summary
+    quantile, a histogram quantile, a histogram/summary mean (sum / count), a gauge value."""
+    q_wanted = {"p50": 0.5, "median": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}.get(stat, 0.5)
+    quantiles: dict[str, dict[float, float]] = {}
+    buckets: dict[str, dict[float, float]] = {}  # stage -> le -> count, summed over label sets
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    gauges: dict[str, float] = {}
+    m = Measurement(label=label, stages_s={}, stat=stat)
+    for s in parse_prometheus(text):
+        base = normalise_name(s.name)
+        _robot_param(m, base, s.value)
+        key = _metric_stage(s.name, s.labels)
+        if key is None or not math.isfinite(s.value):
+            continue
+        scale = _unit_scale(re.sub(r"_(bucket|sum|count)$", "", s.name))
+        if s.name.endswith("_bucket") and "le" in s.labels:
+            le = float(s.labels["le"]) * scale
+            per_le = buckets.setdefault(key, {})
+            per_le[le] = per_le.get(le, 0.0) + s.value
+        elif s.name.endswith("_sum"):
+            sums[key] = sums.get(key, 0.0) + s.value * scale
+        elif s.name.endswith("_count"):
+            counts[key] = counts.get(key, 0.0) + s.value
+        elif "quantile" in s.labels:
+            quantiles.setdefault(key, {})[float(s.labels["quantile"])] = s.value * scale
+        else:
+            gauges[key] = s.value * scale
+    for key in set(quantiles) | set(buckets) | set(sums) | set(gauges):
+        value, how = None, ""
+        if quantiles.get(key):
+            q = min(quantiles[key], key=lambda x: abs(x - q_wanted))
+            value, how = quantiles[key][q], f"quantile {q}"
+        elif key in buckets:
+            value, how = histogram_quantile(q_wanted, buckets[key].items()), f"histogram q{q_wanted}"
+        if value is None and key in sums and counts.get(key):
+            value, how = sums[key] / counts[key], "mean"
+        if value is None and key in gauges:
+            value, how = gauges[key], "gauge"
+        if value is not None and math.isfinite(value):
+            m.stages_s[key] = value
+            if how not in (f"quantile {q_wanted}", f"histogram q{q_wanted}"):
+                m.notes.append(f"{key}: used {how}")
+    return m
+
+
+def _robot_param(m: Measurement, base: str, value: float) -> None:
+    """Pick up the robot side the daemon exports, whatever it names them."""
+    if not math.isfinite(value):
+        return
+    if base in ("control_rate_hz", "control_rate", "rate_hz"):
+        m.rate_hz = value
+    elif base in ("control_period_seconds", "control_period_s", "period_seconds"):
+        m.rate_hz = 1.0 / value if value > 0 else None
+    elif base in ("chunk_size", "horizon", "prediction_horizon", "rtc_horizon"):
+        m.horizon = int(value)
+    elif base in ("execution_horizon", "exec_horizon", "rtc_execution_horizon", "rtc_exec_horizon"):
+        m.exec_horizon = int(value)
+    elif base in ("num_steps", "flow_steps", "denoise_steps", "solver_steps"):
+        m.steps = int(value)
+
+
+def fetch_metrics(url: str, timeout_s: float = 5.0) -> str:
+    if not re.match(r"^https?://", url):
+        url = "http://" + url
+    if not urllib.parse.urlparse(url).path.strip("/"):
+        url = url.rstrip("/") + "/metrics"
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return r.read().decode("utf-8", "replace")

@@ -1,0 +1,127 @@
+"""`phyai-edge roofline` end to end: table, PNG and JSON in a temporary directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from phyai_edge.cli import main
+
+# The bench schema docs/roofline.md documents (one H200 run, milliseconds).
+BENCH = {
+    "adapter": "pi05",
+    "preset": "full",
+    "device": "NVIDIA H200",
+    "batch": 1,
+    "views": 3,
+    "steps": 10,
+    "precision": "bf16",
+    "stages": {
+        "embed_images": {"p50_ms": 2.0, "p90_ms": 2.5},
+        "encode_prefix": {"p50_ms": 8.0, "p90_ms": 9.0},
+        "denoise_step": {"p50_ms": 0.9, "p90_ms": 1.0},
+        "preprocess": {"p50_ms": 1.5},
+        "postprocess": {"p50_ms": 0.2, "p90_ms": 0.3},
+    },
+}
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = main(["roofline", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_predict_two_devices_png_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png, js = tmp_path / "r.png", tmp_path / "r.json"
+    rc, out, _ = run(
+        [
+            "--device",
+            "orin",
+            "--device",
+            "rtx-pro-6000",
+            "--rate",
+            "50",
+            "--horizon",
+            "50",
+            "--plot",
+            str(png),
+            "--json",
+            str(js),
+        ],
+        capsys,
+    )
+    assert rc == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    report = json.loads(js.read_text())
+    orin, pro = report["points"]
+    assert orin["device"] == "jetson-agx-orin-64gb" and pro["device"] == "rtx-pro-6000"
+    assert report["robot"]["horizon"] == 50 and report["robot"]["s_cap"] == 25
+    assert orin["result"]["delay_ticks"] > pro["result"]["delay_ticks"] >= 1
+    assert orin["stage_times_ms"]["total_ms"] > 5 * pro["stage_times_ms"]["total_ms"]
+    assert set(orin["stages"]) == {"embed_images", "encode_prefix", "denoise_step"}
+    assert orin["stages"]["denoise_step"]["bound"] == "memory"
+    assert "Jetson AGX Orin" in out and "binds" in out and "per-stage prediction" in out
+
+
+def test_bench_point_calibrates_predictions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = tmp_path / "h200.json"
+    bench.write_text(json.dumps(BENCH))
+    rc, out, _ = run(
+        ["--bench", str(bench), "--device", "h200", "--stat", "p50", "--no-plot", "--json", "-"], capsys
+    )
+    assert rc == 0
+    report = json.loads(out)  # --json - prints only JSON
+    assert "calibrated" in report["efficiency"]["source"]
+    measured, predicted = report["points"]
+    assert measured["kind"] == "measured" and predicted["kind"] == "predicted"
+    # Calibrated on the same device and shape, the prediction reproduces the measured model stages.
+    m, p = measured["stage_times_ms"], predicted["stage_times_ms"]
+    for key in ("vision_ms", "prefix_ms", "denoise_step_ms"):
+        assert p[key] == pytest.approx(m[key], rel=0.35), key
+    assert m["preprocess_ms"] == pytest.approx(1.5)
+
+
+def test_what_if_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def total(*flags: str) -> float:
+        rc, out, _ = run(["--device", "thor", "--no-plot", "--json", "-", *flags], capsys)
+        assert rc == 0
+        return json.loads(out)["points"][0]["stage_times_ms"]["total_ms"]
+
+    base = total()
+    assert total("--steps", "5") < base
+    assert total("--views", "1") < base
+    assert total("--precision", "fp8") < base
+    assert total("--batch", "4") > base
+    assert total("--camera-age-ms", "30") == pytest.approx(base + 30)
+
+    rc, out, _ = run(["--device", "orin", "--precision", "fp8", "--no-plot"], capsys)
+    assert rc == 0 and "skipped, no fp8" in out
+
+    rc, out, _ = run(["--device", "orin", "--exec-horizon", "5", "--no-plot", "--json", "-"], capsys)
+    r = json.loads(out)["points"][0]["result"]
+    assert not r["rtc_ok"] and r["binding"] == "inference"
+
+
+def test_bench_what_if_rescales_measured_stages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = tmp_path / "h200.json"
+    bench.write_text(json.dumps(BENCH))
+    rc, out, _ = run(
+        ["--bench", str(bench), "--views", "1", "--stat", "p50", "--no-plot", "--json", "-"], capsys
+    )
+    assert rc == 0
+    m = json.loads(out)["points"][0]["stage_times_ms"]
+    assert m["vision_ms"] < 2.0 and m["prefix_ms"] < 8.0  # fewer views: cheaper vision and prefix
+
+
+def test_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(["--bench", str(tmp_path / "missing.json"), "--no-plot"], capsys)
+    assert rc == 2 and "error" in err
+    rc, _, err = run(["--device", "tpu", "--no-plot"], capsys)
+    assert rc == 2 and "unknown device" in err
+    rc, _, err = run(["--device", "h200", "--exec-horizon", "60", "--no-plot"], capsys)
+    assert rc == 2 and "exec_horizon" in err
+    rc, out, _ = run(["--list-devices"], capsys)
+    assert rc == 0 and "h200-sxm" in out and "sparse" in out

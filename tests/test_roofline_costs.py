@@ -1,0 +1,140 @@
+"""FLOP and byte counts: a config small enough to count by hand, then sanity on the full size."""
+
+from __future__ import annotations
+
+import pytest
+
+from phyai_edge.adapters.pi05.config import GemmaSpec, PI05Config, SiglipSpec, full
+from phyai_edge.roofline.costs import (
+    COST_MODELS,
+    CostModel,
+    StageCost,
+    cost_model,
+    pi05_stage_costs,
+    pi05_weights_bytes,
+    register_cost_model,
+    stage_costs,
+)
+from phyai_edge.roofline.devices import find_device
+
+
+def hand_config() -> PI05Config:
+    return PI05Config(
+        vision=SiglipSpec(image_size=4, patch_size=2, width=4, depth=1, num_heads=2, mlp_dim=8),
+        prefix=GemmaSpec(width=8, depth=1, mlp_dim=16, num_heads=2, num_kv_heads=1, head_dim=4),
+        expert=GemmaSpec(width=4, depth=1, mlp_dim=8, num_heads=2, num_kv_heads=1, head_dim=4),
+        vocab_size=32,
+        chunk_size=3,
+        max_action_dim=2,
+        max_token_len=5,
+        num_steps=2,
+        preset="hand",
+    )
+
+
+def test_hand_counted_flops() -> None:
+    c = pi05_stage_costs(hand_config(), batch=1, views=1, prompt_tokens=5, steps=2)
+    # Vision, 4 tokens of width 4 (2 heads of dim 2):
+    #   patch 2*4*12*4 = 384; qkv 2*4*4*12 = 384; attn 4*4*4*2*2 = 256; out 2*4*4*4 = 128;
+    #   mlp 2*4*4*8 + 2*4*8*4 = 512; projector 2*4*4*8 = 256  -> 1920
+    assert c["embed_images"].flops == 1920
+    # Prefix, 4 image + 5 prompt = 9 tokens, width 8, q 8, kv 4 (x2), mlp 16:
+    #   qkv 2*9*8*16 = 2304; attn 4*9*9*2*4 = 2592; o 2*9*8*8 = 1152; gate+up 2*9*8*32 = 4608;
+    #   down 2*9*16*8 = 2304  -> 12960
+    assert c["encode_prefix"].flops == 12960
+    # Denoise step, 3 action tokens of width 4 attending to 9 + 3 keys:
+    #   in 2*3*2*4 = 48; qkv 2*3*4*16 = 384; attn 4*3*12*2*4 = 1152; o 2*3*8*4 = 192;
+    #   gate+up 2*3*4*16 = 384; down 2*3*8*4 = 192; out 2*3*4*2 = 48  -> 2400
+    assert c["denoise_step"].flops == 2400
+    assert c["solver_loop"].flops == 4800
+    # Attention is the only non-GEMM work: 256, 2592 and 1152 FLOPs.
+    assert c["embed_images"].flops - c["embed_images"].gemm_flops == 256
+    assert c["encode_prefix"].flops - c["encode_prefix"].gemm_flops == 2592
+    assert c["denoise_step"].flops - c["denoise_step"].gemm_flops == 1152
+
+
+def test_hand_counted_bytes() -> None:
+    c = pi05_stage_costs(hand_config(), batch=1, views=1, prompt_tokens=5, steps=2, precision="bf16")
+    # Expert weights: in 2*4 + qkv 4*16 + o 8*4 + gate/up 4*16 + down 8*4 + out 4*2 = 208 params.
+    assert c["denoise_step"].weight_bytes == 208 * 2
+    # Bytes = weights + activations in/out of every GEMM + attention Q/K/V/O + the time table.
+    acts = 3 * (2 + 4) + 3 * (4 + 16) + 3 * (8 + 4) + 3 * (4 + 16) + 3 * (8 + 4) + 3 * (4 + 2)
+    attn = 2 * 3 * 2 * 4 + 2 * 12 * 1 * 4
+    table = (2 * 1 + 1) * 3 * 4
+    assert c["denoise_step"].bytes == 208 * 2 + (acts + attn + table) * 2
+    fp8 = pi05_stage_costs(hand_config(), batch=1, views=1, prompt_tokens=5, steps=2, precision="fp8")
+    assert fp8["denoise_step"].weight_bytes == 208
+    assert fp8["denoise_step"].flops == c["denoise_step"].flops
+
+
+def test_batch_scales_flops_not_weights() -> None:
+    one = pi05_stage_costs(hand_config(), batch=1, views=1, prompt_tokens=5)
+    two = pi05_stage_costs(hand_config(), batch=2, views=1, prompt_tokens=5)
+    for stage in ("embed_images", "encode_prefix", "denoise_step"):
+        assert two[stage].flops == 2 * one[stage].flops
+        assert two[stage].weight_bytes == one[stage].weight_bytes
+        assert two[stage].bytes < 2 * one[stage].bytes
+
+
+def test_views_grow_prefix_quadratically_in_attention() -> None:
+    cfg = hand_config()
+    a = pi05_stage_costs(cfg, views=1, prompt_tokens=0)
+    b = pi05_stage_costs(cfg, views=2, prompt_tokens=0)
+
+    def attn(c: dict[str, StageCost]) -> float:
+        return c["encode_prefix"].flops - c["encode_prefix"].gemm_flops
+
+    assert attn(b) == 4 * attn(a)  # 8 tokens vs 4
+    assert b["embed_images"].flops == 2 * a["embed_images"].flops
+
+
+def test_time_tables_flag_counts_modulation_gemms() -> None:
+    cfg = hand_config()
+    pre = pi05_stage_costs(cfg, views=1, prompt_tokens=5)
+    eager = pi05_stage_costs(cfg, views=1, prompt_tokens=5, time_tables_precomputed=False)
+    # time MLP 2 x (4x4) + 3 adaptive norms x (4 x 12) = 32 + 144 params, on one token.
+    assert eager["denoise_step"].flops - pre["denoise_step"].flops == 2 * (32 + 144)
+    assert eager["denoise_step"].weight_bytes - pre["denoise_step"].weight_bytes == (32 + 144) * 2
+
+
+def test_full_pi05_matches_published_sizes() -> None:
+    cfg = full()
+    params = pi05_weights_bytes(cfg, "bf16") / 2
+    assert 3.0e9 < params < 3.5e9  # PaliGemma 3B + 300M action expert
+    c = stage_costs("pi05", cfg)  # defaults: 3 views, 200 prompt tokens, 10 steps
+    assert cfg.vision.tokens_per_image == 256
+    # Prefix of 3 * 256 + 200 tokens through ~2B non-embedding params: ~2 * 968 * 2e9 FLOPs.
+    assert c["encode_prefix"].flops == pytest.approx(2 * 968 * 2.0e9, rel=0.1)
+    h200 = find_device("h200")
+    # The architecture's claim: the VLM prefix is compute-bound, the action expert at batch 1
+    # is memory-bound.
+    assert c["encode_prefix"].intensity > h200.ridge("bf16")
+    assert c["denoise_step"].intensity < h200.ridge("bf16")
+    assert c["solver_loop"].flops == pytest.approx(10 * c["denoise_step"].flops)
+
+
+def test_registry() -> None:
+    assert cost_model("pi05").name == "pi05"
+    with pytest.raises(ValueError, match="no roofline cost model"):
+        cost_model("not-an-adapter")
+
+    def fake(config: object, batch: int, views: int, prompt_tokens: int, steps: int, precision: str) -> dict:
+        step = StageCost(flops=10.0 * batch, bytes=5.0)
+        return {"embed_images": StageCost(1, 1), "encode_prefix": StageCost(2, 2), "denoise_step": step}
+
+    register_cost_model(
+        CostModel(
+            name="fake",
+            load_config=lambda preset: {"preset": preset},
+            stage_costs=fake,
+            weights_bytes=lambda config, precision: 0.0,
+            defaults=lambda config: {"views": 1, "prompt_tokens": 0, "steps": 4, "horizon": 8},
+        )
+    )
+    try:
+        c = stage_costs("fake", {"preset": "x"}, batch=3)
+        assert c["denoise_step"].flops == 30.0
+    finally:
+        del COST_MODELS["fake"]
+    with pytest.raises(ValueError, match="precision"):
+        pi05_stage_costs(hand_config(), precision="fp4")

@@ -1,0 +1,190 @@
+"""Bench JSON and Prometheus text parsing."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from phyai_edge.roofline.sources import (
+    fetch_metrics,
+    histogram_quantile,
+    load_bench,
+    measurement_from_metrics,
+    parse_bench,
+    parse_prometheus,
+    stage_key,
+)
+
+BENCH = {
+    "adapter": "pi05",
+    "preset": "full",
+    "device": "NVIDIA H200",
+    "batch": 1,
+    "views": 3,
+    "steps": 10,
+    "precision": "bfloat16",
+    "stages": {
+        "embed_images": {"p50_ms": 2.0, "p90_ms": 2.5},
+        "encode_prefix": {"p50_ms": 8.0, "p90_ms": 9.0},
+        "denoise_step": {"p50_ms": 0.9, "p90_ms": 1.0},
+        "solver_loop": {"p50_ms": 9.5, "p90_ms": 10.5},
+        "preprocess": {"p50_ms": 1.5},
+        "postprocess": {"p50_ms": 0.2, "p90_ms": 0.3},
+        "total": {"p50_ms": 21.0, "p90_ms": 23.0},
+        "h2d_copy": {"p50_ms": 0.1},
+    },
+}
+
+
+def test_bench_schema() -> None:
+    (m,) = parse_bench(BENCH, stat="p90")
+    assert m.device == "NVIDIA H200" and m.adapter == "pi05" and m.steps == 10
+    assert m.precision == "bf16"  # torch dtype names are normalised
+    assert m.stages_s["vision"] == pytest.approx(2.5e-3)
+    assert m.stages_s["prefix"] == pytest.approx(9.0e-3)
+    assert m.stages_s["preprocess"] == pytest.approx(1.5e-3)  # no p90: falls back to p50
+    assert any("no p90" in n for n in m.notes)
+    assert any("h2d_copy" in n for n in m.notes)  # unknown stage is reported, not fatal
+    t = m.stage_times()
+    assert t.denoise_step_s == pytest.approx(1.0e-3)  # denoise_step wins over solver_loop / steps
+    assert t.total_s == pytest.approx((1.5 + 2.5 + 9.0 + 10 * 1.0 + 0.3) * 1e-3)
+    assert m.stage_times(steps=5).denoise_total_s == pytest.approx(5e-3)  # what-if --steps
+
+
+def test_bench_tolerates_other_shapes() -> None:
+    # Plain numbers are milliseconds, *_s keys are seconds, only a solver loop is given.
+    doc = {
+        "results": [
+            {
+                "device": {"name": "RTX 4090"},
+                "steps": 5,
+                "stages": {"vision": 3, "prefix_ms": 12.0, "solver_loop": {"mean_s": 0.010}},
+            },
+            {"stages": {"total": {"p50_ms": 40.0}, "preprocess": 2.0}},
+        ]
+    }
+    a, b = parse_bench(doc)
+    assert a.device == "RTX 4090"
+    ta = a.stage_times()
+    assert ta.vision_s == pytest.approx(3e-3) and ta.prefix_s == pytest.approx(12e-3)
+    assert ta.denoise_step_s == pytest.approx(0.002)  # 10 ms over the run's 5 steps
+    tb = b.stage_times()  # only a total: booked as inference minus the known pre-processing
+    assert tb.total_s == pytest.approx(40e-3)
+    assert tb.inference_s == pytest.approx(38e-3)
+
+
+def test_bench_errors(tmp_path) -> None:
+    with pytest.raises(ValueError, match="stages"):
+        parse_bench({"device": "h200"})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_bench(bad)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(BENCH))
+    assert load_bench(good)[0].stages_s["prefix"] == pytest.approx(8e-3)
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("embed_images", "vision"),
+        ("phyai_edge_encode_prefix_seconds", "prefix"),
+        ("phyai-edge:denoise_step_ms", "denoise_step"),
+        ("stage_preprocess_seconds", "preprocess"),
+        ("camera_age_seconds", "camera_age"),
+        ("inference_latency_seconds", "inference"),
+        ("deadline_misses_total", None),
+        ("chunk_size", None),
+    ],
+)
+def test_stage_names(name: str, key: str | None) -> None:
+    assert stage_key(name) == key
+
+
+METRICS = r"""
+# HELP phyai_edge_stage_seconds Time per stage.
+# TYPE phyai_edge_stage_seconds summary
+phyai_edge_stage_seconds{stage="embed_images",quantile="0.5"} 0.002
+phyai_edge_stage_seconds{stage="embed_images",quantile="0.9"} 0.003
+phyai_edge_stage_seconds_sum{stage="embed_images"} 2.2
+phyai_edge_stage_seconds_count{stage="embed_images"} 1000
+phyai_edge_stage_seconds{stage="encode_prefix",quantile="0.5"} 0.008
+phyai_edge_stage_seconds{stage="encode_prefix",quantile="0.9"} 0.010
+# TYPE phyai_edge_solver_loop_seconds histogram
+phyai_edge_solver_loop_seconds_bucket{le="0.005"} 0
+phyai_edge_solver_loop_seconds_bucket{le="0.01"} 40
+phyai_edge_solver_loop_seconds_bucket{le="0.02"} 100
+phyai_edge_solver_loop_seconds_bucket{le="+Inf"} 100
+phyai_edge_solver_loop_seconds_sum 1.1
+phyai_edge_solver_loop_seconds_count 100
+# TYPE phyai_edge_camera_age_seconds gauge
+phyai_edge_camera_age_seconds{camera="wrist \"left\""} 0.015
+phyai_edge_transport_ms 1.5 1712345678000
+phyai_edge_deadline_misses_total 3
+phyai_edge_control_rate_hz 50
+phyai_edge_chunk_size 50
+phyai_edge_rtc_execution_horizon 20
+phyai_edge_num_steps 10
+this line is garbage
+"""
+
+
+def test_parse_prometheus_lines() -> None:
+    samples = parse_prometheus(METRICS)
+    names = [s.name for s in samples]
+    assert "phyai_edge_stage_seconds" in names and "this" not in names
+    cam = next(s for s in samples if s.name == "phyai_edge_camera_age_seconds")
+    assert cam.labels == {"camera": 'wrist "left"'}  # escaped quote inside a label value
+    tx = next(s for s in samples if s.name == "phyai_edge_transport_ms")
+    assert tx.value == 1.5  # the trailing timestamp is not the value
+    inf = next(s for s in samples if s.labels.get("le") == "+Inf")
+    assert inf.value == 100
+
+
+def test_histogram_quantile_by_hand() -> None:
+    buckets = [(0.005, 0), (0.01, 40), (0.02, 100), (float("inf"), 100)]
+    # rank 50 lies in (0.01, 0.02] which holds counts 40..100: 0.01 + 0.01 * 10 / 60
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.01 + 0.01 * 10 / 60)
+    assert histogram_quantile(0.2, buckets) == pytest.approx(0.005 + 0.005 * 20 / 40)
+    assert histogram_quantile(0.5, []) is None
+
+
+def test_measurement_from_metrics() -> None:
+    m = measurement_from_metrics(METRICS, stat="p90")
+    assert m.stages_s["vision"] == pytest.approx(0.003)  # summary quantile 0.9
+    assert m.stages_s["prefix"] == pytest.approx(0.010)
+    assert m.stages_s["solver_loop"] == pytest.approx(0.01 + 0.01 * 50 / 60)  # histogram q0.9
+    assert m.stages_s["camera_age"] == pytest.approx(0.015)
+    assert m.stages_s["transport"] == pytest.approx(0.0015)  # unit taken from the _ms name
+    assert (m.rate_hz, m.horizon, m.exec_horizon, m.steps) == (50, 50, 20, 10)
+    t = m.stage_times()
+    assert t.denoise_step_s == pytest.approx(m.stages_s["solver_loop"] / 10)
+    p50 = measurement_from_metrics(METRICS, stat="p50")
+    assert p50.stages_s["vision"] == pytest.approx(0.002)
+
+
+def test_fetch_metrics_over_http() -> None:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = METRICS.encode() if self.path == "/metrics" else b""
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        text = fetch_metrics(f"127.0.0.1:{port}")  # scheme and /metrics filled in
+        assert "phyai_edge_stage_seconds" in text
+    finally:
+        server.shutdown()
+        server.server_close()
