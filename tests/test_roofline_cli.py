@@ -13,11 +13,13 @@ from phyai_edge.cli import main
 BENCH = {
     "adapter": "pi05",
     "preset": "full",
-    "device": "NVIDIA H200",
+    "backend": "cudagraph",
+    "device": "cuda",
+    "gpu": "NVIDIA H200",
+    "dtype": "bfloat16",
     "batch": 1,
     "views": 3,
     "steps": 10,
-    "precision": "bf16",
     "stages": {
         "embed_images": {"p50_ms": 2.0, "p90_ms": 2.5},
         "encode_prefix": {"p50_ms": 8.0, "p90_ms": 9.0},
@@ -125,3 +127,25 @@ def test_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 2 and "exec_horizon" in err
     rc, out, _ = run(["--list-devices"], capsys)
     assert rc == 0 and "h200-sxm" in out and "sparse" in out
+
+
+@pytest.mark.slow
+def test_real_bench_output_feeds_roofline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The JSON `phyai-edge bench --json` really writes (tiny model, CPU) parses and plots."""
+    pytest.importorskip("torch")
+    assert main(["bench", "--preset", "tiny", "--json", "--iters", "1", "--warmup", "0"]) == 0
+    bench = tmp_path / "tiny.json"
+    bench.write_text(capsys.readouterr().out)
+    png = tmp_path / "tiny.png"
+    rc, out, _ = run(["--bench", str(bench), "--plot", str(png), "--json", "-"], capsys)
+    assert rc == 0 and png.exists()
+    report = json.loads(out)
+    (point,) = report["points"]
+    t = point["stage_times_ms"]
+    assert (
+        point["kind"] == "measured" and t["vision_ms"] > 0 and t["prefix_ms"] > 0 and t["denoise_step_ms"] > 0
+    )
+    assert t["preprocess_ms"] > 0 and t["steps"] == 10
+    # float32 on a CPU is not a modelled precision: reported, and the default efficiency is kept.
+    assert report["efficiency"]["source"].startswith("default")
+    assert any("float32" in n for n in report["notes"])

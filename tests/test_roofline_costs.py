@@ -10,6 +10,7 @@ from phyai_edge.roofline.costs import (
     CostModel,
     StageCost,
     cost_model,
+    pi05_param_counts,
     pi05_stage_costs,
     pi05_weights_bytes,
     register_cost_model,
@@ -19,10 +20,11 @@ from phyai_edge.roofline.devices import find_device
 
 
 def hand_config() -> PI05Config:
+    # Prefix and expert must have equal depth (every prefix layer pairs with an expert layer).
     return PI05Config(
         vision=SiglipSpec(image_size=4, patch_size=2, width=4, depth=1, num_heads=2, mlp_dim=8),
-        prefix=GemmaSpec(width=8, depth=1, mlp_dim=16, num_heads=2, num_kv_heads=1, head_dim=4),
-        expert=GemmaSpec(width=4, depth=1, mlp_dim=8, num_heads=2, num_kv_heads=1, head_dim=4),
+        prefix=GemmaSpec(width=8, depth=2, mlp_dim=16, num_heads=2, num_kv_heads=1, head_dim=4),
+        expert=GemmaSpec(width=4, depth=2, mlp_dim=8, num_heads=2, num_kv_heads=1, head_dim=4),
         vocab_size=32,
         chunk_size=3,
         max_action_dim=2,
@@ -38,32 +40,33 @@ def test_hand_counted_flops() -> None:
     #   patch 2*4*12*4 = 384; qkv 2*4*4*12 = 384; attn 4*4*4*2*2 = 256; out 2*4*4*4 = 128;
     #   mlp 2*4*4*8 + 2*4*8*4 = 512; projector 2*4*4*8 = 256  -> 1920
     assert c["embed_images"].flops == 1920
-    # Prefix, 4 image + 5 prompt = 9 tokens, width 8, q 8, kv 4 (x2), mlp 16:
+    # Prefix, 4 image + 5 prompt = 9 tokens, width 8, q 8, kv 4 (x2), mlp 16. Layer 1 in full:
     #   qkv 2*9*8*16 = 2304; attn 4*9*9*2*4 = 2592; o 2*9*8*8 = 1152; gate+up 2*9*8*32 = 4608;
-    #   down 2*9*16*8 = 2304  -> 12960
-    assert c["encode_prefix"].flops == 12960
-    # Denoise step, 3 action tokens of width 4 attending to 9 + 3 keys:
-    #   in 2*3*2*4 = 48; qkv 2*3*4*16 = 384; attn 4*3*12*2*4 = 1152; o 2*3*8*4 = 192;
-    #   gate+up 2*3*4*16 = 384; down 2*3*8*4 = 192; out 2*3*4*2 = 48  -> 2400
-    assert c["denoise_step"].flops == 2400
-    assert c["solver_loop"].flops == 4800
-    # Attention is the only non-GEMM work: 256, 2592 and 1152 FLOPs.
+    #   down 2*9*16*8 = 2304 -> 12960. Layer 2 (last) only projects QKV for the cache: 2304.
+    assert c["encode_prefix"].flops == 12960 + 2304
+    # Denoise step, 3 action tokens of width 4 attending to 9 + 3 keys, per layer:
+    #   qkv 2*3*4*16 = 384; attn 4*3*12*2*4 = 1152; o 2*3*8*4 = 192; gate+up 2*3*4*16 = 384;
+    #   down 2*3*8*4 = 192 -> 2304; plus in 2*3*2*4 = 48 and out 2*3*4*2 = 48.
+    assert c["denoise_step"].flops == 48 + 2 * 2304 + 48
+    assert c["solver_loop"].flops == 2 * 4704
+    # Attention is the only non-GEMM work.
     assert c["embed_images"].flops - c["embed_images"].gemm_flops == 256
     assert c["encode_prefix"].flops - c["encode_prefix"].gemm_flops == 2592
-    assert c["denoise_step"].flops - c["denoise_step"].gemm_flops == 1152
+    assert c["denoise_step"].flops - c["denoise_step"].gemm_flops == 2 * 1152
 
 
 def test_hand_counted_bytes() -> None:
     c = pi05_stage_costs(hand_config(), batch=1, views=1, prompt_tokens=5, steps=2, precision="bf16")
-    # Expert weights: in 2*4 + qkv 4*16 + o 8*4 + gate/up 4*16 + down 8*4 + out 4*2 = 208 params.
-    assert c["denoise_step"].weight_bytes == 208 * 2
-    # Bytes = weights + activations in/out of every GEMM + attention Q/K/V/O + the time table.
-    acts = 3 * (2 + 4) + 3 * (4 + 16) + 3 * (8 + 4) + 3 * (4 + 16) + 3 * (8 + 4) + 3 * (4 + 2)
-    attn = 2 * 3 * 2 * 4 + 2 * 12 * 1 * 4
-    table = (2 * 1 + 1) * 3 * 4
-    assert c["denoise_step"].bytes == 208 * 2 + (acts + attn + table) * 2
+    # Expert weights: in 2*4 + 2 layers x (qkv 4*16 + o 8*4 + gate/up 4*16 + down 8*4) + out 4*2 = 400.
+    assert c["denoise_step"].weight_bytes == 400 * 2
+    # Bytes = weights + each GEMM's input and output once + attention Q/K/V/O + the time table.
+    per_layer_acts = 3 * (4 + 16) + 3 * (8 + 4) + 3 * (4 + 16) + 3 * (8 + 4)
+    acts = 3 * (2 + 4) + 2 * per_layer_acts + 3 * (4 + 2)
+    attn = 2 * (2 * 3 * 2 * 4 + 2 * 12 * 1 * 4)  # Q and O of 3 queries; K and V of 12 keys
+    table = (2 * 2 + 1) * 3 * 4  # scale/shift/gate for 2 norms per layer + the final norm
+    assert c["denoise_step"].bytes == 400 * 2 + (acts + attn + table) * 2
     fp8 = pi05_stage_costs(hand_config(), batch=1, views=1, prompt_tokens=5, steps=2, precision="fp8")
-    assert fp8["denoise_step"].weight_bytes == 208
+    assert fp8["denoise_step"].weight_bytes == 400
     assert fp8["denoise_step"].flops == c["denoise_step"].flops
 
 
@@ -92,15 +95,15 @@ def test_time_tables_flag_counts_modulation_gemms() -> None:
     cfg = hand_config()
     pre = pi05_stage_costs(cfg, views=1, prompt_tokens=5)
     eager = pi05_stage_costs(cfg, views=1, prompt_tokens=5, time_tables_precomputed=False)
-    # time MLP 2 x (4x4) + 3 adaptive norms x (4 x 12) = 32 + 144 params, on one token.
-    assert eager["denoise_step"].flops - pre["denoise_step"].flops == 2 * (32 + 144)
-    assert eager["denoise_step"].weight_bytes - pre["denoise_step"].weight_bytes == (32 + 144) * 2
+    # time MLP 2 x (4x4) + 5 adaptive norms x (4 x 12) = 32 + 240 params, on one token.
+    assert eager["denoise_step"].flops - pre["denoise_step"].flops == 2 * (32 + 240)
+    assert eager["denoise_step"].weight_bytes - pre["denoise_step"].weight_bytes == (32 + 240) * 2
 
 
 def test_full_pi05_matches_published_sizes() -> None:
     cfg = full()
-    params = pi05_weights_bytes(cfg, "bf16") / 2
-    assert 3.0e9 < params < 3.5e9  # PaliGemma 3B + 300M action expert
+    params = pi05_weights_bytes(cfg, "bf16", time_tables_precomputed=False) / 2
+    assert 3.2e9 < params < 3.5e9  # PaliGemma 3B + 300M action expert (+ adaptive-norm weights)
     c = stage_costs("pi05", cfg)  # defaults: 3 views, 200 prompt tokens, 10 steps
     assert cfg.vision.tokens_per_image == 256
     # Prefix of 3 * 256 + 200 tokens through ~2B non-embedding params: ~2 * 968 * 2e9 FLOPs.
@@ -138,3 +141,23 @@ def test_registry() -> None:
         del COST_MODELS["fake"]
     with pytest.raises(ValueError, match="precision"):
         pi05_stage_costs(hand_config(), precision="fp4")
+
+
+def test_weight_counts_match_the_real_module() -> None:
+    """The config-derived counts against the adapter's own PI05Model, built on the meta device."""
+    torch = pytest.importorskip("torch")
+    from phyai_edge.adapters.pi05.model import PI05Model
+
+    cfg = full()
+    with torch.device("meta"):
+        model = PI05Model(cfg)
+    # Weight matrices only (Linear / Conv2d / Embedding .weight); norms and biases are not counted.
+    n = sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Embedding))
+    )
+    # The learned position embedding of SigLIP is an Embedding too, not a GEMM: add it to ours.
+    ours = sum(pi05_param_counts(cfg, time_tables_precomputed=False).values())
+    pos = cfg.vision.tokens_per_image * cfg.vision.width
+    assert n == ours + pos

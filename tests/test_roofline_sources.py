@@ -21,11 +21,14 @@ from phyai_edge.roofline.sources import (
 BENCH = {
     "adapter": "pi05",
     "preset": "full",
-    "device": "NVIDIA H200",
+    "backend": "cudagraph",
+    "device": "cuda",
+    "gpu": "NVIDIA H200",
+    "dtype": "bfloat16",
     "batch": 1,
     "views": 3,
     "steps": 10,
-    "precision": "bfloat16",
+    "prompt_tokens": 48,
     "stages": {
         "embed_images": {"p50_ms": 2.0, "p90_ms": 2.5},
         "encode_prefix": {"p50_ms": 8.0, "p90_ms": 9.0},
@@ -33,6 +36,7 @@ BENCH = {
         "solver_loop": {"p50_ms": 9.5, "p90_ms": 10.5},
         "preprocess": {"p50_ms": 1.5},
         "postprocess": {"p50_ms": 0.2, "p90_ms": 0.3},
+        "engine": {"p50_ms": 19.3, "p90_ms": 21.0},
         "total": {"p50_ms": 21.0, "p90_ms": 23.0},
         "h2d_copy": {"p50_ms": 0.1},
     },
@@ -41,8 +45,10 @@ BENCH = {
 
 def test_bench_schema() -> None:
     (m,) = parse_bench(BENCH, stat="p90")
-    assert m.device == "NVIDIA H200" and m.adapter == "pi05" and m.steps == 10
+    assert m.device == "NVIDIA H200"  # the GPU name, not bench's generic "cuda"
+    assert m.adapter == "pi05" and m.steps == 10 and m.backend == "cudagraph"
     assert m.precision == "bf16"  # torch dtype names are normalised
+    assert m.stages_s["inference"] == pytest.approx(21.0e-3)  # "engine" is the aggregate
     assert m.stages_s["vision"] == pytest.approx(2.5e-3)
     assert m.stages_s["prefix"] == pytest.approx(9.0e-3)
     assert m.stages_s["preprocess"] == pytest.approx(1.5e-3)  # no p90: falls back to p50
@@ -74,6 +80,12 @@ def test_bench_tolerates_other_shapes() -> None:
     tb = b.stage_times()  # only a total: booked as inference minus the known pre-processing
     assert tb.total_s == pytest.approx(40e-3)
     assert tb.inference_s == pytest.approx(38e-3)
+
+
+def test_bench_float32_cpu_run_is_not_calibratable() -> None:
+    (m,) = parse_bench({"device": "cpu", "gpu": None, "dtype": "float32", "stages": {"embed_images": 5.0}})
+    assert m.device == "cpu" and m.precision is None and not m.calibratable
+    assert any("float32" in n for n in m.notes)
 
 
 def test_bench_errors(tmp_path) -> None:

@@ -132,9 +132,12 @@ def _as_measured(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **shape})
 
 
-def _costs(m: dict[str, Any]) -> dict[str, Any]:
+def _costs(m: dict[str, Any], eager: bool = False) -> dict[str, Any]:
+    """Stage costs for the settings in `m`. `eager`: the run had no precomputed time tables
+    (the eager backend runs the adaptive-norm GEMMs every step); only PI0.5 has that option."""
     from phyai_edge.roofline.costs import stage_costs
 
+    options = {"time_tables_precomputed": False} if eager and m["adapter"] == "pi05" else {}
     return stage_costs(
         m["adapter"],
         m["config"],
@@ -143,6 +146,7 @@ def _costs(m: dict[str, Any]) -> dict[str, Any]:
         prompt_tokens=m["prompt_tokens"],
         steps=m["steps"],
         precision=m["precision"],
+        **options,
     )
 
 
@@ -156,8 +160,9 @@ def _calibration_from(meas: Any, args: argparse.Namespace, notes: list[str]) -> 
     from phyai_edge.roofline.devices import find_device
     from phyai_edge.roofline.predict import calibrate
 
-    if not meas.device:
-        notes.append(f"{meas.label}: no device in the bench file, cannot calibrate on it")
+    if not meas.device or not meas.calibratable:
+        why = "no device in it" if not meas.device else f"precision not modelled ({meas.notes[-1]})"
+        notes.append(f"{meas.label}: not used for calibration ({why})")
         return None
     try:
         dev = find_device(meas.device)
@@ -167,7 +172,8 @@ def _calibration_from(meas: Any, args: argparse.Namespace, notes: list[str]) -> 
         if not any(measured.values()):
             notes.append(f"{meas.label}: no per-stage model times, cannot calibrate on it")
             return None
-        return calibrate(_costs(m), dev, m["precision"], measured, label=f"{meas.label}")
+        costs = _costs(m, eager=meas.backend == "eager")
+        return calibrate(costs, dev, m["precision"], measured, label=f"{meas.label}")
     except ValueError as e:
         notes.append(f"{meas.label}: not used for calibration ({e})")
         return None
@@ -190,8 +196,9 @@ def _what_if(meas: Any, args: argparse.Namespace, notes: list[str]) -> Any:
         if not meas.device:
             notes.append(f"{meas.label}: device unknown, what-if ratios taken on H200 SXM")
         dev = find_device(dev_name)
-        p0 = predict_stages(_costs(base), dev, base["precision"])
-        p1 = predict_stages(_costs(new), dev, new["precision"])
+        eager = meas.backend == "eager"
+        p0 = predict_stages(_costs(base, eager), dev, base["precision"])
+        p1 = predict_stages(_costs(new, eager), dev, new["precision"])
     except ValueError as e:
         notes.append(f"{meas.label}: what-if not applied ({e})")
         return times

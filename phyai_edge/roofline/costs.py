@@ -153,8 +153,10 @@ def stage_costs(
     prompt_tokens: int | None = None,
     steps: int | None = None,
     precision: str = "bf16",
+    **options: Any,
 ) -> dict[str, StageCost]:
-    """Look up the adapter's cost function and fill unset arguments from its defaults."""
+    """Look up the adapter's cost function and fill unset arguments from its defaults.
+    `options` go to the adapter's function as they are (e.g. PI0.5's time_tables_precomputed)."""
     m = cost_model(adapter)
     dflt = m.defaults(config)
     return m.stage_costs(
@@ -164,6 +166,7 @@ def stage_costs(
         prompt_tokens=dflt["prompt_tokens"] if prompt_tokens is None else prompt_tokens,
         steps=dflt["steps"] if steps is None else steps,
         precision=precision,
+        **options,
     )
 
 
@@ -211,8 +214,10 @@ def pi05_stage_costs(
 
     n_prefix = views * t_img + prompt
     prefix = table_read(batch * prompt * p.width, wb)  # embedding rows of the prompt tokens
-    for _ in range(p.depth):
+    for _ in range(p.depth - 1):
         prefix = prefix + gemma_layer(p, n_prefix, n_prefix, batch, wb)
+    # The expert reads only the prefix KV cache, so the last layer stops after its QKV projection.
+    prefix = prefix + linear(batch * n_prefix, p.width, (p.num_heads + 2 * p.num_kv_heads) * p.head_dim, wb)
 
     h = config.chunk_size
     n_act = batch * h
@@ -236,13 +241,32 @@ def pi05_stage_costs(
     }
 
 
-def pi05_weights_bytes(config: Any, precision: str) -> float:
-    """Resident weights: everything the stages read plus the whole embedding table."""
-    wb = weight_bytes(precision)
-    costs = pi05_stage_costs(config, batch=1, views=1, prompt_tokens=0, steps=1, precision=precision)
-    per_call = costs["embed_images"].weight_bytes + costs["encode_prefix"].weight_bytes
-    per_call += costs["denoise_step"].weight_bytes
-    return per_call + config.vocab_size * config.prefix.width * wb
+def pi05_param_counts(config: Any, time_tables_precomputed: bool = True) -> dict[str, int]:
+    """Weight-matrix parameters per part (biases and norm scales left out, as in the stage counts).
+    With precomputed time tables the adaptive-norm and time-MLP weights are not resident."""
+    v, p, e = config.vision, config.prefix, config.expert
+
+    def gemma(spec: Any) -> int:
+        qkv = spec.width * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        return qkv + spec.num_heads * spec.head_dim * spec.width + 3 * spec.width * spec.mlp_dim
+
+    counts = {
+        "vision": v.patch_size**2 * 3 * v.width + v.depth * (4 * v.width**2 + 2 * v.width * v.mlp_dim),
+        "projector": v.width * p.width,
+        "embed_tokens": config.vocab_size * p.width,
+        "prefix_layers": p.depth * gemma(p),
+        "expert_layers": e.depth * gemma(e),
+        "action_proj": 2 * config.max_action_dim * e.width,
+    }
+    if not time_tables_precomputed:
+        counts["time_mlp"] = 2 * e.width * e.width
+        counts["adaptive_norms"] = (2 * e.depth + 1) * e.width * 3 * e.width
+    return counts
+
+
+def pi05_weights_bytes(config: Any, precision: str, time_tables_precomputed: bool = True) -> float:
+    """Resident weights: every layer (including the whole embedding table) at `precision`."""
+    return sum(pi05_param_counts(config, time_tables_precomputed).values()) * weight_bytes(precision)
 
 
 def _pi05_load(preset: str) -> Any:

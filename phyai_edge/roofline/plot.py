@@ -37,7 +37,7 @@ def plot_roofline(points: Sequence[PlotPoint], robot: RobotParams, path: str | P
     hi = max([ridge_ms * 10, *[x * 3 for x in lat_ms]])
     x = np.geomspace(lo, hi, 400)
 
-    fig, ax = plt.subplots(figsize=(9, 6), dpi=110)
+    fig, ax = plt.subplots(figsize=(10, 7), dpi=100)
     roof = np.minimum(f_phys, s_cap / (x / 1e3)) if s_cap > 0 else np.zeros_like(x)
     s_txt = "s free" if robot.exec_horizon is None else f"s = {robot.exec_horizon}"
     ax.plot(
@@ -83,30 +83,54 @@ def plot_roofline(points: Sequence[PlotPoint], robot: RobotParams, path: str | P
     if abs(rate - f_phys) > 1e-9:
         ax.axhline(rate, color="tab:blue", ls="-.", lw=1, label=f"requested {rate:g} Hz")
 
+    # Points crowd on the roof (every fast device sits at f_phys): number them, alternate the
+    # numbers above and below the marker, and list the details in a box instead of at the point.
     seen: set[str] = set()
-    for i, p in enumerate(points):
+    listing = []
+    order = sorted(range(len(points)), key=lambda i: points[i].result.latency_s)
+    for rank, i in enumerate(order):
+        p = points[i]
         r = p.result
         lx = max(r.latency_s * 1e3, lo)
         y = max(min(r.rate_hz, r.achievable_rate_hz), 1e-3)
         key = f"binds: {r.binding}"
+        color = _COLORS.get(r.binding, "black")
         ax.scatter(
             [lx],
             [y],
             s=70,
             marker="o" if p.measured else "D",
-            facecolors=_COLORS.get(r.binding, "black") if p.measured else "white",
-            edgecolors=_COLORS.get(r.binding, "black"),
+            facecolors=color if p.measured else "white",
+            edgecolors=color,
             linewidths=2,
             zorder=5,
             label=None if key in seen else key,
         )
         seen.add(key)
         ax.annotate(
-            f"{p.label}\nd={r.delay_ticks}, {r.achievable_rate_hz:.3g} Hz max",
+            str(rank + 1),
             (lx, y),
-            xytext=(8, -14 - 10 * (i % 3)),
+            xytext=(0, 9 if rank % 2 == 0 else -17),
             textcoords="offset points",
-            fontsize=7.5,
+            ha="center",
+            fontsize=8,
+            fontweight="bold",
+        )
+        listing.append(
+            f"{rank + 1:>2}  {p.label}: L {r.latency_s * 1e3:.1f} ms, d {r.delay_ticks}, "
+            f"max {r.achievable_rate_hz:.3g} Hz, {r.binding}"
+        )
+    if listing:
+        ax.text(
+            0.01,
+            0.01,
+            "\n".join(listing),
+            transform=ax.transAxes,
+            fontsize=7,
+            family="monospace",
+            va="bottom",
+            ha="left",
+            bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85, "edgecolor": "lightgrey"},
         )
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -114,14 +138,14 @@ def plot_roofline(points: Sequence[PlotPoint], robot: RobotParams, path: str | P
     ymin = min(
         [f_phys / 30, *[max(min(p.result.rate_hz, p.result.achievable_rate_hz), 1e-3) / 2 for p in points]]
     )
-    ax.set_ylim(ymin, f_phys * 3)
+    ax.set_ylim(ymin / 4, f_phys * 4)  # room below for the listing, above for the legend
     ax.set_xlabel(
         "end-to-end latency L = camera age + pre + vision + prefix + N·denoise + post + transport (ms)"
     )
     ax.set_ylabel("achievable control rate (Hz)")
     ax.set_title(title or "Control-Time Roofline")
     ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper right")
     ax.text(
         0.99,
         0.01,

@@ -52,6 +52,8 @@ class Measurement:
     horizon: int | None = None
     exec_horizon: int | None = None
     rate_hz: float | None = None
+    backend: str | None = None
+    calibratable: bool = True  # False when the run's precision is not one the cost model has
     stat: str = "p50"
     notes: list[str] = field(default_factory=list)
 
@@ -174,19 +176,34 @@ def _int_or_none(v: Any) -> int | None:
         return None
 
 
+_GENERIC_DEVICES = ("cpu", "cuda", "meta", "gpu", "mps")
+_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float8_e4m3fn": "fp8", "int8": "int8"}
+
+
 def _fill_run_info(m: Measurement, run: Mapping[str, Any]) -> None:
     m.adapter = run.get("adapter") or run.get("model")
     m.preset = run.get("preset")
-    dev = run.get("device") or run.get("gpu")
+    # `phyai-edge bench` writes device "cuda" / "cuda:0" and the GPU's name under "gpu".
+    dev = run.get("device")
     if isinstance(dev, Mapping):  # {"name": "NVIDIA H200", ...}
         dev = dev.get("name")
+    if dev is None or str(dev).split(":")[0].lower() in _GENERIC_DEVICES:
+        dev = run.get("gpu") or dev
     m.device = None if dev is None else str(dev)
+    m.backend = run.get("backend")
     m.batch = _int_or_none(run.get("batch", run.get("batch_size")))
     m.views = _int_or_none(run.get("views", run.get("num_views")))
     m.steps = _int_or_none(run.get("steps", run.get("num_steps")))
-    m.precision = run.get("precision") or run.get("dtype")
-    if isinstance(m.precision, str):
-        m.precision = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(m.precision, m.precision)
+    prec = run.get("precision") or run.get("dtype")
+    if isinstance(prec, str):
+        prec = _DTYPES.get(prec.lower().removeprefix("torch."), prec.lower())
+        if prec not in ("bf16", "fp16", "fp8", "int8"):
+            m.notes.append(
+                f"precision {prec!r} is not modelled (bf16, fp16, fp8, int8): not used to calibrate"
+            )
+            m.calibratable = False
+            prec = None
+    m.precision = prec
     m.horizon = _int_or_none(run.get("horizon", run.get("chunk_size")))
 
 
