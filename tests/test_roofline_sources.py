@@ -109,6 +109,8 @@ def test_bench_errors(tmp_path) -> None:
         ("stage_preprocess_seconds", "preprocess"),
         ("camera_age_seconds", "camera_age"),
         ("inference_latency_seconds", "inference"),
+        ("phyai_inference_seconds", "inference"),  # the daemon's own prefix is phyai_
+        ("phyai_tick_lateness_seconds", None),
         ("deadline_misses_total", None),
         ("chunk_size", None),
     ],
@@ -200,3 +202,37 @@ def test_fetch_metrics_over_http() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_real_daemon_metrics_endpoint() -> None:
+    """The daemon's own Metrics class (prometheus-client) served on loopback, read back by us."""
+    pytest.importorskip("prometheus_client")
+    import socket
+
+    from phyai_edge.control.metrics import Metrics
+
+    with socket.socket() as sock:  # a free port; the tiny race with serve() is acceptable here
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    metrics = Metrics()
+    assert metrics.serve("127.0.0.1", port)
+    for _ in range(10):
+        metrics.stage_seconds.labels("preprocess").observe(0.0015)
+        metrics.stage_seconds.labels("embed_images").observe(0.003)
+        metrics.stage_seconds.labels("encode_prefix").observe(0.008)
+        metrics.stage_seconds.labels("solver_loop").observe(0.012)
+        metrics.stage_seconds.labels("denoise_step").observe(0.0012)
+        metrics.stage_seconds.labels("postprocess").observe(0.0004)
+        metrics.inference_seconds.observe(0.030)
+    metrics.rtc_delay.set(2)
+    m = measurement_from_metrics(fetch_metrics(f"http://127.0.0.1:{port}/metrics"), stat="p50")
+    # Histogram buckets (1, 2, 5, 10, 20, 50 ms ...): every sample of a stage sits in one bucket,
+    # so the interpolated median is the bucket's midpoint.
+    assert m.stages_s["vision"] == pytest.approx(0.0035)  # in (2, 5] ms
+    assert m.stages_s["prefix"] == pytest.approx(0.0075)  # in (5, 10] ms
+    assert m.stages_s["solver_loop"] == pytest.approx(0.015)  # in (10, 20] ms
+    assert m.stages_s["inference"] == pytest.approx(0.035)  # in (20, 50] ms
+    assert m.delay_ticks == 2
+    t = m.stage_times()
+    assert t.denoise_step_s == pytest.approx(0.0015)  # denoise_step histogram, (1, 2] ms
+    assert t.transport_s >= 0 and "transport" in m.stages_s

@@ -438,6 +438,12 @@ def main(args: argparse.Namespace) -> int:
 
     for p in points:
         p.result = analyze(p.times, robot)
+    for p, meas in zip(points, measurements):
+        if meas.delay_ticks is not None:
+            # The daemon's own d is the ground truth the model's ceil(L / T) should match.
+            n = f"{p.label}: daemon measured d = {meas.delay_ticks:g} ticks, model d = {p.result.delay_ticks}"
+            p.notes.append(n)
+            notes.append(n)
 
     s_txt = "free" if robot.exec_horizon is None else str(robot.exec_horizon)
     title = (

@@ -54,6 +54,7 @@ class Measurement:
     rate_hz: float | None = None
     backend: str | None = None
     calibratable: bool = True  # False when the run's precision is not one the cost model has
+    delay_ticks: float | None = None  # d as the daemon measured it (phyai_rtc_delay_ticks)
     stat: str = "p50"
     notes: list[str] = field(default_factory=list)
 
@@ -89,7 +90,7 @@ class Measurement:
 
 def normalise_name(name: str) -> str:
     n = name.strip().lower()
-    n = re.sub(r"^phyai[_-]?edge[_:]", "", n)  # daemon metric prefix
+    n = re.sub(r"^phyai(?:[_-]?edge)?[_:]", "", n)  # daemon metric prefix: phyai_ (or phyai_edge_)
     n = re.sub(r"[^a-z0-9]+", "_", n).strip("_")
     return n
 
@@ -321,6 +322,8 @@ def measurement_from_metrics(text: str, stat: str = "p50", label: str = "daemon 
     for s in parse_prometheus(text):
         base = normalise_name(s.name)
         _robot_param(m, base, s.value)
+        if s.name.endswith("_created"):  # prometheus-client's creation timestamps, not timings
+            continue
         key = _metric_stage(s.name, s.labels)
         if key is None or not math.isfinite(s.value):
             continue
@@ -352,7 +355,28 @@ def measurement_from_metrics(text: str, stat: str = "p50", label: str = "daemon 
             m.stages_s[key] = value
             if how not in (f"quantile {q_wanted}", f"histogram q{q_wanted}"):
                 m.notes.append(f"{key}: used {how}")
+    _worker_overhead_as_transport(m)
     return m
+
+
+def _worker_overhead_as_transport(m: Measurement) -> None:
+    """The daemon's worker times the whole job (`inference`) around the policy's own stages; the
+    difference is moving the observation and the chunk across the worker pipe: transport.
+    Percentiles do not add, so this is an estimate; it is never negative."""
+    s = m.stages_s
+    if "transport" in s or "inference" not in s:
+        return
+    step = s.get("solver_loop") or s.get("denoise_step", 0.0) * (m.steps or 10)
+    parts = (
+        s.get("preprocess", 0.0)
+        + s.get("vision", 0.0)
+        + s.get("prefix", 0.0)
+        + step
+        + s.get("postprocess", 0.0)
+    )
+    if parts > 0:
+        s["transport"] = max(0.0, s["inference"] - parts)
+        m.notes.append(f"transport: worker time minus its stages, {s['transport'] * 1e3:.2f} ms")
 
 
 def _robot_param(m: Measurement, base: str, value: float) -> None:
@@ -369,6 +393,8 @@ def _robot_param(m: Measurement, base: str, value: float) -> None:
         m.exec_horizon = int(value)
     elif base in ("num_steps", "flow_steps", "denoise_steps", "solver_steps"):
         m.steps = int(value)
+    elif base in ("rtc_delay_ticks", "rtc_delay", "delay_ticks"):
+        m.delay_ticks = value
 
 
 def fetch_metrics(url: str, timeout_s: float = 5.0) -> str:
