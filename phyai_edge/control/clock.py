@@ -8,9 +8,11 @@ can keep the chunk aligned with time.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import select
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +27,8 @@ class Tick:
     slot: int  # index of the deadline on the grid (skipped slots included)
     deadline_ns: int
     wake_ns: int
-    slots_advanced: int  # 1 normally; more when earlier slots were missed
+    slots_advanced: int  # 1 normally; more when earlier slots were missed; 0 when interrupted
+    interrupted: bool = False  # woken early by the interrupt fd (a signal): no slot consumed
 
     @property
     def lateness_ns(self) -> int:
@@ -72,14 +75,27 @@ class PeriodicClock:
     def deadline(self, slot: int) -> int:
         return self.start_ns + slot * self.period_ns
 
-    def wait(self, stop_check=None) -> Tick:
-        """Sleep to the next deadline (coarse sleep, then spin the last `spin_ns`)."""
+    def wait(self, interrupt_fd: int | None = None) -> Tick:
+        """Sleep to the next deadline (coarse sleep, then spin the last `spin_ns`).
+
+        With `interrupt_fd` (the read end of signal.set_wakeup_fd's pipe) the coarse sleep is a
+        select() that returns as soon as a signal arrives, so SIGTERM is handled at once instead
+        of at the next deadline.
+        """
         target_slot = self.slot + 1
         deadline = self.deadline(target_slot)
         now = time.monotonic_ns()
         remaining = deadline - now - self.spin_ns
         if remaining > 0:
-            time.sleep(remaining / 1e9)
+            if interrupt_fd is None:
+                time.sleep(remaining / 1e9)
+            else:
+                readable, _, _ = select.select([interrupt_fd], [], [], remaining / 1e9)
+                if readable:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(interrupt_fd, 512)
+                    now = time.monotonic_ns()
+                    return Tick(self.slot, now, now, 0, interrupted=True)
         while True:
             now = time.monotonic_ns()
             if now >= deadline:

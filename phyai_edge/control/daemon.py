@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -115,12 +116,18 @@ class Daemon:
         self.realtime = realtime
         self.status_line_wanted = status_line
         self.notifier = notifier or Notifier()
-        self.context = context
+        import zmq
+
+        # Our own context, terminated at shutdown: term() is what waits (up to the linger) for the
+        # final HOLD to leave the socket before the process exits.
+        self._own_context = context is None
+        self.context = context if context is not None else zmq.Context()
         self.stats = DaemonStats()
         self.metrics = Metrics()
         self._stop = threading.Event()
         self._stop_requested_ns = 0
         self._started = threading.Event()
+        self._wakeup_fd: int | None = None
         self.info: PolicyInfo | None = None
         self.worker: Any = None
         self.cameras: dict[str, CameraSource] = {}
@@ -218,6 +225,12 @@ class Daemon:
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
+        # The C-level handler writes a byte here; the clock's select() wakes on it at once.
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._wakeup_fd = r
 
     def wait_started(self, timeout: float | None = None) -> bool:
         return self._started.wait(timeout)
@@ -270,7 +283,9 @@ class Daemon:
         m = self.metrics
 
         while True:
-            tick = clock.wait()
+            tick = clock.wait(self._wakeup_fd)
+            if tick.interrupted and not self._stop.is_set():
+                continue  # a signal that is not a stop request (or its handler has not run yet)
             now_s = tick.wake_ns / 1e9
             flags = 0
             stop = self._stop.is_set() or (end_ns is not None and tick.wake_ns >= end_ns) or (
@@ -480,9 +495,11 @@ class Daemon:
         if self.state is not None:
             self.state.stop()
         if self.publisher is not None:
-            self.publisher.close(linger_ms=max(50, round(self.cfg.robot.period_s * 1000)))
+            self.publisher.close(linger_ms=max(10, round(self.cfg.robot.period_s * 1000)))
         if self.recorder is not None:
             self.recorder.close()
+        if self._own_context:
+            self.context.term()
         self.notifier.close()
 
     def summary(self) -> dict[str, Any]:

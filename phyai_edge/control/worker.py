@@ -112,6 +112,8 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
         for name, img in job.images.items():
             if img is not None and job.bgr.get(name):
                 img = np.ascontiguousarray(img[..., ::-1])
+            elif img is not None and not img.flags.writeable:
+                img = img.copy()  # frames are shared read-only views; the policy gets its own
             images[name] = img
         obs = Observation(images=images, state=job.state, prompt=job.prompt, timestamp=job.timestamp)
         rtc = None
