@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 def image_to_float_chw(img: np.ndarray | torch.Tensor, name: str) -> torch.Tensor:
     """uint8 HWC (as cameras give it) or float CHW/HWC in [0, 1] -> float32 CHW in [0, 1]."""
-    t = torch.as_tensor(np.ascontiguousarray(img) if isinstance(img, np.ndarray) else img)
+    # A copy: camera buffers are often read-only views, and torch must not alias them.
+    t = torch.from_numpy(np.array(img, copy=True)) if isinstance(img, np.ndarray) else img
     if t.ndim != 3:
         raise ValueError(f"camera {name!r}: expected a 3-D image (HWC or CHW), got shape {tuple(t.shape)}")
     if t.dtype == torch.uint8:
