@@ -45,7 +45,11 @@ def integrate(
     dt = solver.dt
     batch = noise.shape[0]
     mode = rtc.mode if rtc is not None else "none"
-    for i, t in enumerate(solver.times()):
+    times = solver.times()
+    # The time after each step; the last is exactly t_end (t_start + n * dt accumulates rounding,
+    # which would leave an inpainted prefix a few ulps off the executing chunk).
+    next_times = [*times[1:], solver.t_end]
+    for i, t in enumerate(times):
         tt = torch.full((batch,), t, dtype=torch.float32, device=noise.device)
         if mode in ("guided", "guided-approx"):
             v = rtc_velocity(velocity, x, tt, t, rtc)
@@ -54,7 +58,7 @@ def integrate(
         x = x + dt * v
         if mode == "inpaint":
             # Put the fixed prefix where the straight noise->target path is at the next time.
-            t_next = t + dt
+            t_next = next_times[i]
             d = rtc.delay
             x = x.clone()
             x[:, :d] = t_next * noise[:, :d] + (1.0 - t_next) * rtc.target[:, :d]
