@@ -182,14 +182,14 @@ def test_discretize_matches_formula_and_saturates():
 
 
 def test_pad_state_in_prompt(tiny_adapter, make_obs, monkeypatch):
-    """openpi writes the state padded to the action width (32 values, pads at bin 128);
-    LeRobot writes only the robot's values."""
+    """With the flag, the state is written padded to the action width (32 values, pads at bin
+    128); without it (LeRobot, openpi PI0.5) only the robot's values."""
     obs = make_obs(tiny_adapter, prompt="stack")
-    lerobot = _prompt_of(tiny_adapter, obs, monkeypatch)
+    plain = _prompt_of(tiny_adapter, obs, monkeypatch)
     tiny_adapter.io.pad_state_in_prompt = True
-    openpi = _prompt_of(tiny_adapter, obs, monkeypatch)
-    lr_vals = lerobot.split("State: ")[1].split(";")[0].split()
-    op_vals = openpi.split("State: ")[1].split(";")[0].split()
+    padded = _prompt_of(tiny_adapter, obs, monkeypatch)
+    lr_vals = plain.split("State: ")[1].split(";")[0].split()
+    op_vals = padded.split("State: ")[1].split(";")[0].split()
     assert len(lr_vals) == 14 and len(op_vals) == 32
     assert op_vals[:14] == lr_vals and op_vals[14:] == ["128"] * 18
 

@@ -36,7 +36,8 @@ class RobotIO:
     action_dim: int
     state_stats: NormStats
     action_stats: NormStats
-    # openpi pads the state to the action width before writing it into the prompt; LeRobot does not.
+    # Write the state padded to the action width into the prompt (older openpi robot transforms
+    # padded the state before tokenising). Neither LeRobot nor openpi's PI0.5 pipeline does this.
     pad_state_in_prompt: bool = False
     default_prompt: str = ""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -287,6 +287,9 @@ def _load_openpi(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, l
         action_dim=len(a["q01" if mode == "quantile" else "mean"]),
         state_stats=NormStats(mode, s.get("mean"), s.get("std"), s.get("q01"), s.get("q99")),
         action_stats=NormStats(mode, a.get("mean"), a.get("std"), a.get("q01"), a.get("q99")),
-        pad_state_in_prompt=True,
+        # openpi's PI0.5 model transforms tokenise the prompt (TokenizePrompt) before padding
+        # (PadStatesAndActions), and its robot input transforms no longer pad the state, so the
+        # prompt carries the robot's own state dims, as in LeRobot.
+        pad_state_in_prompt=False,
     )
     return cfg, io, PI_KEY_RULES
