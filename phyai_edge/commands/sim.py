@@ -1,0 +1,162 @@
+"""`phyai-edge sim`: a simulated ALOHA robot process for the daemon (see phyai_edge/sim, docs/sim.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+HELP = "a simulated ALOHA robot process that talks to the daemon over ZeroMQ"
+DESCRIPTION = """Run gym-aloha's MuJoCo ALOHA arm pair as a robot with its own 50 Hz clock: it
+publishes joint state and camera frames over ZeroMQ (docs/protocol.md) and applies the daemon's
+newest action every step, holding its last target on HOLD. Endpoints, rates and cameras come
+from the daemon's config, so both sides read the same file. Needs the `sim` extra.
+
+SIGUSR1 stops the camera stream, SIGUSR2 restarts it; Ctrl-C ends the run.
+
+Examples:
+  phyai-edge sim --config adapters/pi05_aloha.toml --log run.npz
+  phyai-edge sim --config adapters/pi05_aloha.toml --duration 20 --camera-outage 8:2 --log run.npz
+  phyai-edge sim --report run.npz --plot run.png --roofline-json loop.json --metrics-file metrics.txt
+"""
+
+
+def _outage(text: str) -> tuple[float, float]:
+    try:
+        start, length = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:LENGTH in seconds, got {text!r}") from None
+    if start < 0 or length <= 0:
+        raise argparse.ArgumentTypeError(f"expected START >= 0 and LENGTH > 0, got {text!r}")
+    return start, length
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="the daemon's TOML (endpoints, control rate, zmq cameras); "
+                   "default: adapters/pi05_aloha.toml's endpoints")
+    p.add_argument("--task", default="transfer_cube", choices=["transfer_cube", "insertion"])
+    p.add_argument("--seed", type=int, default=0, help="object placement (gym-aloha's sampler)")
+    p.add_argument("--duration", type=float, default=0.0, help="seconds to run; 0: until Ctrl-C")
+    p.add_argument("--render-every", type=int, default=None,
+                   help="render every N control steps (default: control rate / camera fps)")
+    p.add_argument("--size", default=None, metavar="WxH", help="override every camera's image size, e.g. 320x240")
+    p.add_argument("--shadows", action="store_true", help="render shadows and reflections (slow on a CPU)")
+    p.add_argument("--samples", type=int, default=0, help="offscreen multisampling (0: off)")
+    p.add_argument("--camera-outage", type=_outage, action="append", default=[], metavar="START:LENGTH",
+                   help="stop the camera stream for LENGTH s at START s (repeatable)")
+    p.add_argument("--log", metavar="NPZ", help="save every step, action and frame to this file")
+    p.add_argument("--summary", metavar="FILE", help="write the run's summary as JSON ('-': stdout)")
+    p.add_argument("--report-every", type=float, default=5.0, help="seconds between status lines (0: off)")
+    rep = p.add_argument_group("report (analyse a saved --log instead of running)")
+    rep.add_argument("--report", metavar="NPZ", help="analyse a log: sequence, latency, camera age, HOLDs")
+    rep.add_argument("--plot", metavar="PNG", help="joint trajectories and timing as a chart")
+    rep.add_argument("--roofline-json", metavar="FILE", help="stage times for `phyai-edge roofline --bench`")
+    rep.add_argument("--metrics-file", metavar="TXT", help="the daemon's /metrics text, for inference times")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _write_json(data: object, where: str) -> None:
+    text = json.dumps(data, indent=2, default=float)
+    if where == "-":
+        print(text)
+    else:
+        with open(where, "w") as f:
+            f.write(text + "\n")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s.%(msecs)03d %(levelname)-7s %(message)s", datefmt="%H:%M:%S")
+    log = logging.getLogger("phyai_edge.sim")
+    if args.report:
+        from phyai_edge.sim.report import analyse, load_log, plot_run, roofline_bench
+
+        run = load_log(args.report)
+        metrics = Path(args.metrics_file).read_text() if args.metrics_file else None
+        result = analyse(run, metrics)
+        _write_json(result, args.summary or "-")
+        if args.plot:
+            plot_run(run, result, args.plot)
+            log.info("plot: %s", args.plot)
+        if args.roofline_json:
+            _write_json(roofline_bench(result), args.roofline_json)
+            log.info("roofline input: %s (phyai-edge roofline --bench %s)", args.roofline_json, args.roofline_json)
+        return 0
+
+    # Headless by default: EGL needs no X server and no extra system packages. Must be set
+    # before mujoco is imported; a user's own MUJOCO_GL (osmesa, glfw) wins.
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    try:
+        import gym_aloha  # noqa: F401
+        import mujoco  # noqa: F401
+    except ImportError as exc:
+        log.error("the simulator needs the `sim` extra: pip install 'phyai-edge[sim]' (%s)", exc)
+        return 2
+
+    from phyai_edge.control.config import ConfigError, load_config
+    from phyai_edge.sim.aloha import RenderSettings
+    from phyai_edge.sim.robot import CameraStream, SimRobot, SimSettings, settings_from_config
+
+    render = RenderSettings(shadows=args.shadows, reflections=args.shadows, samples=args.samples)
+    common = {"task": args.task, "seed": args.seed, "duration_s": args.duration, "render": render,
+              "report_every_s": args.report_every, "camera_outages": args.camera_outage}
+    if args.config:
+        try:
+            cfg = load_config(args.config)
+        except ConfigError as exc:
+            log.error("configuration: %s", exc)
+            return 2
+        settings = settings_from_config(cfg, render_every=args.render_every, **common)
+    else:
+        settings = SimSettings(cameras=[CameraStream("top", "top", "tcp://127.0.0.1:5560")], **common)
+        if args.render_every:
+            settings.render_every = args.render_every
+    if args.size:
+        try:
+            w, h = (int(x) for x in args.size.lower().split("x"))
+        except ValueError:
+            log.error("--size: expected WxH like 640x480, got %r", args.size)
+            return 2
+        for cam in settings.cameras:
+            cam.width, cam.height = w, h
+
+    try:
+        robot = SimRobot(settings, log_data=bool(args.log))
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    for cam in settings.cameras:
+        ms = robot.sim.time_render(cam.mujoco_camera, cam.width, cam.height) * 1e3
+        log.info("camera %s: %dx%d on %s, %.1f ms per frame (MUJOCO_GL=%s, shadows %s, %d samples)",
+                 cam.name, cam.width, cam.height, cam.endpoint, ms, os.environ.get("MUJOCO_GL"),
+                 "on" if render.shadows else "off", render.samples)
+    robot.install_signal_handlers()
+    try:
+        robot.open()
+    except Exception as exc:
+        log.error("cannot open the sockets: %s", exc)
+        robot.close()
+        return 1
+    try:
+        summary = robot.run()
+    finally:
+        robot.close()
+    log.info(
+        "stopped: %d steps at %.2f Hz (%d late), %d actions received, %d applied, %d HOLD, "
+        "%d seq gaps (%d lost), %d repeats, %d frames",
+        summary["steps"], summary["rate_hz"], summary["late_steps"], summary["received"], summary["applied"],
+        summary["hold_messages"], summary["seq_gaps"], summary["seq_lost"], summary["seq_repeats"], summary["frames"],
+    )
+    if args.log:
+        meta = {"task": settings.task, "control_hz": settings.control_hz, "render_every": settings.render_every,
+                "cameras": [c.__dict__ for c in settings.cameras], "config": args.config or "",
+                "camera_max_age_ms": settings.camera_max_age_ms, "summary": summary}
+        robot.log.save(args.log, meta)
+        log.info("log: %s", args.log)
+    if args.summary:
+        _write_json(summary, args.summary)
+    sys.stdout.flush()
+    return 0

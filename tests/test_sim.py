@@ -1,0 +1,165 @@
+"""The simulated robot's parts, without the daemon: physics and camera, HOLD handling, sequence
+checks, and the ALOHA deployment config."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from phyai_edge.control.config import check_against_policy, load_config, parse_config
+from phyai_edge.control.protocol import ActionHeader, Flag, encode_actions
+from phyai_edge.sim import launch
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ALOHA = launch.ALOHA_CONFIG
+
+
+def test_aloha_config_fits_the_tiny_pi05_and_the_sim() -> None:
+    cfg = load_config(ALOHA)
+    # The built-in tiny PI0.5: H = 50, 14 actions, 14 state values, three camera slots.
+    check_against_policy(cfg, 50, 14, 14, ["top", "left_wrist", "right_wrist"])
+    assert cfg.robot.action_dim == 14 and cfg.robot.state_dim == 14
+    assert [c.source for c in cfg.cameras.values()] == ["zmq"]
+    from phyai_edge.sim.robot import settings_from_config
+
+    s = settings_from_config(cfg)
+    assert s.render_every == 2  # 25 fps frames at 50 Hz
+    assert s.state_endpoint == cfg.state.endpoint
+    assert s.action_endpoint == cfg.publish.endpoint and not s.action_bind
+    assert [(c.name, c.mujoco_camera, c.width, c.height) for c in s.cameras] == [("top", "top", 640, 480)]
+    assert s.camera_max_age_ms == 250.0
+
+
+def test_loop_config_moves_ports_and_stays_valid(tmp_path: Path) -> None:
+    path = tmp_path / "loop.toml"
+    ports = launch.loop_config(path, safety={"camera_max_age_ms": 300.0}, clock={"priority": 0})
+    data = tomllib.loads(path.read_text())
+    assert data["publish"]["endpoint"] == f"tcp://127.0.0.1:{ports['action']}"
+    assert data["cameras"]["top"]["endpoint"] == f"tcp://127.0.0.1:{ports['camera']}"
+    assert data["safety"]["camera_max_age_ms"] == 300.0
+    assert data["robot"]["limits"]["max_rate"] == 3.0  # nested tables survive the round trip
+    cfg = parse_config(data)
+    assert cfg.state.endpoint == f"tcp://127.0.0.1:{ports['state']}"
+
+
+def test_seq_checker_counts_gaps_repeats_and_sessions() -> None:
+    from phyai_edge.sim.robot import SeqChecker
+
+    def h(seq: int, session: int = 7) -> ActionHeader:
+        return ActionHeader(seq, 0, 0, 0, 0, 0, 1, 14, session=session)
+
+    c = SeqChecker()
+    assert c.check(h(5)) is None  # the first message we hear sets the start
+    assert c.check(h(6)) is None
+    assert "gap" in c.check(h(9))
+    assert "repeated" in c.check(h(9))
+    assert c.check(h(0, session=8)) is None  # a restarted daemon starts again
+    assert (c.gaps, c.lost, c.repeats, c.sessions) == (1, 2, 1, 2)
+
+
+needs_sim = pytest.mark.skipif(
+    importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gym_aloha") is None,
+    reason="needs the `sim` extra (gym-aloha, mujoco)",
+)
+
+
+@needs_sim
+def test_physics_follows_a_target_and_the_camera_renders() -> None:
+    from phyai_edge.sim.aloha import AlohaSim
+
+    sim = AlohaSim("transfer_cube", seed=0)
+    try:
+        q0 = sim.joint_state()
+        assert q0.shape == (14,) and q0.dtype == np.float32
+        target = q0.copy()
+        target[[1, 8]] += 0.4  # both shoulders
+        for _ in range(50):  # one second
+            sim.step(target)
+        q = sim.joint_state()
+        assert abs(q[1] - target[1]) < 0.05 and abs(q[8] - target[8]) < 0.05
+        assert abs(q[0] - q0[0]) < 0.01  # the waist was told to stay
+        image = sim.render("top", 320, 240)
+        assert image.shape == (240, 320, 3) and image.dtype == np.uint8
+        assert image.std() > 5  # a scene, not a blank buffer
+        with pytest.raises(ValueError, match="14 values"):
+            sim.step(np.zeros(7))
+    finally:
+        sim.close()
+
+
+@needs_sim
+def test_sim_applies_the_newest_action_and_holds_its_own_target_on_hold(tmp_path: Path) -> None:
+    """A stand-in daemon publishes motion, then HOLD with a different payload, then SHUTDOWN:
+    the sim must keep the last motion target through HOLD and log contiguous sequence numbers."""
+    import zmq
+
+    from phyai_edge.sim.robot import SimRobot, SimSettings
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    settings = SimSettings(
+        state_endpoint=f"tcp://127.0.0.1:{launch.free_port()}",
+        action_endpoint=f"tcp://127.0.0.1:{port}",
+        cameras=[],
+        report_every_s=0,
+        duration_s=30.0,
+    )
+    robot = SimRobot(settings, context=ctx)
+    robot.open()
+    thread = threading.Thread(target=robot.run, daemon=True)
+    thread.start()
+    start = robot.sim.target.astype(np.float32)
+    seq = 0
+
+    def send(values: np.ndarray, flags: int = 0) -> None:
+        nonlocal seq
+        header = ActionHeader(seq, time.monotonic_ns(), time.time_ns(), time.monotonic_ns(), 1, seq, 1, 14, flags, 42)
+        pub.send_multipart(encode_actions(b"action", header, values[None]))
+        seq += 1
+        time.sleep(0.02)
+
+    try:
+        # Until the SUB has joined (ZeroMQ drops messages before that), hold the start pose.
+        deadline = time.monotonic() + 20
+        while robot.received == 0 and time.monotonic() < deadline:
+            send(start, Flag.HOLD | Flag.WARMUP)
+        assert robot.received > 0, "the sim never received an action"
+        motion = start.copy()
+        for k in range(25):
+            motion = start.copy()
+            motion[1] += 0.01 * k
+            send(motion)
+        last_motion = motion.copy()
+        for _ in range(25):
+            send(np.full(14, 0.5, np.float32), Flag.HOLD | Flag.STALE)  # a payload the sim must ignore
+        send(np.zeros(14, np.float32), Flag.HOLD | Flag.SHUTDOWN)
+        time.sleep(0.1)
+    finally:
+        robot.stop()
+        thread.join(10)
+        robot.close()
+        pub.close(0)
+        ctx.term()
+
+    lg = robot.log
+    rx_flags = np.asarray(lg.rx_flags)
+    assert np.all(np.diff(lg.rx_seq) == 1), "received seqs are not contiguous"
+    first_hold = int(np.flatnonzero((rx_flags & Flag.STALE) != 0)[0])
+    hold_step = lg.rx_step[first_hold]
+    targets = np.asarray(lg.target)
+    np.testing.assert_allclose(targets[hold_step:], np.broadcast_to(last_motion, targets[hold_step:].shape))
+    assert all(lg.hold[hold_step:])
+    applied = [s for s in lg.applied_seq if s >= 0]
+    assert applied == sorted(applied) and len(applied) >= 10
+    assert robot.seq.gaps == 0 and robot.seq.repeats == 0
