@@ -9,19 +9,22 @@ commands, a HOLD within the camera age limit that the sim really held, and recov
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import time
 from pathlib import Path
 
 import pytest
+import zmq
 
-pytest.importorskip("mujoco")
-pytest.importorskip("gym_aloha")
-zmq = pytest.importorskip("zmq")
+# find_spec, not importorskip: importing mujoco at collection would fix its GL backend before
+# the sim code sets MUJOCO_GL=egl for tests that render in this process.
+if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gym_aloha") is None:
+    pytest.skip("needs the `sim` extra (gym-aloha, mujoco)", allow_module_level=True)
 
-from phyai_edge.control.protocol import Flag, decode_actions  # noqa: E402
-from phyai_edge.sim import launch  # noqa: E402
-from phyai_edge.sim.report import analyse, load_log, outages  # noqa: E402
+from phyai_edge.control.protocol import Flag, decode_actions
+from phyai_edge.sim import launch
+from phyai_edge.sim.report import analyse, load_log, outages
 
 # Generous on a loaded 2-core machine: the tiny model, the clock, the sim and its renderer share
 # two cores. The limits bound how long the checks wait, not how fast things must be.
