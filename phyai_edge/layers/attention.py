@@ -41,11 +41,23 @@ def attention_ref(
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
-    """Same contract as `attention_ref`, through `scaled_dot_product_attention`."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        # enable_gqa is not supported by every SDPA backend or by ONNX export; an expand is a view.
-        b, h, t, d = k.shape
-        k = k[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
-        v = v[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_full_rows(mask), scale=scale)
+    """Same contract as `attention_ref`, through `scaled_dot_product_attention`.
+
+    With grouped KV heads the query heads that share a KV head are folded into the query
+    length, (B, Hkv, groups * Tq, D), instead of copying K and V `groups` times: for PI0.5
+    (8 query heads, 1 KV head) that copy would move more bytes per denoise step than the
+    attention itself. The result is the same function (each query row sees the same keys).
+    """
+    b, hq, tq, d = q.shape
+    hkv = k.shape[1]
+    groups = hq // hkv
+    mask = _full_rows(mask)
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    qf = q.reshape(b, hkv, groups * tq, d)
+    if mask.shape[1] == 1 and mask.shape[2] == 1:
+        mf = mask  # key-only mask: broadcasts over the folded query axis as it is
+    else:
+        mf = mask.expand(b, hq, tq, mask.shape[-1]).reshape(b, hkv, groups * tq, mask.shape[-1])
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf, scale=scale)
+    return out.reshape(b, hq, tq, d)

@@ -12,7 +12,7 @@ from torch import nn
 
 from phyai_edge.layers.attention import attention
 from phyai_edge.layers.mlp import GatedMLP
-from phyai_edge.layers.norm import AdaRMSNorm, RMSNorm
+from phyai_edge.layers.norm import AdaRMSNorm, Modulation, RMSNorm
 from phyai_edge.layers.rotary import apply_rope
 
 
@@ -24,15 +24,27 @@ class GemmaAttention(nn.Module):
         self.k_proj = nn.Linear(width, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(width, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, width, bias=False)
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """One matmul for q, k and v (see `layers.fused.concat_linears`)."""
+        from phyai_edge.layers.fused import attach_unregistered, concat_linears
+
+        attach_unregistered(self, "qkv_proj", concat_linears([self.q_proj, self.k_proj, self.v_proj]))
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, W) -> q (B, H, T, D), k, v (B, Hkv, T, D), RoPE applied to q and k."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv_proj is not None:
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([nq, nkv, nkv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -66,7 +78,7 @@ class GemmaBlock(nn.Module):
             self.input_layernorm = AdaRMSNorm(width, cond_dim, eps)
             self.post_attention_layernorm = AdaRMSNorm(width, cond_dim, eps)
 
-    def _norm(self, norm: nn.Module, x: torch.Tensor, cond: torch.Tensor | None):
+    def _norm(self, norm: nn.Module, x: torch.Tensor, cond: torch.Tensor | Modulation | None):
         if self.adaptive:
             return norm(x, cond)
         return norm(x), None
@@ -76,8 +88,9 @@ class GemmaBlock(nn.Module):
         return x + y if gate is None else x + y * gate
 
     def project_kv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cond: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cond: torch.Tensor | Modulation | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`cond`: the time conditioning, or the input norm's precomputed modulation."""
         h, gate = self._norm(self.input_layernorm, x, cond)
         q, k, v = self.self_attn.qkv(h, cos, sin)
         return q, k, v, gate
@@ -90,9 +103,11 @@ class GemmaBlock(nn.Module):
         v_all: torch.Tensor,
         mask: torch.Tensor,
         gate: torch.Tensor | None,
-        cond: torch.Tensor | None = None,
+        cond: torch.Tensor | Modulation | None = None,
     ) -> torch.Tensor:
-        """Attention over (k_all, v_all), gated residual, MLP, gated residual."""
+        """Attention over (k_all, v_all), gated residual, MLP, gated residual.
+
+        `cond`: the time conditioning, or the post-attention norm's precomputed modulation."""
         x = self._residual(x, self.self_attn.attend(q, k_all, v_all, mask), gate)
         h, gate2 = self._norm(self.post_attention_layernorm, x, cond)
         h = h.to(self.mlp.up_proj.weight.dtype)

@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# (scale, shift, gate), each (B or 1, 1, dim): what AdaRMSNorm.modulation returns.
+Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) with the statistic in float32. Returns float32."""
@@ -56,8 +59,9 @@ class AdaRMSNorm(nn.Module):
         scale, shift, gate = mod.chunk(3, dim=-1)
         return scale, shift, gate
 
-    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale, shift, gate = self.modulation(cond)
+    def forward(self, x: torch.Tensor, cond: torch.Tensor | Modulation) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cond` is the conditioning vector, or its `modulation` already computed (a table entry)."""
+        scale, shift, gate = cond if isinstance(cond, tuple) else self.modulation(cond)
         return ada_rms_norm_ref(x, scale, shift, self.eps), gate.to(x.dtype)
 
 

@@ -21,15 +21,24 @@ class SiglipAttention(nn.Module):
         self.k_proj = nn.Linear(width, width)
         self.v_proj = nn.Linear(width, width)
         self.out_proj = nn.Linear(width, width)
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        from phyai_edge.layers.fused import attach_unregistered, concat_linears
+
+        attach_unregistered(self, "qkv_proj", concat_linears([self.q_proj, self.k_proj, self.v_proj]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, w = x.shape
         h = self.num_heads
 
         def heads(y: torch.Tensor) -> torch.Tensor:
-            return y.view(b, t, h, w // h).transpose(1, 2)
+            return y.reshape(b, t, h, w // h).transpose(1, 2)
 
-        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        if self.qkv_proj is not None:
+            q, k, v = (heads(y) for y in self.qkv_proj(x).chunk(3, dim=-1))
+        else:
+            q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         mask = torch.ones(1, 1, 1, t, dtype=torch.bool, device=x.device).expand(b, 1, t, t)
         out = attention(q, k, v, mask)
         return self.out_proj(out.transpose(1, 2).reshape(b, t, w))

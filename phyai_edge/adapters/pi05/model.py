@@ -21,7 +21,7 @@ from torch import nn
 
 from phyai_edge.adapters.pi05.config import PI05Config
 from phyai_edge.layers.gemma import GemmaBlock
-from phyai_edge.layers.norm import AdaRMSNorm, LayerNorm, RMSNorm
+from phyai_edge.layers.norm import AdaRMSNorm, LayerNorm, Modulation, RMSNorm
 from phyai_edge.layers.rotary import rope_cos_sin
 from phyai_edge.layers.siglip import SiglipVisionTower
 
@@ -64,6 +64,10 @@ class PI05Model(nn.Module):
         self.time_mlp_out = nn.Linear(e.width, e.width)
         self.time_embed_fp64 = True
         self.compute_dtype = torch.float32
+        # Fast path: mask keys only (B, 1, 1, T). Every valid token's output is unchanged (padding
+        # keys are masked either way); only padding rows, which nothing reads, differ. It lets
+        # attention kernels broadcast one small mask instead of reading a (T x T) one per layer.
+        self.attend_keys_only = False
 
     # -- precision -------------------------------------------------------------------------
     def set_precision(self, dtype: torch.dtype) -> PI05Model:
@@ -115,7 +119,10 @@ class PI05Model(nn.Module):
         x, mask = self.embed_prefix(image_embeds, image_mask, tokens, token_mask)
         positions = torch.cumsum(mask.long(), dim=1) - 1
         cos, sin = rope_cos_sin(positions, p.head_dim, p.rope_theta, self.compute_dtype)
-        pair_mask = (mask[:, None, :, None] & mask[:, None, None, :])
+        if self.attend_keys_only:
+            pair_mask = mask[:, None, None, :]
+        else:
+            pair_mask = mask[:, None, :, None] & mask[:, None, None, :]
         ks, vs = [], []
         last = len(self.prefix_layers) - 1
         for i, layer in enumerate(self.prefix_layers):
@@ -135,6 +142,18 @@ class PI05Model(nn.Module):
         h = F.silu(self.time_mlp_in(emb.to(self.time_mlp_in.weight.dtype)))
         return F.silu(self.time_mlp_out(h))
 
+    def time_modulation(self, t: torch.Tensor) -> tuple[list[tuple[Modulation, Modulation]], Modulation]:
+        """Every adaptive norm's (scale, shift, gate) at flow time t (B,): per expert layer the
+        (input, post-attention) pair, then the final norm's. They depend on t alone, so an
+        engine can tabulate them once for the solver's time grid (`denoise_step(modulation=)`)
+        instead of reading 37 conditioning matrices on every step."""
+        cond = self.time_condition(t)
+        per_layer = [
+            (layer.input_layernorm.modulation(cond), layer.post_attention_layernorm.modulation(cond))
+            for layer in self.expert_layers
+        ]
+        return per_layer, self.expert_norm.modulation(cond)
+
     def denoise_step(
         self,
         x_t: torch.Tensor,
@@ -142,28 +161,32 @@ class PI05Model(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         prefix_mask: torch.Tensor,
+        modulation: tuple[list[tuple[Modulation, Modulation]], Modulation] | None = None,
     ) -> torch.Tensor:
-        """x_t (B, H, D) at flow time t (B,) -> velocity (B, H, D) float32."""
+        """x_t (B, H, D) at flow time t (B,) -> velocity (B, H, D) float32.
+
+        `modulation`: `time_modulation(t)` computed ahead (a table entry), or None to compute it."""
         e = self.cfg.expert
         b, h = x_t.shape[:2]
-        cond = self.time_condition(t)
+        per_layer, final_mod = modulation if modulation is not None else self.time_modulation(t)
         x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
         offset = prefix_mask.long().sum(dim=1, keepdim=True)
         positions = offset + torch.arange(h, device=x_t.device)[None, :]
         cos, sin = rope_cos_sin(positions, e.head_dim, e.rope_theta, self.compute_dtype)
         p_len = prefix_mask.shape[1]
+        rows = 1 if self.attend_keys_only else h  # the chunk attends to the valid prefix and itself
         mask = torch.cat(
             [
-                prefix_mask[:, None, None, :].expand(b, 1, h, p_len),
-                torch.ones(b, 1, h, h, dtype=torch.bool, device=x_t.device),
+                prefix_mask[:, None, None, :].expand(b, 1, rows, p_len),
+                torch.ones(b, 1, rows, h, dtype=torch.bool, device=x_t.device),
             ],
             dim=-1,
         )
         for i, layer in enumerate(self.expert_layers):
-            q, k, v, gate = layer.project_kv(x, cos, sin, cond)
+            q, k, v, gate = layer.project_kv(x, cos, sin, per_layer[i][0])
             k_all = torch.cat([k_cache[i], k], dim=2)
             v_all = torch.cat([v_cache[i], v], dim=2)
-            x = layer.finish(x, q, k_all, v_all, mask, gate, cond)
-        out, _ = self.expert_norm(x, cond)
+            x = layer.finish(x, q, k_all, v_all, mask, gate, per_layer[i][1])
+        out, _ = self.expert_norm(x, final_mod)
         return self.action_out_proj(out.to(self.action_out_proj.weight.dtype)).float()
 

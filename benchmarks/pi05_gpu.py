@@ -1,0 +1,360 @@
+"""PI0.5 on one GPU: LeRobot 0.6.1 eager vs our cudagraph engine, in one run, on identical inputs.
+
+One call does everything (the device lease is short): measures the GPU's two ceilings
+(bf16 matmul rate, copy bandwidth), runs `parity_lerobot` (LeRobot's PI05Policy at full size,
+saved as a LeRobot folder, loaded through our loader, fp32 and bf16 chunks compared), then
+times LeRobot eager bf16 and our engine (batch 1, 8, 32; 1, 2, 3 views; RTC modes), prints
+the per-stage table with each stage's floor from our own FLOP/byte count, and writes
+results.json + results.md under --out.
+
+    python benchmarks/pi05_gpu.py --out runs/gpu            # full size, needs lerobot==0.6.1
+    python benchmarks/pi05_gpu.py --tiny --device cpu       # plumbing check on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import parity_lerobot as par
+
+say = par.say
+VALID_TOKENS = 48
+
+
+# -- ceilings and floors ---------------------------------------------------------------------
+def measure_ceilings(device: str) -> dict[str, float]:
+    """bf16 matmul TFLOP/s (8192^3, random data) and device copy GB/s (read + write)."""
+    if not device.startswith("cuda"):
+        return {"tflops": 790.0, "gbps": 4200.0, "measured": False}
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    x = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)  # 2 GiB
+    y = torch.empty_like(x)
+
+    def timed(fn: Any, reps: int) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps / 1e3
+
+    t_mm = timed(lambda: torch.mm(a, b), 10)
+    t_cp = timed(lambda: y.copy_(x), 10)
+    return {"tflops": 2 * n**3 / t_mm / 1e12, "gbps": 2 * x.numel() * 2 / t_cp / 1e9, "measured": True}
+
+
+def stage_floors(cfg: Any, batch: int, views: int, valid_tokens: int, steps: int,
+                 tflops: float, gbps: float) -> dict[str, dict[str, float]]:
+    """FLOPs and the fewest bytes each stage must move (bf16 weights read once, activations
+    in and out once), over the measured ceilings. Padding tokens count for nothing."""
+    v, p, e = cfg.vision, cfg.prefix, cfg.expert
+    tok_img = v.tokens_per_image
+    # vision: SigLIP + projector
+    n_v = batch * views * tok_img
+    lin_v = v.depth * (4 * v.width**2 + 2 * v.width * v.mlp_dim) + 3 * v.patch_size**2 * v.width
+    lin_v += v.width * p.width
+    fl_v = 2 * n_v * lin_v + v.depth * 4 * batch * views * tok_img**2 * v.width
+    by_v = 2 * lin_v + 4 * batch * views * 3 * v.image_size**2 + 2 * n_v * p.width
+    # prefix: 17 full layers + the last layer's K/V (the expert reads nothing else of it)
+    t = views * tok_img + valid_tokens
+    qo = 2 * p.width * p.num_heads * p.head_dim
+    kv = 2 * p.width * p.num_kv_heads * p.head_dim
+    full = qo + kv + 3 * p.width * p.mlp_dim
+    lin_p = (p.depth - 1) * full + kv
+    fl_p = 2 * batch * t * lin_p + (p.depth - 1) * 4 * batch * t * t * p.num_heads * p.head_dim
+    kv_bytes = p.depth * 2 * batch * t * p.num_kv_heads * p.head_dim * 2
+    by_p = 2 * lin_p + kv_bytes + 2 * batch * t * p.width
+    # one denoise step of the action expert (modulation tables precomputed)
+    h = cfg.chunk_size
+    lin_e = e.depth * (2 * e.width * e.num_heads * e.head_dim + 2 * e.width * e.num_kv_heads * e.head_dim
+                       + 3 * e.width * e.mlp_dim) + 2 * cfg.max_action_dim * e.width
+    fl_s = 2 * batch * h * lin_e + e.depth * 4 * batch * h * (t + h) * e.num_heads * e.head_dim
+    by_s = 2 * lin_e + kv_bytes + 2 * 4 * batch * h * cfg.max_action_dim
+    out = {}
+    for name, fl, by in (("embed_images", fl_v, by_v), ("encode_prefix", fl_p, by_p), ("denoise_step", fl_s, by_s)):
+        tc, tm = fl / (tflops * 1e12) * 1e3, by / (gbps * 1e9) * 1e3
+        out[name] = {"gflop": fl / 1e9, "mbytes": by / 1e6, "compute_ms": tc, "memory_ms": tm,
+                     "floor_ms": max(tc, tm), "bound": "compute" if tc >= tm else "memory"}
+    s = out["denoise_step"]
+    out["solver_loop"] = {k: (v * steps if isinstance(v, float) else v) for k, v in s.items()}
+    out["total"] = {"floor_ms": out["embed_images"]["floor_ms"] + out["encode_prefix"]["floor_ms"]
+                    + out["solver_loop"]["floor_ms"]}
+    return out
+
+
+# -- timing helpers --------------------------------------------------------------------------
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_calls(fn: Any, device: str, warmup: int, reps: int) -> dict[str, float]:
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    ms = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        ms.append((time.perf_counter() - t0) * 1e3)
+    ms.sort()
+    return {"p50": statistics.median(ms), "p90": ms[min(len(ms) - 1, round(0.9 * (len(ms) - 1)))],
+            "min": ms[0], "n": len(ms)}
+
+
+def time_engine(engine: Any, inputs: Any, noise: torch.Tensor, rtc: Any, device: str, warmup: int,
+                reps: int) -> dict[str, Any]:
+    stages: dict[str, list[float]] = {}
+
+    def call() -> None:
+        engine.run(inputs, noise=noise, rtc=rtc)
+        for k, v in engine.last_stage_ms.items():
+            stages.setdefault(k, []).append(v)
+
+    res = time_calls(call, device, warmup, reps)
+    res["stages_p50"] = {k: statistics.median(v[warmup:] or v) for k, v in stages.items()}
+    return res
+
+
+def rtc_guidance(adapter: Any, batch: int, mode: str) -> Any:
+    from phyai_edge.engines.rtc import RTCGuidance, prefix_weights
+
+    h, d = adapter.chunk_size, adapter.model_action_dim
+    target = torch.randn(batch, h, d, generator=torch.Generator().manual_seed(5)) * 0.5
+    dim_mask = torch.zeros(d)
+    dim_mask[: adapter.action_dim] = 1.0
+    return RTCGuidance(mode, target, prefix_weights(h, 5, 25), dim_mask, 5, 5.0)
+
+
+# -- the run ---------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="small sizes: plumbing check (CPU is fine)")
+    ap.add_argument("--out", type=Path, default=Path("runs/pi05_gpu"))
+    ap.add_argument("--budget-s", type=float, default=470.0, help="skip optional parts past this many seconds")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    args = ap.parse_args(argv)
+    dev = args.device
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        par.patch_tiny()
+    from phyai_edge.engines.cudagraph import CudaGraphEngine
+    from phyai_edge.engines.eager import EagerEngine
+
+    res: dict[str, Any] = {"date": "2026-12-02", "device": torch.cuda.get_device_name() if dev.startswith("cuda")
+                           else "cpu", "torch": torch.__version__, "command": " ".join(sys.argv)}
+    try:
+        import transformers
+
+        res["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+
+    def dump() -> None:
+        (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+
+    res["ceilings"] = ceil = measure_ceilings(dev)
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+    say(f"ceilings: {ceil}")
+    with tempfile.TemporaryDirectory() as tmp:
+        state = par.run_parity(dev, Path(tmp) / "lerobot_pi05", 0, args.tiny)
+    res["parity"] = state["report"]
+    dump()
+    res["parity"]["bf16"] = par.bf16_parity(state, dev)
+    say(f"bf16 parity: {json.dumps(res['parity']['bf16'])}")
+    dump()
+    adapter, policy = state["adapter"], state["lerobot"]
+    cfg = adapter.cfg
+    vocab, max_len = cfg.vocab_size, cfg.max_token_len
+    torch.backends.cuda.matmul.allow_tf32 = True  # timings: the runtime's own settings
+    torch.backends.cudnn.allow_tf32 = True
+    full = not args.tiny
+    reps1, reps8, reps32 = (50, 20, 10) if full else (3, 2, 2)
+
+    def inputs_for(b: int, v: int, seed: int = 3) -> dict[str, torch.Tensor]:
+        return par.make_inputs(b, v, [VALID_TOKENS] * b, dev, seed=seed, max_len=max_len, vocab=vocab)
+
+    def noise_for(b: int) -> torch.Tensor:
+        return torch.randn(b, adapter.chunk_size, adapter.model_action_dim,
+                           generator=torch.Generator().manual_seed(4)).to(dev)
+
+    # LeRobot eager, bf16 (bf16_parity left it in its own bf16 configuration)
+    res["lerobot"] = {}
+    for b, warm, reps in ((1, 1, 5 if full else 2), (8, 1, 3 if full else 1), (32, 1, 3 if full else 1)):
+        x, n = inputs_for(b, 3), noise_for(b)
+        r = time_calls(lambda x=x, n=n, pol=policy: par.lerobot_chunk(pol, x, n), dev, warm, reps)
+        r["samples_per_s"] = b / r["p50"] * 1e3
+        res["lerobot"][f"b{b}_v3"] = r
+        say(f"LeRobot eager bf16 batch {b}: p50 {r['p50']:.1f} ms, {r['samples_per_s']:.1f} samples/s")
+        dump()
+    del policy, state["lerobot"]
+    sync(dev)
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    # Our engine, bf16
+    fast = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16")
+    res["ours"] = {}
+    shapes = [(1, 3, reps1), (1, 2, reps1), (1, 1, reps1), (8, 3, reps8), (32, 3, reps32)]
+    for b, v, reps in shapes:
+        x, n = par.model_inputs(inputs_for(b, v)), noise_for(b)
+        t0 = time.perf_counter()
+        fast.warmup(b, v, VALID_TOKENS)
+        cap = time.perf_counter() - t0
+        r = time_engine(fast, x, n, None, dev, 3, reps)
+        r["samples_per_s"] = b / r["p50"] * 1e3
+        r["capture_s"] = cap
+        res["ours"][f"b{b}_v{v}"] = r
+        say(f"ours cudagraph bf16 batch {b} views {v}: p50 {r['p50']:.2f} ms p90 {r['p90']:.2f}, "
+            f"{r['samples_per_s']:.1f} samples/s, stages {r['stages_p50']} (capture {cap:.1f}s)")
+        dump()
+
+    # Accuracy: bf16 cudagraph vs our eager fp32 (same inputs and noise), batch 1 and 8
+    eager32 = EagerEngine(adapter, device=dev, dtype="float32")
+    res["accuracy"] = {}
+    for b in (1, 8):
+        x, n = par.model_inputs(inputs_for(b, 3, seed=6)), noise_for(b)
+        ref = eager32.run(x, noise=n)
+        res["accuracy"][f"b{b}_bf16_cudagraph_vs_eager_fp32"] = par.err(fast.run(x, noise=n), ref)
+    # RTC: overhead of each solver mode over the unguided chunk, and guided correctness
+    res["rtc"] = {}
+    for b in (1, 8):
+        x, n = par.model_inputs(inputs_for(b, 3)), noise_for(b)
+        base = res["ours"][f"b{b}_v3"]["p50"]
+        for mode in ("inpaint", "guided-approx", "guided"):
+            g = rtc_guidance(adapter, b, mode)
+            fast.warmup(b, 3, VALID_TOKENS, modes=(mode,))
+            r = time_engine(fast, x, n, g, dev, 3, reps1 if b == 1 else reps8)
+            r["overhead"] = r["p50"] / base - 1.0
+            res["rtc"][f"b{b}_{mode}"] = r
+            say(f"RTC {mode} batch {b}: p50 {r['p50']:.2f} ms, overhead {100 * r['overhead']:.1f}%")
+        g = rtc_guidance(adapter, b, "guided")
+        res["accuracy"][f"b{b}_guided_bf16_cudagraph_vs_eager_fp32"] = par.err(fast.run(x, noise=n, rtc=g),
+                                                                               eager32.run(x, noise=n, rtc=g))
+        dump()
+    say(f"accuracy: {json.dumps(res['accuracy'])}")
+
+    # What each change bought: eager bf16 (ours), graphs alone, and the full engine
+    res["ablation"] = {}
+    plain = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", fuse=False, trim_prompt=False,
+                            modulation_tables=False)
+    for b, reps in ((1, reps1), (32, reps32)):
+        x, n = par.model_inputs(inputs_for(b, 3)), noise_for(b)
+        plain.warmup(b, 3, VALID_TOKENS)
+        r = time_engine(plain, x, n, None, dev, 3, reps)
+        res["ablation"][f"b{b}_graphs_only"] = r
+        say(f"graphs only (no trim, no tables, no fusion) batch {b}: p50 {r['p50']:.2f} ms, {r['stages_p50']}")
+    del plain
+    eager16 = EagerEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16")
+    x, n = par.model_inputs(inputs_for(1, 3)), noise_for(1)
+    res["ablation"]["b1_ours_eager_bf16"] = r = time_engine(eager16, x, n, None, dev, 2, 10 if full else 2)
+    say(f"ours eager bf16 batch 1: p50 {r['p50']:.1f} ms")
+    del eager16
+    dump()
+
+    # Optional: torch.compile underneath the same graphs (compile time is long: budget-guarded)
+    elapsed = time.perf_counter() - par.T0
+    if not args.no_compile and elapsed < args.budget_s - 150:
+        try:
+            comp = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", compile=True)
+            for b, reps in ((1, reps1), (32, reps32)):
+                if time.perf_counter() - par.T0 > args.budget_s:
+                    break
+                x, n = par.model_inputs(inputs_for(b, 3)), noise_for(b)
+                t0 = time.perf_counter()
+                comp.warmup(b, 3, VALID_TOKENS)
+                cap = time.perf_counter() - t0
+                r = time_engine(comp, x, n, None, dev, 3, reps)
+                r["samples_per_s"], r["compile_and_capture_s"] = b / r["p50"] * 1e3, cap
+                ref = eager32.run(x, noise=n)
+                r["vs_eager_fp32"] = par.err(comp.run(x, noise=n), ref)
+                res["ablation"][f"b{b}_compiled"] = r
+                say(f"compiled + graphs batch {b}: p50 {r['p50']:.2f} ms, {r['stages_p50']} "
+                    f"(compile+capture {cap:.0f}s)")
+                dump()
+        except Exception as exc:  # report, keep the rest of the run
+            res["ablation"]["compile_error"] = f"{type(exc).__name__}: {exc}"
+            say(f"compile variant failed: {exc}")
+    else:
+        res["ablation"]["compiled"] = f"skipped ({elapsed:.0f}s elapsed)"
+
+    # Floors and the per-stage table
+    steps = adapter.solver.num_steps
+    table = []
+    for key in ("b1_v3", "b32_v3"):
+        b = int(key[1:].split("_")[0])
+        fl = stage_floors(cfg, b, 3, VALID_TOKENS, steps, ceil["tflops"], ceil["gbps"])
+        res.setdefault("floors", {})[key] = fl
+        st = res["ours"][key]["stages_p50"]
+        for stage in ("embed_images", "encode_prefix", "denoise_step", "solver_loop"):
+            m = st.get(stage, float("nan"))
+            f = fl[stage]
+            table.append(f"| {b} | {stage} | {m:.3f} | {f['floor_ms']:.3f} | {f['bound']} | {f['floor_ms'] / m:.0%} |")
+        m = res["ours"][key]["p50"]
+        table.append(f"| {b} | whole chunk (wall clock) | {m:.3f} | {fl['total']['floor_ms']:.3f} | | "
+                     f"{fl['total']['floor_ms'] / m:.0%} |")
+    res["stage_table"] = table
+    dump()
+    lines = render(res)
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return 0 if res["parity"]["fp32_pass"] else 1
+
+
+def render(res: dict[str, Any]) -> list[str]:
+    c, lr, ours = res["ceilings"], res["lerobot"], res["ours"]
+    p = res["parity"]
+    out = [f"device: {res['device']}, torch {res['torch']}, transformers {res.get('transformers')}",
+           f"ceilings measured: bf16 matmul {c['tflops']:.0f} TFLOP/s, copy {c['gbps']:.0f} GB/s",
+           "", "| batch | views | LeRobot eager bf16 p50 ms | ours cudagraph bf16 p50 ms | p90 ms | speed-up | "
+           "ours samples/s |", "|---|---|---|---|---|---|---|"]
+    for key, r in ours.items():
+        b, v = key[1:].split("_v")
+        base = lr.get(f"b{b}_v3") if v == "3" else None
+        out.append(f"| {b} | {v} | {base['p50']:.1f} |" if base else f"| {b} | {v} | |")
+        out[-1] += (f" {r['p50']:.2f} | {r['p90']:.2f} | {(base['p50'] / r['p50']) if base else float('nan'):.1f}x | "
+                    f"{r['samples_per_s']:.1f} |")
+    out += ["", "| batch | stage | measured p50 ms | floor ms | bound | floor / measured |", "|---|---|---|---|---|---|"]
+    out += res["stage_table"]
+    out += ["", "| RTC mode | batch | p50 ms | overhead vs unguided |", "|---|---|---|---|"]
+    for key, r in res["rtc"].items():
+        b, mode = key[1:].split("_", 1)
+        out.append(f"| {mode} | {b} | {r['p50']:.2f} | {100 * r['overhead']:+.1f}% |")
+    out += ["", "| accuracy | max abs / scale | rel L2 |", "|---|---|---|"]
+    rows = {"fp32 eager vs LeRobot fp32": p["fp32_eager_vs_lerobot_fp32"],
+            "fp32 cudagraph vs LeRobot fp32": p["fp32_cudagraph_vs_lerobot_fp32"],
+            **{k.replace("_", " "): v for k, v in p["bf16"].items()},
+            **{k.replace("_", " "): v for k, v in res["accuracy"].items()}}
+    for name, e in rows.items():
+        out.append(f"| {name} | {e['max_abs_over_scale']:.2e} | {e['rel_l2']:.2e} |")
+    out += ["", "| ablation | p50 ms | stages p50 ms |", "|---|---|---|"]
+    for key, r in res["ablation"].items():
+        if isinstance(r, dict):
+            st = ", ".join(f"{k} {v:.2f}" for k, v in r.get("stages_p50", {}).items())
+            out.append(f"| {key} | {r['p50']:.2f} | {st} |")
+        else:
+            out.append(f"| {key} | {r} | |")
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

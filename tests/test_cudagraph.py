@@ -1,0 +1,134 @@
+"""The CUDA-graph engine against the eager reference on the tiny preset.
+
+On a CPU the engine runs its static-buffer code eagerly (same stage bodies, prompt trimming,
+modulation tables, fused projections, key-only masks, the graph-friendly RTC loop), so these
+tests check everything but the capture itself; the GPU tests at the end check capture too.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from phyai_edge.adapters.base import ModelInputs
+from phyai_edge.adapters.pi05 import builtin_adapter
+from phyai_edge.engines import make_engine
+from phyai_edge.engines.cudagraph import CudaGraphEngine, prompt_bucket
+from phyai_edge.engines.eager import EagerEngine
+from phyai_edge.engines.rtc import RTCGuidance, prefix_weights
+
+
+def _inputs(adapter, batch: int, views: int, valid: list[int], seed: int = 0, masked_view: bool = False) -> ModelInputs:
+    cfg = adapter.cfg
+    g = torch.Generator().manual_seed(seed)
+    s, length = cfg.vision.image_size, cfg.max_token_len
+    images = torch.rand(batch, views, 3, s, s, generator=g) * 2 - 1
+    image_mask = torch.ones(batch, views, dtype=torch.bool)
+    if masked_view and views > 1:
+        image_mask[-1, -1] = False
+        images[-1, -1] = -1.0
+    tokens = torch.randint(1, cfg.vocab_size, (batch, length), generator=g)
+    token_mask = torch.arange(length)[None, :] < torch.tensor(valid)[:, None]
+    tokens = torch.where(token_mask, tokens, torch.zeros_like(tokens))
+    return ModelInputs({"images": images, "image_mask": image_mask, "tokens": tokens, "token_mask": token_mask}, batch)
+
+
+def _rtc(adapter, batch: int, mode: str, seed: int = 1) -> RTCGuidance:
+    h, d = adapter.chunk_size, adapter.model_action_dim
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(batch, h, d, generator=g) * 0.5
+    weights = prefix_weights(h, 4, 20)
+    dim_mask = torch.zeros(d)
+    dim_mask[: adapter.action_dim] = 1.0
+    return RTCGuidance(mode, target, weights, dim_mask, 4, 5.0)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.fixture(scope="module")
+def engines():
+    base = builtin_adapter("tiny", seed=3)
+    eager = EagerEngine(copy.deepcopy(base), device="cpu", dtype="float32")
+    fast = CudaGraphEngine(copy.deepcopy(base), device="cpu", dtype="float32")
+    return base, eager, fast
+
+
+def test_prompt_bucket() -> None:
+    mask = torch.arange(40)[None, :] < torch.tensor([[5], [17]])
+    assert prompt_bucket(mask, 16) == 32
+    assert prompt_bucket(mask, 0) == 40
+    assert prompt_bucket(torch.ones(1, 40, dtype=torch.bool), 16) == 40
+    holes = mask.clone()
+    holes[0, 2] = False  # not right-padded: keep every position
+    assert prompt_bucket(holes, 16) == 40
+    assert prompt_bucket(torch.zeros(2, 40, dtype=torch.bool), 16) == 16
+
+
+@pytest.mark.parametrize("mode", ["none", "inpaint", "guided-approx", "guided"])
+def test_matches_eager_fp32(engines, mode: str) -> None:
+    base, eager, fast = engines
+    inputs = _inputs(base, 2, 3, [9, 30], masked_view=True)
+    noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
+    rtc = None if mode == "none" else _rtc(base, 2, mode)
+    ref = eager.run(inputs, noise=noise, rtc=rtc)
+    out = fast.run(inputs, noise=noise, rtc=rtc)
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5, mode
+    if mode == "inpaint":
+        assert torch.allclose(out[:, :4], rtc.target[:, :4], atol=1e-5)
+
+
+def test_trimming_changes_nothing(engines) -> None:
+    base, _, fast = engines
+    untrimmed = CudaGraphEngine(copy.deepcopy(base), device="cpu", dtype="float32", trim_prompt=False, fuse=False,
+                                modulation_tables=False)
+    inputs = _inputs(base, 2, 2, [3, 12], seed=5)
+    noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(8))
+    a = fast.run(inputs, noise=noise)
+    b = untrimmed.run(inputs, noise=noise)
+    assert _rel(a, b) < 1e-5
+    assert (2, 2, 16) in fast._sets and (2, 2, base.cfg.max_token_len) in untrimmed._sets
+
+
+def test_registry_and_stage_keys(engines) -> None:
+    base, _, _ = engines
+    eng = make_engine("cudagraph", copy.deepcopy(base), device="cpu", dtype="float32")
+    assert isinstance(eng, CudaGraphEngine)
+    eng.run(_inputs(base, 1, 3, [10]))
+    # Stage times are measured with CUDA events; on CPU there are none to report.
+    assert eng.last_stage_ms == {}
+
+
+def test_bf16_close_to_fp32(engines) -> None:
+    base, eager, _ = engines
+    fast = CudaGraphEngine(copy.deepcopy(base), device="cpu", dtype="bfloat16")
+    inputs = _inputs(base, 1, 3, [20])
+    noise = torch.randn(1, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(9))
+    assert _rel(fast.run(inputs, noise=noise), eager.run(inputs, noise=noise)) < 3e-2
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["none", "guided"])
+def test_graphs_match_eager_on_gpu(mode: str) -> None:
+    base = builtin_adapter("tiny", seed=3)
+    eager = EagerEngine(copy.deepcopy(base), device="cuda", dtype="float32")
+    fast = CudaGraphEngine(copy.deepcopy(base), device="cuda", dtype="float32")
+    inputs = _inputs(base, 2, 3, [9, 30], masked_view=True).to("cuda")
+    noise = torch.randn(2, base.chunk_size, base.model_action_dim, device="cuda")
+    rtc = None if mode == "none" else _rtc(base, 2, mode)
+    ref = eager.run(inputs, noise=noise, rtc=rtc)
+    out = fast.run(inputs, noise=noise, rtc=rtc)
+    assert not fast._sets[(2, 3, 32)].eager
+    assert _rel(out, ref) < 1e-4
+    assert set(fast.last_stage_ms) == {"embed_images", "encode_prefix", "solver_loop", "denoise_step"}
+    # Replays pick up new inputs.
+    noise2 = torch.randn_like(noise)
+    assert _rel(fast.run(inputs, noise=noise2, rtc=rtc), eager.run(inputs, noise=noise2, rtc=rtc)) < 1e-4
