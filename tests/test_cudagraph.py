@@ -79,7 +79,7 @@ def test_matches_eager_fp32(engines, mode: str) -> None:
     assert out.shape == ref.shape and torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-5, mode
     if mode == "inpaint":
-        assert torch.allclose(out[:, :4], rtc.target[:, :4], atol=1e-5)
+        assert torch.equal(out[:, :4], rtc.target[:, :4])  # lands exactly on the executing chunk
 
 
 def test_trimming_changes_nothing(engines) -> None:

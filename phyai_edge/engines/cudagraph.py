@@ -307,7 +307,9 @@ class CudaGraphEngine:
         x = noise
         dt = solver.dt
         batch = noise.shape[0]
-        for i, t in enumerate(solver.times()):
+        times = solver.times()
+        next_times = [*times[1:], solver.t_end]  # as integrate(): the last is exactly t_end
+        for i, t in enumerate(times):
             tt = torch.full((batch,), t, dtype=torch.float32, device=noise.device)
 
             def velocity(xin: torch.Tensor, tt: torch.Tensor = tt, mod: Any = table[i]) -> torch.Tensor:
@@ -328,7 +330,7 @@ class CudaGraphEngine:
                 vel = velocity(x)
             x = x + dt * vel
             if mode == "inpaint":
-                t_next = t + dt
+                t_next = next_times[i]
                 x = torch.where(fixed, t_next * noise + (1.0 - t_next) * target, x)
         return x
 
