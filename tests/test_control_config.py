@@ -104,3 +104,12 @@ def test_cli_print_and_check_config(tmp_path):
     broken.write_text("[robot\n")
     res = subprocess.run([*run, "--check-config", str(broken)], capture_output=True, text=True)
     assert res.returncode == 2 and "not valid TOML" in res.stderr
+
+
+def test_shipped_daemon_configs_are_valid():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("daemon-*.toml"))
+    assert files
+    for f in files:
+        load_config(f)

@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", help="write the final summary as JSON to this file ('-': stdout)")
     p.add_argument("--record", help="save every received header and payload to this .npz file")
     p.add_argument("--quiet", action="store_true", help="no per-second lines")
+    p.add_argument("--priority", type=int, default=0,
+                   help="SCHED_FIFO priority for this process, as a real-time controller would run (0: off)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -39,6 +41,11 @@ def main(args: argparse.Namespace) -> int:
     from phyai_edge.control.listener import Listener
     from phyai_edge.control.protocol import Flag
 
+    if args.priority:
+        from phyai_edge.control.clock import setup_realtime
+
+        for line in setup_realtime(args.priority, (), False):
+            print(line.replace("clock thread", "listener"), file=sys.stderr)
     lis = Listener(args.endpoint, args.topic, args.chunk_topic, args.wall, keep=bool(args.record or args.print_each))
     stop = False
 
@@ -48,6 +55,10 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # no full collection over start-up objects in the middle of measuring
     t_end = time.monotonic() + args.duration if args.duration else None
     next_report = time.monotonic() + 1.0
     last_count, printed = 0, 0

@@ -113,6 +113,49 @@ class PeriodicClock:
 
 # ---------------------------------------------------------------- real-time setup
 
+
+def promote_threads(names: tuple[str, ...], priority: int) -> list[str]:
+    """SCHED_FIFO for this process's helper threads whose name starts with one of `names`.
+
+    Why: a helper thread holding the GIL while a busy machine preempts it would keep the
+    (real-time) clock thread waiting for the GIL: priority inversion. These threads block on
+    I/O almost all the time, so running them at a real-time priority below the clock's costs
+    nothing.
+    """
+    import threading
+
+    done = []
+    for t in threading.enumerate():
+        if t.native_id is None or not t.name.startswith(names) or t is threading.current_thread():
+            continue
+        try:
+            os.sched_setscheduler(t.native_id, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(priority))
+            done.append(t.name)
+        except OSError:
+            pass
+    return done
+
+
+def fifo_permitted(priority: int) -> bool:
+    """Whether this process may use SCHED_FIFO at `priority`, tried on a throwaway thread."""
+    if priority <= 0 or not sys.platform.startswith("linux"):
+        return False
+    import threading
+
+    ok = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+            ok.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=probe, name="rt-probe")
+    t.start()
+    t.join()
+    return bool(ok)
+
 _MCL_CURRENT, _MCL_FUTURE, _MCL_ONFAULT = 1, 2, 4
 
 
@@ -128,7 +171,8 @@ def setup_realtime(priority: int, cpus: tuple[int, ...], mlock: bool) -> list[st
         return ["real-time setup skipped: not Linux"]
     if priority > 0:
         try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+            # RESET_ON_FORK: a worker process started later (a restart) gets normal scheduling.
+            os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(priority))
             notes.append(f"clock thread: SCHED_FIFO priority {priority}")
         except PermissionError:
             notes.append(

@@ -11,6 +11,7 @@ The policy runs in the worker (worker.py); the daemon neither waits for it nor k
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -24,7 +25,13 @@ from typing import Any
 import numpy as np
 
 from phyai_edge.control.cameras import CameraSource, make_camera
-from phyai_edge.control.clock import LatenessLog, PeriodicClock, setup_realtime
+from phyai_edge.control.clock import (
+    LatenessLog,
+    PeriodicClock,
+    fifo_permitted,
+    promote_threads,
+    setup_realtime,
+)
 from phyai_edge.control.config import DaemonConfig, check_against_policy
 from phyai_edge.control.metrics import Metrics
 from phyai_edge.control.notify import Notifier
@@ -122,6 +129,13 @@ class Daemon:
         # final HOLD to leave the socket before the process exits.
         self._own_context = context is None
         self.context = context if context is not None else zmq.Context()
+        if self._own_context and realtime and fifo_permitted(cfg.clock.priority):
+            # ZeroMQ's I/O thread is what really writes our messages to the socket: it must not
+            # wait behind inference for a CPU. libzmq applies this when it starts the thread
+            # (first socket); we only ask when the probe shows SCHED_FIFO is allowed, because
+            # libzmq aborts if setting it fails.
+            self.context.set(zmq.THREAD_SCHED_POLICY, os.SCHED_FIFO)
+            self.context.set(zmq.THREAD_PRIORITY, cfg.clock.priority)
         self.stats = DaemonStats()
         self.metrics = Metrics()
         self._stop = threading.Event()
@@ -157,7 +171,7 @@ class Daemon:
         check_against_policy(cfg, info.chunk_size, info.action_dim, info.state_dim, info.camera_names)
         missing = [n for n in info.camera_names if n not in {c.view_name for c in cfg.cameras.values()}]
         if missing:
-            log.warning("policy cameras with no source (masked out): %s", ", ".join(missing))
+            log.info("policy cameras with no source (masked out): %s", ", ".join(missing))
 
         ch = cfg.chunking
         self.delays = DelayEstimator(ch.delay, ch.delay_initial, ch.delay_window)
@@ -245,11 +259,19 @@ class Daemon:
         if self.realtime:
             for line in setup_realtime(cfg.clock.priority, cfg.clock.cpus, cfg.clock.mlock):
                 log.info(line)
+            if cfg.clock.priority > 1 and fifo_permitted(cfg.clock.priority):
+                helpers = promote_threads(("inference-client", "camera-"), max(1, cfg.clock.priority - 10))
+                if helpers:
+                    log.info("helper threads %s: SCHED_FIFO priority %d", ", ".join(helpers), max(1, cfg.clock.priority - 10))
         if self.status_line_wanted or (self.status_line_wanted is None and _status_line_default()):
             from phyai_edge.control.status import StatusLine
 
             self._status = StatusLine(self.render_status)
             self._status.start()
+        # Move everything allocated during start-up out of the collector's reach: a full
+        # collection walking it would otherwise land in some tick as a multi-millisecond stall.
+        gc.collect()
+        gc.freeze()
         clock = PeriodicClock(cfg.robot.period_s, cfg.clock.spin_us / 1e6)
         self.clock = clock
         clock.start()
