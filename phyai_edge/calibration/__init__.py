@@ -1,1 +1,12 @@
-"""calibration"""
+"""Calibration for low-precision engines: where the samples come from (recorded daemon
+observations, a LeRobot dataset folder, or synthetic), the stage inputs they produce, the
+TensorRT int8 entropy calibrator, fp8 scales for the torch path, the onnxruntime int8
+quantiser, and the accuracy report against a higher-precision reference."""
+
+from phyai_edge.calibration.dataset import CalibrationSet, load_calibration_set, synthetic_observations
+from phyai_edge.calibration.records import RECORD_FORMAT, RecordWriter, read_records
+
+__all__ = [
+    "RECORD_FORMAT", "CalibrationSet", "RecordWriter", "load_calibration_set", "read_records",
+    "synthetic_observations",
+]

@@ -1,0 +1,101 @@
+"""`phyai-edge export`: build an engine bundle once, before deployment, on the robot computer."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "build an engine bundle (ONNX, TensorRT, CUDA graph) from a checkpoint"
+DESCRIPTION = """\
+Build a self-describing engine bundle that `phyai-edge run --engine engines/NAME` loads without
+rebuilding anything. Run it on the machine that will run the robot: TensorRT engines only run
+on the GPU architecture and TensorRT version they were built with, and loading refuses others.
+
+backends:
+  onnx       one static-shape ONNX file per stage and batch size, run with onnxruntime
+             (CPU, or the CUDA execution provider); portable between machines
+  tensorrt   TensorRT engines built from those ONNX files (strongly typed where possible,
+             one optimisation profile per --batch, timing cache reused between builds);
+             the denoise loop replays as one CUDA graph
+  cudagraph  the checkpoint weights and shapes; CUDA graphs are captured when the bundle loads
+
+precisions: fp32, fp16, bf16 (tensorrt, cudagraph), int8 (onnx via onnxruntime QDQ, tensorrt via
+an entropy calibrator), fp8 (tensorrt QDQ; cudagraph/onnx: per-tensor scales in the bundle).
+int8 and fp8 read --calibration: a `phyai-edge run --record` folder, a LeRobot dataset folder,
+or `synthetic`; the calibrated engine's error against bf16 and fp32 on held-out samples is
+printed and stored in the manifest.
+
+examples:
+  phyai-edge export --preset tiny --out engines/tiny-onnx --backend onnx
+  phyai-edge export --checkpoint ckpt/pi05_aloha --out engines/aloha-trt --backend tensorrt \\
+      --precision fp16 --batch 1,2 --views 3
+  phyai-edge export --checkpoint ckpt/pi05_aloha --out engines/aloha-int8 --backend onnx \\
+      --precision int8 --calibration recordings/day1
+"""
+
+
+def _batches(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch takes comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--batch needs positive integers, got {text!r}")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("model")
+    src.add_argument("--adapter", default="pi05", help="model adapter (default: pi05)")
+    g = src.add_mutually_exclusive_group()
+    g.add_argument("--checkpoint", type=Path, help="checkpoint folder (LeRobot, openpi or native)")
+    g.add_argument("--preset", default="tiny", help="built-in seeded preset when no checkpoint (default: tiny)")
+    src.add_argument("--tokenizer", type=Path, help="tokenizer file or folder, if not in the checkpoint")
+    out = p.add_argument_group("bundle")
+    out.add_argument("--out", type=Path, required=True, help="bundle folder, e.g. engines/aloha-fp16")
+    out.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt", "cudagraph"],
+                     help="engine kind (default: onnx)")
+    out.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "fp8", "int8"],
+                     help="compute precision (default: fp32)")
+    out.add_argument("--batch", type=_batches, default=[1], metavar="B[,B...]",
+                     help="batch sizes to build for, e.g. 1,2,4 (default: 1)")
+    out.add_argument("--views", type=int, help="camera slots (default: the checkpoint's cameras)")
+    out.add_argument("--steps", type=int, help="flow-matching steps (default: the checkpoint's)")
+    out.add_argument("--overwrite", action="store_true", help="replace an existing bundle folder")
+    cal = p.add_argument_group("calibration (int8 / fp8)")
+    cal.add_argument("--calibration", metavar="DIR|synthetic",
+                     help="recorded observations, a LeRobot dataset folder, or 'synthetic'")
+    cal.add_argument("--calibration-samples", type=int, default=32, help="samples used to calibrate (default: 32)")
+    cal.add_argument("--holdout", type=int, default=4, help="held-out samples for the accuracy report (default: 4)")
+    cal.add_argument("--int8-mode", choices=["calibrator", "qdq"], default="calibrator",
+                     help="tensorrt int8: entropy calibrator (implicit) or onnxruntime Q/DQ ONNX (explicit)")
+    b = p.add_argument_group("build")
+    b.add_argument("--device", help="device for validation / building (default: cuda for tensorrt and "
+                   "cudagraph when present, else cpu)")
+    b.add_argument("--timing-cache", type=Path, help="TensorRT timing cache file, reused across builds "
+                   "(default: ~/.cache/phyai-edge/trt-timing.cache)")
+    b.add_argument("--workspace-gb", type=float, help="TensorRT builder workspace limit in GiB")
+    b.add_argument("--no-validate", action="store_true", help="skip the check against the eager engine")
+    b.add_argument("--no-progress", action="store_true", help="no progress bars")
+    b.add_argument("--seed", type=int, default=0, help="seed for the built-in preset and sample noise")
+
+
+def main(args: argparse.Namespace) -> int:
+    from phyai_edge.engines.bundle import BundleError
+    from phyai_edge.engines.exporter import DEFAULT_TIMING_CACHE, ExportRequest, export_bundle
+
+    req = ExportRequest(
+        out=args.out, backend=args.backend, precision=args.precision, adapter=args.adapter,
+        checkpoint=args.checkpoint, preset=args.preset, batch_sizes=args.batch, views=args.views, steps=args.steps,
+        calibration=args.calibration, calibration_samples=args.calibration_samples, holdout=args.holdout,
+        device=args.device, seed=args.seed, validate=not args.no_validate, int8_mode=args.int8_mode,
+        timing_cache=args.timing_cache or DEFAULT_TIMING_CACHE, workspace_gb=args.workspace_gb,
+        overwrite=args.overwrite, progress=not args.no_progress, tokenizer=args.tokenizer,
+    )
+    try:
+        manifest = export_bundle(req)
+    except (BundleError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"phyai-edge export: {exc}", file=sys.stderr)
+        return 2
+    return 1 if manifest["validation"].get("status") == "failed" else 0

@@ -1,0 +1,347 @@
+"""Engine bundles on disk: `engines/<name>/manifest.json` plus everything needed to run.
+
+Layout (paths are relative to the bundle folder and listed, with hashes, in the manifest):
+
+    manifest.json               what was built, for what, by what, and how well it matched eager
+    checkpoint/                 native adapter metadata: phyai_edge.json, norm_stats.json,
+                                tokenizer.json; plus model.safetensors for backends that need
+                                the weights at load time (cudagraph)
+    onnx/b<B>/<stage>.onnx      static-shape ONNX per batch size (onnxruntime backend; also the
+                                TensorRT sources, with `onnx/dynamic/` for the batch profiles)
+    trt/<stage>.plan            serialised TensorRT engines, one profile per batch size
+    trt/timing.cache            the TensorRT timing cache the build used and extended
+    calibration/                int8 cache, fp8 scales, the calibration report
+
+Integrity. Every file is hashed with a block-parallel SHA-256 (`sha256-b64m`: SHA-256 over the
+SHA-256 digests of consecutive 64 MiB blocks), so a 12 GB bundle verifies at disk speed on many
+cores instead of one core's hashing speed: a robot restarted by systemd waits for this. The
+manifest carries `manifest_sha256`, the SHA-256 of its own canonical JSON without that field,
+so an edited manifest is refused just like an edited file.
+
+Loading refuses (BundleError, with the reason) a bundle whose manifest is edited, any file
+missing or failing its hash, whose checkpoint hash differs from a checkpoint given to compare
+against, whose GPU compute capability differs from this machine's (TensorRT plans are
+architecture-specific), or whose TensorRT version differs from the installed one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "phyai-edge/bundle/1"
+MANIFEST = "manifest.json"
+HASH_ALGO = "sha256-b64m"
+BLOCK = 64 << 20
+# Backends whose artefacts only run on the GPU architecture (and TensorRT version) they were
+# built with. ONNX files and checkpoint weights are portable.
+ARCH_BOUND = {"tensorrt"}
+BACKEND_ALIASES = {"onnx": "onnxruntime", "ort": "onnxruntime", "trt": "tensorrt"}
+
+
+class BundleError(RuntimeError):
+    """A bundle that must not be loaded here. The message says why and what to do."""
+
+
+# -- hashing ------------------------------------------------------------------------------
+def _block_digest(path: Path, offset: int, length: int) -> bytes:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        f.seek(offset)
+        left = length
+        while left > 0:
+            buf = f.read(min(left, 8 << 20))
+            if not buf:
+                break
+            h.update(buf)
+            left -= len(buf)
+    return h.digest()
+
+
+def hash_files(paths: list[Path], workers: int | None = None) -> dict[Path, str]:
+    """`sha256-b64m` of each file, all blocks of all files hashed in parallel (hashlib
+    releases the GIL, so threads scale with cores and disk)."""
+    jobs: list[tuple[Path, int, int]] = []
+    for p in paths:
+        size = p.stat().st_size
+        jobs.extend((p, off, min(BLOCK, size - off)) for off in range(0, max(size, 1), BLOCK))
+    workers = workers or min(32, (os.cpu_count() or 2) * 2)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        digests = list(pool.map(lambda j: _block_digest(*j), jobs))
+    per_file: dict[Path, hashlib._Hash] = {p: hashlib.sha256() for p in paths}
+    for (p, _, _), d in zip(jobs, digests):
+        per_file[p].update(d)
+    return {p: h.hexdigest() for p, h in per_file.items()}
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(Path(folder).glob("model*.safetensors"))
+
+
+def checkpoint_sha256(folder: str | Path) -> str:
+    """One hash for a checkpoint's weights: SHA-256 over `name:hash` lines of its
+    model*.safetensors files (each hashed as `sha256-b64m`)."""
+    files = weight_files(Path(folder))
+    if not files:
+        raise BundleError(f"no model*.safetensors in {folder} to hash")
+    hashes = hash_files(files)
+    lines = "".join(f"{p.name}:{hashes[p]}\n" for p in files)
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def canonical(manifest: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Set manifest_sha256 over everything else (call last, after every edit)."""
+    manifest["manifest_sha256"] = hashlib.sha256(canonical(manifest)).hexdigest()
+    return manifest
+
+
+def write_manifest(bundle: Path, manifest: dict[str, Any]) -> Path:
+    """Hash every file in the bundle into the manifest, seal it, and write it."""
+    bundle = Path(bundle)
+    files = sorted(p for p in bundle.rglob("*") if p.is_file() and p.name != MANIFEST)
+    hashes = hash_files(files)
+    manifest["hash_algorithm"] = HASH_ALGO
+    manifest["files"] = {p.relative_to(bundle).as_posix(): {"bytes": p.stat().st_size, "sha256": hashes[p]}
+                         for p in files}
+    seal(manifest)
+    path = bundle / MANIFEST
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False))
+    os.replace(tmp, path)  # a crash mid-write never leaves a half manifest
+    return path
+
+
+# -- the machine --------------------------------------------------------------------------
+@dataclass
+class Platform:
+    """What this machine offers that a bundle may depend on."""
+
+    cuda_available: bool = False
+    gpu_name: str | None = None
+    compute_capability: str | None = None
+    versions: dict[str, str | None] = field(default_factory=dict)
+
+    @classmethod
+    def current(cls, device: str | torch.device | None = None) -> Platform:
+        import importlib.metadata as md
+
+        def version(pkg: str) -> str | None:
+            try:
+                return md.version(pkg)
+            except md.PackageNotFoundError:
+                return None
+
+        versions = {
+            "phyai_edge": version("phyai-edge"),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "onnx": version("onnx"),
+            "onnxruntime": version("onnxruntime") or version("onnxruntime-gpu"),
+            "tensorrt": _tensorrt_version(),
+        }
+        p = cls(versions=versions)
+        if torch.cuda.is_available():
+            dev = torch.device(device) if device is not None and torch.device(device).type == "cuda" else torch.device("cuda")
+            idx = dev.index if dev.index is not None else torch.cuda.current_device()
+            major, minor = torch.cuda.get_device_capability(idx)
+            p.cuda_available = True
+            p.gpu_name = torch.cuda.get_device_name(idx)
+            p.compute_capability = f"{major}.{minor}"
+        return p
+
+    def describe(self) -> dict[str, Any]:
+        return {"machine": platform.machine(), "system": platform.system(), "cuda_available": self.cuda_available,
+                "gpu_name": self.gpu_name, "compute_capability": self.compute_capability}
+
+
+def _tensorrt_version() -> str | None:
+    # Importing tensorrt is slow and loads CUDA libraries: only ask the package metadata.
+    import importlib.metadata as md
+
+    for pkg in ("tensorrt", "tensorrt-cu12", "tensorrt-cu13", "tensorrt_libs"):
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            continue
+    mod = sys.modules.get("tensorrt")
+    return getattr(mod, "__version__", None) if mod is not None else None
+
+
+# -- reading and checking -----------------------------------------------------------------
+def read_manifest(bundle: str | Path) -> dict[str, Any]:
+    """The parsed manifest, after checking its own hash (no file hashes: see verify_bundle)."""
+    bundle = Path(bundle)
+    path = bundle / MANIFEST
+    if not bundle.is_dir():
+        raise BundleError(f"bundle folder not found: {bundle}")
+    if not path.exists():
+        raise BundleError(f"{bundle} has no {MANIFEST}: not an engine bundle (export one with `phyai-edge export`)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{path} is not valid JSON ({exc}); the bundle is damaged: re-export it") from exc
+    if manifest.get("format") != FORMAT:
+        raise BundleError(f"{path}: format {manifest.get('format')!r}, this phyai-edge reads {FORMAT!r}; re-export")
+    want = manifest.get("manifest_sha256")
+    got = hashlib.sha256(canonical(manifest)).hexdigest()
+    if want != got:
+        raise BundleError(
+            f"{path} was edited after export (its content hash is {got[:16]}..., the manifest records "
+            f"{str(want)[:16]}...); a hand-edited manifest can describe files it does not match: re-export the bundle"
+        )
+    return manifest
+
+
+def check_files(bundle: Path, manifest: dict[str, Any]) -> None:
+    files: dict[str, dict[str, Any]] = manifest.get("files", {})
+    if manifest.get("hash_algorithm") != HASH_ALGO:
+        raise BundleError(f"unknown hash algorithm {manifest.get('hash_algorithm')!r} (expected {HASH_ALGO})")
+    missing = [rel for rel in files if not (bundle / rel).is_file()]
+    if missing:
+        raise BundleError(f"bundle {bundle} is missing {len(missing)} file(s): {', '.join(sorted(missing)[:8])}")
+    wrong_size = [rel for rel, info in files.items() if (bundle / rel).stat().st_size != info["bytes"]]
+    if wrong_size:
+        raise BundleError(f"bundle {bundle}: file(s) changed size since export: {', '.join(sorted(wrong_size)[:8])}")
+    paths = {bundle / rel: rel for rel in files}
+    hashes = hash_files(list(paths))
+    bad = [rel for p, rel in paths.items() if hashes[p] != files[rel]["sha256"]]
+    if bad:
+        raise BundleError(f"bundle {bundle}: file(s) fail their hash (damaged or replaced): {', '.join(sorted(bad)[:8])}")
+
+
+def check_platform(manifest: dict[str, Any], here: Platform, device: str | torch.device) -> None:
+    backend = manifest["backend"]
+    target = manifest.get("target", {})
+    dev = torch.device(device)
+    if (backend in ARCH_BOUND or backend == "cudagraph") and dev.type != "cuda":
+        raise BundleError(f"a {backend} bundle runs on a CUDA device, not {dev}; pass device='cuda'")
+    if backend in ARCH_BOUND:
+        want = target.get("compute_capability")
+        if not here.cuda_available:
+            raise BundleError(f"bundle was built for {target.get('gpu_name')} (compute capability {want}); "
+                              "this machine has no CUDA GPU")
+        if want != here.compute_capability:
+            raise BundleError(
+                f"GPU architecture differs: bundle built for {target.get('gpu_name')} (compute capability {want}), "
+                f"this machine has {here.gpu_name} (compute capability {here.compute_capability}); TensorRT "
+                "engines only run on the architecture they were built for: re-export on this machine"
+            )
+        built = manifest.get("versions", {}).get("tensorrt")
+        have = here.versions.get("tensorrt")
+        if have is None:
+            raise BundleError(f"bundle needs TensorRT {built} but TensorRT is not installed here")
+        if built != have:
+            raise BundleError(f"TensorRT version differs: bundle built with {built}, installed {have}; "
+                              "serialised engines are tied to the exact version: re-export")
+
+
+def check_checkpoint(manifest: dict[str, Any], checkpoint: str | Path) -> None:
+    want = manifest.get("checkpoint", {}).get("sha256")
+    got = checkpoint_sha256(checkpoint)
+    if want != got:
+        raise BundleError(f"checkpoint hash differs: bundle was exported from weights {str(want)[:16]}..., "
+                          f"{checkpoint} has {got[:16]}...; re-export from this checkpoint")
+
+
+def verify_bundle(
+    bundle: str | Path,
+    device: str | torch.device = "cpu",
+    checkpoint: str | Path | None = None,
+    here: Platform | None = None,
+    check_hashes: bool = True,
+) -> dict[str, Any]:
+    """Every refusal check, cheapest first. Returns the manifest."""
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    if check_hashes:
+        check_files(bundle, manifest)
+    if checkpoint is not None:
+        check_checkpoint(manifest, checkpoint)
+    check_platform(manifest, here or Platform.current(device), device)
+    return manifest
+
+
+# -- loading ------------------------------------------------------------------------------
+def bundle_adapter(bundle: Path, manifest: dict[str, Any], seed: int = 0):
+    """The adapter from the bundle's own checkpoint folder, with weights only when included."""
+    name = manifest["adapter"]["name"]
+    if name != "pi05":
+        raise BundleError(f"bundle adapter {name!r} is not supported by this phyai-edge")
+    from phyai_edge.adapters.base import SolverSpec
+    from phyai_edge.adapters.pi05 import PI05Adapter, PI05Model, load_pi05
+    from phyai_edge.adapters.pi05.loaders import _load_native  # the native folder reader, sans weights
+    from phyai_edge.adapters.tokenizer import PromptTokenizer
+
+    folder = bundle / "checkpoint"
+    if manifest["checkpoint"].get("weights_included"):
+        adapter = load_pi05(folder)
+    else:
+        cfg, io, _ = _load_native(folder)
+        with torch.device("meta"):
+            model = PI05Model(cfg)  # stages run from the compiled artefacts; no weights needed
+        adapter = PI05Adapter(cfg, model, PromptTokenizer(folder), io)
+    adapter.solver = SolverSpec(int(manifest["steps"]))
+    return adapter
+
+
+def load_bundle_engine(bundle: str | Path, device: str | torch.device = "cpu", checkpoint: str | Path | None = None,
+                       seed: int = 0, here: Platform | None = None, check_hashes: bool = True,
+                       **engine_kwargs: Any):
+    """(adapter, engine, manifest) for a verified bundle."""
+    bundle = Path(bundle)
+    manifest = verify_bundle(bundle, device, checkpoint, here, check_hashes)
+    adapter = bundle_adapter(bundle, manifest, seed)
+    backend = manifest["backend"]
+    batches = manifest["batch_sizes"]
+    if backend == "onnxruntime":
+        from phyai_edge.engines.onnxrt import OnnxRuntimeEngine
+
+        engine = OnnxRuntimeEngine(adapter, device=device, seed=seed, model_dir=bundle / "onnx",
+                                   batch_sizes=batches, num_views=manifest["views"], **engine_kwargs)
+    elif backend == "tensorrt":
+        from phyai_edge.engines.tensorrt import TensorRTEngine
+
+        engine = TensorRTEngine(adapter, device=device, seed=seed, plan_dir=bundle / "trt", batch_sizes=batches,
+                                num_views=manifest["views"], **engine_kwargs)
+    elif backend == "cudagraph":
+        from phyai_edge.engines import make_engine
+
+        # CUDA graphs cannot be serialised: the bundle holds the weights and the graphs are
+        # captured here, once, before the first chunk.
+        engine = make_engine("cudagraph", adapter, device=device, dtype=manifest["dtype"], seed=seed, **engine_kwargs)
+    else:
+        raise BundleError(f"bundle backend {backend!r} is unknown to this phyai-edge")
+    return adapter, engine, manifest
+
+
+def load_bundle_policy(bundle: str | Path, device: str | torch.device = "cpu", checkpoint: str | Path | None = None,
+                       seed: int = 0, check_hashes: bool = True, **engine_kwargs: Any):
+    """A ready `Policy` from a bundle; what `load_policy(bundle=...)` and `phyai-edge bench
+    --engine` call. The manifest is kept on the policy as `policy.manifest`."""
+    from phyai_edge.engines.policy import Policy
+
+    adapter, engine, manifest = load_bundle_engine(bundle, device, checkpoint, seed, check_hashes=check_hashes,
+                                                   **engine_kwargs)
+    policy = Policy(adapter, engine)
+    policy.manifest = manifest
+    return policy
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,498 @@
+"""`phyai-edge export`: adapter stages -> a self-describing engine bundle under engines/<name>/.
+
+The bundle is assembled in a sibling temporary folder and renamed into place at the end, so
+an interrupted export never leaves a half bundle that a robot could try to load.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import shutil
+import time
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phyai_edge.adapters.base import Adapter, Observation, SolverSpec
+from phyai_edge.engines.bundle import (
+    BACKEND_ALIASES,
+    FORMAT,
+    BundleError,
+    Platform,
+    checkpoint_sha256,
+    now_iso,
+    weight_files,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("onnxruntime", "tensorrt", "cudagraph")
+# Largest model-space |error| vs float32 eager that still passes validation, per precision.
+# fp32 differs only by the fp32 (not fp64) time embedding and kernel order; the low
+# precisions are bounded loosely: their real cost is in the calibration report.
+TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 1.5e-1, "int8": 1.0, "fp8": 1.0}
+SUPPORTED = {
+    "onnxruntime": ("fp32", "fp16", "int8", "fp8"),
+    "tensorrt": ("fp32", "fp16", "bf16", "int8", "fp8"),
+    "cudagraph": ("fp32", "fp16", "bf16", "fp8"),
+}
+DEFAULT_TIMING_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "phyai-edge" / "trt-timing.cache"
+
+
+@dataclass
+class ExportRequest:
+    out: Path
+    backend: str = "onnxruntime"
+    precision: str = "fp32"
+    adapter: str = "pi05"
+    checkpoint: Path | None = None
+    preset: str = "tiny"
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    views: int | None = None
+    steps: int | None = None
+    calibration: str | None = None
+    calibration_samples: int = 32
+    holdout: int = 4
+    device: str | None = None
+    seed: int = 0
+    validate: bool = True
+    int8_mode: str = "calibrator"
+    timing_cache: Path | None = DEFAULT_TIMING_CACHE
+    workspace_gb: float | None = None
+    overwrite: bool = False
+    progress: bool = True
+    tokenizer: Path | None = None
+
+    def normalised(self) -> ExportRequest:
+        self.backend = BACKEND_ALIASES.get(self.backend, self.backend)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of onnx, tensorrt, cudagraph")
+        if self.precision not in SUPPORTED[self.backend]:
+            hint = {"bf16": " (onnxruntime has few bf16 kernels; use fp16, or the tensorrt backend)",
+                    "int8": " (int8 needs TensorRT or onnxruntime; the torch path uses fp8 weights)"}.get(self.precision, "")
+            raise ValueError(f"precision {self.precision!r} is not available with the {self.backend} backend"
+                             f"{hint}; choose one of {', '.join(SUPPORTED[self.backend])}")
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be positive integers, got {self.batch_sizes}")
+        self.batch_sizes = sorted(set(self.batch_sizes))
+        if self.device is None:
+            self.device = "cuda" if self.backend in ("tensorrt", "cudagraph") and torch.cuda.is_available() else "cpu"
+        return self
+
+
+# -- progress -----------------------------------------------------------------------------
+class Progress:
+    """A tqdm bar per phase when tqdm is installed and wanted, else one log line per step."""
+
+    def __init__(self, enabled: bool, echo: Callable[[str], None]) -> None:
+        self.echo = echo
+        self.tqdm = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self.tqdm = tqdm
+            except ImportError:
+                pass
+
+    @contextmanager
+    def phase(self, title: str, steps: list[str]) -> Iterator[Callable[[str], None]]:
+        if self.tqdm is not None:
+            bar = self.tqdm(total=len(steps), desc=title, unit="stage", leave=True)
+
+            def done(name: str) -> None:
+                bar.set_postfix_str(name)
+                bar.update(1)
+
+            try:
+                yield done
+            finally:
+                bar.close()
+        else:
+            self.echo(f"{title}: {len(steps)} step(s)")
+            yield lambda name: self.echo(f"  {title}: {name} done")
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _set_views(adapter: Adapter, views: int | None) -> int:
+    """Fix the number of camera slots the engines are built for."""
+    names = list(adapter.camera_names)
+    if views is None or views == len(names):
+        return len(names)
+    if views < 1:
+        raise ValueError("--views must be at least 1")
+    if views < len(names):
+        log.warning("keeping the first %d of the checkpoint's cameras: %s", views, names[:views])
+        names = names[:views]
+    else:
+        # Extra slots are filled with absent cameras (masked out), as LeRobot's empty_cameras.
+        names = names + [f"empty_camera_{i}" for i in range(views - len(names))]
+    adapter.camera_names = names
+    if hasattr(adapter, "io"):
+        adapter.io.camera_names = list(names)
+    return views
+
+
+class _NoWeights(torch.nn.Module):
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {}
+
+
+def write_checkpoint(adapter: Adapter, folder: Path, with_weights: bool) -> None:
+    """The adapter's native folder (metadata, statistics, tokenizer), weights only if asked.
+
+    save_native stays the only writer of the native format; without weights it is handed a
+    module with no tensors, and the empty weight file it writes is removed.
+    """
+    from phyai_edge.adapters.pi05.loaders import save_native
+
+    if with_weights:
+        save_native(adapter, folder)
+    else:
+        proxy = types.SimpleNamespace(cfg=adapter.cfg, io=adapter.io, tokenizer=adapter.tokenizer, module=_NoWeights())
+        save_native(proxy, folder)
+        (folder / "model.safetensors").unlink(missing_ok=True)
+    # save_native keeps the tokenizer's own file name (the built-in one is tiny_tokenizer.json);
+    # the tokenizer loader looks for the standard names, so store it under one.
+    tok = folder / adapter.tokenizer.path.name
+    standard = folder / ("tokenizer.model" if tok.suffix == ".model" else "tokenizer.json")
+    if tok != standard and tok.exists() and not standard.exists():
+        tok.replace(standard)
+
+
+def tensor_sha256(module: torch.nn.Module) -> str:
+    """A hash of the weights themselves, for models that came from no checkpoint file."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _spec_json(specs: list[Any]) -> list[dict[str, Any]]:
+    def io(d: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Any]:
+        return {n: {"shape": list(shape), "dtype": str(dt).removeprefix("torch.")} for n, (shape, dt) in d.items()}
+
+    return [{"name": s.name, "inputs": io(s.inputs), "outputs": io(s.outputs)} for s in specs]
+
+
+def _typed(precision: str) -> str:
+    """The float type the graph is exported in; int8 / fp8 are quantised from float32."""
+    return precision if precision in ("fp16", "bf16") else "fp32"
+
+
+# -- the export ---------------------------------------------------------------------------
+def export_bundle(
+    req: ExportRequest,
+    adapter: Adapter | None = None,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Build the bundle described by `req`; returns its manifest."""
+    req.normalised()
+    t_start = time.perf_counter()
+    if req.backend == "tensorrt":
+        from phyai_edge.engines.tensorrt import import_tensorrt
+
+        import_tensorrt()  # fail before any work when TensorRT is absent
+    out = Path(req.out)
+    if out.exists() and any(out.iterdir()) and not req.overwrite:
+        raise BundleError(f"{out} already exists; pass --overwrite to replace it")
+    if adapter is None:
+        from phyai_edge.adapters import load_adapter
+
+        adapter = load_adapter(req.adapter, checkpoint=req.checkpoint, preset_name=req.preset, device="cpu",
+                               tokenizer=req.tokenizer, seed=req.seed)
+    views = _set_views(adapter, req.views)
+    if req.steps is not None:
+        if req.steps < 1:
+            raise ValueError("--steps must be at least 1")
+        adapter.solver = SolverSpec(req.steps)
+    adapter.module.float().eval().requires_grad_(False)
+    progress = Progress(req.progress, echo)
+
+    work = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    try:
+        manifest = _build(req, adapter, views, work, progress, echo)
+        manifest["export_seconds"] = round(time.perf_counter() - t_start, 2)
+        write_manifest(work, manifest)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    echo(summary_table(manifest, out))
+    return manifest
+
+
+def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progress: Progress,
+           echo: Callable[[str], None]) -> dict[str, Any]:
+    here = Platform.current(req.device)
+    include_weights = req.backend == "cudagraph"
+    (work / "checkpoint").mkdir()
+    write_checkpoint(adapter, work / "checkpoint", include_weights)
+    if req.checkpoint is not None and weight_files(Path(req.checkpoint)):
+        ck_hash, ck_source = checkpoint_sha256(req.checkpoint), str(Path(req.checkpoint).resolve())
+    else:
+        ck_hash, ck_source = tensor_sha256(adapter.module), f"builtin:{req.preset}:seed={req.seed}"
+
+    calib_obs, held_out, calib_source = _calibration(req, adapter, echo)
+    stage_names = adapter.stage_names()
+    timings: dict[str, float] = {}
+    calibration_info: dict[str, Any] | None = None
+    stage_precision = dict.fromkeys(stage_names, req.precision)
+    artefacts: dict[str, Any] = {}
+
+    if req.backend == "onnxruntime":
+        artefacts["onnx"] = _export_onnx(req, adapter, views, work, calib_obs, progress, timings)
+    elif req.backend == "tensorrt":
+        artefacts["tensorrt"] = _export_tensorrt(req, adapter, views, work, calib_obs, progress, timings)
+    if req.precision == "fp8":
+        calibration_info = _fp8_scales(adapter, work, calib_obs, held_out, req)
+        if req.backend == "cudagraph":
+            artefacts["fp8_scales"] = "calibration/fp8_scales.safetensors"
+    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}.get(req.precision, "float32")
+
+    specs = {}
+    from phyai_edge.engines.onnx_export import export_ready
+
+    with export_ready(adapter, _typed(req.precision)) as twin:
+        for b in req.batch_sizes:
+            specs[str(b)] = _spec_json(twin.stage_specs(b, views))
+
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "name": Path(req.out).name,
+        "created": now_iso(),
+        "adapter": {"name": adapter.name, "preset": getattr(adapter.cfg, "preset", req.preset),
+                    "camera_names": list(adapter.camera_names), "state_dim": getattr(adapter, "state_dim", None),
+                    "action_dim": adapter.action_dim, "chunk_size": adapter.chunk_size,
+                    "model_action_dim": adapter.model_action_dim},
+        "checkpoint": {"source": ck_source, "sha256": ck_hash, "weights_included": include_weights,
+                       "folder": "checkpoint"},
+        "backend": req.backend,
+        "dtype": dtype,
+        "precision": stage_precision,
+        "batch_sizes": req.batch_sizes,
+        "views": views,
+        "steps": adapter.solver.num_steps,
+        "stages": specs,
+        "artefacts": artefacts,
+        "target": {**here.describe(), "device": req.device},
+        "versions": here.versions,
+        "build_seconds": {k: round(v, 3) for k, v in timings.items()},
+        "calibration": calibration_info if calibration_info is not None else (
+            {"source": calib_source} if calib_source else None),
+    }
+    manifest["validation"] = _validate(req, adapter, work, manifest, held_out, echo)
+    if req.precision in ("int8", "fp8") and req.backend == "onnxruntime":
+        manifest["calibration"] = {**(manifest["calibration"] or {}), "source": calib_source,
+                                   "report": manifest["validation"].get("calibrated")}
+    if manifest["calibration"]:
+        import json
+
+        (work / "calibration").mkdir(exist_ok=True)
+        (work / "calibration" / "report.json").write_text(json.dumps(manifest["calibration"], indent=2))
+    return manifest
+
+
+def _calibration(req: ExportRequest, adapter: Adapter,
+                 echo: Callable[[str], None]) -> tuple[list[Observation], list[Observation], str | None]:
+    """(calibration observations, held-out observations, source). Held-out ones also serve
+    as validation samples; without a calibration set they are synthetic."""
+    from phyai_edge.calibration import load_calibration_set, synthetic_observations
+
+    needs = req.precision in ("int8", "fp8")
+    source = req.calibration
+    if needs and source is None:
+        echo(f"note: {req.precision} needs calibration data; using synthetic observations "
+             "(pass --calibration DIR with recorded observations for real accuracy)")
+        source = "synthetic"
+    n_val = max(req.holdout, max(req.batch_sizes))
+    if source is None:
+        return [], synthetic_observations(adapter, n_val, seed=req.seed + 1000), None
+    cset = load_calibration_set(source, adapter, limit=req.calibration_samples + req.holdout, seed=req.seed)
+    calib, held = cset.split(req.holdout)
+    if not held:
+        held = synthetic_observations(adapter, n_val, seed=req.seed + 1000)
+    return calib, held, cset.source
+
+
+def _export_onnx(req: ExportRequest, adapter: Adapter, views: int, work: Path, calib: list[Observation],
+                 progress: Progress, timings: dict[str, float]) -> dict[str, Any]:
+    from phyai_edge.engines.onnx_export import export_ready, export_stage
+    from phyai_edge.engines.onnxrt import stage_file
+
+    quantised = req.precision in ("int8", "fp8")
+    files: dict[str, dict[str, str]] = {}
+    with export_ready(adapter, _typed(req.precision)) as twin:
+        for b in req.batch_sizes:
+            samples = None
+            if quantised:
+                from phyai_edge.calibration.stage_inputs import collect_stage_inputs
+
+                samples = collect_stage_inputs(adapter, calib, batch_size=b, seed=req.seed)
+            specs = twin.stage_specs(b, views)
+            with progress.phase(f"onnx b{b} {req.precision}", [s.name for s in specs]) as done:
+                for spec in specs:
+                    t0 = time.perf_counter()
+                    dst = stage_file(work / "onnx", b, spec.name)
+                    if quantised:
+                        from phyai_edge.calibration.ort_quant import quantize_stage
+
+                        src = export_stage(twin.module, spec, work / ".tmp" / f"b{b}" / f"{spec.name}.onnx")
+                        quantize_stage(src, dst, samples[spec.name], kind=req.precision)
+                    else:
+                        export_stage(twin.module, spec, dst)
+                    timings[f"b{b}/{spec.name}"] = time.perf_counter() - t0
+                    files.setdefault(str(b), {})[spec.name] = dst.relative_to(work).as_posix()
+                    done(spec.name)
+    shutil.rmtree(work / ".tmp", ignore_errors=True)
+    return {"files": files, "opset": 17}
+
+
+def _export_tensorrt(req: ExportRequest, adapter: Adapter, views: int, work: Path, calib: list[Observation],
+                     progress: Progress, timings: dict[str, float]) -> dict[str, Any]:
+    from phyai_edge.engines.tensorrt import BuildOptions, build_for_adapter
+
+    calibration = None
+    if req.precision in ("int8", "fp8"):
+        from phyai_edge.calibration.stage_inputs import collect_stage_inputs
+
+        calibration = collect_stage_inputs(adapter, calib, batch_size=req.batch_sizes[0], seed=req.seed)
+    options = BuildOptions(precision=req.precision, int8_mode=req.int8_mode, timing_cache=req.timing_cache,
+                           workspace_bytes=int(req.workspace_gb * (1 << 30)) if req.workspace_gb else None)
+    t0 = time.perf_counter()
+    last = [t0]
+
+    with progress.phase(f"tensorrt {req.precision}", adapter.stage_names()) as done:
+        def on_stage(name: str) -> None:
+            now = time.perf_counter()
+            timings[name] = now - last[0]
+            last[0] = now
+            done(name)
+
+        meta = build_for_adapter(adapter, work / "trt", req.batch_sizes, views, options, calibration,
+                                 on_stage=on_stage)
+    if req.timing_cache is not None and Path(req.timing_cache).exists():
+        shutil.copyfile(req.timing_cache, work / "trt" / "timing.cache")
+    return {"plans": {s: f"trt/{s}.plan" for s in meta["stages"]}, "build": meta}
+
+
+def _fp8_scales(adapter: Adapter, work: Path, calib: list[Observation], held: list[Observation],
+                req: ExportRequest) -> dict[str, Any]:
+    """Per-tensor fp8 scales from the calibration set, and their fake-quantised accuracy."""
+    from phyai_edge.calibration.accuracy import compare_engines, reference_engine
+    from phyai_edge.calibration.fp8 import collect_amax, fake_fp8, save_scales, scales_from_amax
+    from phyai_edge.calibration.stage_inputs import collect_stage_inputs
+
+    amax = collect_amax(adapter.module, lambda: collect_stage_inputs(adapter, calib, seed=req.seed, denoise_every=1))
+    scales = scales_from_amax(amax)
+    save_scales(work / "calibration" / "fp8_scales.safetensors", scales, {"samples": len(calib)})
+    from phyai_edge.engines.eager import EagerEngine
+
+    ref = reference_engine(adapter, "float32")
+    twin = copy.copy(adapter)  # fake-quantise a copy: the reference must keep its float32 weights
+    twin.module = copy.deepcopy(adapter.module)
+    with fake_fp8(twin.module, scales):
+        err = compare_engines(adapter, EagerEngine(twin, dtype="float32"), ref, held, seed=req.seed)
+    return {"fp8_scales": "calibration/fp8_scales.safetensors", "linears": len(scales), "samples": len(calib),
+            "held_out": len(held), "fake_fp8_vs_fp32": err}
+
+
+def _validate(req: ExportRequest, adapter: Adapter, work: Path, manifest: dict[str, Any], held: list[Observation],
+              echo: Callable[[str], None]) -> dict[str, Any]:
+    """The bundle's own engine against float32 eager on held-out samples, per batch size."""
+    if not req.validate:
+        return {"status": "skipped", "reason": "--no-validate"}
+    dev = torch.device(req.device)
+    if req.backend in ("tensorrt", "cudagraph") and dev.type != "cuda":
+        return {"status": "skipped", "reason": f"{req.backend} engines need a CUDA device; none here"}
+    from phyai_edge.calibration.accuracy import compare_engines, reference_engine
+
+    tol = TOLERANCE[req.precision]
+    result: dict[str, Any] = {"reference": "eager float32 (fp64 time embedding)", "tolerance": tol,
+                              "samples": len(held), "per_batch": {}}
+    # Load exactly as a robot will (but before the manifest exists, so no hash checks).
+    engine = _engine_for(req, work, manifest, adapter)
+    ref = reference_engine(adapter, "float32", device=req.device)
+    worst = 0.0
+    for b in req.batch_sizes:
+        err = compare_engines(adapter, engine, ref, held, batch_size=b, seed=req.seed)
+        result["per_batch"][str(b)] = err
+        worst = max(worst, err["max_abs_error"])
+    result["max_abs_error"] = worst
+    result["status"] = "passed" if worst <= tol else "failed"
+    if req.precision in ("int8", "fp8"):
+        bf16 = reference_engine(adapter, "bfloat16", device=req.device)
+        result["calibrated"] = {
+            "vs_fp32": result["per_batch"][str(req.batch_sizes[0])],
+            "vs_bf16": compare_engines(adapter, engine, bf16, held, batch_size=req.batch_sizes[0], seed=req.seed),
+            "bf16_vs_fp32": compare_engines(adapter, bf16, ref, held, batch_size=req.batch_sizes[0], seed=req.seed),
+        }
+    if result["status"] == "failed":
+        echo(f"WARNING: validation failed: max |error| {worst:.3g} exceeds {tol:g} for {req.precision}")
+    return result
+
+
+def _engine_for(req: ExportRequest, work: Path, manifest: dict[str, Any], adapter: Adapter) -> Any:
+    from phyai_edge.engines.bundle import bundle_adapter
+
+    bundle_ad = bundle_adapter(work, manifest) if not manifest["checkpoint"]["weights_included"] else adapter
+    if req.backend == "onnxruntime":
+        from phyai_edge.engines.onnxrt import OnnxRuntimeEngine
+
+        return OnnxRuntimeEngine(bundle_ad, device=req.device, seed=req.seed, model_dir=work / "onnx",
+                                 batch_sizes=req.batch_sizes, num_views=manifest["views"])
+    if req.backend == "tensorrt":
+        from phyai_edge.engines.tensorrt import TensorRTEngine
+
+        return TensorRTEngine(bundle_ad, device=req.device, seed=req.seed, plan_dir=work / "trt",
+                              batch_sizes=req.batch_sizes, num_views=manifest["views"])
+    from phyai_edge.engines import make_engine
+
+    return make_engine("cudagraph", adapter, device=req.device, dtype=manifest["dtype"], seed=req.seed)
+
+
+def summary_table(manifest: dict[str, Any], out: Path) -> str:
+    rows = [("file", "bytes", "sha256")]
+    for rel, info in sorted(manifest["files"].items()):
+        rows.append((rel, f"{info['bytes']:,}", info["sha256"][:12]))
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    lines = [f"bundle {out}  backend={manifest['backend']}  precision={manifest['dtype'] if manifest['backend'] == 'cudagraph' else next(iter(manifest['precision'].values()))}"
+             f"  batch={manifest['batch_sizes']}  views={manifest['views']}  steps={manifest['steps']}"]
+    lines += [f"  {r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]}" for r in rows]
+    if manifest.get("build_seconds"):
+        lines.append("  build: " + ", ".join(f"{k} {v:.2f}s" for k, v in manifest["build_seconds"].items()))
+    v = manifest.get("validation", {})
+    if v.get("status") in ("passed", "failed"):
+        lines.append(f"  validation vs eager fp32: {v['status']}  max |error| {v['max_abs_error']:.3g} "
+                     f"(tolerance {v['tolerance']:g}, {v['samples']} held-out samples)")
+        cal = v.get("calibrated")
+        if cal:
+            lines.append(f"  calibrated accuracy: vs bf16 max {cal['vs_bf16']['max_abs_error']:.3g} "
+                         f"rel-RMSE {cal['vs_bf16']['relative_rmse']:.3g}; vs fp32 rel-RMSE "
+                         f"{cal['vs_fp32']['relative_rmse']:.3g} (bf16 itself vs fp32: "
+                         f"{cal['bf16_vs_fp32']['relative_rmse']:.3g})")
+    else:
+        lines.append(f"  validation: {v.get('status')} ({v.get('reason', '')})")
+    c = manifest.get("calibration") or {}
+    if "fake_fp8_vs_fp32" in c:
+        f = c["fake_fp8_vs_fp32"]
+        lines.append(f"  fp8 scales ({c['linears']} linears, {c['samples']} samples): fake-fp8 eager vs fp32 "
+                     f"max {f['max_abs_error']:.3g} rel-RMSE {f['relative_rmse']:.3g}")
+    lines.append(f"  export took {manifest.get('export_seconds', 0):.1f}s")
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""Engine bundles: export with the CLI, load back, and every refusal case."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+
+from phyai_edge.adapters.pi05 import builtin_adapter, save_native  # noqa: E402
+from phyai_edge.calibration import synthetic_observations  # noqa: E402
+from phyai_edge.cli import main as cli  # noqa: E402
+from phyai_edge.engines.bundle import (  # noqa: E402
+    BundleError,
+    Platform,
+    load_bundle_policy,
+    read_manifest,
+    seal,
+    verify_bundle,
+)
+from phyai_edge.engines.onnxrt import OnnxRuntimeEngine  # noqa: E402
+from phyai_edge.engines.policy import load_policy  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return save_native(builtin_adapter("tiny", seed=0), tmp_path_factory.mktemp("ckpt") / "pi05_tiny")
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, checkpoint) -> Path:
+    out = tmp_path_factory.mktemp("engines") / "tiny-onnx"
+    rc = cli(["export", "--checkpoint", str(checkpoint), "--out", str(out), "--backend", "onnx",
+              "--batch", "1,2", "--steps", "5", "--no-progress"])
+    assert rc == 0
+    return out
+
+
+def _copy(bundle: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / bundle.name
+    shutil.copytree(bundle, dst)
+    return dst
+
+
+def test_manifest_describes_the_bundle(bundle, checkpoint):
+    m = read_manifest(bundle)
+    assert m["backend"] == "onnxruntime" and m["batch_sizes"] == [1, 2] and m["steps"] == 5 and m["views"] == 3
+    assert m["adapter"]["name"] == "pi05" and m["adapter"]["preset"] == "tiny"
+    assert set(m["precision"].values()) == {"fp32"}
+    specs = {s["name"]: s for s in m["stages"]["2"]}
+    assert specs["denoise_step"]["inputs"]["t"] == {"shape": [2], "dtype": "float32"}
+    assert specs["encode_prefix"]["outputs"]["k_cache"]["shape"][1] == 2
+    assert m["versions"]["torch"] == torch.__version__ and m["versions"]["onnxruntime"]
+    assert "gpu_name" in m["target"] and "compute_capability" in m["target"]
+    for rel in ("checkpoint/phyai_edge.json", "checkpoint/norm_stats.json", "checkpoint/tokenizer.json",
+                "onnx/b1/denoise_step.onnx", "onnx/b2/encode_prefix.onnx"):
+        assert rel in m["files"], rel
+    assert "checkpoint/model.safetensors" not in m["files"]  # ONNX bundles carry weights in the graphs
+    v = m["validation"]
+    print(f"bundle validation: max |onnxruntime - eager| = {v['max_abs_error']:.3g}")
+    assert v["status"] == "passed" and v["max_abs_error"] < 1e-3
+    verify_bundle(bundle, checkpoint=checkpoint)  # the exporting checkpoint matches
+
+
+def test_round_trip_gives_the_engine_s_actions(bundle, checkpoint):
+    policy = load_policy(bundle=bundle)
+    assert policy.engine.backend == "onnxruntime" and policy.adapter.solver.num_steps == 5
+    obs = synthetic_observations(policy.adapter, 2, seed=4)
+    noise = torch.randn(2, 50, 32, generator=torch.Generator().manual_seed(0))
+    got = policy.infer(obs, noise=noise).actions
+    # The same ONNX files through an engine made directly.
+    direct = OnnxRuntimeEngine(policy.adapter, model_dir=bundle / "onnx", batch_sizes=[1, 2])
+    chunk = direct.run(policy.adapter.preprocess(obs), noise=noise)
+    np.testing.assert_allclose(got, policy.adapter.postprocess(chunk), atol=1e-6)
+    # And the bundle agrees with eager on the original checkpoint.
+    eager = load_policy(checkpoint=checkpoint)
+    eager.adapter.solver = policy.adapter.solver
+    ref = eager.infer(obs, noise=noise).actions
+    assert np.abs(ref - got).max() < 1e-3
+    one = policy.infer(obs[:1], noise=noise[:1]).actions  # the other batch size works too
+    np.testing.assert_allclose(one, got[:1], atol=1e-4)
+
+
+def test_refuses_a_file_that_fails_its_hash(bundle, tmp_path):
+    b = _copy(bundle, tmp_path)
+    f = b / "onnx" / "b1" / "denoise_step.onnx"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+    f.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"fail their hash.*onnx/b1/denoise_step.onnx"):
+        load_bundle_policy(b)
+
+
+def test_refuses_a_missing_file(bundle, tmp_path):
+    b = _copy(bundle, tmp_path)
+    (b / "checkpoint" / "norm_stats.json").unlink()
+    with pytest.raises(BundleError, match=r"missing 1 file.*norm_stats.json"):
+        load_policy(bundle=b)
+
+
+def test_refuses_an_edited_manifest(bundle, tmp_path):
+    b = _copy(bundle, tmp_path)
+    m = json.loads((b / "manifest.json").read_text())
+    m["steps"] = 3
+    (b / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="edited after export"):
+        load_policy(bundle=b)
+
+
+def test_refuses_a_different_checkpoint(bundle, tmp_path):
+    other = save_native(builtin_adapter("tiny", seed=1), tmp_path / "other")
+    with pytest.raises(BundleError, match="checkpoint hash differs"):
+        load_bundle_policy(bundle, checkpoint=other)
+
+
+def _as_tensorrt(bundle: Path, tmp_path: Path, cc: str = "8.7", trt: str = "10.3.0") -> Path:
+    """The bundle as if built by TensorRT on another machine (re-sealed, so only the
+    platform check can object)."""
+    b = _copy(bundle, tmp_path)
+    m = json.loads((b / "manifest.json").read_text())
+    m["backend"] = "tensorrt"
+    m["target"].update(gpu_name="Orin (nvgpu)", compute_capability=cc, cuda_available=True)
+    m["versions"]["tensorrt"] = trt
+    (b / "manifest.json").write_text(json.dumps(seal(m)))
+    return b
+
+
+def test_refuses_another_gpu_architecture(bundle, tmp_path):
+    b = _as_tensorrt(bundle, tmp_path)
+    h200 = Platform(True, "NVIDIA H200", "9.0", {"tensorrt": "10.3.0"})
+    with pytest.raises(BundleError, match=r"GPU architecture differs.*8\.7.*H200.*9\.0"):
+        verify_bundle(b, device="cuda", here=h200)
+    with pytest.raises(BundleError, match="no CUDA GPU"):
+        verify_bundle(b, device="cuda", here=Platform(False, None, None, {}))
+    with pytest.raises(BundleError, match="CUDA device"):
+        verify_bundle(b, device="cpu", here=h200)
+
+
+def test_refuses_another_tensorrt_version(bundle, tmp_path):
+    b = _as_tensorrt(bundle, tmp_path)
+    orin = Platform(True, "Orin (nvgpu)", "8.7", {"tensorrt": "10.7.0"})
+    with pytest.raises(BundleError, match=r"TensorRT version differs.*10\.3\.0.*10\.7\.0"):
+        verify_bundle(b, device="cuda", here=orin)
+    same = Platform(True, "Orin (nvgpu)", "8.7", {"tensorrt": "10.3.0"})
+    assert verify_bundle(b, device="cuda", here=same)["backend"] == "tensorrt"
+
+
+def test_refuses_a_folder_that_is_not_a_bundle(tmp_path):
+    with pytest.raises(BundleError, match="no manifest.json"):
+        load_policy(bundle=tmp_path)
+
+
+def test_cudagraph_bundle_carries_the_weights(tmp_path, checkpoint):
+    out = tmp_path / "tiny-cg"
+    assert cli(["export", "--checkpoint", str(checkpoint), "--out", str(out), "--backend", "cudagraph",
+                "--precision", "bf16", "--no-progress"]) == 0
+    m = read_manifest(out)
+    assert m["checkpoint"]["weights_included"] and "checkpoint/model.safetensors" in m["files"]
+    assert m["dtype"] == "bfloat16"
+    if not torch.cuda.is_available():
+        assert m["validation"]["status"] == "skipped"
+        with pytest.raises(BundleError, match="CUDA device"):
+            load_policy(bundle=out)
+    # The weights in the bundle are the checkpoint's: same hash, same eager actions.
+    verify_bundle(out, device="cuda", checkpoint=checkpoint, here=Platform(True, "x", "9.0", {}))
+    from phyai_edge.engines.bundle import bundle_adapter
+    from phyai_edge.engines.eager import EagerEngine
+
+    ad = bundle_adapter(out, m)
+    ref = builtin_adapter("tiny", seed=0)
+    inputs = ref.preprocess(synthetic_observations(ref, 1))
+    noise = torch.randn(1, 50, 32)
+    a = EagerEngine(ad).run(inputs, noise=noise)
+    b = EagerEngine(ref).run(inputs, noise=noise)
+    assert torch.equal(a, b)
+
+
+def test_export_refuses_to_overwrite_without_the_flag(bundle, capsys):
+    assert cli(["export", "--preset", "tiny", "--out", str(bundle), "--no-progress"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_export_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit):
+        cli(["export", "--help"])
+    text = capsys.readouterr().out
+    for opt in ("--backend", "--precision", "--batch", "--views", "--calibration", "--steps", "tensorrt"):
+        assert opt in text
