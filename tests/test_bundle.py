@@ -12,10 +12,10 @@ import torch
 
 pytest.importorskip("onnxruntime")
 
-from phyai_edge.adapters.pi05 import builtin_adapter, save_native  # noqa: E402
-from phyai_edge.calibration import synthetic_observations  # noqa: E402
-from phyai_edge.cli import main as cli  # noqa: E402
-from phyai_edge.engines.bundle import (  # noqa: E402
+from phyai_edge.adapters.pi05 import builtin_adapter, save_native
+from phyai_edge.calibration import synthetic_observations
+from phyai_edge.cli import main as cli
+from phyai_edge.engines.bundle import (
     BundleError,
     Platform,
     load_bundle_policy,
@@ -23,8 +23,8 @@ from phyai_edge.engines.bundle import (  # noqa: E402
     seal,
     verify_bundle,
 )
-from phyai_edge.engines.onnxrt import OnnxRuntimeEngine  # noqa: E402
-from phyai_edge.engines.policy import load_policy  # noqa: E402
+from phyai_edge.engines.onnxrt import OnnxRuntimeEngine
+from phyai_edge.engines.policy import load_policy
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_refuses_another_tensorrt_version(bundle, tmp_path):
 
 
 def test_refuses_a_folder_that_is_not_a_bundle(tmp_path):
-    with pytest.raises(BundleError, match="no manifest.json"):
+    with pytest.raises(BundleError, match=r"no manifest\.json"):
         load_policy(bundle=tmp_path)
 
 

@@ -9,11 +9,11 @@ import torch
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from phyai_edge.adapters.pi05 import builtin_adapter  # noqa: E402
-from phyai_edge.calibration import synthetic_observations  # noqa: E402
-from phyai_edge.engines import make_engine  # noqa: E402
-from phyai_edge.engines.onnx_export import export_ready, export_stage, onnx_io, sample_inputs  # noqa: E402
-from phyai_edge.engines.rtc import RTCGuidance, prefix_weights  # noqa: E402
+from phyai_edge.adapters.pi05 import builtin_adapter
+from phyai_edge.calibration import synthetic_observations
+from phyai_edge.engines import make_engine
+from phyai_edge.engines.onnx_export import export_ready, export_stage, onnx_io, sample_inputs
+from phyai_edge.engines.rtc import RTCGuidance, prefix_weights
 
 
 @pytest.fixture(scope="module")

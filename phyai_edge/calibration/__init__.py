@@ -4,9 +4,8 @@ TensorRT int8 entropy calibrator, fp8 scales for the torch path, the onnxruntime
 quantiser, and the accuracy report against a higher-precision reference."""
 
 from phyai_edge.calibration.dataset import CalibrationSet, load_calibration_set, synthetic_observations
-from phyai_edge.calibration.records import RECORD_FORMAT, RecordWriter, read_records
+from phyai_edge.calibration.records import read_records
 
 __all__ = [
-    "RECORD_FORMAT", "CalibrationSet", "RecordWriter", "load_calibration_set", "read_records",
-    "synthetic_observations",
+    "CalibrationSet", "load_calibration_set", "read_records", "synthetic_observations",
 ]

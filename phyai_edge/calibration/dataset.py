@@ -58,13 +58,13 @@ def load_calibration_set(source: str | Path, adapter: Adapter, limit: int = 64, 
     if not folder.is_dir():
         raise FileNotFoundError(f"calibration source not found: {folder} (give a folder or 'synthetic')")
     if is_recording(folder):
-        obs = read_records(folder)
+        obs = read_records(folder, list(adapter.camera_names))
         kind = "recording"
     elif is_lerobot_dataset(folder):
         obs = read_lerobot(folder, list(adapter.camera_names), limit=limit, camera_map=camera_map)
         kind = "lerobot"
     else:
-        raise ValueError(f"{folder} is neither a phyai-edge recording (meta.json) nor a LeRobot dataset "
+        raise ValueError(f"{folder} is neither a phyai-edge recording (meta.json + obs_*.npz) nor a LeRobot dataset "
                          "(meta/info.json); use 'synthetic' to calibrate without data")
     if len(obs) > limit:
         # Spread the picks over the whole recording: neighbouring frames are nearly identical.

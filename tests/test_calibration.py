@@ -1,0 +1,178 @@
+"""Calibration sets (daemon recordings, LeRobot folders, synthetic), fp8 scales, the TensorRT
+entropy calibrator's logic, and the onnxruntime int8 bundle's accuracy report."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from phyai_edge.adapters.pi05 import builtin_adapter
+from phyai_edge.calibration import load_calibration_set, read_records, synthetic_observations
+from phyai_edge.calibration.fp8 import collect_amax, fake_fp8, load_scales, save_scales, scales_from_amax
+from phyai_edge.calibration.stage_inputs import collect_stage_inputs
+from phyai_edge.calibration.trt_calibrator import entropy_calibrator
+
+
+@pytest.fixture
+def adapter():
+    return builtin_adapter("tiny")
+
+
+def _record(folder: Path, n: int, cameras: list[str]) -> None:
+    """What `phyai-edge run --record` writes, through the daemon's own recorder."""
+    from phyai_edge.control.recorder import Recorder
+
+    rec = Recorder(folder, {"cameras": {c: c for c in cameras}})
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        images = {c: rng.integers(0, 255, (48, 64, 3), dtype=np.uint8) for c in cameras}
+        images[cameras[-1]] = None if i == 1 else images[cameras[-1]]  # a camera dropped once
+        rec.add({"job_id": i, "images": images, "bgr": {}, "state": rng.uniform(-1, 1, 14).astype(np.float32),
+                 "timestamp": float(i), "prompt": f"task {i}", "rtc_mode": "none", "prefix": None,
+                 "delay_estimate": 0, "start_slot": i, "actions": None, "delay": 0, "error": ""})
+    rec.close()
+
+
+def test_reads_daemon_recordings(adapter, tmp_path):
+    _record(tmp_path, 3, adapter.camera_names)
+    obs = read_records(tmp_path, adapter.camera_names)
+    assert [o.prompt for o in obs] == ["task 0", "task 1", "task 2"]
+    assert obs[1].images[adapter.camera_names[-1]] is None and obs[0].images["top"].shape == (48, 64, 3)
+    cset = load_calibration_set(tmp_path, adapter, limit=2)
+    assert len(cset.observations) == 2 and cset.source.startswith("recording:")
+    adapter.preprocess(cset.observations)  # valid model inputs
+
+
+def _lerobot(root: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    cv2 = pytest.importorskip("cv2")
+    (root / "meta").mkdir(parents=True)
+    info = {"codebase_version": "v2.1", "features": {
+        "observation.images.top": {"dtype": "image", "shape": [32, 40, 3]},
+        "observation.images.wrist": {"dtype": "video", "shape": [32, 40, 3]},
+        "observation.state": {"dtype": "float32", "shape": [14]},
+        "action": {"dtype": "float32", "shape": [14]}}}
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    (root / "meta" / "tasks.jsonl").write_text(json.dumps({"task_index": 0, "task": "fold the towel"}) + "\n")
+    rows = {"observation.images.top": [], "observation.state": [], "episode_index": [], "frame_index": [],
+            "task_index": [], "timestamp": []}
+    for i in range(5):
+        img = np.full((32, 40, 3), 20 * i, np.uint8)
+        _, png = cv2.imencode(".png", img)
+        rows["observation.images.top"].append({"bytes": png.tobytes(), "path": None})
+        rows["observation.state"].append([float(i)] * 14)
+        rows["episode_index"].append(0)
+        rows["frame_index"].append(i)
+        rows["task_index"].append(0)
+        rows["timestamp"].append(i / 30)
+        # The wrist camera is a video feature, decoded to LeRobot's image-folder layout.
+        d = root / "images" / "observation.images.wrist" / "episode_000000"
+        d.mkdir(parents=True, exist_ok=True)
+        cv2.imwrite(str(d / f"frame_{i:06d}.png"), np.full((32, 40, 3), 7, np.uint8))
+    (root / "data" / "chunk-000").mkdir(parents=True)
+    pq.write_table(pa.table(rows), root / "data" / "chunk-000" / "episode_000000.parquet")
+
+
+def test_reads_a_lerobot_dataset_folder(adapter, tmp_path):
+    _lerobot(tmp_path)
+    cset = load_calibration_set(tmp_path, adapter, limit=3)
+    # Model cameras top/left_wrist/right_wrist; dataset top/wrist: matched by name where
+    # they agree, the rest absent.
+    obs = cset.observations
+    assert len(obs) == 3 and cset.source.startswith("lerobot:")
+    assert obs[0].prompt == "fold the towel" and obs[-1].state[0] == 4.0
+    assert obs[1].images["top"].shape == (32, 40, 3) and obs[1].images["left_wrist"] is None
+    from phyai_edge.calibration.lerobot import read_lerobot
+
+    mapped = read_lerobot(tmp_path, adapter.camera_names, limit=2, camera_map={"top": "top", "left_wrist": "wrist"})
+    assert int(mapped[0].images["left_wrist"][0, 0, 0]) == 7
+
+
+def test_unknown_calibration_folder_says_what_it_expects(adapter, tmp_path):
+    with pytest.raises(ValueError, match="LeRobot dataset"):
+        load_calibration_set(tmp_path, adapter)
+
+
+def test_synthetic_observations_are_valid_inputs(adapter):
+    obs = synthetic_observations(adapter, 3, seed=1)
+    x = adapter.preprocess(obs)
+    assert x.batch_size == 3 and torch.isfinite(x.tensors["images"]).all()
+
+
+def test_stage_inputs_cover_every_flow_step(adapter):
+    s = collect_stage_inputs(adapter, synthetic_observations(adapter, 3), batch_size=2)
+    assert len(s["embed_images"]) == 2  # 3 observations -> two batches of 2 (last one padded)
+    assert len(s["denoise_step"]) == 2 * adapter.solver.num_steps
+    assert s["denoise_step"][0]["k_cache"].shape[1] == 2
+
+
+def test_fp8_scales_round_trip_and_fake_quantisation(adapter, tmp_path):
+    obs = synthetic_observations(adapter, 2)
+    amax = collect_amax(adapter.module, lambda: collect_stage_inputs(adapter, obs))
+    scales = scales_from_amax(amax)
+    assert len(scales) > 10 and all(s["input_scale"] > 0 and s["weight_scale"] > 0 for s in scales.values())
+    path = save_scales(tmp_path / "fp8_scales.safetensors", scales)
+    loaded = load_scales(path)
+    assert loaded.keys() == scales.keys()
+    assert json.loads(path.with_suffix(".json").read_text())["fp8_max"] == 448.0
+    w = adapter.module.action_out_proj.weight.clone()
+    x = adapter.preprocess(obs[:1])
+    from phyai_edge.engines.eager import EagerEngine
+
+    noise = torch.randn(1, 50, 32)
+    ref = EagerEngine(adapter).run(x, noise=noise)
+    with fake_fp8(adapter.module, loaded):
+        q = EagerEngine(adapter).run(x, noise=noise)
+    assert torch.equal(adapter.module.action_out_proj.weight, w)  # restored
+    rel = float((q - ref).norm() / ref.norm())
+    print(f"fake-fp8 chunk relative error: {rel:.3g}")
+    assert 0 < rel < 0.2
+
+
+class _FakeCalibratorBase:
+    def __init__(self) -> None:
+        pass
+
+
+def test_entropy_calibrator_feeds_batches_and_caches(tmp_path):
+    fake_trt = types.SimpleNamespace(IInt8EntropyCalibrator2=_FakeCalibratorBase)
+    samples = [{"x_t": np.full((2, 4), i, np.float32), "k_cache": np.zeros((1, 2, 1, 3, 2), np.float32)}
+               for i in range(3)]
+    cal = entropy_calibrator(samples, tmp_path / "c.cache", device="cpu", trt=fake_trt)
+    assert cal.get_batch_size() == 2  # batch read from the KV cache's axis 1
+    for i in range(3):
+        ptrs = cal.get_batch(["k_cache", "x_t"])
+        assert len(ptrs) == 2 and ptrs[1] == cal.buffers["x_t"].data_ptr()
+        assert float(cal.buffers["x_t"][0, 0]) == i
+    assert cal.get_batch(["x_t"]) is None
+    assert cal.read_calibration_cache() is None
+    cal.write_calibration_cache(b"TRT-scales")
+    assert entropy_calibrator(samples, tmp_path / "c.cache", device="cpu", trt=fake_trt).read_calibration_cache() == b"TRT-scales"
+
+
+def test_int8_onnx_bundle_reports_its_accuracy(tmp_path, adapter):
+    pytest.importorskip("onnxruntime")
+    from phyai_edge.engines.bundle import read_manifest
+    from phyai_edge.engines.exporter import ExportRequest, export_bundle
+
+    out = tmp_path / "tiny-int8"
+    export_bundle(ExportRequest(out=out, backend="onnx", precision="int8", calibration="synthetic",
+                                calibration_samples=4, holdout=2, progress=False), adapter=adapter)
+    m = read_manifest(out)
+    cal = m["calibration"]["report"]
+    print(f"int8 (onnxruntime QDQ) vs bf16: max {cal['vs_bf16']['max_abs_error']:.3g}, rel-RMSE "
+          f"{cal['vs_bf16']['relative_rmse']:.3g}; vs fp32 rel-RMSE {cal['vs_fp32']['relative_rmse']:.3g}")
+    assert m["validation"]["status"] == "passed"
+    assert 0 < cal["vs_fp32"]["relative_rmse"] < 0.1
+    assert (out / "calibration" / "report.json").exists()
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(out / "onnx" / "b1" / "denoise_step.onnx")).graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+

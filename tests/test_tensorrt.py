@@ -1,0 +1,217 @@
+"""The TensorRT path. A real build needs TensorRT and a GPU (skipped here with the reason);
+the builder's decisions are tested against a stand-in `tensorrt` module that records calls."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from phyai_edge.engines.tensorrt import BuildOptions, build_engine, build_for_adapter
+
+HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
+SKIP_REAL = ("unverified here: " + ", ".join(
+    m for m, ok in (("TensorRT is not installed", HAVE_TRT), ("no CUDA GPU", torch.cuda.is_available())) if not ok))
+
+
+class _Tensor:
+    def __init__(self, name: str, shape: tuple[int, ...]) -> None:
+        self.name, self.shape = name, shape
+
+
+class FakeTRT:
+    """Just enough of the TensorRT 10 builder API to watch what build_engine asks for."""
+
+    def __init__(self, inputs: dict[str, tuple[int, ...]] | None, parse_ok: bool = True) -> None:
+        self.calls: list[tuple] = []
+        self.from_file = inputs is None
+        self.inputs = inputs or {}
+        self.parse_ok = parse_ok
+        log = self.calls
+        trt = self
+
+        class Logger:
+            WARNING, VERBOSE = "W", "V"
+
+            def __init__(self, level: str) -> None:
+                pass
+
+        class Profile:
+            def __init__(self) -> None:
+                self.shapes: dict[str, tuple] = {}
+
+            def set_shape(self, name, mn, opt, mx):
+                self.shapes[name] = (mn, opt, mx)
+
+        class Cache:
+            def __init__(self, data: bytes) -> None:
+                self.data = data
+
+            def serialize(self) -> bytes:
+                return self.data + b"+"
+
+        class Config:
+            def __init__(self) -> None:
+                self.flags: set[str] = set()
+                self.profiles: list[Profile] = []
+                self.int8_calibrator = None
+                self.builder_optimization_level = None
+                self.cache = None
+
+            def set_memory_pool_limit(self, pool, size):
+                log.append(("workspace", size))
+
+            def set_flag(self, flag):
+                self.flags.add(flag)
+
+            def add_optimization_profile(self, p):
+                self.profiles.append(p)
+                return len(self.profiles) - 1
+
+            def set_calibration_profile(self, p):
+                log.append(("calibration_profile", self.profiles.index(p)))
+
+            def create_timing_cache(self, data):
+                log.append(("timing_cache_in", bytes(data)))
+                return Cache(bytes(data))
+
+            def set_timing_cache(self, cache, ignore_mismatch):
+                self.cache = cache
+                return True
+
+            def get_timing_cache(self):
+                return self.cache
+
+        class Network:
+            def __init__(self, flags: int) -> None:
+                self.flags = flags
+                self.num_inputs = len(trt.inputs)
+
+            def get_input(self, i):
+                name = list(trt.inputs)[i]
+                return _Tensor(name, trt.inputs[name])
+
+        class Builder:
+            def __init__(self, logger) -> None:
+                pass
+
+            def create_network(self, flags):
+                trt.network = Network(flags)
+                return trt.network
+
+            def create_builder_config(self):
+                trt.config = Config()
+                return trt.config
+
+            def create_optimization_profile(self):
+                return Profile()
+
+            def build_serialized_network(self, network, config):
+                log.append(("build", network.flags, sorted(config.flags)))
+                return b"PLAN"
+
+        class Parser:
+            def __init__(self, network, logger) -> None:
+                pass
+
+            def parse_from_file(self, path):
+                log.append(("parse", path))
+                if trt.from_file:  # read the real ONNX inputs, symbolic dims as -1 like TensorRT
+                    from phyai_edge.engines.onnx_export import onnx_io
+
+                    trt.inputs = {n: tuple(d if isinstance(d, int) else -1 for d in dims)
+                                  for n, dims in onnx_io(path)["inputs"]}
+                    trt.network.num_inputs = len(trt.inputs)
+                return trt.parse_ok
+
+            num_errors = 1
+
+            def get_error(self, i):
+                return "Unsupported op Foo"
+
+        self.Logger, self.Builder, self.OnnxParser = Logger, Builder, Parser
+        self.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=5)
+        self.BuilderFlag = types.SimpleNamespace(FP16="FP16", BF16="BF16", INT8="INT8", FP8="FP8")
+        self.MemoryPoolType = types.SimpleNamespace(WORKSPACE="ws")
+
+
+SHAPES = {1: {"x_t": (1, 50, 32), "t": (1,)}, 2: {"x_t": (2, 50, 32), "t": (2,)}}
+
+
+def test_strongly_typed_build_with_a_profile_per_batch_and_a_reused_timing_cache(tmp_path):
+    trt = FakeTRT({"x_t": (-1, 50, 32), "t": (-1,)})
+    cache = tmp_path / "timing.cache"
+    cache.write_bytes(b"old")
+    info = build_engine(tmp_path / "d.onnx", tmp_path / "d.plan", SHAPES,
+                        BuildOptions("fp16", timing_cache=cache, workspace_bytes=1 << 30), trt=trt)
+    assert info["strongly_typed"] and info["profiles"] == [1, 2]
+    assert trt.network.flags == 1 << 5  # STRONGLY_TYPED: types come from the fp16 ONNX
+    assert trt.config.flags == set()  # precision flags are meaningless (and refused) when strongly typed
+    assert [p.shapes["x_t"] for p in trt.config.profiles] == [((1, 50, 32),) * 3, ((2, 50, 32),) * 3]
+    assert ("timing_cache_in", b"old") in trt.calls and cache.read_bytes() == b"old+"
+    assert ("workspace", 1 << 30) in trt.calls
+    assert (tmp_path / "d.plan").read_bytes() == b"PLAN"
+
+
+def test_int8_calibrator_build_is_weakly_typed_and_calibrates_at_its_batch(tmp_path):
+    trt = FakeTRT({"x_t": (-1, 50, 32), "t": (-1,)})
+    calibrator = types.SimpleNamespace(get_batch_size=lambda: 2)
+    info = build_engine(tmp_path / "d.onnx", tmp_path / "d.plan", SHAPES, BuildOptions("int8"), calibrator, trt=trt)
+    assert not info["strongly_typed"] and info["calibrated"]
+    assert trt.network.flags == 0 and trt.config.flags == {"INT8", "FP16"}
+    assert trt.config.int8_calibrator is calibrator and ("calibration_profile", 1) in trt.calls
+
+
+def test_parse_errors_are_reported(tmp_path):
+    trt = FakeTRT({"x_t": (1, 50, 32)}, parse_ok=False)
+    with pytest.raises(RuntimeError, match="Unsupported op Foo"):
+        build_engine(tmp_path / "d.onnx", tmp_path / "d.plan", {1: {"x_t": (1, 50, 32)}}, BuildOptions(), trt=trt)
+
+
+def test_build_for_adapter_exports_batch_dynamic_onnx_for_every_stage(tmp_path):
+    pytest.importorskip("onnxruntime")
+    import onnxruntime as ort
+
+    from phyai_edge.adapters.pi05 import builtin_adapter
+    from phyai_edge.engines.onnx_export import sample_inputs
+
+    adapter = builtin_adapter("tiny")
+    trt = FakeTRT(None)
+    onnx_dir = tmp_path / "onnx"
+    meta = build_for_adapter(adapter, tmp_path / "trt", [1, 2], 3, BuildOptions("fp32"), onnx_dir=onnx_dir, trt=trt)
+    assert meta["batch_sizes"] == [1, 2] and set(meta["stages"]) == set(adapter.stage_names())
+    assert (tmp_path / "trt" / "plans.json").exists()
+    assert all(p == [1, 2] for p in (st["profiles"] for st in meta["stages"].values()))
+    # The ONNX TensorRT would consume runs at both batch sizes in onnxruntime.
+    for b in (1, 2):
+        spec = next(s for s in adapter.stage_specs(b, 3) if s.name == "denoise_step")
+        sess = ort.InferenceSession(str(onnx_dir / "denoise_step.onnx"), providers=["CPUExecutionProvider"])
+        feeds = sample_inputs(spec)
+        out = sess.run(None, {n: t.numpy() for n, t in feeds.items()})[0]
+        ref = adapter.module.denoise_step(*feeds.values())
+        assert out.shape == (b, 50, 32) and abs(out - ref.numpy()).max() < 1e-4
+
+
+def test_engine_refuses_without_tensorrt_or_on_cpu():
+    from phyai_edge.adapters.pi05 import builtin_adapter
+    from phyai_edge.engines.tensorrt import TensorRTEngine
+
+    with pytest.raises((RuntimeError, ValueError), match=r"TensorRT is not installed|CUDA device"):
+        TensorRTEngine(builtin_adapter("tiny"), device="cpu", plan_dir=Path("/nonexistent"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAVE_TRT and torch.cuda.is_available()), reason=SKIP_REAL)
+def test_tensorrt_bundle_matches_eager(tmp_path):
+    from phyai_edge.engines.bundle import load_bundle_policy
+    from phyai_edge.engines.exporter import ExportRequest, export_bundle
+
+    out = tmp_path / "tiny-trt"
+    m = export_bundle(ExportRequest(out=out, backend="tensorrt", precision="fp32", batch_sizes=[1, 2],
+                                    timing_cache=tmp_path / "tc", progress=False))
+    assert m["validation"]["status"] == "passed", m["validation"]
+    policy = load_bundle_policy(out, device="cuda")
+    assert policy.engine.backend == "tensorrt"
