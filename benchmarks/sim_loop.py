@@ -18,6 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from phyai_edge.sim import launch
 
+# The ALOHA config's loop: 50 Hz, the tiny PI0.5's 50-action chunk, 25 executed per inference.
+ROOFLINE_ARGS = ["--rate", "50", "--horizon", "50", "--exec-horizon", "25"]
+
 
 def wait_for(path: Path, text: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
     end = time.monotonic() + timeout
@@ -52,9 +55,16 @@ def main() -> int:
         if args.outage:
             sim_args += ["--camera-outage", args.outage]
         sim = launch.start("sim", sim_args, out / "sim.log")
-        # The daemon's histograms just before the sim ends cover the whole closed loop.
-        time.sleep(max(1.0, args.duration - 0.5))
+        # The daemon's histograms just before the sim ends cover the whole closed loop; the
+        # roofline reads the live endpoint too (inference stages and d, but no camera age).
+        time.sleep(max(1.0, args.duration - 2.0))
         (out / "metrics.txt").write_text(launch.fetch_metrics(ports["metrics"]))
+        live = subprocess.run(
+            [sys.executable, "-m", "phyai_edge", "roofline", "--metrics", f"http://127.0.0.1:{ports['metrics']}/metrics",
+             *ROOFLINE_ARGS, "--preset", "tiny", "--no-plot"],
+            capture_output=True, text=True, cwd=launch.REPO_ROOT, env=launch._env(), timeout=60,
+        )
+        (out / "roofline_metrics.txt").write_text(live.stdout + live.stderr)
         sim.wait(args.duration + 60)
     finally:
         if sim is not None:
@@ -67,6 +77,13 @@ def main() -> int:
               "--metrics-file", str(out / "metrics.txt"), "--plot", str(out / "sim_run.png"),
               "--roofline-json", str(out / "loop_bench.json"), "--summary", str(out / "report.json")]
     subprocess.run(report, check=True, cwd=launch.REPO_ROOT, env=launch._env())
+    bench = subprocess.run(
+        [sys.executable, "-m", "phyai_edge", "roofline", "--bench", str(out / "loop_bench.json"), *ROOFLINE_ARGS,
+         "--plot", str(out / "roofline_sim.png")],
+        capture_output=True, text=True, cwd=launch.REPO_ROOT, env=launch._env(), timeout=120,
+    )
+    (out / "roofline_bench.txt").write_text(bench.stdout + bench.stderr)
+    print(bench.stdout)
     result = json.loads((out / "report.json").read_text())
     t, s = result["timing"], result["sequence"]
     print(f"sim {t['rate_hz']:.2f} Hz, {s['received']} actions (contiguous: {s['contiguous']}), "

@@ -153,7 +153,9 @@ def main(args: argparse.Namespace) -> int:
     if args.log:
         meta = {"task": settings.task, "control_hz": settings.control_hz, "render_every": settings.render_every,
                 "cameras": [c.__dict__ for c in settings.cameras], "config": args.config or "",
-                "camera_max_age_ms": settings.camera_max_age_ms, "summary": summary}
+                "camera_max_age_ms": settings.camera_max_age_ms, "summary": summary,
+                # Timings on a shared 2-core machine mean little without the load they ran under.
+                "cpus": os.cpu_count(), "loadavg_end": list(os.getloadavg())}
         robot.log.save(args.log, meta)
         log.info("log: %s", args.log)
     if args.summary:

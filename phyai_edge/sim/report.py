@@ -393,6 +393,11 @@ def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
                                    for k, v in pick(inf["inference"]).items()}
         else:
             stages["inference"] = pick(inf["inference"])
+        # The model's own stages, when the engine reported them: the roofline then books vision,
+        # prefix and the solver separately instead of one aggregate.
+        for stage in ("embed_images", "encode_prefix", "solver_loop", "denoise_step"):
+            if stage in inf:
+                stages[stage] = pick(inf[stage])
         source = "daemon metrics"
     else:
         stages["inference"] = pick(t["chunk_delay"])

@@ -410,6 +410,7 @@ class SimRobot:
             if newest is not None:
                 header, values = newest
                 self.last_flags = int(header.flags)
+                was_holding = holding
                 if not header.flags & NO_MOTION and np.isfinite(values).all():
                     target = np.asarray(values, dtype=np.float32)
                     applied_seq = header.seq
@@ -417,6 +418,14 @@ class SimRobot:
                     self.applied += 1
                 else:
                     holding = True
+                if holding != was_holding:
+                    # Transitions only: one line per HOLD episode, with the seq that caused it.
+                    lag_ms = (time.monotonic_ns() - header.publish_mono_ns) / 1e6
+                    if holding:
+                        self._event("hold_start", f"seq {header.seq} {flag_names(header.flags)}, published {lag_ms:.1f} ms ago")
+                    else:
+                        self._event("hold_end", f"seq {header.seq} chunk {header.chunk_id} index {header.index}, "
+                                    f"published {lag_ms:.1f} ms ago")
             if holding:
                 self.hold_steps += 1
             elif applied_seq < 0:
