@@ -16,7 +16,7 @@ from phyai_edge.adapters import load_adapter
 from phyai_edge.adapters.base import Adapter, Observation
 from phyai_edge.engines import make_engine
 from phyai_edge.engines.base import SOLVER_RTC_MODES, InferenceResult, RTCRequest
-from phyai_edge.engines.rtc import RTCGuidance, prefix_weights
+from phyai_edge.engines.rtc import RTCGuidance, batch_guidance, prefix_weights
 
 
 class Policy:
@@ -54,17 +54,40 @@ class Policy:
         dim_mask[: a.action_dim] = 1.0
         return RTCGuidance(rtc.mode, target, weights, dim_mask, rtc.delay, rtc.max_guidance_weight)
 
+    def rtc_guidance_per_sample(self, requests: list[RTCRequest | None]) -> RTCGuidance | None:
+        """One RTC request per sample (each robot or environment with its own prefix and delay)
+        -> guidance with (B, H) weights. Samples with None or a daemon-side mode are unguided.
+        Solver modes must agree across the batch, and `inpaint` also on d (the serve and
+        rollout batchers group requests that way)."""
+        parts = []
+        for i, r in enumerate(requests):
+            if r is None:
+                parts.append(None)
+                continue
+            prefix = r.prefix.detach().cpu().numpy() if isinstance(r.prefix, torch.Tensor) else np.asarray(r.prefix)
+            if prefix.ndim == 3 and prefix.shape[0] != 1:
+                raise ValueError(f"sample {i}: a per-sample RTC prefix must be (n, A) or (1, n, A), got {prefix.shape}")
+            parts.append(self.rtc_guidance(r, 1))
+        return batch_guidance(parts, self.adapter.chunk_size, self.adapter.model_action_dim)
+
     def infer(
         self,
         observations: list[Observation] | Observation,
-        rtc: RTCRequest | None = None,
+        rtc: RTCRequest | list[RTCRequest | None] | None = None,
         noise: torch.Tensor | None = None,
     ) -> InferenceResult:
+        """rtc: one request for the whole batch (a (B, n, A) prefix and one d), or a list with
+        one request (or None) per observation."""
         obs = [observations] if isinstance(observations, Observation) else list(observations)
         t0 = time.perf_counter()
         inputs = self.adapter.preprocess(obs, device=self.device)
         t1 = time.perf_counter()
-        guidance = self.rtc_guidance(rtc, len(obs)) if rtc is not None else None
+        if isinstance(rtc, (list, tuple)):
+            if len(rtc) != len(obs):
+                raise ValueError(f"got {len(rtc)} RTC requests for {len(obs)} observations")
+            guidance = self.rtc_guidance_per_sample(list(rtc))
+        else:
+            guidance = self.rtc_guidance(rtc, len(obs)) if rtc is not None else None
         chunk = self.engine.run(inputs, noise=noise, rtc=guidance)
         t2 = time.perf_counter()
         actions = self.adapter.postprocess(chunk)

@@ -55,7 +55,12 @@ class RTCGuidance:
     """What the solver needs, already in model space.
 
     target: (B, H, D) the executing chunk's actions at the new chunk's indices (zeros where
-        nothing overlaps); weights: (H,) soft mask; dim_mask: (D,) 1 on real action dims.
+        nothing overlaps); weights: (H,) soft mask shared by the batch, or (B, H) one mask per
+        sample (many robots or environments in one batch, each with its own delay; a row of
+        zeros leaves that sample unguided); dim_mask: (D,) 1 on real action dims.
+    delay: the hard-prefix length for `inpaint`. The solver slices one d for the whole batch,
+        so an `inpaint` batch must share d (see `batch_guidance`); guided modes read only the
+        weights and may mix delays.
     """
 
     mode: RTCMode
@@ -72,6 +77,46 @@ class RTCGuidance:
         )
 
     @property
+    def per_sample(self) -> bool:
+        return self.weights.ndim == 2
+
+    @property
     def mask(self) -> torch.Tensor:
-        """(1, H, D) combined weight."""
+        """(1, H, D) combined weight, or (B, H, D) with per-sample weights."""
+        if self.per_sample:
+            return self.weights[:, :, None] * self.dim_mask[None, None, :]
         return (self.weights[:, None] * self.dim_mask[None, :])[None]
+
+
+def batch_guidance(parts: list[RTCGuidance | None], horizon: int, model_dim: int) -> RTCGuidance | None:
+    """Join single-sample guidances (each built for batch 1) into one with (B, H) weights.
+
+    `None` entries (samples without solver RTC) get zero weights and a zero target, which
+    leaves their velocity untouched: the correction is `w * (target - x1) * 0`. All non-None
+    parts must share the mode and max guidance weight; `inpaint` parts must also share d,
+    because the shared solver loop overwrites one prefix length for the whole batch.
+    """
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    first = present[0]
+    for p in present[1:]:
+        if p.mode != first.mode or p.max_guidance_weight != first.max_guidance_weight:
+            raise ValueError(
+                f"cannot batch RTC mode {p.mode!r} (beta {p.max_guidance_weight}) with {first.mode!r} "
+                f"(beta {first.max_guidance_weight}); group requests by mode first"
+            )
+    if first.mode == "inpaint" and (len(present) != len(parts) or any(p.delay != first.delay for p in present)):
+        raise ValueError("inpaint guidance needs one delay for the whole batch; group requests by delay")
+    targets, weights = [], []
+    for p in parts:
+        if p is None:
+            targets.append(torch.zeros(1, horizon, model_dim))
+            weights.append(torch.zeros(horizon))
+        else:
+            if p.target.shape[0] != 1:
+                raise ValueError(f"batch_guidance joins batch-1 guidances, got a target of batch {p.target.shape[0]}")
+            targets.append(p.target.cpu())
+            weights.append(p.weights.cpu().reshape(-1) if not p.per_sample else p.weights.cpu()[0])
+    return RTCGuidance(first.mode, torch.cat(targets), torch.stack(weights), first.dim_mask.cpu(),
+                       max(p.delay for p in present), first.max_guidance_weight)
