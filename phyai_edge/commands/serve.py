@@ -1,0 +1,106 @@
+"""`phyai-edge serve`: one engine on one GPU serving many robot daemons over ZeroMQ."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+HELP = "one engine on one GPU serving many robot daemons over ZeroMQ"
+DESCRIPTION = """Serve one policy to many robots. Robot daemons connect with a ZeroMQ DEALER
+(`phyai_edge.serve.client.RemotePolicy`, selected in the daemon config with
+model.factory = "phyai_edge.serve.client:remote_policy") and use the server as their engine;
+their clocks, RTC queues and safety stay on the robot. Requests that arrive within the batching
+window run as one engine call, earliest deadline first, at most one per robot per batch before
+any robot gets a second; when the queue is full new requests are refused at once.
+
+Examples:
+  phyai-edge serve                                              # tiny built-in model on CPU, tcp://127.0.0.1:5570
+  phyai-edge serve --checkpoint ~/ckpt/pi05 --device cuda --dtype bfloat16 --bind tcp://*:5570 \\
+      --max-batch 32 --window-ms 4 --report-s 10
+  phyai-edge serve --ray --replicas 4 --checkpoint ~/ckpt/pi05 --device cuda   # Ray Serve replicas behind one front
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bind", default="tcp://127.0.0.1:5570", help="ZeroMQ endpoint the ROUTER binds")
+    p.add_argument("--adapter", default="pi05")
+    p.add_argument("--checkpoint", help="checkpoint folder (LeRobot, openpi or native)")
+    p.add_argument("--preset", default="tiny", help="built-in size without a checkpoint")
+    p.add_argument("--engine", help="exported engine bundle folder (overrides --backend)")
+    p.add_argument("--backend", default="eager")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's noise generator")
+    p.add_argument("--max-batch", type=int, default=16, help="observations per engine call at most")
+    p.add_argument("--batch-sizes", help="the engine's captured batch sizes (pad up to one), e.g. 1,2,4,8,16")
+    p.add_argument("--window-ms", type=float, default=5.0, help="how long a batch waits for more requests")
+    p.add_argument("--queue", type=int, default=128, help="queued requests at most (then refuse: back-pressure)")
+    p.add_argument("--per-robot", type=int, default=2, help="queued requests per robot at most")
+    p.add_argument("--budget-ms", type=float, default=500.0, help="deadline for requests that carry no budget")
+    p.add_argument("--workers", type=int, default=1, help="inference threads (one per Ray replica with --ray)")
+    p.add_argument("--report-s", type=float, default=10.0, help="log the per-robot latency table this often (0: never)")
+    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until SIGINT/SIGTERM)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--ray", action="store_true", help="run the engine as a Ray Serve deployment")
+    p.add_argument("--replicas", type=int, default=1, help="--ray: deployment replicas")
+    p.add_argument("--gpus-per-replica", type=float, default=0.0, help="--ray: GPUs per replica (1 on a GPU host)")
+    p.add_argument("--ray-address", default=None, help="--ray: an existing cluster (default: start a local one)")
+    p.add_argument("--json-report", action="store_true", help="print the final report as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from phyai_edge.serve.scheduler import SchedulerConfig
+    from phyai_edge.serve.server import LocalExecutor, PolicyServer
+    from phyai_edge.serve.stats import format_report
+
+    sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else None
+    max_batch = min(args.max_batch, max(sizes)) if sizes else args.max_batch
+    load_kwargs: dict[str, Any] = {"adapter": args.adapter, "checkpoint": args.checkpoint, "preset": args.preset,
+                                   "backend": args.backend, "device": args.device, "dtype": args.dtype,
+                                   "bundle": args.engine, "seed": args.seed}
+    workers = args.workers
+    if args.ray:
+        from phyai_edge.serve.ray_deployment import RayExecutor
+
+        executor: Any = RayExecutor.deploy(load_kwargs, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
+                                           batch_sizes=sizes, max_batch=max_batch, address=args.ray_address,
+                                           threads=args.threads)
+        workers = max(workers, args.replicas)  # one batch in flight per replica
+    else:
+        import torch
+
+        from phyai_edge.engines.policy import load_policy
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        executor = LocalExecutor(load_policy(**load_kwargs), sizes, max_batch)
+    cfg = SchedulerConfig(max_batch=max_batch, window_s=args.window_ms / 1e3, capacity=args.queue,
+                          per_robot=args.per_robot)
+    server = PolicyServer(executor, args.bind, cfg, default_budget_ms=args.budget_ms, workers=workers,
+                          report_s=args.report_s)
+    done = threading.Event()
+
+    def stop(signum: int, frame: Any) -> None:
+        done.set()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.start()
+    except RuntimeError as exc:
+        print(f"phyai-edge serve: {exc}", file=sys.stderr)
+        return 2
+    print(f"serving on {server.endpoint}", flush=True)
+    done.wait(args.duration if args.duration > 0 else None)
+    server.stop()
+    if hasattr(executor, "shutdown"):
+        executor.shutdown()
+    rep = server.report()
+    print(json.dumps(rep, indent=2) if args.json_report else format_report(rep), flush=True)
+    return 0

@@ -1,0 +1,181 @@
+"""Run many independent requests as one engine call, giving each the actions it would get alone.
+
+Shared by the multi-robot server, the RL rollout API and the Ray Serve deployment, so all three
+batch the same way. A request is one or more observations with its own RTC request and noise;
+`run_items` concatenates compatible requests, pads to one of the engine's captured batch sizes
+if it has any, runs `Policy.infer` once per compatible group and slices the actions back.
+
+Per-sample RTC: guided modes (`guided`, `guided-approx`) take one (B, H) weight row per sample,
+so requests with different delays share a batch. `inpaint` overwrites one prefix length for
+the whole batch inside the shared solver loop, so `inpaint` requests are grouped by delay.
+Requests without solver RTC ride along with a guided group (zero weights leave them unguided),
+never with an `inpaint` group (its hard prefix would be written into them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from phyai_edge.adapters.base import Observation
+from phyai_edge.engines.base import SOLVER_RTC_MODES, RTCRequest
+from phyai_edge.serve.scheduler import compatible
+
+GroupKey = tuple[str, float, int] | None  # (mode, beta, delay for inpaint else -1); None: no solver RTC
+
+
+@dataclass
+class BatchItem:
+    """One request: k observations, an optional RTC request for them, optional (k, H, D) noise."""
+
+    observations: list[Observation]
+    rtc: RTCRequest | None = None
+    noise: torch.Tensor | np.ndarray | None = None
+    tag: Any = None  # whatever the caller needs to route the answer back
+
+    @property
+    def size(self) -> int:
+        return len(self.observations)
+
+
+@dataclass
+class ItemResult:
+    actions: np.ndarray | None  # (k, H, A) float32, None if the group's inference failed
+    error: str = ""
+    batch: int = 0  # observations in the engine call that produced it (after padding)
+    stage_ms: dict[str, float] = field(default_factory=dict)
+
+
+def group_key(rtc: Any) -> GroupKey:
+    """Which requests may share one engine call (see the module docstring)."""
+    if rtc is None or getattr(rtc, "mode", "none") not in SOLVER_RTC_MODES:
+        return None
+    return (rtc.mode, float(rtc.max_guidance_weight), int(rtc.delay) if rtc.mode == "inpaint" else -1)
+
+
+def group_items(items: Sequence[BatchItem]) -> list[list[int]]:
+    """Indices of items, grouped so that each group is one valid engine call. Order inside a
+    group follows the input order (the caller already sorted by deadline)."""
+    groups: list[tuple[GroupKey, list[int]]] = []
+    loose: list[int] = []
+    for i, it in enumerate(items):
+        k = group_key(it.rtc)
+        if k is None:
+            loose.append(i)
+            continue
+        for gk, members in groups:
+            if gk == k:
+                members.append(i)
+                break
+        else:
+            groups.append((k, [i]))
+    # Unguided requests join the largest guided group instead of costing an engine call of
+    # their own; `inpaint` groups cannot take them (see `scheduler.compatible`).
+    hosts = [g for g in groups if compatible(g[0], None)]
+    if loose and hosts:
+        max(hosts, key=lambda g: len(g[1]))[1].extend(loose)
+    elif loose:
+        groups.append((None, loose))
+    return [sorted(members) for _, members in groups]
+
+
+def pad_size(n: int, batch_sizes: Sequence[int] | None) -> int:
+    """Smallest captured batch size >= n (an engine with CUDA graphs or TensorRT profiles runs
+    only those); n itself when the engine takes any size."""
+    if not batch_sizes:
+        return n
+    fits = [b for b in sorted(batch_sizes) if b >= n]
+    if not fits:
+        raise ValueError(f"batch of {n} exceeds the largest captured batch size {max(batch_sizes)}")
+    return fits[0]
+
+
+def split_rtc(rtc: RTCRequest | None, k: int) -> list[RTCRequest | None]:
+    """A request's RTC (prefix (n, A) shared or (k, n, A) per observation) -> one per observation."""
+    if rtc is None or rtc.mode not in SOLVER_RTC_MODES:
+        return [None] * k
+    prefix = rtc.prefix.detach().cpu().numpy() if isinstance(rtc.prefix, torch.Tensor) else np.asarray(rtc.prefix)
+    if prefix.ndim == 2:
+        rows = [prefix] * k
+    elif prefix.ndim == 3 and prefix.shape[0] == k:
+        rows = list(prefix)
+    else:
+        raise ValueError(f"RTC prefix must be (n, A) or ({k}, n, A) for a request of {k} observations, got {prefix.shape}")
+    return [RTCRequest(rtc.mode, r, rtc.delay, rtc.execution_horizon, rtc.max_guidance_weight) for r in rows]
+
+
+def item_noise(policy: Any, item: BatchItem) -> torch.Tensor:
+    """The item's own noise, checked, or fresh draws from the engine's seeded generator."""
+    a = policy.adapter
+    shape = (item.size, a.chunk_size, a.model_action_dim)
+    if item.noise is None:
+        return policy.engine.sample_noise(item.size).to("cpu", torch.float32)
+    n = torch.as_tensor(np.asarray(item.noise) if not isinstance(item.noise, torch.Tensor) else item.noise)
+    if tuple(n.shape) != shape:
+        raise ValueError(f"noise must have shape {shape} (observations, H, model action width), got {tuple(n.shape)}")
+    if not torch.isfinite(n).all():
+        raise ValueError("noise has NaN or Inf values")
+    return n.to("cpu", torch.float32)
+
+
+def run_group(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int] | None = None) -> list[ItemResult]:
+    """One engine call for compatible items (a group from `group_items`)."""
+    obs: list[Observation] = []
+    rtcs: list[RTCRequest | None] = []
+    noises: list[torch.Tensor] = []
+    for it in items:
+        obs.extend(it.observations)
+        rtcs.extend(split_rtc(it.rtc, it.size))
+        noises.append(item_noise(policy, it))
+    n = len(obs)
+    padded = pad_size(n, batch_sizes)
+    if padded > n:
+        # Pad with copies of the first observation, unguided, zero noise; their actions are dropped.
+        # Samples do not interact inside the model, so padding changes no real sample's actions.
+        extra = padded - n
+        obs.extend([obs[0]] * extra)
+        rtcs.extend([None] * extra)
+        noises.append(torch.zeros(extra, *noises[0].shape[1:]))
+    use_rtc = any(r is not None for r in rtcs)
+    res = policy.infer(obs, rtc=rtcs if use_rtc else None, noise=torch.cat(noises))
+    out, start = [], 0
+    stage_ms = dict(res.stage_ms)  # one dict per engine call, shared by its items (callers count calls by it)
+    for it in items:
+        out.append(ItemResult(res.actions[start:start + it.size], batch=padded, stage_ms=stage_ms))
+        start += it.size
+    return out
+
+
+def run_items(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int] | None = None,
+              max_batch: int | None = None) -> list[ItemResult]:
+    """Run every item; an engine error fails only the items of the group it happened in."""
+    results: list[ItemResult | None] = [None] * len(items)
+    limit = max_batch or (max(batch_sizes) if batch_sizes else None)
+    for group in group_items(items):
+        # Split a group that exceeds the largest batch the engine takes.
+        chunks: list[list[int]] = [[]]
+        for i in group:
+            if limit and chunks[-1] and sum(items[j].size for j in chunks[-1]) + items[i].size > limit:
+                chunks.append([])
+            chunks[-1].append(i)
+        for chunk in chunks:
+            try:
+                got = run_group(policy, [items[i] for i in chunk], batch_sizes)
+            except Exception:
+                # One malformed request (wrong state width, unknown camera) must not cost its
+                # batch neighbours their answers: rerun one by one so only it fails.
+                got = [_run_alone(policy, items[i], batch_sizes) for i in chunk]
+            for i, r in zip(chunk, got):
+                results[i] = r
+    return [r if r is not None else ItemResult(None, error="not run") for r in results]
+
+
+def _run_alone(policy: Any, item: BatchItem, batch_sizes: Sequence[int] | None) -> ItemResult:
+    try:
+        return run_group(policy, [item], batch_sizes)[0]
+    except Exception as exc:
+        return ItemResult(None, error=f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,315 @@
+"""Batch evaluation: replay recorded observations through an engine and compare its actions
+with the recorded ones and with another backend or bundle, episode by episode.
+
+Inputs:
+- a daemon recording (`phyai-edge run --record DIR`): `meta.json` plus one `obs_NNNNNN.npz`
+  per inference with `image.<view>`, `state`, `prompt`, `timestamp`, `rtc_mode`, `prefix`,
+  `delay` / `delay_estimate`, `actions` (the chunk the robot got) and `error`. One recording is
+  one episode; a folder of recordings (subfolders with `meta.json`) is several;
+- a LeRobot dataset folder (`meta/info.json`, `data/**/*.parquet`): per-frame
+  `observation.state`, `action` and camera columns (embedded images, or v2.x per-episode
+  videos); the target of frame t is the recorded actions t .. t+H-1. Needs pyarrow, and
+  OpenCV for images.
+
+Noise: every frame gets its own noise from (seed, episode, frame), and the evaluated and the
+reference engine get the same noise, so their difference is the engines' alone. The recorded
+actions were sampled with noise that was not recorded, so the error against them includes
+the policy's sampling spread (zero only for a deterministic policy).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from phyai_edge.adapters.base import Observation
+from phyai_edge.engines.base import SOLVER_RTC_MODES, RTCRequest
+from phyai_edge.serve.batching import BatchItem, run_items
+
+
+@dataclass
+class Frame:
+    obs: Observation
+    rtc: RTCRequest | None = None
+    target: np.ndarray | None = None  # (n <= H, action_dim) recorded actions, robot units
+
+
+@dataclass
+class Episode:
+    name: str
+    frames: list[Frame] = field(default_factory=list)
+
+
+# -- readers -------------------------------------------------------------------------------
+def _scalar(z: Any, key: str, default: Any) -> Any:
+    if key not in z.files:
+        return default
+    v = z[key]
+    return v.item() if v.ndim == 0 else (default if v.size == 0 else v)
+
+
+def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: float = 5.0) -> list[Episode]:
+    """A `run --record` folder, or a folder of them, -> episodes (frames in inference order)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"recording folder {root} does not exist")
+    dirs = [root] if (root / "meta.json").exists() else sorted(p.parent for p in root.glob("*/meta.json"))
+    if not dirs:
+        raise ValueError(f"{root}: no meta.json here or in its subfolders; is it a `phyai-edge run --record` folder?")
+    episodes = []
+    for d in dirs:
+        meta = json.loads((d / "meta.json").read_text())
+        s = int(meta.get("execution_horizon") or 0)
+        ep = Episode(d.name)
+        for f in sorted(d.glob("obs_*.npz")):
+            with np.load(f, allow_pickle=False) as z:
+                if str(_scalar(z, "error", "")):
+                    continue  # the daemon got no actions for it; nothing to compare against
+                images = {k[len("image."):]: z[k] for k in z.files if k.startswith("image.")}
+                obs = Observation(images=images, state=z["state"].astype(np.float32), prompt=str(_scalar(z, "prompt", "")),
+                                  timestamp=float(_scalar(z, "timestamp", 0.0)))
+                rtc = None
+                mode = str(_scalar(z, "rtc_mode", "none"))
+                prefix = z["prefix"] if "prefix" in z.files else np.zeros(0)
+                if use_rtc and mode in SOLVER_RTC_MODES and prefix.size:
+                    # The delay the daemon asked the solver for is its estimate at submit time.
+                    d_req = int(_scalar(z, "delay_estimate", _scalar(z, "delay", 0)))
+                    rtc = RTCRequest(mode, prefix.astype(np.float32), min(d_req, len(prefix)), s,  # type: ignore[arg-type]
+                                     max_guidance_weight)
+                target = z["actions"].astype(np.float32) if "actions" in z.files and z["actions"].size else None
+                ep.frames.append(Frame(obs, rtc, target))
+        episodes.append(ep)
+    return episodes
+
+
+def write_synthetic_recording(path: str | Path, episodes: int = 2, frames: int = 4, camera_names: Sequence[str] = (
+        "top", "left_wrist", "right_wrist"), state_dim: int = 14, action_dim: int = 14, horizon: int = 50,
+        image_hw: tuple[int, int] = (48, 64), rtc_mode: str = "guided-approx", execution_horizon: int = 25,
+        seed: int = 0) -> Path:
+    """A folder of recordings in the daemon's `--record` layout, with random content (tests,
+    and trying `phyai-edge eval` without a robot)."""
+    rng = np.random.default_rng(seed)
+    root = Path(path)
+    for e in range(episodes):
+        d = root / f"episode_{e:03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        meta = {"policy": {"chunk_size": horizon, "action_dim": action_dim, "state_dim": state_dim,
+                           "camera_names": list(camera_names)}, "rtc_mode": rtc_mode, "horizon": horizon,
+                "execution_horizon": execution_horizon, "synthetic": True}
+        (d / "meta.json").write_text(json.dumps(meta, indent=2))
+        prev = None
+        for i in range(frames):
+            arrays: dict[str, Any] = {f"image.{c}": rng.integers(0, 256, (*image_hw, 3), dtype=np.uint8)
+                                      for c in camera_names}
+            actions = rng.uniform(-1, 1, (horizon, action_dim)).astype(np.float32)
+            delay = 3
+            prefix = prev[execution_horizon:] if prev is not None else np.zeros((0, action_dim), np.float32)
+            arrays.update(state=rng.uniform(-1, 1, state_dim).astype(np.float32), timestamp=np.float64(i * 0.5),
+                          prompt=np.array("pick up the cube"), rtc_mode=np.array(rtc_mode), prefix=prefix,
+                          delay_estimate=np.int64(delay), start_slot=np.int64(i * execution_horizon),
+                          actions=actions, delay=np.int64(delay), error=np.array(""), job_id=np.int64(i + 1))
+            np.savez(d / f"obs_{i + 1:06d}.npz", **arrays)
+            prev = actions
+    return root
+
+
+def read_lerobot(path: str | Path, horizon: int, camera_map: dict[str, str] | None = None, prompt: str = "",
+                 episodes: Sequence[int] | None = None, max_frames: int | None = None, stride: int = 1) -> list[Episode]:
+    """A LeRobot dataset folder -> episodes. camera_map: model camera name -> dataset column
+    (default: columns `observation.images.<name>` matched by name)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise RuntimeError("reading a LeRobot dataset needs pyarrow: pip install pyarrow") from exc
+    root = Path(path)
+    info_path = root / "meta" / "info.json"
+    if not info_path.exists():
+        raise ValueError(f"{root}: no meta/info.json; is it a LeRobot dataset folder?")
+    info = json.loads(info_path.read_text())
+    features = info.get("features", {})
+    tasks = _lerobot_tasks(root)
+    files = sorted((root / "data").rglob("*.parquet"))
+    if not files:
+        raise ValueError(f"{root}/data: no parquet files")
+    table = {}
+    for f in files:
+        for k, v in pq.read_table(f).to_pydict().items():
+            table.setdefault(k, []).extend(v)
+    for col in ("observation.state", "action", "episode_index", "frame_index"):
+        if col not in table:
+            raise ValueError(f"{root}: column {col!r} missing (have {sorted(table)})")
+    image_cols = [k for k, f in features.items() if f.get("dtype") in ("image", "video")]
+    cmap = camera_map or {k.split(".")[-1]: k for k in image_cols}
+    for cam, col in cmap.items():
+        if col not in features:
+            raise ValueError(f"camera {cam!r}: dataset has no feature {col!r} (image features: {image_cols})")
+    ep_ids = np.asarray(table["episode_index"])
+    out = []
+    for e in sorted(set(ep_ids.tolist())):
+        if episodes is not None and e not in episodes:
+            continue
+        rows = np.flatnonzero(ep_ids == e)
+        rows = rows[np.argsort(np.asarray(table["frame_index"])[rows])]
+        actions = np.asarray([table["action"][r] for r in rows], dtype=np.float32)
+        videos = {cam: _VideoFrames(root, info, col, e) for cam, col in cmap.items() if features[col]["dtype"] == "video"}
+        ep = Episode(f"episode_{e:06d}")
+        picks = list(range(0, len(rows), stride))[:max_frames]
+        for t in picks:
+            r = rows[t]
+            images = {}
+            for cam, col in cmap.items():
+                images[cam] = videos[cam].frame(int(table["frame_index"][r])) if cam in videos else _decode_image(table[col][r], cam)
+            task = prompt or tasks.get(int(table["task_index"][r]) if "task_index" in table else -1, "")
+            obs = Observation(images=images, state=np.asarray(table["observation.state"][r], np.float32), prompt=task,
+                              timestamp=float(table["timestamp"][r]) if "timestamp" in table else 0.0)
+            ep.frames.append(Frame(obs, None, actions[t:t + horizon]))
+        out.append(ep)
+    return out
+
+
+def _lerobot_tasks(root: Path) -> dict[int, str]:
+    tasks: dict[int, str] = {}
+    jl = root / "meta" / "tasks.jsonl"
+    if jl.exists():
+        for line in jl.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                tasks[int(rec["task_index"])] = str(rec["task"])
+    return tasks
+
+
+def _decode_image(cell: Any, cam: str) -> np.ndarray:
+    import cv2
+
+    data = cell.get("bytes") if isinstance(cell, dict) else cell
+    if not data:
+        raise ValueError(f"camera {cam!r}: image cell has no embedded bytes")
+    img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    if img is None:
+        raise ValueError(f"camera {cam!r}: could not decode the embedded image")
+    return np.ascontiguousarray(img[..., ::-1])  # OpenCV decodes to BGR; the model takes RGB
+
+
+class _VideoFrames:
+    """LeRobot v2.x: one video per episode and camera, decoded once on first use."""
+
+    def __init__(self, root: Path, info: dict[str, Any], key: str, episode: int) -> None:
+        pattern = info.get("video_path", "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4")
+        chunk = episode // int(info.get("chunks_size", 1000))
+        self.path = root / pattern.format(episode_chunk=chunk, video_key=key, episode_index=episode)
+        self._frames: list[np.ndarray] | None = None
+
+    def frame(self, i: int) -> np.ndarray:
+        if self._frames is None:
+            import cv2
+
+            if not self.path.exists():
+                raise FileNotFoundError(f"video {self.path} not found (only LeRobot v2.x per-episode videos are read)")
+            cap = cv2.VideoCapture(str(self.path))
+            frames = []
+            ok, img = cap.read()
+            while ok:
+                frames.append(np.ascontiguousarray(img[..., ::-1]))
+                ok, img = cap.read()
+            cap.release()
+            self._frames = frames
+        return self._frames[min(i, len(self._frames) - 1)]
+
+
+# -- evaluation ----------------------------------------------------------------------------
+def frame_noise(seed: int, episode: int, frame: int, horizon: int, model_dim: int) -> torch.Tensor:
+    """(1, H, D) noise that depends only on (seed, episode, frame)."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + episode) * 1_000_003 + frame)
+    return torch.randn(1, horizon, model_dim, generator=g)
+
+
+@dataclass
+class EpisodeReport:
+    name: str
+    frames: int
+    recorded_mae: float = math.nan
+    recorded_max: float = math.nan
+    reference_mae: float = math.nan
+    reference_max: float = math.nan
+    failures: int = 0
+
+
+def _batches(frames: list[tuple[int, int, Frame]], size: int) -> Iterator[list[tuple[int, int, Frame]]]:
+    for i in range(0, len(frames), size):
+        yield frames[i:i + size]
+
+
+def _predict(policy: Any, batch: list[tuple[int, int, Frame]], seed: int, batch_sizes: Sequence[int] | None) -> list[Any]:
+    a = policy.adapter
+    items = [BatchItem([f.obs], f.rtc, frame_noise(seed, e, i, a.chunk_size, a.model_action_dim))
+             for e, i, f in batch]
+    return run_items(policy, items, batch_sizes)
+
+
+def evaluate(policy: Any, episodes: list[Episode], reference: Any = None, batch: int = 8, seed: int = 0,
+             batch_sizes: Sequence[int] | None = None) -> dict[str, Any]:
+    """Replay every frame through `policy` (and `reference`, with the same noise), in batches
+    of `batch` frames; returns per-episode and overall error tables as a dict."""
+    flat = [(e, i, f) for e, ep in enumerate(episodes) for i, f in enumerate(ep.frames)]
+    acc: dict[int, dict[str, list[float]]] = {e: {"rec_abs": [], "rec_max": [], "ref_abs": [], "ref_max": []}
+                                              for e in range(len(episodes))}
+    failures = dict.fromkeys(range(len(episodes)), 0)
+    for chunk in _batches(flat, max(1, batch)):
+        got = _predict(policy, chunk, seed, batch_sizes)
+        ref = _predict(reference, chunk, seed, batch_sizes) if reference is not None else [None] * len(chunk)
+        for (e, _, f), r, rr in zip(chunk, got, ref):
+            if r.actions is None or (rr is not None and rr.actions is None):
+                failures[e] += 1
+                continue
+            pred = r.actions[0]
+            if f.target is not None and f.target.size:
+                n = min(len(f.target), len(pred))
+                diff = np.abs(pred[:n] - f.target[:n])
+                acc[e]["rec_abs"].append(float(diff.mean()))
+                acc[e]["rec_max"].append(float(diff.max()))
+            if rr is not None:
+                diff = np.abs(pred - rr.actions[0])
+                acc[e]["ref_abs"].append(float(diff.mean()))
+                acc[e]["ref_max"].append(float(diff.max()))
+    reports = []
+    for e, ep in enumerate(episodes):
+        a = acc[e]
+        reports.append(EpisodeReport(
+            ep.name, len(ep.frames),
+            float(np.mean(a["rec_abs"])) if a["rec_abs"] else math.nan,
+            float(np.max(a["rec_max"])) if a["rec_max"] else math.nan,
+            float(np.mean(a["ref_abs"])) if a["ref_abs"] else math.nan,
+            float(np.max(a["ref_max"])) if a["ref_max"] else math.nan,
+            failures[e],
+        ))
+    def overall(key: str, agg: Any) -> float:
+        vals = [v for x in acc.values() for v in x[key]]
+        return float(agg(vals)) if vals else math.nan
+
+    return {
+        "episodes": [r.__dict__ for r in reports],
+        "overall": {"frames": len(flat), "recorded_mae": overall("rec_abs", np.mean),
+                    "recorded_max": overall("rec_max", np.max), "reference_mae": overall("ref_abs", np.mean),
+                    "reference_max": overall("ref_max", np.max), "failures": sum(failures.values())},
+    }
+
+
+def format_eval(rep: dict[str, Any]) -> str:
+    def f(x: float) -> str:
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"
+
+    lines = [f"{'episode':<24}{'frames':>7}{'rec MAE':>10}{'rec max':>10}{'ref MAE':>10}{'ref max':>10}{'fail':>6}"]
+    for r in rep["episodes"]:
+        lines.append(f"{r['name'][:23]:<24}{r['frames']:>7}{f(r['recorded_mae']):>10}{f(r['recorded_max']):>10}"
+                     f"{f(r['reference_mae']):>10}{f(r['reference_max']):>10}{r['failures']:>6}")
+    o = rep["overall"]
+    lines.append(f"{'all':<24}{o['frames']:>7}{f(o['recorded_mae']):>10}{f(o['recorded_max']):>10}"
+                 f"{f(o['reference_mae']):>10}{f(o['reference_max']):>10}{o['failures']:>6}")
+    return "\n".join(lines)

@@ -1,0 +1,319 @@
+"""The multi-robot server: one engine, many robot daemons, ZeroMQ ROUTER on the server side.
+
+Threads:
+- the intake thread owns the ROUTER socket: it decodes requests, answers `hello` and `stats`
+  at once, turns each `infer` budget into a deadline and hands it to the `Scheduler`
+  (which may reject it at once: back-pressure), and sends every reply the workers produce;
+- `workers` inference threads take batches from the scheduler and run them on the executor
+  (one for a local engine; one per replica for Ray Serve), then queue the replies and wake the
+  intake thread through an inproc socket (ZeroMQ sockets are not shared between threads).
+
+A robot that disconnects disturbs no other: replies to a peer that is gone are dropped by the
+ROUTER (ROUTER_MANDATORY off) and sends never block (a peer that stops reading only loses its
+own replies once its high-water mark is reached); its queued requests still run in their
+batch, and its stats show it idle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import zmq
+
+from phyai_edge.adapters.base import Observation
+from phyai_edge.engines.base import RTCRequest
+from phyai_edge.serve import wire
+from phyai_edge.serve.batching import BatchItem, ItemResult, group_key, run_items
+from phyai_edge.serve.scheduler import Pending, Scheduler, SchedulerConfig
+from phyai_edge.serve.stats import ServerStats, format_report
+
+log = logging.getLogger("phyai_edge.serve")
+
+RTC_MODES = ("none", "crossfade", "inpaint", "guided-approx", "guided")
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5570"
+
+
+class Executor(Protocol):
+    """Runs a list of requests as few engine calls as it can."""
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def run(self, items: list[BatchItem]) -> list[ItemResult]: ...
+
+
+def describe_policy(policy: Any) -> dict[str, Any]:
+    """What a robot needs to know about the model behind the server (the `hello` reply)."""
+    a = policy.adapter
+    return {
+        "adapter": getattr(a, "name", ""), "chunk_size": int(policy.chunk_size), "action_dim": int(policy.action_dim),
+        "state_dim": int(policy.state_dim), "camera_names": list(policy.camera_names),
+        "model_action_dim": int(a.model_action_dim), "backend": getattr(policy.engine, "backend", ""),
+        "device": str(policy.device),
+    }
+
+
+class LocalExecutor:
+    """The engine in this process."""
+
+    def __init__(self, policy: Any, batch_sizes: Sequence[int] | None = None, max_batch: int | None = None) -> None:
+        self.policy = policy
+        self.batch_sizes = list(batch_sizes) if batch_sizes else None
+        self.max_batch = max_batch
+
+    def describe(self) -> dict[str, Any]:
+        return describe_policy(self.policy)
+
+    def run(self, items: list[BatchItem]) -> list[ItemResult]:
+        return run_items(self.policy, items, self.batch_sizes, self.max_batch)
+
+
+def request_item(req: wire.Request, tag: Any = None) -> BatchItem:
+    """Decoded wire request -> what the batcher runs. Arrays are copied out of the receive
+    buffers (read-only, and they would otherwise pin the whole message)."""
+    obs = [Observation(images={k: None if v is None else np.array(v) for k, v in o.images.items()},
+                       state=np.array(o.state, dtype=np.float32), prompt=o.prompt, timestamp=o.timestamp)
+           for o in req.observations]
+    rtc = None
+    if req.rtc is not None:
+        r = req.rtc
+        if r.mode not in RTC_MODES:
+            raise wire.WireError(f"rtc.mode: unknown mode {r.mode!r}; expected one of {RTC_MODES}")
+        rtc = RTCRequest(r.mode, np.array(r.prefix, dtype=np.float32), r.delay, r.execution_horizon,  # type: ignore[arg-type]
+                         r.max_guidance_weight)
+    noise = None if req.noise is None else torch.from_numpy(np.array(req.noise, dtype=np.float32))
+    return BatchItem(obs, rtc, noise, tag)
+
+
+class PolicyServer:
+    def __init__(
+        self,
+        executor: Executor,
+        endpoint: str = DEFAULT_ENDPOINT,
+        scheduler: SchedulerConfig | None = None,
+        default_budget_ms: float = 500.0,
+        workers: int = 1,
+        report_s: float = 0.0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.executor = executor
+        self.bind_endpoint = endpoint
+        self.sched = Scheduler(scheduler or SchedulerConfig())
+        self.default_budget_s = default_budget_ms / 1e3
+        self.workers = max(1, workers)
+        self.report_s = report_s
+        self.stats = ServerStats()
+        self.ctx = context or zmq.Context.instance()
+        self.endpoint = ""
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._wake_addr = f"inproc://phyai-serve-wake-{id(self)}"
+        self._model = executor.describe()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> PolicyServer:
+        io = threading.Thread(target=self._io_loop, name="serve-io", daemon=True)
+        self._threads.append(io)
+        io.start()
+        self._ready.wait(10.0)
+        if self._error is not None:
+            raise RuntimeError(f"serve: cannot bind {self.bind_endpoint}: {self._error}") from self._error
+        for i in range(self.workers):
+            t = threading.Thread(target=self._worker_loop, name=f"serve-worker-{i}", daemon=True)
+            self._threads.append(t)
+            t.start()
+        log.info("serving %s on %s (%d worker(s), max batch %d, window %.1f ms, queue %d)",
+                 self._model.get("adapter", "?"), self.endpoint, self.workers, self.sched.cfg.max_batch,
+                 self.sched.cfg.window_s * 1e3, self.sched.cfg.capacity)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        # Close intake first so queued robots hear "shutting down" before the socket goes.
+        for p in self.sched.close():
+            self._reply_error(p.payload[0], p.req_id, wire.ERR_SHUTDOWN, "server is shutting down")
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout)
+        self._threads.clear()
+
+    def __enter__(self) -> PolicyServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def report(self) -> dict[str, Any]:
+        rep = self.stats.report()
+        rep["queued"] = len(self.sched)
+        rep["service_estimate_ms"] = self.sched.service_s * 1e3
+        return rep
+
+    def serve_forever(self) -> None:
+        try:
+            while not self._stop.wait(1.0):
+                pass
+        finally:
+            self.stop()
+
+    # -- intake thread ---------------------------------------------------------------------
+    def _io_loop(self) -> None:
+        router = self.ctx.socket(zmq.ROUTER)
+        wake = self.ctx.socket(zmq.PULL)
+        try:
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # unroutable replies (robot gone) are dropped
+            router.setsockopt(zmq.SNDHWM, 64)
+            router.setsockopt(zmq.RCVHWM, 1000)
+            router.bind(self.bind_endpoint)
+            self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            wake.bind(self._wake_addr)
+        except zmq.ZMQError as exc:
+            self._error = exc
+            self._ready.set()
+            router.close(0)
+            wake.close(0)
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        next_report = time.monotonic() + self.report_s if self.report_s > 0 else float("inf")
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(100))
+                if router in events:
+                    for _ in range(1000):  # drain, but keep sending replies under a flood
+                        try:
+                            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_message(frames)
+                if wake in events:
+                    while True:
+                        try:
+                            wake.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                self._flush(router)
+                if time.monotonic() >= next_report:
+                    log.info("%s", format_report(self.report()))
+                    next_report = time.monotonic() + self.report_s
+            self._flush(router)
+        finally:
+            router.close(0)
+            wake.close(0)
+
+    def _flush(self, router: zmq.Socket) -> None:
+        while True:
+            try:
+                ident, frames = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                router.send_multipart([ident, *frames], zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # that robot stopped reading; dropping its reply keeps the others moving
+            except zmq.ZMQError as exc:
+                log.debug("reply dropped: %s", exc)
+
+    def _reply(self, ident: bytes, rep: wire.Reply) -> None:
+        self._outbox.put((ident, wire.encode_reply(rep)))
+
+    def _reply_error(self, ident: bytes, req_id: int, code: str, message: str) -> None:
+        self._reply(ident, wire.Reply(req_id, False, error=code, message=message))
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        ident, body = frames[0].bytes, frames[1:]
+        arrival = time.monotonic()
+        try:
+            req = wire.decode_request(body)
+        except wire.WireError as exc:
+            self._reply_error(ident, _peek_id(body), wire.ERR_BAD_REQUEST, str(exc))
+            return
+        if req.kind == "hello":
+            self._reply(ident, wire.Reply(req.req_id, True, info={"model": self._model}))
+            return
+        if req.kind == "stats":
+            self._reply(ident, wire.Reply(req.req_id, True, info={"report": self.report()}))
+            return
+        self.stats.arrived(req.robot)
+        try:
+            item = request_item(req)
+        except (wire.WireError, ValueError) as exc:
+            self.stats.rejected(req.robot)
+            self._reply_error(ident, req.req_id, wire.ERR_BAD_REQUEST, str(exc))
+            return
+        budget = req.budget_ms / 1e3 if req.budget_ms is not None else self.default_budget_s
+        p = Pending(req.robot, req.req_id, item.size, arrival + budget, group_key(item.rtc), (ident, item), arrival)
+        code = self.sched.submit(p)
+        if code is not None:
+            self.stats.rejected(req.robot)
+            self._reply_error(ident, req.req_id, code, _reject_message(code, self.sched.cfg))
+
+    # -- inference threads -----------------------------------------------------------------
+    def _worker_loop(self) -> None:
+        wake = self.ctx.socket(zmq.PUSH)
+        wake.setsockopt(zmq.LINGER, 0)
+        wake.connect(self._wake_addr)
+        try:
+            while not self._stop.is_set():
+                batch = self.sched.next_batch(timeout=0.2)
+                if batch:
+                    self._run_batch(batch)
+                    # Again: the intake thread already has wake-ups pending.
+                    with contextlib.suppress(zmq.Again):
+                        wake.send(b"", zmq.NOBLOCK)
+        finally:
+            wake.close(0)
+
+    def _run_batch(self, batch: list[Pending]) -> None:
+        t0 = time.monotonic()
+        try:
+            results = self.executor.run([p.payload[1] for p in batch])
+        except Exception as exc:  # the executor itself failed (e.g. a Ray replica died)
+            log.exception("batch of %d failed", len(batch))
+            results = [ItemResult(None, error=f"{type(exc).__name__}: {exc}") for _ in batch]
+        done = time.monotonic()
+        self.sched.record_service(done - t0)
+        self.stats.batch(max((r.batch for r in results), default=len(batch)))
+        for p, r in zip(batch, results):
+            ident = p.payload[0]
+            latency_ms, queue_ms = (done - p.arrival) * 1e3, (t0 - p.arrival) * 1e3
+            missed = done > p.deadline
+            self.stats.answered(p.robot, r.actions is not None, latency_ms, queue_ms, missed)
+            if r.actions is None:
+                self._reply_error(ident, p.req_id, wire.ERR_INFERENCE, r.error)
+                continue
+            info = {"stage_ms": r.stage_ms, "batch": r.batch, "queue_ms": queue_ms, "server_ms": latency_ms,
+                    "late": missed}
+            self._reply(ident, wire.Reply(p.req_id, True, np.asarray(r.actions, dtype=np.float32), info=info))
+
+
+def _peek_id(body: list[Any]) -> int:
+    """Best-effort request id for an error reply to a message that failed to decode."""
+    try:
+        import json
+
+        v = json.loads(body[0].bytes).get("id", -1)
+        return v if isinstance(v, int) else -1
+    except Exception:
+        return -1
+
+
+def _reject_message(code: str, cfg: SchedulerConfig) -> str:
+    if code == wire.ERR_OVERLOADED:
+        return (f"server at capacity ({cfg.capacity} queued requests, at most {cfg.max_batch} observations "
+                f"per request); keep executing the current chunk and retry")
+    if code == wire.ERR_ROBOT_LIMIT:
+        return f"this robot already has {cfg.per_robot} requests queued; wait for their answers"
+    return "server is shutting down"

@@ -1,0 +1,226 @@
+"""The serve wire format: one ZeroMQ multipart message per request or reply.
+
+Frame 0 is a UTF-8 JSON header; frames 1.. are raw array buffers that the header points at by
+index (`{"buf": i, "shape": [...], "dtype": "uint8"}`), so images cross without a copy into
+JSON or pickle. Only numpy and json are imported here: the robot side (`RemotePolicy`) needs
+neither torch nor the model code.
+
+Request (client -> server), header:
+    {"v": 1, "type": "infer", "id": 7, "robot": "arm-3", "budget_ms": 480.0,
+     "obs": [{"images": {"top": ARRAY | null, ...}, "state": ARRAY, "prompt": "...", "timestamp": 0.0}],
+     "rtc": null | {"mode": "guided-approx", "prefix": ARRAY, "delay": 4, "execution_horizon": 25,
+                    "max_guidance_weight": 5.0},
+     "noise": null | ARRAY}
+    {"v": 1, "type": "hello", "id": 0, "robot": "arm-3"}  -> model description
+    {"v": 1, "type": "stats", "id": 0, "robot": "arm-3"}  -> per-robot latency report
+Reply (server -> client), header:
+    {"v": 1, "id": 7, "ok": true, "actions": ARRAY, "stage_ms": {...}, "batch": 4, ...}
+    {"v": 1, "id": 7, "ok": false, "error": "overloaded", "message": "..."}
+
+`budget_ms` is relative (time until the robot needs the chunk), never an absolute clock
+reading: robot and server clocks are not synchronised. The server turns it into a deadline on
+its own monotonic clock at arrival.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+VERSION = 1
+# Error codes a reply may carry; clients map them to exceptions.
+ERR_OVERLOADED = "overloaded"  # the server's queue is full: back off and retry, or use the last chunk
+ERR_ROBOT_LIMIT = "robot_limit"  # this robot already has its share of requests queued
+ERR_BAD_REQUEST = "bad_request"  # the request could not be decoded or validated
+ERR_INFERENCE = "inference_failed"  # the engine raised; the message says why
+ERR_SHUTDOWN = "shutting_down"
+
+
+class WireError(ValueError):
+    """A message that does not follow the format above; the text names the field."""
+
+
+class _Packer:
+    """Collects arrays into frames while a header is being built."""
+
+    def __init__(self) -> None:
+        self.frames: list[memoryview | bytes] = []
+
+    def array(self, arr: Any, dtype: Any = None) -> dict[str, Any]:
+        a = np.ascontiguousarray(arr if dtype is None else np.asarray(arr, dtype=dtype))
+        self.frames.append(memoryview(a).cast("B") if a.size else b"")
+        return {"buf": len(self.frames), "shape": list(a.shape), "dtype": a.dtype.str}
+
+
+def _unpack(ref: Any, frames: list[Any], what: str) -> np.ndarray:
+    if not isinstance(ref, dict) or "buf" not in ref:
+        raise WireError(f"{what}: expected an array reference, got {type(ref).__name__}")
+    i = ref["buf"]
+    if not isinstance(i, int) or not 1 <= i < len(frames):
+        raise WireError(f"{what}: buffer index {i!r} out of range (message has {len(frames) - 1} buffers)")
+    try:
+        dtype = np.dtype(ref["dtype"])
+        shape = tuple(int(s) for s in ref["shape"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"{what}: bad shape or dtype in {ref!r}: {exc}") from None
+    if dtype.hasobject:
+        raise WireError(f"{what}: object arrays are not accepted")
+    buf = frames[i]
+    data = buf.buffer if hasattr(buf, "buffer") else buf  # zmq.Frame or bytes
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(data) != expected:
+        raise WireError(f"{what}: buffer has {len(data)} bytes, shape {shape} of {dtype} needs {expected}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def _header(frames: list[Any]) -> dict[str, Any]:
+    if not frames:
+        raise WireError("empty message")
+    raw = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])
+    try:
+        head = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"header is not JSON: {exc}") from None
+    if not isinstance(head, dict):
+        raise WireError("header must be a JSON object")
+    if head.get("v") != VERSION:
+        raise WireError(f"wire version {head.get('v')!r} not supported (this side speaks {VERSION})")
+    return head
+
+
+def _finish(head: dict[str, Any], packer: _Packer) -> list[Any]:
+    return [json.dumps(head, separators=(",", ":")).encode(), *packer.frames]
+
+
+# -- requests ------------------------------------------------------------------------------
+@dataclass
+class WireObservation:
+    """A decoded observation, torch-free; the server turns it into `adapters.base.Observation`."""
+
+    images: dict[str, np.ndarray | None]
+    state: np.ndarray
+    prompt: str
+    timestamp: float = 0.0
+
+
+@dataclass
+class WireRTC:
+    mode: str
+    prefix: np.ndarray
+    delay: int
+    execution_horizon: int
+    max_guidance_weight: float = 5.0
+
+
+@dataclass
+class Request:
+    kind: str  # "infer" | "hello" | "stats"
+    req_id: int
+    robot: str
+    budget_ms: float | None = None
+    observations: list[WireObservation] = field(default_factory=list)
+    rtc: WireRTC | None = None
+    noise: np.ndarray | None = None
+
+
+def encode_request(req: Request) -> list[Any]:
+    """Request -> frames. Observations may be any object with images/state/prompt/timestamp."""
+    p = _Packer()
+    head: dict[str, Any] = {"v": VERSION, "type": req.kind, "id": int(req.req_id), "robot": req.robot}
+    if req.kind == "infer":
+        head["budget_ms"] = None if req.budget_ms is None else float(req.budget_ms)
+        obs = []
+        for o in req.observations:
+            images = {str(k): (None if v is None else p.array(v)) for k, v in dict(o.images).items()}
+            obs.append({"images": images, "state": p.array(o.state, np.float32), "prompt": str(o.prompt),
+                        "timestamp": float(getattr(o, "timestamp", 0.0))})
+        head["obs"] = obs
+        if req.rtc is not None:
+            r = req.rtc
+            head["rtc"] = {"mode": str(r.mode), "prefix": p.array(r.prefix, np.float32), "delay": int(r.delay),
+                           "execution_horizon": int(r.execution_horizon),
+                           "max_guidance_weight": float(r.max_guidance_weight)}
+        else:
+            head["rtc"] = None
+        head["noise"] = None if req.noise is None else p.array(req.noise, np.float32)
+    return _finish(head, p)
+
+
+def decode_request(frames: list[Any]) -> Request:
+    head = _header(frames)
+    kind = head.get("type")
+    if kind not in ("infer", "hello", "stats"):
+        raise WireError(f"type: unknown request type {kind!r}; expected infer, hello or stats")
+    req_id, robot = head.get("id"), head.get("robot")
+    if not isinstance(req_id, int):
+        raise WireError(f"id: expected an integer, got {req_id!r}")
+    if not isinstance(robot, str) or not robot:
+        raise WireError(f"robot: expected a non-empty name, got {robot!r}")
+    req = Request(kind, req_id, robot)
+    if kind != "infer":
+        return req
+    budget = head.get("budget_ms")
+    if budget is not None and (not isinstance(budget, (int, float)) or budget <= 0):
+        raise WireError(f"budget_ms: expected a positive number of milliseconds or null, got {budget!r}")
+    req.budget_ms = None if budget is None else float(budget)
+    raw_obs = head.get("obs")
+    if not isinstance(raw_obs, list) or not raw_obs:
+        raise WireError("obs: expected a non-empty list of observations")
+    for j, o in enumerate(raw_obs):
+        if not isinstance(o, dict) or not isinstance(o.get("images"), dict):
+            raise WireError(f"obs[{j}].images: expected an object of camera name -> array or null")
+        images = {str(k): (None if v is None else _unpack(v, frames, f"obs[{j}].images.{k}"))
+                  for k, v in o["images"].items()}
+        state = _unpack(o.get("state"), frames, f"obs[{j}].state")
+        prompt = o.get("prompt", "")
+        if not isinstance(prompt, str):
+            raise WireError(f"obs[{j}].prompt: expected a string")
+        req.observations.append(WireObservation(images, state, prompt, float(o.get("timestamp", 0.0))))
+    rtc = head.get("rtc")
+    if rtc is not None:
+        if not isinstance(rtc, dict):
+            raise WireError("rtc: expected an object or null")
+        try:
+            req.rtc = WireRTC(str(rtc["mode"]), _unpack(rtc["prefix"], frames, "rtc.prefix"), int(rtc["delay"]),
+                              int(rtc["execution_horizon"]), float(rtc.get("max_guidance_weight", 5.0)))
+        except KeyError as exc:
+            raise WireError(f"rtc.{exc.args[0]}: missing") from None
+    if head.get("noise") is not None:
+        req.noise = _unpack(head["noise"], frames, "noise")
+    return req
+
+
+# -- replies -------------------------------------------------------------------------------
+@dataclass
+class Reply:
+    req_id: int
+    ok: bool
+    actions: np.ndarray | None = None  # (B, H, A) float32
+    error: str = ""
+    message: str = ""
+    info: dict[str, Any] = field(default_factory=dict)  # stage_ms, batch, queue_ms, model description
+
+
+def encode_reply(rep: Reply) -> list[Any]:
+    p = _Packer()
+    head: dict[str, Any] = {"v": VERSION, "id": int(rep.req_id), "ok": bool(rep.ok), **rep.info}
+    if rep.ok and rep.actions is not None:
+        head["actions"] = p.array(rep.actions, np.float32)
+    if not rep.ok:
+        head["error"], head["message"] = rep.error, rep.message
+    return _finish(head, p)
+
+
+def decode_reply(frames: list[Any]) -> Reply:
+    head = _header(frames)
+    req_id = head.pop("id", None)
+    if not isinstance(req_id, int):
+        raise WireError(f"id: expected an integer, got {req_id!r}")
+    ok = bool(head.pop("ok", False))
+    head.pop("v", None)
+    actions = _unpack(head.pop("actions"), frames, "actions") if "actions" in head else None
+    error, message = str(head.pop("error", "")), str(head.pop("message", ""))
+    return Reply(req_id, ok, actions, error, message, head)

@@ -1,0 +1,88 @@
+"""`phyai-edge eval`: recording reader, the command end to end, and the LeRobot dataset reader."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from phyai_edge.cli import main as cli
+from phyai_edge.serve.evaluate import read_lerobot, read_recording, write_synthetic_recording
+
+
+def test_read_recording_in_the_daemons_layout(tmp_path):
+    root = write_synthetic_recording(tmp_path / "rec", episodes=2, frames=3, image_hw=(8, 12))
+    eps = read_recording(root)
+    assert [e.name for e in eps] == ["episode_000", "episode_001"] and all(len(e.frames) == 3 for e in eps)
+    f0, f1 = eps[0].frames[0], eps[0].frames[1]
+    assert f0.rtc is None  # the first inference had nothing executing
+    assert f1.rtc.mode == "guided-approx" and f1.rtc.delay == 3 and f1.rtc.execution_horizon == 25
+    assert f1.rtc.prefix.shape == (25, 14) and f1.target.shape == (50, 14)
+    assert set(f1.obs.images) == {"top", "left_wrist", "right_wrist"} and f1.obs.prompt == "pick up the cube"
+    # A single recording folder is one episode; frames whose inference failed are skipped.
+    one = root / "episode_001"
+    with np.load(one / "obs_000002.npz") as z:
+        arrays = dict(z)
+    arrays["error"] = np.array("timeout")
+    np.savez(one / "obs_000002.npz", **arrays)
+    assert len(read_recording(one)[0].frames) == 2
+    assert read_recording(one, use_rtc=False)[0].frames[1].rtc is None
+    with pytest.raises(ValueError, match=r"no meta\.json"):
+        read_recording(tmp_path)
+
+
+def test_eval_command_reports_per_episode_tables(tmp_path, capsys):
+    data = tmp_path / "rec"
+    rc = cli(["eval", str(data), "--synthetic", "--reference-backend", "eager", "--batch", "4", "--json"])
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [e["name"] for e in rep["episodes"]] == ["episode_000", "episode_001"]
+    assert rep["overall"]["frames"] == 8 and rep["overall"]["failures"] == 0
+    # Same backend, same noise, same batches: the reference agrees exactly.
+    assert rep["overall"]["reference_max"] == 0.0
+    # Random recorded actions vs a random tiny model: a finite, non-zero error.
+    assert rep["overall"]["recorded_mae"] > 0
+    rc = cli(["eval", str(data / "episode_000"), "--no-rtc"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "episode_000" in out and "no reference engine" in out
+    assert cli(["eval", str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None or importlib.util.find_spec("cv2") is None,
+                    reason="the LeRobot reader needs pyarrow and OpenCV")
+def test_lerobot_dataset_with_embedded_images(tmp_path, tiny_policy):
+    import cv2
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "ds"
+    (root / "meta").mkdir(parents=True)
+    (root / "data" / "chunk-000").mkdir(parents=True)
+    cams = tiny_policy.camera_names
+    feats = {"observation.state": {"dtype": "float32", "shape": [14]}, "action": {"dtype": "float32", "shape": [14]},
+             **{f"observation.images.{c}": {"dtype": "image", "shape": [16, 20, 3]} for c in cams}}
+    (root / "meta" / "info.json").write_text(json.dumps({"codebase_version": "v2.1", "features": feats}))
+    (root / "meta" / "tasks.jsonl").write_text(json.dumps({"task_index": 0, "task": "fold the towel"}) + "\n")
+    rng = np.random.default_rng(0)
+    for ep in range(2):
+        n = 6
+        png = {c: [{"bytes": cv2.imencode(".png", rng.integers(0, 256, (16, 20, 3), dtype=np.uint8))[1].tobytes(),
+                    "path": None} for _ in range(n)] for c in cams}
+        cols = {"observation.state": rng.uniform(-1, 1, (n, 14)).astype(np.float32).tolist(),
+                "action": rng.uniform(-1, 1, (n, 14)).astype(np.float32).tolist(),
+                "episode_index": [ep] * n, "frame_index": list(range(n)), "task_index": [0] * n,
+                "timestamp": [i / 50 for i in range(n)], **{f"observation.images.{c}": png[c] for c in cams}}
+        pq.write_table(pa.table(cols), root / "data" / "chunk-000" / f"episode_{ep:06d}.parquet")
+    eps = read_lerobot(root, horizon=50, max_frames=4, stride=2)
+    assert [e.name for e in eps] == ["episode_000000", "episode_000001"]
+    f = eps[0].frames[1]  # frame 2: the target is the recorded actions 2 .. 5
+    assert len(eps[0].frames) == 3 and f.target.shape == (4, 14) and f.obs.prompt == "fold the towel"
+    assert f.obs.images["top"].shape == (16, 20, 3) and f.obs.images["top"].dtype == np.uint8
+    from phyai_edge.serve.evaluate import evaluate
+
+    rep = evaluate(tiny_policy, eps, batch=3)
+    assert rep["overall"]["frames"] == 6 and np.isfinite(rep["overall"]["recorded_mae"])
+    with pytest.raises(ValueError, match="no feature"):
+        read_lerobot(root, 50, camera_map={"top": "observation.images.nope"})

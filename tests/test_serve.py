@@ -1,0 +1,254 @@
+"""The multi-robot server: wire format, scheduler (deadlines, fairness, back-pressure), and the
+ZeroMQ server with `RemotePolicy` clients on the tiny model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from phyai_edge.engines.base import RTCRequest
+from phyai_edge.serve import wire
+from phyai_edge.serve.batching import ItemResult
+from phyai_edge.serve.client import RemotePolicy, ServeError, ServerBusyError
+from phyai_edge.serve.scheduler import Pending, Scheduler, SchedulerConfig
+from phyai_edge.serve.server import LocalExecutor, PolicyServer, describe_policy
+
+
+# -- wire -----------------------------------------------------------------------------------
+def test_wire_request_round_trip(make_obs, tiny_adapter):
+    obs = make_obs(tiny_adapter, size=(8, 10))
+    obs.images["left_wrist"] = None
+    prefix = np.arange(30 * 14, dtype=np.float32).reshape(30, 14)
+    noise = np.random.default_rng(0).standard_normal((1, 50, 32)).astype(np.float32)
+    req = wire.Request("infer", 5, "arm-1", 250.0, [obs], wire.WireRTC("guided", prefix, 4, 25, 3.0), noise)
+    frames = [bytes(f) for f in wire.encode_request(req)]
+    got = wire.decode_request(frames)
+    assert (got.kind, got.req_id, got.robot, got.budget_ms) == ("infer", 5, "arm-1", 250.0)
+    o = got.observations[0]
+    assert o.images["left_wrist"] is None
+    np.testing.assert_array_equal(o.images["top"], obs.images["top"])
+    np.testing.assert_array_equal(o.state, obs.state)
+    assert o.prompt == obs.prompt
+    assert (got.rtc.mode, got.rtc.delay, got.rtc.execution_horizon, got.rtc.max_guidance_weight) == ("guided", 4, 25, 3.0)
+    np.testing.assert_array_equal(got.rtc.prefix, prefix)
+    np.testing.assert_array_equal(got.noise, noise)
+
+
+def test_wire_rejects_malformed_messages_naming_the_field():
+    good = wire.encode_request(wire.Request("hello", 1, "r"))
+    with pytest.raises(wire.WireError, match="header is not JSON"):
+        wire.decode_request([b"\xff"])
+    with pytest.raises(wire.WireError, match="wire version"):
+        wire.decode_request([b'{"v": 99, "type": "hello", "id": 1, "robot": "r"}'])
+    with pytest.raises(wire.WireError, match="robot"):
+        wire.decode_request([b'{"v": 1, "type": "hello", "id": 1, "robot": ""}'])
+    with pytest.raises(wire.WireError, match="obs"):
+        wire.decode_request([b'{"v": 1, "type": "infer", "id": 1, "robot": "r", "obs": []}'])
+    bad_buf = (b'{"v": 1, "type": "infer", "id": 1, "robot": "r", "obs": [{"images": {}, '
+               b'"state": {"buf": 1, "shape": [14], "dtype": "<f4"}}]}')
+    with pytest.raises(wire.WireError, match=r"obs\[0\].state: buffer has 3 bytes"):
+        wire.decode_request([bad_buf, b"abc"])
+    assert wire.decode_request(good).kind == "hello"
+
+
+def test_wire_reply_round_trip():
+    acts = np.ones((1, 50, 14), np.float32)
+    rep = wire.decode_reply([bytes(f) for f in wire.encode_reply(wire.Reply(3, True, acts, info={"batch": 4}))])
+    assert rep.ok and rep.req_id == 3 and rep.info["batch"] == 4
+    np.testing.assert_array_equal(rep.actions, acts)
+    err = wire.decode_reply(wire.encode_reply(wire.Reply(4, False, error=wire.ERR_OVERLOADED, message="full")))
+    assert (err.ok, err.error, err.message) == (False, "overloaded", "full")
+
+
+# -- scheduler ------------------------------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _p(robot: str, deadline: float, key=None, size: int = 1, arrival: float = 100.0) -> Pending:
+    return Pending(robot, 0, size, deadline, key, robot, arrival)
+
+
+def test_scheduler_orders_by_deadline_and_takes_one_per_robot_first():
+    clock = FakeClock()
+    s = Scheduler(SchedulerConfig(max_batch=2, window_s=0.0, capacity=10, per_robot=3), clock)
+    a1, a2, b1 = _p("a", 101.0), _p("a", 101.1), _p("b", 105.0)
+    for p in (b1, a2, a1):
+        assert s.submit(p) is None
+    # Robot a has the two earliest deadlines, but b's only request goes before a's second.
+    assert s.next_batch(0) == [a1, b1]
+    assert s.next_batch(0) == [a2]
+
+
+def test_scheduler_back_pressure_and_per_robot_share():
+    s = Scheduler(SchedulerConfig(max_batch=4, capacity=3, per_robot=2), FakeClock())
+    assert s.submit(_p("a", 101)) is None
+    assert s.submit(_p("a", 101)) is None
+    assert s.submit(_p("a", 101)) == wire.ERR_ROBOT_LIMIT
+    assert s.submit(_p("b", 101)) is None
+    assert s.submit(_p("c", 101)) == wire.ERR_OVERLOADED
+    assert len(s) == 3
+
+
+def test_scheduler_window_waits_for_company_but_not_past_a_deadline():
+    clock = FakeClock()
+    s = Scheduler(SchedulerConfig(max_batch=4, window_s=0.010, service_estimate_s=0.050), clock)
+    s.submit(_p("a", deadline=101.0))
+    assert s.next_batch(0) == []  # window still open, deadline far
+    clock.t += 0.011
+    assert len(s.next_batch(0)) == 1  # window closed
+    # A tight deadline closes the window at once: waiting would make it late.
+    s.submit(_p("b", deadline=clock.t + 0.040, arrival=clock.t))
+    assert len(s.next_batch(0)) == 1
+    # A full batch closes it at once too.
+    for r in "cdef":
+        s.submit(_p(r, deadline=clock.t + 10, arrival=clock.t))
+    assert len(s.next_batch(0)) == 4
+
+
+def test_scheduler_batches_only_compatible_rtc_and_blocks_until_ready():
+    clock = FakeClock()
+    s = Scheduler(SchedulerConfig(max_batch=8, window_s=0.0), clock)
+    g2, free, g7 = _p("a", 101, ("guided", 5.0, -1)), _p("b", 102), _p("c", 103, ("guided", 5.0, -1))
+    inp3, inp5 = _p("d", 104, ("inpaint", 5.0, 3)), _p("e", 105, ("inpaint", 5.0, 5))
+    for p in (inp5, g2, free, inp3, g7):
+        s.submit(p)
+    assert s.next_batch(0) == [g2, free, g7]  # guided requests (any delay) and an unguided one
+    assert s.next_batch(0) == [inp3]  # inpaint batches share d and take no unguided rider
+    assert s.next_batch(0) == [inp5]
+    s.submit(free := _p("f", 106))
+    s.submit(inp := _p("g", 107, ("inpaint", 5.0, 3)))
+    assert s.next_batch(0) == [free] and s.next_batch(0) == [inp]
+    real = Scheduler(SchedulerConfig(max_batch=8, window_s=0.0))
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(real.next_batch(5.0)))
+    t.start()
+    time.sleep(0.05)
+    real.submit(Pending("z", 1, 1, time.monotonic() + 1))
+    t.join(5.0)
+    assert len(got[0]) == 1
+    real.close()
+    assert real.next_batch(1.0) == []
+
+
+# -- server and client ----------------------------------------------------------------------
+@pytest.fixture
+def server(tiny_policy):
+    srv = PolicyServer(LocalExecutor(tiny_policy), "tcp://127.0.0.1:*", SchedulerConfig(max_batch=8, window_s=0.002))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_remote_policy_gives_the_direct_actions(server, tiny_policy, make_obs, noise_for):
+    obs = make_obs(tiny_policy.adapter, seed=1)
+    noise = noise_for(tiny_policy.adapter, 1, seed=2)
+    prefix = np.random.default_rng(3).uniform(-1, 1, (30, 14)).astype(np.float32)
+    rtc = RTCRequest("guided-approx", prefix, 4, 25)
+    with RemotePolicy(server.endpoint, robot="arm-0") as remote:
+        assert (remote.chunk_size, remote.action_dim, remote.state_dim) == (50, 14, 14)
+        assert remote.camera_names == tiny_policy.camera_names
+        got = remote.infer([obs], rtc=rtc, noise=noise)
+        want = tiny_policy.infer([obs], rtc=rtc, noise=noise)
+        # Same backend, same batch composition (one robot, batch of one): identical.
+        np.testing.assert_array_equal(got.actions, want.actions)
+        assert got.chunk is None and got.stage_ms["roundtrip"] > 0 and got.batch == 1
+        rep = remote.server_stats()
+    assert rep["robots"]["arm-0"]["served"] == 1
+
+
+def test_bad_request_fails_alone(server, tiny_policy, make_obs):
+    good = make_obs(tiny_policy.adapter, seed=1)
+    bad = make_obs(tiny_policy.adapter, seed=2, state=np.zeros(5, np.float32))
+    with RemotePolicy(server.endpoint, robot="good") as g, RemotePolicy(server.endpoint, robot="bad") as b:
+        errors: list[Exception] = []
+
+        def call_bad() -> None:
+            try:
+                b.infer([bad])
+            except ServeError as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=call_bad)
+        t.start()
+        assert g.infer([good]).actions.shape == (1, 50, 14)
+        t.join(10)
+    assert errors and errors[0].code == wire.ERR_INFERENCE and "state has 5 values" in str(errors[0])
+
+
+class _HeldExecutor:
+    """Blocks every batch until released: makes the queue fill deterministically."""
+
+    def __init__(self, policy) -> None:
+        self.policy, self.release = policy, threading.Event()
+
+    def describe(self):
+        return describe_policy(self.policy)
+
+    def run(self, items):
+        self.release.wait(10)
+        return [ItemResult(np.zeros((it.size, 50, 14), np.float32), batch=len(items)) for it in items]
+
+
+def test_over_capacity_is_refused_with_a_clear_reply(tiny_policy, make_obs):
+    ex = _HeldExecutor(tiny_policy)
+    cfg = SchedulerConfig(max_batch=1, window_s=0.0, capacity=1, per_robot=1)
+    obs = make_obs(tiny_policy.adapter, size=(8, 8))
+    with PolicyServer(ex, "tcp://127.0.0.1:*", cfg) as srv:
+        clients = [RemotePolicy(srv.endpoint, robot=f"r{i}", timeout_s=10) for i in range(3)]
+        results: dict[int, object] = {}
+
+        def call(i: int) -> None:
+            try:
+                results[i] = clients[i].infer([obs])
+            except Exception as exc:
+                results[i] = exc
+
+        threads = []
+        for i in range(3):  # r0 runs (held), r1 waits in the queue, r2 finds it full
+            threads.append(threading.Thread(target=call, args=(i,)))
+            threads[-1].start()
+            deadline = time.monotonic() + 5
+            while srv.stats.report()["robots"].get(f"r{i}", {}).get("requests", 0) < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)
+        threads[2].join(5)
+        assert isinstance(results[2], ServerBusyError) and results[2].code == wire.ERR_OVERLOADED
+        assert "capacity" in str(results[2])
+        ex.release.set()
+        for t in threads:
+            t.join(10)
+        assert results[0].actions.shape == (1, 50, 14) and results[1].actions.shape == (1, 50, 14)
+        assert srv.report()["robots"]["r2"]["rejected"] == 1
+        for c in clients:
+            c.close()
+
+
+def test_client_errors_are_clear_when_no_server():
+    with pytest.raises(ConnectionError, match="no connection"):
+        RemotePolicy("tcp://127.0.0.1:1", connect_timeout_s=0.2)
+
+
+def test_client_imports_no_torch():
+    code = "import sys, phyai_edge.serve.client, phyai_edge.serve.wire; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_noise_tensor_and_array_are_accepted(server, tiny_policy, make_obs, noise_for):
+    obs = make_obs(tiny_policy.adapter, seed=4)
+    noise = noise_for(tiny_policy.adapter, 1, seed=5)
+    with RemotePolicy(server.endpoint) as remote:
+        a = remote.infer(obs, noise=noise).actions
+        b = remote.infer([obs], noise=noise.numpy()).actions
+    np.testing.assert_array_equal(a, b)
+    assert torch.isfinite(torch.from_numpy(a)).all()
