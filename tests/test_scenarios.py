@@ -166,3 +166,27 @@ def test_engine_noise_stream_is_used_when_no_noise_is_given(tiny_policy, make_ob
     again = tiny_policy.infer(item.observations, noise=tiny_policy.engine.sample_noise(1)).actions
     np.testing.assert_array_equal(first, again)
     assert torch.isfinite(torch.from_numpy(first)).all()
+
+
+def test_engine_with_one_mask_per_batch_groups_by_delay(tiny_policy, make_obs, noise_for):
+    """An engine with static RTC buffers (cudagraph: a (1, H, D) mask) says per_sample_rtc =
+    False; then only requests with equal soft masks share a call, and they reach the engine in
+    the shared (H,) form."""
+    a = tiny_policy.adapter
+    tiny_policy.per_sample_rtc = False
+    pre = np.random.default_rng(4).uniform(-1, 1, (30, 14)).astype(np.float32)
+    items = [BatchItem([make_obs(a, seed=i, size=(24, 32))], RTCRequest("guided-approx", pre, d, 25),
+                       noise_for(a, 1, seed=i)) for i, d in enumerate([2, 4, 2])]
+    items.append(BatchItem([make_obs(a, seed=5, size=(24, 32))], None, noise_for(a, 1, seed=5)))
+    assert sorted(map(sorted, group_items(items, per_sample=False))) == [[0, 2], [1], [3]]
+    seen = []
+    run = tiny_policy.engine.run
+    tiny_policy.engine.run = lambda inputs, noise=None, rtc=None: seen.append(rtc) or run(inputs, noise, rtc)
+    got = run_items(tiny_policy, items)
+    assert [r.batch for r in got] == [2, 1, 2, 1]
+    assert all(g is None or g.weights.shape == (50,) for g in seen)
+    for it, r in zip(items, got):
+        alone = tiny_policy.infer(it.observations, rtc=it.rtc, noise=it.noise).actions
+        np.testing.assert_allclose(r.actions, alone, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="one RTC soft mask per batch"):
+        tiny_policy.rtc_guidance_per_sample([items[0].rtc, items[1].rtc])

@@ -119,15 +119,15 @@ def test_scheduler_window_waits_for_company_but_not_past_a_deadline():
 def test_scheduler_batches_only_compatible_rtc_and_blocks_until_ready():
     clock = FakeClock()
     s = Scheduler(SchedulerConfig(max_batch=8, window_s=0.0), clock)
-    g2, free, g7 = _p("a", 101, ("guided", 5.0, -1)), _p("b", 102), _p("c", 103, ("guided", 5.0, -1))
-    inp3, inp5 = _p("d", 104, ("inpaint", 5.0, 3)), _p("e", 105, ("inpaint", 5.0, 5))
+    g2, free, g7 = _p("a", 101, ("guided", 5.0, -1, -1, -1)), _p("b", 102), _p("c", 103, ("guided", 5.0, -1, -1, -1))
+    inp3, inp5 = _p("d", 104, ("inpaint", 5.0, 3, -1, -1)), _p("e", 105, ("inpaint", 5.0, 5, -1, -1))
     for p in (inp5, g2, free, inp3, g7):
         s.submit(p)
     assert s.next_batch(0) == [g2, free, g7]  # guided requests (any delay) and an unguided one
     assert s.next_batch(0) == [inp3]  # inpaint batches share d and take no unguided rider
     assert s.next_batch(0) == [inp5]
     s.submit(free := _p("f", 106))
-    s.submit(inp := _p("g", 107, ("inpaint", 5.0, 3)))
+    s.submit(inp := _p("g", 107, ("inpaint", 5.0, 3, -1, -1)))
     assert s.next_batch(0) == [free] and s.next_batch(0) == [inp]
     real = Scheduler(SchedulerConfig(max_batch=8, window_s=0.0))
     got: list = []

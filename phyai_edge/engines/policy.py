@@ -27,6 +27,10 @@ class Policy:
         self.state_dim = adapter.state_dim
         self.camera_names = list(adapter.camera_names)
         self.device = engine.device
+        # Whether the engine takes (B, H) RTC weights (one soft mask per sample). The eager
+        # engine runs the shared solver loop, which broadcasts either form; an engine with
+        # static RTC buffers says so with its own `per_sample_rtc` attribute.
+        self.per_sample_rtc = bool(getattr(engine, "per_sample_rtc", getattr(engine, "backend", "") == "eager"))
 
     def rtc_guidance(self, rtc: RTCRequest, batch: int) -> RTCGuidance | None:
         """Robot-unit RTC request -> model-space guidance for the solver (None if daemon-side)."""
@@ -68,7 +72,16 @@ class Policy:
             if prefix.ndim == 3 and prefix.shape[0] != 1:
                 raise ValueError(f"sample {i}: a per-sample RTC prefix must be (n, A) or (1, n, A), got {prefix.shape}")
             parts.append(self.rtc_guidance(r, 1))
-        return batch_guidance(parts, self.adapter.chunk_size, self.adapter.model_action_dim)
+        g = batch_guidance(parts, self.adapter.chunk_size, self.adapter.model_action_dim)
+        if g is not None and bool((g.weights == g.weights[:1]).all()):
+            # Every sample has the same soft mask (same d, s and prefix length): hand the engine
+            # the shared (H,) form, which every backend takes (static-buffer engines such as
+            # cudagraph hold a (1, H, D) mask).
+            g.weights = g.weights[0].clone()
+        elif g is not None and not self.per_sample_rtc:
+            raise ValueError(f"the {getattr(self.engine, 'backend', '?')} engine takes one RTC soft mask per batch; "
+                             "batch only requests with the same delay and prefix length")
+        return g
 
     def infer(
         self,

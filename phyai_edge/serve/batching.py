@@ -25,7 +25,9 @@ from phyai_edge.adapters.base import Observation
 from phyai_edge.engines.base import SOLVER_RTC_MODES, RTCRequest
 from phyai_edge.serve.scheduler import compatible
 
-GroupKey = tuple[str, float, int] | None  # (mode, beta, delay for inpaint else -1); None: no solver RTC
+# (mode, beta, delay, execution horizon, prefix length); None: no solver RTC. For an engine
+# with per-sample RTC weights only `inpaint` keeps its delay and the last two are -1.
+GroupKey = tuple[str, float, int, int, int] | None
 
 
 @dataclass
@@ -50,20 +52,25 @@ class ItemResult:
     stage_ms: dict[str, float] = field(default_factory=dict)
 
 
-def group_key(rtc: Any) -> GroupKey:
-    """Which requests may share one engine call (see the module docstring)."""
+def group_key(rtc: Any, per_sample: bool = True) -> GroupKey:
+    """Which requests may share one engine call (see the module docstring). per_sample: the
+    engine takes one RTC soft mask per sample (`Policy.per_sample_rtc`); without it requests
+    batch only when their masks are equal (same d, s and prefix length)."""
     if rtc is None or getattr(rtc, "mode", "none") not in SOLVER_RTC_MODES:
         return None
-    return (rtc.mode, float(rtc.max_guidance_weight), int(rtc.delay) if rtc.mode == "inpaint" else -1)
+    if not per_sample:
+        n = int(np.shape(rtc.prefix)[-2])
+        return (rtc.mode, float(rtc.max_guidance_weight), int(rtc.delay), int(rtc.execution_horizon), n)
+    return (rtc.mode, float(rtc.max_guidance_weight), int(rtc.delay) if rtc.mode == "inpaint" else -1, -1, -1)
 
 
-def group_items(items: Sequence[BatchItem]) -> list[list[int]]:
+def group_items(items: Sequence[BatchItem], per_sample: bool = True) -> list[list[int]]:
     """Indices of items, grouped so that each group is one valid engine call. Order inside a
     group follows the input order (the caller already sorted by deadline)."""
     groups: list[tuple[GroupKey, list[int]]] = []
     loose: list[int] = []
     for i, it in enumerate(items):
-        k = group_key(it.rtc)
+        k = group_key(it.rtc, per_sample)
         if k is None:
             loose.append(i)
             continue
@@ -155,7 +162,7 @@ def run_items(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int
     """Run every item; an engine error fails only the items of the group it happened in."""
     results: list[ItemResult | None] = [None] * len(items)
     limit = max_batch or (max(batch_sizes) if batch_sizes else None)
-    for group in group_items(items):
+    for group in group_items(items, bool(getattr(policy, "per_sample_rtc", True))):
         # Split a group that exceeds the largest batch the engine takes.
         chunks: list[list[int]] = [[]]
         for i in group:

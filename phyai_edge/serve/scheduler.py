@@ -54,10 +54,12 @@ class SchedulerConfig:
 def compatible(a: Any, b: Any) -> bool:
     """Whether requests with group keys a and b may share an engine call. A request without
     solver RTC (key None) rides along with guided requests (zero weights leave it unguided)
-    but not with `inpaint` ones, whose hard prefix the solver writes into every sample."""
+    but not with `inpaint` ones, whose hard prefix the solver writes into every sample, nor
+    on an engine that takes one soft mask for the whole batch."""
     if a is None or b is None:
         other = b if a is None else a
-        return other is None or other[0] != "inpaint"
+        # A shared-mask key (engine without per-sample RTC) carries its delay and prefix length.
+        return other is None or (other[0] != "inpaint" and other[3] == -1)
     return a == b
 
 

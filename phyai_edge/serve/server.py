@@ -56,7 +56,7 @@ def describe_policy(policy: Any) -> dict[str, Any]:
         "adapter": getattr(a, "name", ""), "chunk_size": int(policy.chunk_size), "action_dim": int(policy.action_dim),
         "state_dim": int(policy.state_dim), "camera_names": list(policy.camera_names),
         "model_action_dim": int(a.model_action_dim), "backend": getattr(policy.engine, "backend", ""),
-        "device": str(policy.device),
+        "device": str(policy.device), "per_sample_rtc": bool(getattr(policy, "per_sample_rtc", True)),
     }
 
 
@@ -254,7 +254,8 @@ class PolicyServer:
             self._reply_error(ident, req.req_id, wire.ERR_BAD_REQUEST, str(exc))
             return
         budget = req.budget_ms / 1e3 if req.budget_ms is not None else self.default_budget_s
-        p = Pending(req.robot, req.req_id, item.size, arrival + budget, group_key(item.rtc), (ident, item), arrival)
+        key = group_key(item.rtc, bool(self._model.get("per_sample_rtc", True)))
+        p = Pending(req.robot, req.req_id, item.size, arrival + budget, key, (ident, item), arrival)
         code = self.sched.submit(p)
         if code is not None:
             self.stats.rejected(req.robot)
