@@ -203,3 +203,51 @@ def test_other_modes_run_without_gaps(mode):
         assert not reqs  # daemon-side: the solver gets no prefix
     else:
         assert reqs and reqs[0].mode == "guided-approx" and reqs[0].max_guidance_weight == 5.0
+
+
+def test_zmq_state_stream_estop_and_metrics():
+    """State over ZeroMQ (docs/protocol.md section 2): fresh -> actions, ESTOP -> HOLD | ESTOP."""
+    import urllib.request
+
+    from phyai_edge.control.protocol import STATE_FLAG_ESTOP, StateMessage
+
+    state_ep = free_tcp_endpoint()
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(state_ep)
+    estop = threading.Event()
+    done = threading.Event()
+
+    def controller():
+        seq = 0
+        while not done.is_set():
+            seq += 1
+            flags = STATE_FLAG_ESTOP if estop.is_set() else 0
+            pub.send(StateMessage(np.full(6, 0.1, np.float32), seq, time.monotonic_ns(), time.time_ns(), flags).encode())
+            time.sleep(0.002)
+
+    t = threading.Thread(target=controller, daemon=True)
+    t.start()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = test_config(state={"source": "zmq", "endpoint": state_ep}, metrics={"port": port})
+    run = Running(Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), realtime=False))
+    try:
+        run.wait_for(lambda: count(run, lambda h, v: not h.flags & Flag.HOLD) >= 10, what="policy actions")
+        estop.set()
+        run.wait_for(lambda: count(run, lambda h, v: h.flags & Flag.ESTOP) >= 3, what="ESTOP holds")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        run.stop()
+    finally:
+        done.set()
+        t.join(1)
+        pub.close(0)
+    for name in ("phyai_tick_lateness_seconds_bucket", "phyai_inference_stage_seconds_bucket", "phyai_rtc_delay_ticks",
+                 'phyai_hold_ticks_total{reason="estop"}', "phyai_missed_ticks_total"):
+        assert name in text, name
+    flags = [h.flags for h, _ in run.actions()]
+    i = next(i for i, f in enumerate(flags) if f & Flag.ESTOP)
+    assert all(f & Flag.HOLD for f in flags[i:])

@@ -87,3 +87,21 @@ def test_clock_keeps_absolute_deadlines_and_counts_overruns():
     assert t.deadline_ns == c.start_ns + t.slot * c.period_ns
     t2 = c.wait()
     assert t2.slot == t.slot + 1 and t2.slots_advanced == 1
+
+
+def test_sd_notify_datagrams(tmp_path):
+    import socket
+
+    from phyai_edge.control.notify import Notifier
+
+    path = str(tmp_path / "n.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(path)
+    n = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"})
+    assert n.enabled and n.watchdog_interval_s == 1.0
+    assert n.ready("up") and n.watchdog() and n.status("ok")
+    msgs = [srv.recv(100).decode() for _ in range(3)]
+    assert msgs == ["READY=1\nSTATUS=up", "WATCHDOG=1", "STATUS=ok"]
+    assert not Notifier({}).enabled and not Notifier({}).ready()
+    assert Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "5", "WATCHDOG_PID": "1"}).watchdog_interval_s == 0.0
+    srv.close()

@@ -46,7 +46,8 @@ def main(args: argparse.Namespace) -> int:
 
         for line in setup_realtime(args.priority, (), False):
             print(line.replace("clock thread", "listener"), file=sys.stderr)
-    lis = Listener(args.endpoint, args.topic, args.chunk_topic, args.wall, keep=bool(args.record or args.print_each))
+    lis = Listener(args.endpoint, args.topic, args.chunk_topic, args.wall, keep=bool(args.record or args.print_each),
+                   priority=args.priority)
     stop = False
 
     def on_signal(signum, frame):

@@ -264,8 +264,10 @@ class Daemon:
                 if helpers:
                     log.info("helper threads %s: SCHED_FIFO priority %d", ", ".join(helpers), max(1, cfg.clock.priority - 10))
         if self.status_line_wanted or (self.status_line_wanted is None and _status_line_default()):
+            from phyai_edge.control.log import _StatusAwareHandler
             from phyai_edge.control.status import StatusLine
 
+            _StatusAwareHandler.clear_line = True  # log lines first erase the status line
             self._status = StatusLine(self.render_status)
             self._status.start()
         # Move everything allocated during start-up out of the collector's reach: a full

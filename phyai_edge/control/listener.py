@@ -7,6 +7,7 @@ CLOCK_MONOTONIC publish time, so it is meaningful when the subscriber runs on th
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,10 +60,18 @@ class Listener:
     """Subscribe to an action endpoint; `poll(timeout_s)` handles what arrived."""
 
     def __init__(self, endpoint: str, topic: str = "action", chunk_topic: str = "", wall_clock: bool = False,
-                 keep: bool = False, context: Any = None) -> None:
+                 keep: bool = False, context: Any = None, priority: int = 0) -> None:
         import zmq
 
         self._zmq = zmq
+        if context is None and priority > 0:
+            from phyai_edge.control.clock import fifo_permitted
+
+            # ZeroMQ's I/O thread receives for us: a real-time subscriber needs it real-time too.
+            context = zmq.Context()
+            if fifo_permitted(priority):
+                context.set(zmq.THREAD_SCHED_POLICY, os.SCHED_FIFO)
+                context.set(zmq.THREAD_PRIORITY, priority)
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.RCVHWM, 100000)
