@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=0, help="offscreen multisampling (0: off)")
     p.add_argument("--camera-outage", type=_outage, action="append", default=[], metavar="START:LENGTH",
                    help="stop the camera stream for LENGTH s at START s (repeatable)")
-    p.add_argument("--log", metavar="NPZ", help="save every step, action and frame to this file")
+    p.add_argument("--log", metavar="NPZ", help="save every step, action and frame to this file (kept in memory "
+                   "until exit: roughly 3 MB per minute)")
     p.add_argument("--summary", metavar="FILE", help="write the run's summary as JSON ('-': stdout)")
     p.add_argument("--report-every", type=float, default=5.0, help="seconds between status lines (0: off)")
     rep = p.add_argument_group("report (analyse a saved --log instead of running)")

@@ -60,6 +60,7 @@ def stats_ms(values: Any) -> dict[str, float]:
         return {"n": 0}
     return {
         "n": int(v.size),
+        "min_ms": float(v.min()),
         "p50_ms": float(np.percentile(v, 50)),
         "p90_ms": float(np.percentile(v, 90)),
         "p99_ms": float(np.percentile(v, 99)),
@@ -482,9 +483,13 @@ def plot_run(run: SimRun, result: dict[str, Any], path: str | Path) -> None:
     if inf:
         ax.axhline(inf["p50_ms"], color="C2", lw=1, ls="--", label=f"daemon inference p50 {inf['p50_ms']:.0f} ms")
     ax.set_yscale("log")
+    # Headroom above the data for the legend (log axis: a factor, not an offset).
+    ys = [np.asarray(line.get_ydata(), dtype=float) for line in ax.get_lines()]
+    top = max([float(np.nanmax(y)) for y in ys if y.size] + [run.period_s * 1e3])
+    ax.set_ylim(0.05, top * 60)
     ax.set_ylabel("ms")
     ax.set_xlabel("time since the sim's first step [s]")
-    ax.legend(loc="upper right", fontsize=8, ncol=2)
+    ax.legend(loc="upper left", fontsize=8, ncol=3)
     ax.grid(alpha=0.3, which="both")
     for a, b in outage:
         ax.axvspan(a, b, color="tomato", alpha=0.15, lw=0, zorder=0)

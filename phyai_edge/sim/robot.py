@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,8 +196,9 @@ class SimRobot:
         self._stop = False
         self._camera_wanted = True
         self._camera_pubs: dict[str, Any] = {}
-        self._recent_latency_ms: list[float] = []
-        self._recent_render_ms: list[float] = []
+        # Bounded: with status lines off (--report-every 0) nothing would ever clear them.
+        self._recent_latency_ms: deque[float] = deque(maxlen=4096)
+        self._recent_render_ms: deque[float] = deque(maxlen=4096)
         self.last_flags = 0
         self._pending: list[tuple[ActionHeader, np.ndarray]] = []
         self._sub: Any = None
