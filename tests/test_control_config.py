@@ -109,7 +109,7 @@ def test_cli_print_and_check_config(tmp_path):
 def test_shipped_daemon_configs_are_valid():
     from pathlib import Path
 
-    files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("daemon-*.toml"))
+    files = sorted((Path(__file__).resolve().parents[1] / "adapters").glob("*.toml"))
     assert files
     for f in files:
         load_config(f)
