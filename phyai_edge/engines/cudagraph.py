@@ -220,8 +220,8 @@ class CudaGraphEngine:
             return gs
         try:
             gs.pool = torch.cuda.graph_pool_handle()
-            gs.vision_graph, gs.image_embeds = self._capture(gs, self._vision)
-            gs.prefix_graph, gs.kv = self._capture(gs, self._prefix)
+            gs.vision_graph, gs.image_embeds = self._capture(gs, lambda: self._vision(gs))
+            gs.prefix_graph, gs.kv = self._capture(gs, lambda: self._prefix(gs))
             log.info("cudagraph: captured vision and prefix graphs for batch %d, %d views, %d prompt positions",
                      batch, views, length)
         except Exception as exc:  # capture can fail on unusual setups; stay correct, say so once
