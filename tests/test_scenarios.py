@@ -190,3 +190,26 @@ def test_engine_with_one_mask_per_batch_groups_by_delay(tiny_policy, make_obs, n
         np.testing.assert_allclose(r.actions, alone, atol=TOL, rtol=0)
     with pytest.raises(ValueError, match="one RTC soft mask per batch"):
         tiny_policy.rtc_guidance_per_sample([items[0].rtc, items[1].rtc])
+
+
+def test_cudagraph_backend_through_the_batcher_matches_eager(tiny_policy, make_obs, noise_for):
+    """The cudagraph engine (run eagerly on CPU: same code, no capture) takes one RTC mask per
+    batch; the batcher splits mixed delays and pads to captured sizes, and the actions match
+    the eager engine's within float32 rounding (a different backend and batch composition)."""
+    from phyai_edge.engines.policy import load_policy
+
+    fast = load_policy(backend="cudagraph", device="cpu", dtype="float32")
+    assert tiny_policy.per_sample_rtc and not fast.per_sample_rtc
+    a = tiny_policy.adapter
+    pre = np.random.default_rng(6).uniform(-1, 1, (25, 14)).astype(np.float32)
+    items = [BatchItem([make_obs(a, seed=i, size=(24, 32))], RTCRequest("guided-approx", pre, d, 25),
+                       noise_for(a, 1, seed=i)) for i, d in enumerate([3, 3, 5])]
+    items.append(BatchItem([make_obs(a, seed=7, size=(24, 32))], None, noise_for(a, 1, seed=7)))
+    ref = run_items(tiny_policy, items)
+    got = run_items(fast, items, batch_sizes=[1, 2, 4])
+    assert [r.batch for r in ref] == [4, 4, 4, 4] and [r.batch for r in got] == [2, 2, 1, 1]
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g.actions, r.actions, atol=TOL, rtol=0)
+    padded = run_items(fast, items[:1], batch_sizes=[2])  # a pad row copies the real row's RTC
+    assert padded[0].batch == 2 and padded[0].error == ""
+    np.testing.assert_allclose(padded[0].actions, ref[0].actions, atol=TOL, rtol=0)

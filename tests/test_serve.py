@@ -252,3 +252,27 @@ def test_noise_tensor_and_array_are_accepted(server, tiny_policy, make_obs, nois
         b = remote.infer([obs], noise=noise.numpy()).actions
     np.testing.assert_array_equal(a, b)
     assert torch.isfinite(torch.from_numpy(a)).all()
+
+
+@pytest.mark.slow
+def test_serve_command_serves_and_stops_on_sigterm(make_obs, tiny_policy):
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "phyai_edge", "serve", "--bind", "tcp://127.0.0.1:*", "--threads", "1",
+                             "--report-s", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + 60
+        while not line.startswith("serving on ") and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "serve exited early"
+        endpoint = line.split()[-1]
+        with RemotePolicy(endpoint, robot="cli-robot", timeout_s=30) as remote:
+            assert remote.infer([make_obs(tiny_policy.adapter, size=(24, 32))]).actions.shape == (1, 50, 14)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert "cli-robot" in out  # the final per-robot table

@@ -141,11 +141,12 @@ def run_group(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int
     n = len(obs)
     padded = pad_size(n, batch_sizes)
     if padded > n:
-        # Pad with copies of the first observation, unguided, zero noise; their actions are dropped.
+        # Pad with copies of the first sample (observation and RTC request, so an engine with one
+        # RTC mask per batch still sees equal masks) and zero noise; their actions are dropped.
         # Samples do not interact inside the model, so padding changes no real sample's actions.
         extra = padded - n
         obs.extend([obs[0]] * extra)
-        rtcs.extend([None] * extra)
+        rtcs.extend([rtcs[0]] * extra)
         noises.append(torch.zeros(extra, *noises[0].shape[1:]))
     use_rtc = any(r is not None for r in rtcs)
     res = policy.infer(obs, rtc=rtcs if use_rtc else None, noise=torch.cat(noises))

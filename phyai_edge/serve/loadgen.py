@@ -35,10 +35,11 @@ class RobotRun:
 
 def robot_loop(endpoint: str, name: str, requests: int, period_s: float, budget_ms: float,
                image_hw: tuple[int, int] = (24, 32), seed: int = 0, die_at: int = -1, start_at: float = 0.0,
-               timeout_s: float = 30.0, ready: Any = None) -> RobotRun:
+               timeout_s: float = 30.0, ready: Any = None, rtc: tuple[str, int, int, int] | None = None) -> RobotRun:
     """Run one robot: `requests` inferences, one per `period_s` (fixed-rate, not back-to-back,
     like a daemon that starts the next inference after s ticks). die_at >= 0: send that request
-    and then SIGKILL this process with it in flight (a robot computer losing power)."""
+    and then SIGKILL this process with it in flight (a robot computer losing power).
+    rtc: (mode, prefix length, delay, s) to send an RTC request with a random prefix each time."""
     rng = np.random.default_rng(seed)
     run = RobotRun(name)
     remote = RemotePolicy(endpoint, robot=name, timeout_s=timeout_s, budget_ms=budget_ms, connect_timeout_s=timeout_s)
@@ -58,9 +59,13 @@ def robot_loop(endpoint: str, name: str, requests: int, period_s: float, budget_
             remote._sock.send_multipart(wire.encode_request(req))
             time.sleep(0.01)  # let ZeroMQ's I/O thread put it on the wire
             os.kill(os.getpid(), signal.SIGKILL)
+        req_rtc = None
+        if rtc is not None:
+            mode, n, d, s = rtc
+            req_rtc = wire.WireRTC(mode, rng.uniform(-1, 1, (n, remote.action_dim)).astype(np.float32), d, s)
         t0 = time.perf_counter()
         try:
-            res = remote.infer(obs)
+            res = remote.infer(obs, rtc=req_rtc)
             if res.actions.shape != (1, remote.chunk_size, remote.action_dim) or not np.isfinite(res.actions).all():
                 raise ValueError(f"bad actions: shape {res.actions.shape}")
             dt = time.perf_counter() - t0
@@ -77,13 +82,14 @@ def robot_loop(endpoint: str, name: str, requests: int, period_s: float, budget_
 
 
 def robots_process(endpoint: str, names: list[str], requests: int, period_s: float, budget_ms: float,
-                   image_hw: tuple[int, int], seed: int, die_at: dict[str, int], start_at: float, out: Any) -> None:
+                   image_hw: tuple[int, int], seed: int, die_at: dict[str, int], start_at: float, out: Any,
+                   rtc: tuple[str, int, int, int] | None = None) -> None:
     """Several robots in one process, one thread each (they spend their time in ZeroMQ waits,
     GIL released); results go to `out` (a multiprocessing queue) as ("done", name, dict)."""
     def one(i: int, name: str) -> None:
         try:
             r = robot_loop(endpoint, name, requests, period_s, budget_ms, image_hw, seed + i, die_at.get(name, -1),
-                           start_at, ready=lambda: out.put(("ready", name, None)))
+                           start_at, ready=lambda: out.put(("ready", name, None)), rtc=rtc)
             out.put(("done", name, r.as_dict()))
         except Exception as exc:
             out.put(("done", name, RobotRun(name, errors=[f"{type(exc).__name__}: {exc}"]).as_dict()))
