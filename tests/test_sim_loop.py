@@ -23,8 +23,9 @@ if importlib.util.find_spec("mujoco") is None or importlib.util.find_spec("gym_a
     pytest.skip("needs the `sim` extra (gym-aloha, mujoco)", allow_module_level=True)
 
 from phyai_edge.control.protocol import Flag, decode_actions
+from phyai_edge.roofline.sources import parse_bench
 from phyai_edge.sim import launch
-from phyai_edge.sim.report import analyse, load_log, outages
+from phyai_edge.sim.report import analyse, load_log, outages, plot_run, roofline_bench
 
 # Generous on a loaded 2-core machine: the tiny model, the clock, the sim and its renderer share
 # two cores. The limits bound how long the checks wait, not how fast things must be.
@@ -132,4 +133,11 @@ def test_daemon_drives_the_sim_and_holds_when_the_camera_dies(tmp_path: Path) ->
     assert o["resumed_after_restart_ms"] is not None, o
     # Frames really flowed and were used: the daemon's observations carry our frames' times.
     assert t["frames"] > 50 and t["chunks"] >= 3, t
+
+    # The report's products: a chart, and stage times the roofline reads as a measured point.
+    plot_run(run, r, tmp_path / "run.png")
+    assert (tmp_path / "run.png").stat().st_size > 10_000
+    measured = parse_bench(roofline_bench(r))[0]
+    assert {"camera_age", "transport", "inference"} <= set(measured.stages_s), measured.stages_s
+    assert 0 < measured.stages_s["camera_age"] < 1.0 and measured.stages_s["transport"] < 1.0
 
