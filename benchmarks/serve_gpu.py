@@ -66,8 +66,8 @@ def build_policy(args: argparse.Namespace, seed: int = 0) -> Any:
     if args.checkpoint or args.tiny:
         return load_policy(checkpoint=args.checkpoint, preset="tiny" if args.tiny else "full", backend=args.backend,
                            device=args.device, dtype=args.dtype, seed=seed)
-    shell = builtin_adapter("full")  # meta weights: borrow its tokenizer and robot I/O
-    cfg = preset("full")
+    shell = builtin_adapter(args.random_preset if args.random_preset != "full" else "full")  # tokenizer, robot I/O
+    cfg = preset(args.random_preset)
     gen = torch.Generator(device=args.device).manual_seed(seed)
     with torch.device(args.device):
         model = PI05Model(cfg)
@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/serve_gpu")
     p.add_argument("--checkpoint")
     p.add_argument("--tiny", action="store_true", help="the tiny preset (plumbing check)")
+    p.add_argument("--random-preset", default="full", help="size of the seeded random model without --checkpoint")
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default=None, help="cudagraph (default on CUDA) or eager")
     p.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) or float32")

@@ -276,3 +276,22 @@ def test_serve_command_serves_and_stops_on_sigterm(make_obs, tiny_policy):
             proc.kill()
     assert proc.returncode == 0
     assert "cli-robot" in out  # the final per-robot table
+
+
+def test_stats_report_percentiles_and_forget_idle_robots():
+    from phyai_edge.serve.stats import ServerStats, format_report
+
+    st = ServerStats(forget_s=0.05)
+    for i in range(100):
+        st.arrived("a")
+        st.answered("a", True, float(i + 1), 0.5, missed=i >= 98)
+    st.arrived("b")
+    st.rejected("b")
+    st.batch(4)
+    rep = st.report()
+    a = rep["robots"]["a"]
+    assert (a["served"], a["deadline_misses"], a["latency_ms"]["p50"], a["latency_ms"]["p99"]) == (100, 2, 51.0, 99.0)
+    assert rep["robots"]["b"]["rejected"] == 1 and rep["batch_size"]["max"] == 4
+    assert "a" in format_report(rep)
+    time.sleep(0.1)
+    assert st.report()["robots"] == {}

@@ -45,7 +45,10 @@ class ServerStats:
     """Thread-safe: the intake thread counts arrivals and rejections, inference threads count
     answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, forget_s: float = 3600.0) -> None:
+        # A daemon's default robot name carries its pid, so every restart is a new robot:
+        # forget robots idle this long, or the table (and memory) grows with every restart.
+        self.forget_s = forget_s
         self._lock = threading.Lock()
         self.robots: dict[str, RobotStats] = {}
         self.batches = 0
@@ -86,6 +89,9 @@ class ServerStats:
 
     def report(self) -> dict[str, Any]:
         with self._lock:
+            now = time.monotonic()
+            for name in [n for n, r in self.robots.items() if r.last_seen and now - r.last_seen > self.forget_s]:
+                del self.robots[name]
             sizes = list(self.batch_sizes)
             return {
                 "uptime_s": round(time.monotonic() - self.started, 3),
