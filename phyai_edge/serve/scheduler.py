@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from phyai_edge.serve.wire import ERR_OVERLOADED, ERR_ROBOT_LIMIT
+from phyai_edge.serve.wire import ERR_OVERLOADED, ERR_ROBOT_LIMIT, ERR_SHUTDOWN
 
 Clock = Callable[[], float]
 
@@ -81,7 +81,7 @@ class Scheduler:
         """Queue a request; returns None if accepted, else the error code of the rejection."""
         with self._cond:
             if self._closed:
-                return "shutting_down"
+                return ERR_SHUTDOWN
             if len(self._queue) >= self.cfg.capacity:
                 return ERR_OVERLOADED
             if self._per_robot.get(p.robot, 0) >= self.cfg.per_robot:
