@@ -101,8 +101,10 @@ class PI05Model(nn.Module):
         self, image_embeds: torch.Tensor, image_mask: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         per_image = image_embeds.shape[1] // image_mask.shape[1]
-        scale = torch.tensor(self.cfg.prefix.width**0.5, dtype=self.embed_tokens.weight.dtype)
-        text = self.embed_tokens(tokens) * scale.to(tokens.device)
+        # sqrt(width) rounded to the embedding dtype, as the published model does; a Python float
+        # (not a device tensor) so no host-to-device copy lands inside a captured CUDA graph.
+        scale = float(torch.tensor(self.cfg.prefix.width**0.5, dtype=self.embed_tokens.weight.dtype))
+        text = self.embed_tokens(tokens) * scale
         x = torch.cat([image_embeds.to(self.compute_dtype), text.to(self.compute_dtype)], dim=1)
         mask = torch.cat([image_mask.repeat_interleave(per_image, dim=1), token_mask], dim=1)
         return x, mask
