@@ -60,6 +60,46 @@ print(json.dumps({{"p50": lat[n // 2] / 1e6, "p99": lat[int(n * 0.99)] / 1e6, "m
     return json.loads(out)
 
 
+def bare_transport_latency(seconds: float, hz: float, endpoint: str, pub_prio: int, sub_prio: int) -> dict:
+    """The floor under publish -> receive on this machine: a plain pyzmq PUB process and SUB
+    process, same transport, rate and priorities as the daemon and listener, nothing else."""
+    sub_code = f"""
+import json, os, time, zmq
+if {sub_prio}:
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param({sub_prio}))
+s = zmq.Context().socket(zmq.SUB); s.connect("{endpoint}"); s.setsockopt(zmq.SUBSCRIBE, b"")
+lat = []
+while True:
+    m = s.recv()
+    if m == b"end":
+        break
+    lat.append(time.monotonic_ns() - int.from_bytes(m[:8], "little"))
+lat.sort(); n = len(lat)
+print(json.dumps({{"p50": lat[n // 2] / 1e3, "p99": lat[int(n * 0.99)] / 1e3, "max": lat[-1] / 1e3, "n": n}}))
+"""
+    pub_code = f"""
+import os, time, zmq
+if {pub_prio}:
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param({pub_prio}))
+p = zmq.Context().socket(zmq.PUB); p.bind("{endpoint}"); time.sleep(1.0)
+period = {1e9 / hz}; t0 = time.monotonic_ns() + period
+for k in range(int({seconds} * {hz})):
+    r = t0 + k * period - time.monotonic_ns()
+    if r > 0:
+        time.sleep(r / 1e9)
+    p.send(time.monotonic_ns().to_bytes(8, "little") + bytes(88))
+p.send(b"end"); time.sleep(0.5)
+"""
+    pub = subprocess.Popen([sys.executable, "-c", pub_code])
+    time.sleep(0.2)
+    try:
+        out = subprocess.run([sys.executable, "-c", sub_code], capture_output=True, text=True, check=True,
+                             timeout=seconds + 20).stdout
+    finally:
+        pub.wait(10)
+    return json.loads(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=60.0)
@@ -81,12 +121,20 @@ def main() -> int:
         print(f"baseline (bare RT loop, 1 kHz, {args.baseline:g} s): lateness p50 {baseline['p50']:.3f} ms "
               f"p99 {baseline['p99']:.3f} ms max {baseline['max']:.3f} ms, {baseline['over_2ms']} stalls > 2 ms", flush=True)
 
+    transport = None
+    tmp = Path(tempfile.mkdtemp(prefix="phyai-jitter-"))
+    if args.baseline > 0:
+        rt = not args.no_realtime
+        transport = bare_transport_latency(args.baseline, args.hz, f"ipc://{tmp}/bare", 80 if rt else 0,
+                                           args.listener_priority if rt else 0)
+        print(f"baseline (bare pyzmq PUB -> SUB, two processes, ipc, {args.hz:g} Hz, {args.baseline:g} s): "
+              f"p50 {transport['p50']:.0f} us p99 {transport['p99']:.0f} us max {transport['max']:.0f} us", flush=True)
+
     from phyai_edge.control.config import DEFAULT_CONFIG_TOML, parse_config, tomllib
     from phyai_edge.control.daemon import Daemon
     from phyai_edge.control.log import setup_logging
 
     setup_logging(logging.WARNING)
-    tmp = Path(tempfile.mkdtemp(prefix="phyai-jitter-"))
     endpoint = f"ipc://{tmp}/actions"
     data = tomllib.loads(DEFAULT_CONFIG_TOML)
     data["robot"]["control_hz"] = args.hz
@@ -136,7 +184,7 @@ def main() -> int:
     ok = lat["p99"] <= 1.0 and s["missed_slots"] == 0 and rx.get("p99", 1e9) <= 500
     print("targets (p99 lateness <= 1 ms, 0 missed, p99 publish->receive <= 0.5 ms):", "MET" if ok else "NOT MET")
     if args.json:
-        out = {"daemon": s, "listener": lis, "baseline": baseline, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+        out = {"daemon": s, "listener": lis, "baseline": baseline, "transport_baseline_us": transport, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                "python": platform.python_version()}, "args": vars(args)}
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
