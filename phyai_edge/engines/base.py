@@ -7,7 +7,7 @@ It knows nothing of cameras, sockets or robots.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -66,3 +66,27 @@ class Engine(Protocol):
 
     @property
     def last_stage_ms(self) -> dict[str, float]: ...
+
+
+class EngineBase:
+    """What every backend holds the same way: the adapter, the device, a seeded noise stream
+    (so a seed gives the same chunks on every backend) and the stage times of the last run."""
+
+    backend = "base"
+
+    def __init__(self, adapter: Any, device: str | torch.device, seed: int) -> None:
+        self.adapter = adapter
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._stage_ms: dict[str, float] = {}
+
+    @property
+    def last_stage_ms(self) -> dict[str, float]:
+        return dict(self._stage_ms)
+
+    def sample_noise(self, batch: int) -> torch.Tensor:
+        a = self.adapter
+        return torch.randn(batch, a.chunk_size, a.model_action_dim, generator=self.generator, device=self.device)
+

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from phyai_edge.adapters.base import Adapter, ModelInputs, SolverSpec
+from phyai_edge.engines.base import EngineBase
 from phyai_edge.engines.eager import resolve_dtype
 from phyai_edge.engines.rtc import RTCGuidance, guidance_weight
 from phyai_edge.layers.fused import fuse_projections
@@ -71,7 +72,7 @@ class _GraphSet:
     eager: bool = False
 
 
-class CudaGraphEngine:
+class CudaGraphEngine(EngineBase):
     backend = "cudagraph"
 
     def __init__(
@@ -90,10 +91,7 @@ class CudaGraphEngine:
         graphs: bool = True,
         capture: list[tuple[int, int]] | None = None,
     ) -> None:
-        self.adapter = adapter
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(adapter, device, seed)
         self.dtype = resolve_dtype(dtype)
         module = adapter.module
         if next(module.parameters()).device.type == "meta":
@@ -107,7 +105,6 @@ class CudaGraphEngine:
         if hasattr(module, "attend_keys_only"):
             module.attend_keys_only = True
         self.fused = fuse_projections(module) if fuse else 0
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.use_graphs = graphs and self.device.type == "cuda"
         if graphs and not self.use_graphs:
             log.info("cudagraph engine on %s: CUDA graphs need a CUDA device; running the same code eagerly",
@@ -118,18 +115,10 @@ class CudaGraphEngine:
             self._stages = {n: torch.compile(f, dynamic=False, **kw) for n, f in self._stages.items()}
         self._sets: dict[tuple[int, int, int], _GraphSet] = {}
         self._tables: dict[SolverSpec, list[Any]] = {}
-        self._stage_ms: dict[str, float] = {}
         for batch, views in capture or []:
             self.warmup(batch, views)
 
     # -- public ---------------------------------------------------------------------------
-    @property
-    def last_stage_ms(self) -> dict[str, float]:
-        return dict(self._stage_ms)
-
-    def sample_noise(self, batch: int) -> torch.Tensor:
-        a = self.adapter
-        return torch.randn(batch, a.chunk_size, a.model_action_dim, generator=self.generator, device=self.device)
 
     def warmup(self, batch: int, views: int, prompt_tokens: int | None = None,
                modes: tuple[str, ...] = ("none",)) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from phyai_edge.adapters.base import Adapter, ModelInputs
+from phyai_edge.engines.base import EngineBase
 from phyai_edge.engines.rtc import RTCGuidance
 from phyai_edge.engines.solver import integrate
 from phyai_edge.engines.timing import StageTimer
@@ -25,29 +26,19 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
-class EagerEngine:
+class EagerEngine(EngineBase):
     backend = "eager"
 
     def __init__(self, adapter: Adapter, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
                  seed: int = 0) -> None:
-        self.adapter = adapter
-        self.device = torch.device(device)
+        super().__init__(adapter, device, seed)
         self.dtype = resolve_dtype(dtype)
         module = adapter.module
         if next(module.parameters()).device.type != "meta":
             module.to(self.device)
         module.set_precision(self.dtype)
         module.eval().requires_grad_(False)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._stage_ms: dict[str, float] = {}
 
-    @property
-    def last_stage_ms(self) -> dict[str, float]:
-        return dict(self._stage_ms)
-
-    def sample_noise(self, batch: int) -> torch.Tensor:
-        a = self.adapter
-        return torch.randn(batch, a.chunk_size, a.model_action_dim, generator=self.generator, device=self.device)
 
     @torch.no_grad()
     def run(self, inputs: ModelInputs, noise: torch.Tensor | None = None, rtc: RTCGuidance | None = None) -> torch.Tensor:

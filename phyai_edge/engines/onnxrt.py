@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from phyai_edge.adapters.base import Adapter, ModelInputs
+from phyai_edge.engines.base import EngineBase
 from phyai_edge.engines.eager import resolve_dtype
 from phyai_edge.engines.rtc import RTCGuidance
 from phyai_edge.engines.solver import integrate
@@ -125,7 +126,7 @@ def _np_of(dtype: torch.dtype) -> type:
     raise TypeError(f"no onnxruntime binding for {dtype}")
 
 
-class OnnxRuntimeEngine:
+class OnnxRuntimeEngine(EngineBase):
     backend = "onnxruntime"
 
     def __init__(
@@ -140,11 +141,9 @@ class OnnxRuntimeEngine:
         providers: list[Any] | None = None,
         threads: int | None = None,
     ) -> None:
-        self.adapter = adapter
-        self.device = torch.device(device)
+        super().__init__(adapter, device, seed)
         self.batch_sizes = sorted(set(batch_sizes))
         self.num_views = num_views or len(getattr(adapter, "camera_names", [])) or None
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if model_dir is None:
             # Export on the fly (tests, `make_engine`): the bundle path is the deployed one.
@@ -164,15 +163,7 @@ class OnnxRuntimeEngine:
                 for name in adapter.stage_names()}
             for b in self.batch_sizes
         }
-        self._stage_ms: dict[str, float] = {}
 
-    @property
-    def last_stage_ms(self) -> dict[str, float]:
-        return dict(self._stage_ms)
-
-    def sample_noise(self, batch: int) -> torch.Tensor:
-        a = self.adapter
-        return torch.randn(batch, a.chunk_size, a.model_action_dim, generator=self.generator, device=self.device)
 
     def _stages(self, batch: int) -> dict[str, _Stage]:
         try:

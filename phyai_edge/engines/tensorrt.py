@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from phyai_edge.adapters.base import Adapter, ModelInputs
+from phyai_edge.engines.base import EngineBase
 from phyai_edge.engines.eager import resolve_dtype
 from phyai_edge.engines.onnxrt import exact_guidance_error
 from phyai_edge.engines.rtc import RTCGuidance
@@ -196,7 +197,7 @@ class _BatchState:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
 
 
-class TensorRTEngine:
+class TensorRTEngine(EngineBase):
     backend = "tensorrt"
     max_graphs = 16  # captured loops kept per batch size (one per RTC mode / delay seen)
 
@@ -213,13 +214,11 @@ class TensorRTEngine:
         build_options: BuildOptions | None = None,
     ) -> None:
         self.trt = import_tensorrt()
-        self.device = torch.device(device)
+        super().__init__(adapter, device, seed)
         if self.device.type != "cuda":
             raise ValueError(f"the TensorRT engine runs on a CUDA device, not {self.device}")
-        self.adapter = adapter
         self.num_views = num_views or len(getattr(adapter, "camera_names", []))
         self.cuda_graph = cuda_graph
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if plan_dir is None:
             precision = _PRECISION_NAMES[resolve_dtype(dtype)]
@@ -240,15 +239,7 @@ class TensorRTEngine:
             self.engines[stage] = engine
         self.stream = torch.cuda.Stream(self.device)
         self.states = {b: self._prepare(b) for b in self.batch_sizes}
-        self._stage_ms: dict[str, float] = {}
 
-    @property
-    def last_stage_ms(self) -> dict[str, float]:
-        return dict(self._stage_ms)
-
-    def sample_noise(self, batch: int) -> torch.Tensor:
-        a = self.adapter
-        return torch.randn(batch, a.chunk_size, a.model_action_dim, generator=self.generator, device=self.device)
 
     def _prepare(self, batch: int) -> _BatchState:
         trt = self.trt
