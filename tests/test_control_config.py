@@ -13,6 +13,7 @@ from phyai_edge.control.config import (
     check_against_policy,
     load_config,
     parse_config,
+    tomllib,
 )
 
 
@@ -21,7 +22,7 @@ def test_embedded_default_is_valid_and_self_describing():
     assert cfg.model.preset == "tiny" and cfg.cameras["top"].source == "synthetic"
     assert cfg.state.source == "synthetic" and cfg.publish.endpoint.startswith("tcp://127.0.0.1:")
     # The printed default is exactly what `load_config(None)` uses.
-    assert parse_config(__import__("tomllib").loads(DEFAULT_CONFIG_TOML)) == cfg.__class__(**{**cfg.__dict__, "source": "<dict>"})
+    assert parse_config(tomllib.loads(DEFAULT_CONFIG_TOML)) == cfg.__class__(**{**cfg.__dict__, "source": "<dict>"})
 
 
 BAD = [
