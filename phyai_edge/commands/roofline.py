@@ -30,7 +30,13 @@ Examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("sources")
-    src.add_argument("--bench", action="append", default=[], metavar="FILE", help="bench JSON (repeatable)")
+    src.add_argument(
+        "--bench",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="bench JSON or pi05_gpu.py report, FILE#KEY,... selects entries (repeatable)",
+    )
     src.add_argument(
         "--metrics", action="append", default=[], metavar="URL", help="daemon /metrics URL (repeatable)"
     )
@@ -119,7 +125,9 @@ def _model_args(args: argparse.Namespace, meas: Any = None) -> dict[str, Any]:
         "config": config,
         "batch": args.batch or (meas.batch if meas else None) or 1,
         "views": args.views or (meas.views if meas else None) or d["views"],
-        "prompt_tokens": args.prompt_tokens if args.prompt_tokens is not None else d["prompt_tokens"],
+        "prompt_tokens": args.prompt_tokens
+        if args.prompt_tokens is not None
+        else (meas.prompt_tokens if meas and meas.prompt_tokens is not None else d["prompt_tokens"]),
         "steps": args.steps or (meas.steps if meas else None) or d["steps"],
         "precision": args.precision or (meas.precision if meas else None) or "bf16",
         "horizon": d["horizon"],
@@ -273,14 +281,14 @@ def list_devices() -> str:
 
 def _fmt_table(points: list[Point]) -> str:
     head = (
-        f"{'source':34} {'L ms':>7} {'infer':>7} {'proc':>6} {'xport':>6} {'d':>3} {'s':>3} {'RTC':>4} "
+        f"{'source':42} {'L ms':>7} {'infer':>7} {'proc':>6} {'xport':>6} {'d':>3} {'s':>3} {'RTC':>4} "
         f"{'f_max Hz':>9} {'chunk Hz':>9} {'binds':>10} {'headroom ms':>11} {'GPU duty':>8}"
     )
     rows = [head, "-" * len(head)]
     for p in points:
         r, t = p.result, p.times
         rows.append(
-            f"{p.label[:34]:34} {r.latency_s * 1e3:7.1f} {t.inference_s * 1e3:7.1f} "
+            f"{p.label[:42]:42} {r.latency_s * 1e3:7.1f} {t.inference_s * 1e3:7.1f} "
             f"{t.group_s('processing') * 1e3:6.1f} {t.group_s('transport') * 1e3:6.1f} {r.delay_ticks:3d} "
             f"{r.exec_horizon:3d} {'ok' if r.rtc_ok else 'FAIL':>4} {r.achievable_rate_hz:9.1f} "
             f"{r.chunk_rate_hz:9.2f} {r.binding:>10} {r.latency_headroom_s * 1e3:11.1f} {r.gpu_duty:8.0%}"
@@ -488,7 +496,8 @@ def main(args: argparse.Namespace) -> int:
             [PlotPoint(p.label, p.result, p.kind == "measured") for p in points],
             robot,
             args.plot,
-            title="Control-Time Roofline\n" + title,
+            title=f"Control-Time Roofline\n{title}\npredictions at {eff.compute:.2f} / {eff.bandwidth:.2f} "
+            f"of peak FLOPs / bandwidth, {eff.source.split(' (')[0]}",
         )
         report["plot"] = str(plot_path)
 

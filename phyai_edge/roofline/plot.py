@@ -159,6 +159,16 @@ def plot_roofline(points: Sequence[PlotPoint], robot: RobotParams, path: str | P
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
+    # Adaptive 256-colour palette when Pillow is there: the chart has few colours, and the
+    # file is committed to the docs (~3x smaller than RGBA).
     fig.savefig(out)
+    try:
+        from PIL import Image
+
+        with Image.open(out) as im:
+            small = im.convert("RGB").quantize(colors=256)
+        small.save(out, optimize=True)
+    except ImportError:
+        pass
     plt.close(fig)
     return out

@@ -2,7 +2,7 @@
 
     t_compute = gemm_flops / (peak[precision] * e_c) + (flops - gemm_flops) / (peak[16-bit] * e_c)
     t_memory  = bytes / (bandwidth * e_m)
-    t_stage   = max(t_compute, t_memory)
+    t_stage   = t_compute if the stage is compute-bound at 100 % of peak, else t_memory
 
 e_c and e_m are the fractions of peak a real engine reaches on compute-bound and memory-bound
 stages. They come from a measured run when we have one (`calibrate`: ideal time at 100 % of
@@ -50,7 +50,7 @@ class StagePrediction:
 
     @property
     def bound(self) -> str:
-        return "compute" if self.compute_s >= self.memory_s else "memory"
+        return "compute" if self.time_s == self.compute_s else "memory"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,9 +76,14 @@ def predict_stage(
 ) -> StagePrediction:
     peak = device.peak_flops(precision)
     peak16 = device.peak_flops(_sixteen_bit(precision))
-    t_c = (cost.gemm_flops / peak + (cost.flops - cost.gemm_flops) / peak16) / eff.compute
-    t_m = cost.bytes / device.bandwidth / eff.bandwidth
-    return StagePrediction(stage=stage, time_s=max(t_c, t_m), compute_s=t_c, memory_s=t_m, cost=cost)
+    ideal_c = cost.gemm_flops / peak + (cost.flops - cost.gemm_flops) / peak16
+    ideal_m = cost.bytes / device.bandwidth
+    t_c, t_m = ideal_c / eff.compute, ideal_m / eff.bandwidth
+    # A stage gets the efficiency of the class the ideal roofline puts it in, as `calibrate` fits
+    # them: with max(t_c, t_m) a low memory factor (launch-bound memory stages) would turn
+    # compute-bound stages memory-bound and the calibrated device would not reproduce its run.
+    time_s = t_c if ideal_c >= ideal_m else t_m
+    return StagePrediction(stage=stage, time_s=time_s, compute_s=t_c, memory_s=t_m, cost=cost)
 
 
 def predict_stages(

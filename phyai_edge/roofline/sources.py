@@ -48,6 +48,7 @@ class Measurement:
     batch: int | None = None
     views: int | None = None
     steps: int | None = None
+    prompt_tokens: int | None = None  # prompt length the run processed (None: the padded length)
     precision: str | None = None
     horizon: int | None = None
     exec_horizon: int | None = None
@@ -135,9 +136,18 @@ def _stat_value(entry: Any, stat: str) -> tuple[float | None, str]:
     return None, ""
 
 
-def parse_bench(data: Any, stat: str = "p50", label: str | None = None) -> list[Measurement]:
+def parse_bench(
+    data: Any, stat: str = "p50", label: str | None = None, select: list[str] | None = None
+) -> list[Measurement]:
     """A bench JSON document -> one Measurement per run. Accepts one run (a dict with "stages"),
-    a list of runs, or {"runs"/"results": [...]}."""
+    a list of runs, {"runs"/"results": [...]}, or a `benchmarks/pi05_gpu.py` report (converted by
+    `gpu_report.to_bench_runs`; `select` picks its entries, e.g. ["ablation.b1_compiled"])."""
+    from phyai_edge.roofline import gpu_report
+
+    if gpu_report.is_gpu_report(data):
+        data = gpu_report.to_bench_runs(data, select)
+    elif select:
+        raise ValueError("selecting runs with FILE#KEY works on pi05_gpu.py reports only")
     if isinstance(data, list):
         runs = data
     elif isinstance(data, Mapping) and isinstance(data.get("runs") or data.get("results"), list):
@@ -164,8 +174,11 @@ def parse_bench(data: Any, stat: str = "p50", label: str | None = None) -> list[
             if used not in (stat, "value"):
                 m.notes.append(f"{name}: no {stat}, used {used}")
             m.stages_s[key] = value
+        extra = run.get("notes")
+        if isinstance(extra, list):  # a converter's own notes (gpu_report)
+            m.notes.extend(str(n) for n in extra)
         _fill_run_info(m, run)
-        m.label = label or _default_label(m, i, len(runs))
+        m.label = label or run.get("label") or _default_label(m, i, len(runs))
         out.append(m)
     return out
 
@@ -195,6 +208,7 @@ def _fill_run_info(m: Measurement, run: Mapping[str, Any]) -> None:
     m.batch = _int_or_none(run.get("batch", run.get("batch_size")))
     m.views = _int_or_none(run.get("views", run.get("num_views")))
     m.steps = _int_or_none(run.get("steps", run.get("num_steps")))
+    m.prompt_tokens = _int_or_none(run.get("prompt_tokens"))
     prec = run.get("precision") or run.get("dtype")
     if isinstance(prec, str):
         prec = _DTYPES.get(prec.lower().removeprefix("torch."), prec.lower())
@@ -215,12 +229,16 @@ def _default_label(m: Measurement, i: int, n: int) -> str:
 
 
 def load_bench(path: str | Path, stat: str = "p50") -> list[Measurement]:
-    p = Path(path)
+    """Read a bench file. `FILE#key,key` selects entries of a pi05_gpu.py report."""
+    p, select = Path(path), None
+    if "#" in str(path) and not p.exists():
+        head, _, tail = str(path).rpartition("#")
+        p, select = Path(head), [k for k in tail.split(",") if k.strip()]
     try:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not valid JSON ({e})") from None
-    return parse_bench(data, stat=stat)
+    return parse_bench(data, stat=stat, select=select)
 
 
 # --------------------------------------------------------------------------- Prometheus
