@@ -91,3 +91,48 @@ def test_ada_norm_accepts_precomputed_modulation() -> None:
     h1, g1 = norm(x, cond)
     h2, g2 = norm(x, norm.modulation(cond))
     assert torch.equal(h1, h2) and torch.equal(g1, g2)
+
+
+def test_precision_change_drops_stale_fused_projections():
+    """A fused projection is not a registered submodule, so a cast never reaches it; changing
+    precision must drop it rather than leave a bf16 copy beside float32 parts."""
+    import torch
+
+    from phyai_edge.adapters.pi05 import builtin_adapter
+    from phyai_edge.layers.fused import fuse_projections
+
+    model = builtin_adapter("tiny").module.set_precision(torch.bfloat16)
+    assert fuse_projections(model) > 0
+    model.set_precision(torch.float32)
+    attn = model.prefix_layers[0].self_attn
+    assert attn.qkv_proj is None
+    x = torch.randn(1, 5, model.cfg.prefix.width)
+    cos = torch.ones(1, 1, 5, model.cfg.prefix.head_dim)
+    q, _, _ = attn.qkv(x, cos, torch.zeros_like(cos))  # float32 input through float32 weights
+    assert q.dtype == torch.float32
+
+
+def test_second_engine_that_would_change_the_weights_is_refused():
+    import copy
+
+    import pytest
+
+    from phyai_edge.adapters.pi05 import builtin_adapter
+    from phyai_edge.engines.cudagraph import CudaGraphEngine
+    from phyai_edge.engines.eager import EagerEngine
+
+    adapter = builtin_adapter("tiny")
+    graphs = CudaGraphEngine(adapter, device="cpu", dtype="bfloat16")
+    with pytest.raises(RuntimeError, match="already run by a cudagraph engine"):
+        EagerEngine(adapter, dtype="float32")
+    twin = copy.copy(adapter)
+    twin.module = copy.deepcopy(adapter.module)
+    EagerEngine(twin, dtype="float32")  # its own copy: allowed
+    del graphs
+    same = builtin_adapter("tiny")
+    first = EagerEngine(same, dtype="float32")
+    second = EagerEngine(same, dtype="float32")  # same precision and device: sharing is harmless
+    with pytest.raises(RuntimeError, match="would change the weights"):
+        EagerEngine(same, dtype="bfloat16")
+    del first, second
+    EagerEngine(same, dtype="bfloat16")  # nobody runs it any more

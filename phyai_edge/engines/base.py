@@ -6,6 +6,7 @@ It knows nothing of cameras, sockets or robots.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -68,6 +69,11 @@ class Engine(Protocol):
     def last_stage_ms(self) -> dict[str, float]: ...
 
 
+# module -> the engine running it. Kept outside the module so a copy.deepcopy of the model (a
+# reference twin) starts unowned.
+_OWNERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
+
 class EngineBase:
     """What every backend holds the same way: the adapter, the device, a seeded noise stream
     (so a seed gives the same chunks on every backend) and the stage times of the last run."""
@@ -85,6 +91,23 @@ class EngineBase:
     @property
     def last_stage_ms(self) -> dict[str, float]:
         return dict(self._stage_ms)
+
+    def take_module(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Become the engine that runs `module`, refusing when a live engine already runs it in a
+        way this one would break: setting another precision or device re-creates the weights under
+        the first engine (a captured CUDA graph would then read freed memory)."""
+        ref = _OWNERS.get(module)
+        owner = ref() if ref is not None else None
+        if owner is not None and owner is not self:
+            same = (owner.device, getattr(owner, "dtype", None)) == (self.device, dtype)
+            if not same or "cudagraph" in (owner.backend, self.backend):
+                raise RuntimeError(
+                    f"this adapter's model is already run by a {owner.backend} engine "
+                    f"({getattr(owner, 'dtype', '?')} on {owner.device}); a {self.backend} engine "
+                    f"({dtype} on {self.device}) would change the weights under it. Give each engine "
+                    "its own adapter (load it again, or copy.deepcopy(adapter.module))."
+                )
+        _OWNERS[module] = weakref.ref(self)
 
     def sample_noise(self, batch: int) -> torch.Tensor:
         a = self.adapter

@@ -96,6 +96,7 @@ class CudaGraphEngine(EngineBase):
         module = adapter.module
         if next(module.parameters()).device.type == "meta":
             raise ValueError("the cudagraph engine needs real weights (the model is on the meta device)")
+        self.take_module(module, self.dtype)
         module.to(self.device)
         module.set_precision(self.dtype)
         module.eval().requires_grad_(False)

@@ -34,6 +34,7 @@ class EagerEngine(EngineBase):
         super().__init__(adapter, device, seed)
         self.dtype = resolve_dtype(dtype)
         module = adapter.module
+        self.take_module(module, self.dtype)
         if next(module.parameters()).device.type != "meta":
             module.to(self.device)
         module.set_precision(self.dtype)

@@ -463,7 +463,11 @@ def _engine_for(req: ExportRequest, work: Path, manifest: dict[str, Any], adapte
                               batch_sizes=req.batch_sizes, num_views=manifest["views"])
     from phyai_edge.engines import make_engine
 
-    return make_engine("cudagraph", adapter, device=req.device, dtype=manifest["dtype"], seed=req.seed)
+    # Its own copy of the model: the cudagraph engine casts and fuses the weights it runs, and the
+    # float32 reference it is validated against must keep the originals.
+    twin = copy.copy(adapter)
+    twin.module = copy.deepcopy(adapter.module)
+    return make_engine("cudagraph", twin, device=req.device, dtype=manifest["dtype"], seed=req.seed)
 
 
 def summary_table(manifest: dict[str, Any], out: Path) -> str:

@@ -8,8 +8,10 @@ Why it pays: at batch 1 the action expert is memory-bound and launch-bound; q/k/
 and gate/up as one GEMM halve the launches of those ops and read the activations once. For
 the compute-bound prefix the wider GEMM also tiles better.
 
-Fuse *after* the model is cast to its final dtype: a later `.to(dtype)` makes fresh tensors
-and breaks the sharing (results stay right, memory doubles).
+Fuse *after* the model is cast to its final dtype. The fused module is deliberately not a
+registered submodule (so checkpoints keep the model's names), which also means `.to()`,
+`.float()` or loading weights never reach it: it would go stale. So anything that re-creates
+the parts' tensors calls `unfuse_projections` first (`PI05Model.set_precision` does).
 """
 
 from __future__ import annotations
@@ -61,3 +63,15 @@ def attach_unregistered(owner: nn.Module, name: str, fused: nn.Module) -> None:
     """Keep `fused` out of `owner`'s submodules, so the state dict (and checkpoints written from
     it) keeps exactly the model's own names; the parts already share its storage."""
     object.__setattr__(owner, name, fused)
+    owner.__dict__.setdefault("_fused_attrs", set()).add(name)
+
+
+def unfuse_projections(module: nn.Module) -> int:
+    """Drop every fused projection under `module`; the parts compute the same thing unfused.
+    Returns how many were dropped."""
+    count = 0
+    for sub in module.modules():
+        for name in sub.__dict__.pop("_fused_attrs", ()):
+            object.__setattr__(sub, name, None)
+            count += 1
+    return count
