@@ -15,8 +15,9 @@ robot measures it) is within the budget and no request was refused or failed.
 
 Model: --checkpoint DIR, or a full-size PI0.5 with seeded random weights made on the GPU (same
 compute as the real one; actions are meaningless). Backend: --backend cudagraph (default on
-CUDA; one RTC soft mask per batch, so robots use one fixed delay estimate `--rtc-delay`, as a
-daemon with `chunking.delay` set does) or eager (per-sample RTC: delays may differ).
+CUDA) or eager; both take per-sample RTC (robots with different delays share a batch). The
+simulated robots send one fixed delay estimate `--rtc-delay`, as a daemon with
+`chunking.delay` set does.
 Robots are torch-free client threads (`phyai_edge.serve.loadgen`) in several processes, on
 the same host over TCP loopback; images are sent at --image-size (224: the model's size, so
 the server skips resizing; pass 480x640 to include resizing).

@@ -117,16 +117,18 @@ def test_padding_to_captured_batch_sizes_keeps_actions(tiny_policy, make_obs, no
     assert [r.batch for r in split] == [2, 2, 2]
 
 
-def test_inpaint_requests_are_grouped_by_delay(tiny_policy, make_obs, noise_for):
+def test_inpaint_requests_with_different_delays_share_a_call(tiny_policy, make_obs, noise_for):
+    """Per-sample hard prefixes: inpaint requests with different d (and an unguided rider, d = 0)
+    run as one engine call, each as it would alone, each holding its own first d_i actions."""
     a = tiny_policy.adapter
     pre = np.random.default_rng(1).uniform(-1, 1, (30, 14)).astype(np.float32)
     items = [BatchItem([make_obs(a, seed=i, size=(24, 32))], RTCRequest("inpaint", pre, d, 25), noise_for(a, 1, seed=i))
              for i, d in enumerate([2, 4, 2])]
     items.append(BatchItem([make_obs(a, seed=9, size=(24, 32))], None, noise_for(a, 1, seed=9)))
     groups = group_items(items)
-    assert sorted(map(sorted, groups)) == [[0, 2], [1], [3]]
+    assert sorted(map(sorted, groups)) == [[0, 1, 2, 3]]
     got = run_items(tiny_policy, items)
-    assert [r.batch for r in got] == [2, 1, 2, 1]  # no fallback to one-by-one runs
+    assert [r.batch for r in got] == [4, 4, 4, 4]  # one call, no fallback to one-by-one runs
     for it, r in zip(items, got):
         alone = tiny_policy.infer(it.observations, rtc=it.rtc, noise=it.noise).actions
         np.testing.assert_allclose(r.actions, alone, atol=TOL, rtol=0)
@@ -151,8 +153,10 @@ def test_per_sample_rtc_matches_shared_rtc_and_validates(tiny_policy, make_obs, 
     assert float(g.weights[2, :7].min()) == 1.0 and float(g.weights[0, 2]) < 1.0
     with pytest.raises(ValueError, match="group requests by mode"):
         tiny_policy.rtc_guidance_per_sample([RTCRequest("guided", pre[0], 2, 25), RTCRequest("inpaint", pre[1], 2, 25)])
-    with pytest.raises(ValueError, match="one delay"):
-        tiny_policy.rtc_guidance_per_sample([RTCRequest("inpaint", pre[0], 2, 25), RTCRequest("inpaint", pre[1], 3, 25)])
+    g = tiny_policy.rtc_guidance_per_sample([RTCRequest("inpaint", pre[0], 2, 25), None,
+                                             RTCRequest("inpaint", pre[1], 3, 25)])
+    assert g.delays.tolist() == [2, 0, 3] and g.delay == 3
+    assert g.fixed_mask(50)[:, :, 0].sum(dim=1).tolist() == [2, 0, 3]
     with pytest.raises(ValueError, match="2 RTC requests for 3"):
         tiny_policy.infer(obs, rtc=[None, None], noise=noise)
 
@@ -169,9 +173,9 @@ def test_engine_noise_stream_is_used_when_no_noise_is_given(tiny_policy, make_ob
 
 
 def test_engine_with_one_mask_per_batch_groups_by_delay(tiny_policy, make_obs, noise_for):
-    """An engine with static RTC buffers (cudagraph: a (1, H, D) mask) says per_sample_rtc =
-    False; then only requests with equal soft masks share a call, and they reach the engine in
-    the shared (H,) form."""
+    """An engine that takes one RTC mask per batch says per_sample_rtc = False (no built-in one
+    does any more); then only requests with equal soft masks share a call, and they reach the
+    engine in the shared (H,) form."""
     a = tiny_policy.adapter
     tiny_policy.per_sample_rtc = False
     pre = np.random.default_rng(4).uniform(-1, 1, (30, 14)).astype(np.float32)
@@ -193,21 +197,22 @@ def test_engine_with_one_mask_per_batch_groups_by_delay(tiny_policy, make_obs, n
 
 
 def test_cudagraph_backend_through_the_batcher_matches_eager(tiny_policy, make_obs, noise_for):
-    """The cudagraph engine (run eagerly on CPU: same code, no capture) takes one RTC mask per
-    batch; the batcher splits mixed delays and pads to captured sizes, and the actions match
-    the eager engine's within float32 rounding (a different backend and batch composition)."""
+    """The cudagraph engine (run eagerly on CPU: same code, no capture) takes per-sample RTC
+    (static (B, H, D) mask and (B, H, 1) prefix buffers); the batcher keeps mixed delays in one
+    call and pads to captured sizes, and the actions match the eager engine's within float32
+    rounding (a different backend and batch composition)."""
     from phyai_edge.engines.policy import load_policy
 
     fast = load_policy(backend="cudagraph", device="cpu", dtype="float32")
-    assert tiny_policy.per_sample_rtc and not fast.per_sample_rtc
+    assert tiny_policy.per_sample_rtc and fast.per_sample_rtc
     a = tiny_policy.adapter
     pre = np.random.default_rng(6).uniform(-1, 1, (25, 14)).astype(np.float32)
     items = [BatchItem([make_obs(a, seed=i, size=(24, 32))], RTCRequest("guided-approx", pre, d, 25),
                        noise_for(a, 1, seed=i)) for i, d in enumerate([3, 3, 5])]
     items.append(BatchItem([make_obs(a, seed=7, size=(24, 32))], None, noise_for(a, 1, seed=7)))
     ref = run_items(tiny_policy, items)
-    got = run_items(fast, items, batch_sizes=[1, 2, 4])
-    assert [r.batch for r in ref] == [4, 4, 4, 4] and [r.batch for r in got] == [2, 2, 1, 1]
+    got = run_items(fast, items, batch_sizes=[1, 2, 8])
+    assert [r.batch for r in ref] == [4, 4, 4, 4] and [r.batch for r in got] == [8, 8, 8, 8]
     for r, g in zip(ref, got):
         np.testing.assert_allclose(g.actions, r.actions, atol=TOL, rtol=0)
     padded = run_items(fast, items[:1], batch_sizes=[2])  # a pad row copies the real row's RTC

@@ -79,6 +79,11 @@ class EngineBase:
     (so a seed gives the same chunks on every backend) and the stage times of the last run."""
 
     backend = "base"
+    # Takes per-sample RTC: (B, H) soft masks and (B,) hard-prefix lengths in one call. Every
+    # built-in backend does (the shared solver loop masks per sample; cudagraph and TensorRT
+    # hold per-sample static buffers); a backend that cannot sets False and the batchers then
+    # give it only requests with equal masks.
+    per_sample_rtc = True
 
     def __init__(self, adapter: Any, device: str | torch.device, seed: int) -> None:
         self.adapter = adapter

@@ -3,7 +3,8 @@
 What makes it fast (each is exact, or equal within rounding, to the eager engine):
 - Static buffers and three graphs per (batch, views, prompt bucket): vision, prefix (writes the
   KV cache once per chunk) and the whole solver loop (all flow steps, RTC guidance included:
-  the exact vector-Jacobian product is captured too). At batch 1 the eager model is
+  the exact vector-Jacobian product is captured too; RTC masks are per-sample (B, H, D) and
+  (B, H, 1) buffers, so one graph serves any mix of robots' delays). At batch 1 the eager model is
   launch-bound (thousands of small kernels per chunk); a replay launches them from the GPU.
   Vision and prefix are separate graphs so each stage is timed with events at no cost
   (one extra replay launch, a few microseconds).
@@ -200,8 +201,10 @@ class CudaGraphEngine(EngineBase):
         gs.loop_bufs = {
             "noise": torch.randn(batch, h, d, generator=gen).to(dev),
             "target": torch.zeros(batch, h, d, device=dev),
-            "mask": torch.zeros(1, h, d, device=dev),
-            "fixed": torch.zeros(1, h, 1, dtype=torch.bool, device=dev),
+            # Per-sample RTC: one soft mask and one hard-prefix mask per sample, so the same
+            # captured loop serves any mix of delays and weights at this batch size.
+            "mask": torch.zeros(batch, h, d, device=dev),
+            "fixed": torch.zeros(batch, h, 1, dtype=torch.bool, device=dev),
             "weight": torch.zeros(max(self.adapter.solver.num_steps, 1), device=dev),
         }
         if not self.use_graphs:
@@ -288,7 +291,8 @@ class CudaGraphEngine(EngineBase):
 
     def _loop(self, gs: _GraphSet, mode: str, solver: SolverSpec) -> torch.Tensor:
         """The Euler loop of `engines.solver.integrate`, with every per-call quantity (noise, RTC
-        target, mask, delay, guidance weights) read from static buffers so it can be captured."""
+        target, per-sample soft mask (B, H, D), per-sample hard prefix (B, H, 1), guidance
+        weights) read from static buffers so it can be captured."""
         k, v, pmask = gs.kv
         bufs = gs.loop_bufs
         noise, target, mask, fixed, weight = bufs["noise"], bufs["target"], bufs["mask"], bufs["fixed"], bufs["weight"]
@@ -325,10 +329,13 @@ class CudaGraphEngine(EngineBase):
         return x
 
     def _load_rtc(self, bufs: dict[str, torch.Tensor], rtc: RTCGuidance, solver: SolverSpec, batch: int) -> None:
-        h = self.adapter.chunk_size
+        """Copy the call's RTC into the static buffers (in place: a captured loop reads them).
+        Shared (H,) weights or one d broadcast over the batch; (B, H) weights and (B,) delays
+        fill one row per sample."""
+        h, d = self.adapter.chunk_size, self.adapter.model_action_dim
         target = rtc.target.to(self.device, torch.float32)
-        bufs["target"].copy_(target.expand(batch, *target.shape[-2:]))
-        bufs["mask"].copy_(rtc.mask.to(self.device, torch.float32))
-        bufs["fixed"].copy_((torch.arange(h) < rtc.delay).view(1, h, 1))
+        bufs["target"].copy_(target.expand(batch, h, d))
+        bufs["mask"].copy_(rtc.mask.to(self.device, torch.float32).expand(batch, h, d))
+        bufs["fixed"].copy_(rtc.fixed_mask(h).to(self.device).expand(batch, h, 1))
         w = [guidance_weight(t, rtc.max_guidance_weight) for t in solver.times()]
         bufs["weight"][: len(w)].copy_(torch.tensor(w, dtype=torch.float32))

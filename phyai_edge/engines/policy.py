@@ -27,10 +27,10 @@ class Policy:
         self.state_dim = adapter.state_dim
         self.camera_names = list(adapter.camera_names)
         self.device = engine.device
-        # Whether the engine takes (B, H) RTC weights (one soft mask per sample). The eager
-        # engine runs the shared solver loop, which broadcasts either form; an engine with
-        # static RTC buffers says so with its own `per_sample_rtc` attribute.
-        self.per_sample_rtc = bool(getattr(engine, "per_sample_rtc", getattr(engine, "backend", "") == "eager"))
+        # Whether the engine takes per-sample RTC ((B, H) weights, (B,) delays): every built-in
+        # backend does (`EngineBase.per_sample_rtc`); an engine that says False gets only
+        # requests with equal masks (the batchers group them so).
+        self.per_sample_rtc = bool(getattr(engine, "per_sample_rtc", False))
 
     def rtc_guidance(self, rtc: RTCRequest, batch: int) -> RTCGuidance | None:
         """Robot-unit RTC request -> model-space guidance for the solver (None if daemon-side)."""
@@ -60,9 +60,9 @@ class Policy:
 
     def rtc_guidance_per_sample(self, requests: list[RTCRequest | None]) -> RTCGuidance | None:
         """One RTC request per sample (each robot or environment with its own prefix and delay)
-        -> guidance with (B, H) weights. Samples with None or a daemon-side mode are unguided.
-        Solver modes must agree across the batch, and `inpaint` also on d (the serve and
-        rollout batchers group requests that way)."""
+        -> guidance with (B, H) weights and (B,) delays. Samples with None or a daemon-side
+        mode are unguided. Solver modes and guidance weights must agree across the batch (the
+        serve and rollout batchers group requests that way); delays may differ in every mode."""
         parts = []
         for i, r in enumerate(requests):
             if r is None:
@@ -73,12 +73,15 @@ class Policy:
                 raise ValueError(f"sample {i}: a per-sample RTC prefix must be (n, A) or (1, n, A), got {prefix.shape}")
             parts.append(self.rtc_guidance(r, 1))
         g = batch_guidance(parts, self.adapter.chunk_size, self.adapter.model_action_dim)
-        if g is not None and bool((g.weights == g.weights[:1]).all()):
+        if g is None:
+            return g
+        same_weights = bool((g.weights == g.weights[:1]).all())
+        if same_weights:
             # Every sample has the same soft mask (same d, s and prefix length): hand the engine
-            # the shared (H,) form, which every backend takes (static-buffer engines such as
-            # cudagraph hold a (1, H, D) mask).
+            # the shared (H,) form (bit-identical to the (B, H) one, and what an engine without
+            # per-sample RTC takes).
             g.weights = g.weights[0].clone()
-        elif g is not None and not self.per_sample_rtc:
+        if not self.per_sample_rtc and not (same_weights and bool((g.delays == g.delays[:1]).all())):
             raise ValueError(f"the {getattr(self.engine, 'backend', '?')} engine takes one RTC soft mask per batch; "
                              "batch only requests with the same delay and prefix length")
         return g

@@ -58,23 +58,37 @@ class RTCGuidance:
         nothing overlaps); weights: (H,) soft mask shared by the batch, or (B, H) one mask per
         sample (many robots or environments in one batch, each with its own delay; a row of
         zeros leaves that sample unguided); dim_mask: (D,) 1 on real action dims.
-    delay: the hard-prefix length for `inpaint`. The solver slices one d for the whole batch,
-        so an `inpaint` batch must share d (see `batch_guidance`); guided modes read only the
-        weights and may mix delays.
+    delays: the hard-prefix length d for `inpaint`, one per sample: an int (shared by the
+        batch) or a (B,) integer tensor; stored as a (1,) or (B,) int64 tensor. The solver
+        applies it as a (B, H, 1) boolean mask (`fixed_mask`), never as a Python slice bound,
+        so one batch (and one captured graph) can mix delays. Guided modes read only the weights.
     """
 
     mode: RTCMode
     target: torch.Tensor
     weights: torch.Tensor
     dim_mask: torch.Tensor
-    delay: int
+    delays: torch.Tensor | int
     max_guidance_weight: float
+
+    def __post_init__(self) -> None:
+        d = self.delays
+        if not isinstance(d, torch.Tensor):
+            d = torch.tensor([int(d)], dtype=torch.int64)
+        elif d.dtype != torch.int64 or d.ndim != 1:
+            d = d.to(torch.int64).reshape(-1)
+        self.delays = d
 
     def to(self, device: torch.device) -> RTCGuidance:
         return RTCGuidance(
             self.mode, self.target.to(device), self.weights.to(device), self.dim_mask.to(device),
-            self.delay, self.max_guidance_weight,
+            self.delays.to(device), self.max_guidance_weight,
         )
+
+    @property
+    def delay(self) -> int:
+        """The longest hard prefix in the batch (the single d of a batch that shares one)."""
+        return int(self.delays.max())
 
     @property
     def per_sample(self) -> bool:
@@ -87,14 +101,21 @@ class RTCGuidance:
             return self.weights[:, :, None] * self.dim_mask[None, None, :]
         return (self.weights[:, None] * self.dim_mask[None, :])[None]
 
+    def fixed_mask(self, horizon: int) -> torch.Tensor:
+        """(B, H, 1) bool, or (1, H, 1) for a shared d: True on each sample's first d_i actions
+        (the hard prefix `inpaint` holds on the executing chunk)."""
+        idx = torch.arange(horizon, device=self.delays.device)
+        return (idx[None, :] < self.delays[:, None])[:, :, None]
+
 
 def batch_guidance(parts: list[RTCGuidance | None], horizon: int, model_dim: int) -> RTCGuidance | None:
-    """Join single-sample guidances (each built for batch 1) into one with (B, H) weights.
+    """Join single-sample guidances (each built for batch 1) into one with (B, H) weights and
+    (B,) delays.
 
-    `None` entries (samples without solver RTC) get zero weights and a zero target, which
-    leaves their velocity untouched: the correction is `w * (target - x1) * 0`. All non-None
-    parts must share the mode and max guidance weight; `inpaint` parts must also share d,
-    because the shared solver loop overwrites one prefix length for the whole batch.
+    `None` entries (samples without solver RTC) get zero weights, a zero target and d = 0,
+    which leaves them untouched: the guided correction is `w * (target - x1) * 0` and `inpaint`
+    holds no prefix of theirs. All non-None parts must share the mode and max guidance weight
+    (the guidance schedule is one per call); delays may differ in every mode.
     """
     present = [p for p in parts if p is not None]
     if not present:
@@ -106,17 +127,19 @@ def batch_guidance(parts: list[RTCGuidance | None], horizon: int, model_dim: int
                 f"cannot batch RTC mode {p.mode!r} (beta {p.max_guidance_weight}) with {first.mode!r} "
                 f"(beta {first.max_guidance_weight}); group requests by mode first"
             )
-    if first.mode == "inpaint" and (len(present) != len(parts) or any(p.delay != first.delay for p in present)):
-        raise ValueError("inpaint guidance needs one delay for the whole batch; group requests by delay")
-    targets, weights = [], []
+    targets, weights, delays = [], [], []
     for p in parts:
         if p is None:
             targets.append(torch.zeros(1, horizon, model_dim))
             weights.append(torch.zeros(horizon))
+            delays.append(0)
         else:
             if p.target.shape[0] != 1:
                 raise ValueError(f"batch_guidance joins batch-1 guidances, got a target of batch {p.target.shape[0]}")
+            if p.delays.numel() != 1:
+                raise ValueError(f"batch_guidance joins batch-1 guidances, got {p.delays.numel()} delays")
             targets.append(p.target.cpu())
             weights.append(p.weights.cpu().reshape(-1) if not p.per_sample else p.weights.cpu()[0])
+            delays.append(p.delay)
     return RTCGuidance(first.mode, torch.cat(targets), torch.stack(weights), first.dim_mask.cpu(),
-                       max(p.delay for p in present), first.max_guidance_weight)
+                       torch.tensor(delays, dtype=torch.int64), first.max_guidance_weight)

@@ -49,6 +49,9 @@ def integrate(
     # The time after each step; the last is exactly t_end (t_start + n * dt accumulates rounding,
     # which would leave an inpainted prefix a few ulps off the executing chunk).
     next_times = [*times[1:], solver.t_end]
+    # inpaint: each sample's own hard prefix (its first d_i actions) as a (B|1, H, 1) mask, so
+    # one batch mixes delays and a captured loop reads them from a buffer (no Python slice).
+    fixed = rtc.fixed_mask(noise.shape[1]).to(noise.device) if mode == "inpaint" else None
     for i, t in enumerate(times):
         tt = torch.full((batch,), t, dtype=torch.float32, device=noise.device)
         if mode in ("guided", "guided-approx"):
@@ -59,9 +62,7 @@ def integrate(
         if mode == "inpaint":
             # Put the fixed prefix where the straight noise->target path is at the next time.
             t_next = next_times[i]
-            d = rtc.delay
-            x = x.clone()
-            x[:, :d] = t_next * noise[:, :d] + (1.0 - t_next) * rtc.target[:, :d]
+            x = torch.where(fixed, (t_next * noise + (1.0 - t_next) * rtc.target).to(x.dtype), x)
         if on_step is not None:
             on_step(i)
     return x

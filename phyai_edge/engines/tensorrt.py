@@ -199,7 +199,7 @@ class _BatchState:
 
 class TensorRTEngine(EngineBase):
     backend = "tensorrt"
-    max_graphs = 16  # captured loops kept per batch size (one per RTC mode / delay seen)
+    max_graphs = 16  # captured loops kept per batch size (one per RTC mode / guidance weight seen)
 
     def __init__(
         self,
@@ -287,9 +287,9 @@ class TensorRTEngine(EngineBase):
     def _graph_key(self, rtc: RTCGuidance | None) -> tuple:
         if rtc is None:
             return ("none",)
-        # The delay is a Python slice bound in the inpaint loop and the guidance weight a
-        # Python float: both are baked into a captured graph, so they are part of its key.
-        return (rtc.mode, rtc.delay if rtc.mode == "inpaint" else 0, float(rtc.max_guidance_weight))
+        # The guidance weight is a Python float baked into a captured graph, so it is part of
+        # the key; the per-sample delays and soft masks are static buffers (any mix replays).
+        return (rtc.mode, float(rtc.max_guidance_weight))
 
     def _loop_graph(self, st: _BatchState, batch: int, rtc: RTCGuidance | None):
         key = self._graph_key(rtc)
@@ -301,10 +301,14 @@ class TensorRTEngine(EngineBase):
         static = {"noise": torch.zeros(batch, a.chunk_size, a.model_action_dim, device=self.device)}
         guidance = None
         if rtc is not None:
-            static.update(target=torch.zeros_like(static["noise"]), weights=torch.zeros(a.chunk_size, device=self.device),
-                          dim_mask=torch.zeros(a.model_action_dim, device=self.device))
-            guidance = RTCGuidance(rtc.mode, static["target"], static["weights"], static["dim_mask"], rtc.delay,
-                                   rtc.max_guidance_weight)
+            # One soft-mask row and one hard-prefix length per sample: the captured loop serves
+            # any mix of delays at this batch size (`integrate` masks, it does not slice).
+            static.update(target=torch.zeros_like(static["noise"]),
+                          weights=torch.zeros(batch, a.chunk_size, device=self.device),
+                          dim_mask=torch.zeros(a.model_action_dim, device=self.device),
+                          delays=torch.zeros(batch, dtype=torch.int64, device=self.device))
+            guidance = RTCGuidance(rtc.mode, static["target"], static["weights"], static["dim_mask"],
+                                   static["delays"], rtc.max_guidance_weight)
         velocity = self._velocity(st)
 
         def loop() -> torch.Tensor:
@@ -346,9 +350,11 @@ class TensorRTEngine(EngineBase):
                     graph, static, out = self._loop_graph(st, b, rtc)
                     static["noise"].copy_(noise)
                     if rtc is not None:
-                        static["target"].copy_(rtc.target)
-                        static["weights"].copy_(rtc.weights)
+                        h = a.chunk_size
+                        static["target"].copy_(rtc.target.expand(b, h, a.model_action_dim))
+                        static["weights"].copy_(rtc.weights.expand(b, h))
                         static["dim_mask"].copy_(rtc.dim_mask)
+                        static["delays"].copy_(rtc.delays.expand(b))
                     graph.replay()
                     result = out
                 else:

@@ -5,11 +5,13 @@ batch the same way. A request is one or more observations with its own RTC reque
 `run_items` concatenates compatible requests, pads to one of the engine's captured batch sizes
 if it has any, runs `Policy.infer` once per compatible group and slices the actions back.
 
-Per-sample RTC: guided modes (`guided`, `guided-approx`) take one (B, H) weight row per sample,
-so requests with different delays share a batch. `inpaint` overwrites one prefix length for
-the whole batch inside the shared solver loop, so `inpaint` requests are grouped by delay.
-Requests without solver RTC ride along with a guided group (zero weights leave them unguided),
-never with an `inpaint` group (its hard prefix would be written into them).
+Per-sample RTC: every built-in engine takes one (B, H) weight row and one hard-prefix length
+d per sample (`inpaint` holds each sample's own first d_i actions through a (B, H, 1) mask),
+so requests with different delays share a batch in every mode; requests are grouped by mode
+and max guidance weight only. Requests without solver RTC ride along with any such group
+(zero weights and d = 0 leave them untouched). An engine that says `per_sample_rtc = False`
+gets only requests with equal soft masks (same mode, beta, d, s and prefix length), without
+riders.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from phyai_edge.engines.base import SOLVER_RTC_MODES, RTCRequest
 from phyai_edge.serve.scheduler import compatible
 
 # (mode, beta, delay, execution horizon, prefix length); None: no solver RTC. For an engine
-# with per-sample RTC weights only `inpaint` keeps its delay and the last two are -1.
+# with per-sample RTC the last three are -1 (requests group by mode and beta only).
 GroupKey = tuple[str, float, int, int, int] | None
 
 
@@ -61,7 +63,7 @@ def group_key(rtc: Any, per_sample: bool = True) -> GroupKey:
     if not per_sample:
         n = int(np.shape(rtc.prefix)[-2])
         return (rtc.mode, float(rtc.max_guidance_weight), int(rtc.delay), int(rtc.execution_horizon), n)
-    return (rtc.mode, float(rtc.max_guidance_weight), int(rtc.delay) if rtc.mode == "inpaint" else -1, -1, -1)
+    return (rtc.mode, float(rtc.max_guidance_weight), -1, -1, -1)
 
 
 def group_items(items: Sequence[BatchItem], per_sample: bool = True) -> list[list[int]]:
@@ -80,8 +82,8 @@ def group_items(items: Sequence[BatchItem], per_sample: bool = True) -> list[lis
                 break
         else:
             groups.append((k, [i]))
-    # Unguided requests join the largest guided group instead of costing an engine call of
-    # their own; `inpaint` groups cannot take them (see `scheduler.compatible`).
+    # Unguided requests join the largest RTC group instead of costing an engine call of their
+    # own; groups keyed by one shared mask cannot take them (see `scheduler.compatible`).
     hosts = [g for g in groups if compatible(g[0], None)]
     if loose and hosts:
         max(hosts, key=lambda g: len(g[1]))[1].extend(loose)

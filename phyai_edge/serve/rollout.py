@@ -12,8 +12,8 @@ calls as the engine's captured batch sizes allow.
 Per-environment noise: each environment draws from its own generator, seeded from (seed,
 environment index), so an environment's actions do not depend on how many other environments
 share the batch or in which order (`noise=` overrides it). Per-environment RTC: every
-environment keeps its own executing chunk and delay (`RolloutChunks`); guided modes mix delays
-in one batch (per-sample weights), `inpaint` batches are split by delay (see `batching`).
+environment keeps its own executing chunk and delay (`RolloutChunks`); every solver mode mixes
+delays in one batch (per-sample weights and hard-prefix lengths, see `batching`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Batch formation (`next_batch`), from an inference thread:
 - requests are taken earliest deadline first, at most one per robot in the first pass (so a
   robot with two queued requests cannot push another robot's only request to the next batch),
   then further requests by deadline to fill the batch;
-- only requests that may share an engine call join (same solver RTC mode, see `batching`).
+- only requests that may share an engine call join (same solver RTC mode and guidance
+  weight, see `batching`).
 """
 
 from __future__ import annotations
@@ -53,13 +54,12 @@ class SchedulerConfig:
 
 def compatible(a: Any, b: Any) -> bool:
     """Whether requests with group keys a and b may share an engine call. A request without
-    solver RTC (key None) rides along with guided requests (zero weights leave it unguided)
-    but not with `inpaint` ones, whose hard prefix the solver writes into every sample, nor
-    on an engine that takes one soft mask for the whole batch."""
+    solver RTC (key None) rides along with per-sample RTC requests of any mode (zero weights
+    and d = 0 leave it untouched), but not with a key that carries a delay (an engine that
+    takes one soft mask or one hard-prefix length for the whole batch)."""
     if a is None or b is None:
         other = b if a is None else a
-        # A shared-mask key (engine without per-sample RTC) carries its delay and prefix length.
-        return other is None or (other[0] != "inpaint" and other[3] == -1)
+        return other is None or (other[2] == -1 and other[3] == -1)
     return a == b
 
 
