@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from phyai_edge.adapters.base import ModelInputs
+from phyai_edge.engines.rtc import SOLVER_RTC_MODES, RTCGuidance, RTCMode
 
-if TYPE_CHECKING:
-    from phyai_edge.engines.rtc import RTCGuidance
+__all__ = ["SOLVER_RTC_MODES", "Engine", "EngineBase", "InferenceResult", "RTCMode", "RTCRequest"]
 
-RTCMode = Literal["none", "crossfade", "inpaint", "guided-approx", "guided"]
-SOLVER_RTC_MODES = ("inpaint", "guided-approx", "guided")
 
 
 @dataclass

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from phyai_edge.engines.base import RTCMode
+RTCMode = Literal["none", "crossfade", "inpaint", "guided-approx", "guided"]
+SOLVER_RTC_MODES = ("inpaint", "guided-approx", "guided")  # the rest are the daemon's business
 
 
 def prefix_weights(horizon: int, delay: int, execution_horizon: int) -> torch.Tensor:
