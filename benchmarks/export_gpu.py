@@ -31,7 +31,7 @@ def child(bundle: str, device: str, checkpoint: str | None) -> None:
     import torch
 
     from phyai_edge.calibration import synthetic_observations
-    from phyai_edge.engines.bundle import load_bundle_policy
+    from phyai_edge.engines.policy import load_bundle_policy
 
     t0 = time.perf_counter()
     policy = load_bundle_policy(bundle, device=device)

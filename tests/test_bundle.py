@@ -18,13 +18,12 @@ from phyai_edge.cli import main as cli
 from phyai_edge.engines.bundle import (
     BundleError,
     Platform,
-    load_bundle_policy,
     read_manifest,
     seal,
     verify_bundle,
 )
 from phyai_edge.engines.onnxrt import OnnxRuntimeEngine
-from phyai_edge.engines.policy import load_policy
+from phyai_edge.engines.policy import load_bundle_policy, load_policy
 
 
 @pytest.fixture(scope="module")

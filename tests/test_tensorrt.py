@@ -206,8 +206,8 @@ def test_engine_refuses_without_tensorrt_or_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAVE_TRT and torch.cuda.is_available()), reason=SKIP_REAL)
 def test_tensorrt_bundle_matches_eager(tmp_path):
-    from phyai_edge.engines.bundle import load_bundle_policy
     from phyai_edge.engines.exporter import ExportRequest, export_bundle
+    from phyai_edge.engines.policy import load_bundle_policy
 
     out = tmp_path / "tiny-trt"
     m = export_bundle(ExportRequest(out=out, backend="tensorrt", precision="fp32", batch_sizes=[1, 2],

@@ -330,18 +330,5 @@ def load_bundle_engine(bundle: str | Path, device: str | torch.device = "cpu", c
     return adapter, engine, manifest
 
 
-def load_bundle_policy(bundle: str | Path, device: str | torch.device = "cpu", checkpoint: str | Path | None = None,
-                       seed: int = 0, check_hashes: bool = True, **engine_kwargs: Any):
-    """A ready `Policy` from a bundle; what `load_policy(bundle=...)` and `phyai-edge bench
-    --engine` call. The manifest is kept on the policy as `policy.manifest`."""
-    from phyai_edge.engines.policy import Policy
-
-    adapter, engine, manifest = load_bundle_engine(bundle, device, checkpoint, seed, check_hashes=check_hashes,
-                                                   **engine_kwargs)
-    policy = Policy(adapter, engine)
-    policy.manifest = manifest
-    return policy
-
-
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -127,10 +128,22 @@ def load_policy(
 ) -> Policy:
     """Build a ready Policy. `bundle` (an exported engine folder) takes precedence over backend."""
     if bundle is not None:
-        from phyai_edge.engines.bundle import load_bundle_policy
-
-        return load_bundle_policy(Path(bundle), device=device)
+        return load_bundle_policy(Path(bundle), device=device, seed=seed)
     ad = load_adapter(adapter, checkpoint=checkpoint, preset_name=preset, device="cpu", tokenizer=tokenizer,
                       camera_names=camera_names, seed=seed)
     engine = make_engine(backend, ad, device=device, dtype=dtype, seed=seed)
     return Policy(ad, engine)
+
+
+def load_bundle_policy(bundle: str | Path, device: str | torch.device = "cpu", checkpoint: str | Path | None = None,
+                       seed: int = 0, check_hashes: bool = True, **engine_kwargs: Any) -> Policy:
+    """A ready `Policy` from an exported bundle (what `load_policy(bundle=...)` and `phyai-edge bench
+    --engine` call). Refuses a bundle that fails its checks; the manifest is kept as `policy.manifest`."""
+    from phyai_edge.engines.bundle import load_bundle_engine
+
+    adapter, engine, manifest = load_bundle_engine(bundle, device, checkpoint, seed, check_hashes=check_hashes,
+                                                   **engine_kwargs)
+    policy = Policy(adapter, engine)
+    policy.manifest = manifest
+    return policy
+
