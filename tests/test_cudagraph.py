@@ -99,8 +99,11 @@ def test_registry_and_stage_keys(engines) -> None:
     eng = make_engine("cudagraph", copy.deepcopy(base), device="cpu", dtype="float32")
     assert isinstance(eng, CudaGraphEngine)
     eng.run(_inputs(base, 1, 3, [10]))
-    # Stage times are measured with CUDA events; on CPU there are none to report.
-    assert eng.last_stage_ms == {}
+    # The same stage keys as the eager engine (CUDA events on a GPU, the host clock on CPU).
+    ms = eng.last_stage_ms
+    assert set(ms) == {"embed_images", "encode_prefix", "solver_loop", "denoise_step"}
+    assert all(v > 0 for v in ms.values())
+    assert ms["denoise_step"] == pytest.approx(ms["solver_loop"] / base.solver.num_steps)
 
 
 def test_bf16_close_to_fp32(engines) -> None:

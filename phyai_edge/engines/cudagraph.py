@@ -25,8 +25,10 @@ that is what the CPU tests check against `EagerEngine`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,28 +159,30 @@ class CudaGraphEngine(EngineBase):
         if rtc is not None:
             self._load_rtc(bufs, rtc, solver, b)
 
-        timed = self.device.type == "cuda"
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if timed else []
-        if timed:
-            events[0].record()
+        marks = [self._mark()]
         self._replay(gs, "vision")
-        if timed:
-            events[1].record()
+        marks.append(self._mark())
         self._replay(gs, "prefix")
-        if timed:
-            events[2].record()
+        marks.append(self._mark())
         if graph is not None:
             graph.replay()
             chunk = out
         else:
             chunk = self._loop(gs, mode, solver)
-        if timed:
-            events[3].record()
-            events[3].synchronize()
-            ms = [events[i].elapsed_time(events[i + 1]) for i in range(3)]
-            self._stage_ms = {"embed_images": ms[0], "encode_prefix": ms[1], "solver_loop": ms[2],
-                              "denoise_step": ms[2] / solver.num_steps}
+        marks.append(self._mark())
+        ms = _elapsed_ms(marks)
+        self._stage_ms = {"embed_images": ms[0], "encode_prefix": ms[1], "solver_loop": ms[2],
+                          "denoise_step": ms[2] / solver.num_steps}
         return chunk.clone()
+
+    def _mark(self) -> torch.cuda.Event | float:
+        """A point in time on the device's own clock: CUDA events on a GPU (no sync between
+        stages), the host clock on CPU, where the code runs synchronously anyway."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
 
     # -- graph sets -------------------------------------------------------------------------
     def _graph_set(self, batch: int, views: int, length: int) -> _GraphSet:
@@ -339,3 +343,11 @@ class CudaGraphEngine(EngineBase):
         bufs["fixed"].copy_(rtc.fixed_mask(h).to(self.device).expand(batch, h, 1))
         w = [guidance_weight(t, rtc.max_guidance_weight) for t in solver.times()]
         bufs["weight"][: len(w)].copy_(torch.tensor(w, dtype=torch.float32))
+
+
+def _elapsed_ms(marks: list[torch.cuda.Event | float]) -> list[float]:
+    """Milliseconds between consecutive marks (waits for the last CUDA event)."""
+    if isinstance(marks[-1], float):
+        return [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
+    marks[-1].synchronize()
+    return [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
