@@ -109,6 +109,8 @@ class ModelConfig:
     load_timeout_s: float = 600.0
     factory: str = ""  # "module:function" building the policy; "" means load_policy (tests use fakes)
     factory_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments for `factory`
+    restart_backoff_s: float = 0.5  # first wait before restarting a dead worker process; doubles per failure
+    restart_backoff_max_s: float = 30.0  # the longest wait between restart attempts (they never stop)
 
 
 @dataclass
@@ -413,6 +415,8 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         warmup=m.integer("warmup", d.warmup, minimum=0),
         load_timeout_s=m.number("load_timeout_s", d.load_timeout_s, positive=True),
         factory=m.string("factory", d.factory),
+        restart_backoff_s=m.number("restart_backoff_s", d.restart_backoff_s, positive=True),
+        restart_backoff_max_s=m.number("restart_backoff_max_s", d.restart_backoff_max_s, positive=True),
     )
     present, fargs = m._take("factory_args")
     if present:
@@ -423,6 +427,13 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         cfg.model.factory_args = dict(fargs)
     if cfg.model.factory and ":" not in cfg.model.factory:
         raise ConfigError(f"model.factory: expected \"module:function\", got {_show(cfg.model.factory)}")
+    if cfg.model.restart_backoff_max_s < cfg.model.restart_backoff_s:
+        raise ConfigError(
+            f"model.restart_backoff_max_s: expected a number >= model.restart_backoff_s "
+            f"({cfg.model.restart_backoff_s:g}), got {_show(cfg.model.restart_backoff_max_s)}"
+        )
+    if cfg.model.bundle:
+        _check_bundle(cfg.model)
     m.finish()
 
     c = root.table("chunking")
@@ -495,6 +506,26 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
 
     root.finish()
     return cfg
+
+
+def _check_bundle(m: ModelConfig) -> None:
+    """Cheap checks of model.bundle at load time (the worker verifies every file's hash when it
+    loads the bundle); no torch import here, this runs in the clock process."""
+    if m.factory:
+        raise ConfigError("model.bundle: set either model.bundle or model.factory, not both")
+    p = Path(m.bundle)
+    expected = "expected the folder written by `phyai-edge export --out DIR` (holding manifest.json)"
+    if not p.is_dir():
+        raise ConfigError(f"model.bundle: {m.bundle!r} is not a folder; {expected}")
+    manifest = p / "manifest.json"
+    if not manifest.is_file():
+        raise ConfigError(f"model.bundle: {m.bundle!r} has no manifest.json, so it is not an engine bundle; {expected}")
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.bundle: {manifest} cannot be read as JSON ({exc}); re-export the bundle") from None
+    if not isinstance(data, dict) or not str(data.get("format", "")).startswith("phyai-edge/bundle/"):
+        raise ConfigError(f"model.bundle: {manifest} is not a phyai-edge bundle manifest (no \"format\": \"phyai-edge/bundle/N\")")
 
 
 def load_config(path: str | Path | None = None) -> DaemonConfig:
@@ -578,7 +609,8 @@ source = "synthetic"         # synthetic | zmq
 adapter = "pi05"
 preset = "tiny"              # tiny: random seeded weights, for trying the daemon out
 checkpoint = ""              # a local checkpoint folder (safetensors)
-bundle = ""                  # or an engine bundle from `phyai-edge export`
+bundle = ""                  # or an engine bundle from `phyai-edge export` (then backend, preset and
+                             # dtype come from its manifest; a checkpoint set too must be the one it was built from)
 backend = "eager"
 device = "cpu"
 dtype = "float32"
@@ -586,6 +618,8 @@ prompt = "pick up the cube"
 worker = "process"           # process | thread: where the policy runs
 threads = 1                  # torch threads in the worker (leave a core for the clock)
 warmup = 1
+restart_backoff_s = 0.5      # a dead worker process is restarted after this, doubling per failed attempt
+restart_backoff_max_s = 30.0 # up to this; attempts never stop (the daemon holds meanwhile)
 
 [chunking]
 mode = "guided-approx"       # none | crossfade | inpaint | guided-approx | guided

@@ -73,6 +73,9 @@ class DaemonStats:
     failures: int = 0
     nonfinite_chunks: int = 0
     stale_results: int = 0  # results that arrived too late to use (delay >= H) or after a reset
+    worker_deaths: int = 0  # inference worker processes that died
+    worker_restarts: int = 0  # ... and were replaced by a loaded, warmed one
+    worker_restart_failures: int = 0
     delays: list[int] = field(default_factory=list)
     infer_ms: list[float] = field(default_factory=list)
     stage_ms: dict[str, list[float]] = field(default_factory=dict)
@@ -89,6 +92,10 @@ def policy_spec_from_config(cfg: DaemonConfig) -> PolicySpec:
     m = cfg.model
     if m.factory:
         return PolicySpec(m.factory, dict(m.factory_args), m.threads)
+    if m.bundle:
+        # What load_policy(bundle=...) calls; a checkpoint given too is compared with the bundle's.
+        kwargs = {"bundle": m.bundle, "device": m.device, "checkpoint": m.checkpoint or None}
+        return PolicySpec("phyai_edge.engines.bundle:load_bundle_policy", kwargs, m.threads)
     kwargs = {
         "adapter": m.adapter,
         "checkpoint": m.checkpoint or None,
@@ -160,7 +167,8 @@ class Daemon:
         elif cfg.model.worker == "thread":
             self.worker = ThreadWorker(spec=policy_spec_from_config(cfg))
         else:
-            self.worker = ProcessWorker(policy_spec_from_config(cfg))
+            self.worker = ProcessWorker(policy_spec_from_config(cfg), cfg.model.restart_backoff_s,
+                                        cfg.model.restart_backoff_max_s)
         info = self.worker.start(cfg.model.load_timeout_s)
         self.info = info
         log.info(
@@ -168,6 +176,8 @@ class Daemon:
             info.description, info.chunk_size, info.action_dim, info.state_dim, ", ".join(info.camera_names),
             type(self.worker).__name__.replace("Worker", "").lower(), time.monotonic() - t0,
         )
+        if cfg.model.bundle and not cfg.model.factory:
+            log.info("model: engine bundle %s (backend, preset and dtype from its manifest)", cfg.model.bundle)
         check_against_policy(cfg, info.chunk_size, info.action_dim, info.state_dim, info.camera_names)
         missing = [n for n in info.camera_names if n not in {c.view_name for c in cfg.cameras.values()}]
         if missing:
@@ -186,6 +196,9 @@ class Daemon:
             if i == cfg.model.warmup - 1 and not ch.delay:
                 # Start the delay estimate from what inference really costs here, plus a slot of margin.
                 self.delays.initial = max(ch.delay_initial, math.ceil(res.infer_ms / 1e3 / cfg.robot.period_s) + 1)
+        # A restarted worker process runs these before it counts as up (at least one: it proves
+        # the new process can infer before the daemon relies on it).
+        self.worker.warmup_jobs = [make_warmup_job(info, cfg.model.prompt)] * max(1, cfg.model.warmup)
         if ch.execution_horizon < self.delays.estimate():
             log.warning(
                 "chunking.execution_horizon (%d) is below the expected delay (%d slots): inference will "
@@ -305,6 +318,9 @@ class Daemon:
         last_status_ns = 0
         wd_ns = round(self.notifier.watchdog_interval_s * 1e9)
         m = self.metrics
+        worker = self.worker
+        seen = _WorkerSeen()
+        worker_hold_logged = False
 
         while True:
             tick = clock.wait(self._wakeup_fd)
@@ -348,6 +364,14 @@ class Daemon:
                 stale.append("state")
             estop = sample is not None and sample.estop
 
+            # -- the worker's health (a dead worker process is restarted by its client thread)
+            worker_up = worker.up
+            if (worker_up, worker.restart_attempt, worker.deaths) != seen.key:
+                self._worker_changed(seen, worker_up)
+                worker_hold_logged = worker_hold_logged and not worker_up
+            if not worker_up:
+                flags |= Flag.WORKER_DOWN
+
             # -- a finished inference
             res = self.worker.poll()
             if res is not None:
@@ -373,7 +397,7 @@ class Daemon:
                 st.hold(reason)
                 m.holds.labels(reason).inc()
             else:
-                if inflight is None and not self.worker.busy and q.wants_inference():
+                if inflight is None and worker_up and not self.worker.busy and q.wants_inference():
                     assert sample is not None
                     inflight = self._start_inference(next_job_id, tick.slot, frames, sample, now_s)
                     next_job_id += 1
@@ -381,6 +405,11 @@ class Daemon:
                 if nxt is None:
                     reason = "starved" if q.current is not None else "warmup"
                     flags |= Flag.HOLD | (Flag.STARVED if q.current is not None else Flag.WARMUP)
+                    if not worker_up:
+                        reason = "worker_down"
+                        if not worker_hold_logged:
+                            log.error("HOLD: the executing chunk ran out and the %s", worker.down_reason or "inference worker is down")
+                            worker_hold_logged = True
                     payload = guard.hold_target(state_values)
                     obs_t, chunk_id, index = 0.0, 0, 0
                     st.hold(reason)
@@ -420,6 +449,22 @@ class Daemon:
             if self.notifier.enabled and tick.wake_ns - last_status_ns >= 5 * 10**9:
                 self.notifier.status(self.render_status())
                 last_status_ns = tick.wake_ns
+
+    def _worker_changed(self, seen: _WorkerSeen, up: bool) -> None:
+        """Worker health moved (died, a restart attempt, back up): count it, and tell systemd now."""
+        st, m, w = self.stats, self.metrics, self.worker
+        if w.deaths > seen.deaths:
+            m.worker_deaths.inc(w.deaths - seen.deaths)
+        if w.restarts > seen.restarts:
+            m.worker_restarts.labels("ok").inc(w.restarts - seen.restarts)
+        if w.restart_failures > seen.failures:
+            m.worker_restarts.labels("failed").inc(w.restart_failures - seen.failures)
+        st.worker_deaths, st.worker_restarts, st.worker_restart_failures = w.deaths, w.restarts, w.restart_failures
+        seen.deaths, seen.restarts, seen.failures = w.deaths, w.restarts, w.restart_failures
+        seen.key = (up, w.restart_attempt, w.deaths)
+        m.worker_up.set(1 if up else 0)
+        if self.notifier.enabled:
+            self.notifier.status(self.render_status())
 
     def _start_inference(self, job_id: int, slot: int, frames: dict[str, Any], sample: Any, now_s: float) -> _Inflight:
         assert self.info is not None
@@ -502,10 +547,17 @@ class Daemon:
         holds = sum(st.holds.values())
         seq = self.publisher.seq if self.publisher is not None else 0
         chunk = f"{cur.chunk_id}@{cur.index}" if cur is not None else "-"
-        return (
+        text = (
             f"seq {seq} chunk {chunk} d {q.last_delay if q else -1} infer {infer:.1f} ms "
             f"late p99 {p99:.2f} ms missed {st.missed_slots} holds {holds} fails {st.failures}"
         )
+        w = self.worker
+        if w is not None and not getattr(w, "up", True):
+            attempt = getattr(w, "restart_attempt", 0)
+            text = f"HOLDING, WORKER DOWN (restart attempt {attempt}): {getattr(w, 'down_reason', '')} | " + text
+        elif st.worker_restarts:
+            text += f" worker restarts {st.worker_restarts}"
+        return text
 
     def shutdown(self) -> None:
         """Fast teardown: the last HOLD is already out; nothing here may take long."""
@@ -540,6 +592,8 @@ class Daemon:
             "failures": st.failures,
             "nonfinite_chunks": st.nonfinite_chunks,
             "stale_results": st.stale_results,
+            "worker": {"deaths": st.worker_deaths, "restarts": st.worker_restarts,
+                       "restart_failures": st.worker_restart_failures},
             "delay_ticks": {"min": min(st.delays, default=-1), "max": max(st.delays, default=-1),
                             "mean": float(np.mean(st.delays)) if st.delays else float("nan")},
             "infer_ms_p50": float(np.percentile(st.infer_ms, 50)) if st.infer_ms else float("nan"),
@@ -548,6 +602,16 @@ class Daemon:
             "nonfinite_actions": self.guard.counters.nonfinite,
             "stop_to_final_ms": st.stop_to_final_ms,
         }
+
+
+@dataclass
+class _WorkerSeen:
+    """What the clock thread last saw of the worker's health (to act on changes only)."""
+
+    key: tuple[bool, int, int] = (True, 0, 0)
+    deaths: int = 0
+    restarts: int = 0
+    failures: int = 0
 
 
 def _status_line_default() -> bool:

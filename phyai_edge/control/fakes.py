@@ -70,8 +70,15 @@ class FakePolicy:
         return FakeResult(actions[None], {"preprocess": 0.1, "denoise": 1000 * self.latency_s})
 
 
-def make_fake_policy(**kwargs: Any) -> FakePolicy:
-    """Factory for `PolicySpec(factory="phyai_edge.control.fakes:make_fake_policy", kwargs=...)`."""
+def make_fake_policy(refuse_if_exists: str = "", **kwargs: Any) -> FakePolicy:
+    """Factory for `PolicySpec(factory="phyai_edge.control.fakes:make_fake_policy", kwargs=...)`.
+
+    `refuse_if_exists`: a path; while it exists, building fails (a worker restart that keeps failing).
+    """
+    import os
+
+    if refuse_if_exists and os.path.exists(refuse_if_exists):
+        raise RuntimeError(f"fake load failure ({refuse_if_exists} exists)")
     if "camera_names" in kwargs:
         kwargs["camera_names"] = tuple(kwargs["camera_names"])
     return FakePolicy(**kwargs)

@@ -43,6 +43,9 @@ class Metrics:
         self.nonfinite = nop
         self.inference_failures = nop
         self.seq = nop
+        self.worker_restarts = nop
+        self.worker_deaths = nop
+        self.worker_up = nop
 
     def serve(self, host: str, port: int) -> bool:
         """Start the HTTP endpoint. Returns False (after one log line) when that is not possible."""
@@ -68,6 +71,12 @@ class Metrics:
         self.nonfinite = pc.Counter("phyai_nonfinite_actions", "Non-finite actions replaced by HOLD", registry=registry)
         self.inference_failures = pc.Counter("phyai_inference_failures", "Inferences that raised", registry=registry)
         self.seq = pc.Gauge("phyai_published_seq", "Sequence number of the last published action", registry=registry)
+        self.worker_restarts = pc.Counter(
+            "phyai_worker_restarts", "Inference worker processes restarted, by outcome", ["result"], registry=registry
+        )
+        self.worker_deaths = pc.Counter("phyai_worker_deaths", "Inference worker processes that died", registry=registry)
+        self.worker_up = pc.Gauge("phyai_worker_up", "1 while the inference worker is up, 0 while it is down", registry=registry)
+        self.worker_up.set(1)
         try:
             pc.start_http_server(port, addr=host, registry=registry)
         except OSError as exc:

@@ -44,6 +44,7 @@ class Flag(IntFlag):
     WARMUP = 1 << 8  # no chunk yet (start-up or after recovering from stale inputs)
     STARVED = 1 << 9  # the executing chunk ran out before the next one arrived
     CHUNK_START = 1 << 10  # first action published from a newly adopted chunk
+    WORKER_DOWN = 1 << 11  # the inference worker process died; set until a restarted one is up and warmed
 
 
 @dataclass

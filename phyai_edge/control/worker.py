@@ -80,6 +80,7 @@ class Job:
     delay: int = 0
     execution_horizon: int = 0
     max_guidance_weight: float = 5.0
+    noise: np.ndarray | None = None  # (1, H, model_action_dim) float32; None: the engine's own stream
 
 
 @dataclass
@@ -125,7 +126,12 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
                 execution_horizon=job.execution_horizon,
                 max_guidance_weight=job.max_guidance_weight,
             )
-        res = policy.infer([obs], rtc=rtc)
+        if job.noise is not None:
+            import torch  # only here: the daemon never sends noise, so its clock process never imports torch
+
+            res = policy.infer([obs], rtc=rtc, noise=torch.from_numpy(np.ascontiguousarray(job.noise, dtype=np.float32)))
+        else:
+            res = policy.infer([obs], rtc=rtc)
         actions = np.asarray(res.actions, dtype=np.float32)
         if actions.ndim != 3 or actions.shape[0] != 1:
             raise ValueError(f"policy returned actions of shape {actions.shape}, expected (1, H, action_dim)")
@@ -153,6 +159,14 @@ class ThreadWorker:
         self._busy = False
         self._thread: threading.Thread | None = None
         self.info: PolicyInfo | None = None
+        # The health interface ProcessWorker has (a thread cannot die on its own and be restarted).
+        self.up = True
+        self.down_reason: str | None = None
+        self.deaths = 0
+        self.restarts = 0
+        self.restart_failures = 0
+        self.restart_attempt = 0
+        self.pid: int | None = None
 
     def start(self, timeout_s: float = 600.0) -> PolicyInfo:
         # Import what run_job needs now, not on the first job while the clock is running.
@@ -256,7 +270,18 @@ def _child_main(conn: Any, spec: PolicySpec) -> None:
 
 
 class ProcessWorker:
-    def __init__(self, spec: PolicySpec) -> None:
+    """The policy in a child process, restarted with backoff when that process dies.
+
+    Death (OOM kill, a segfault in a driver, `kill -9`) is seen as end-of-file on the pipe while
+    a job is in flight, or by the client thread checking the process between jobs. From then
+    until a new process has loaded the policy and run its warm-up jobs, `up` is False and
+    `down_reason` says why: the daemon starts no inference (it runs out the executing chunk and
+    then holds). Restart attempts wait `backoff_s`, doubling up to `backoff_max_s`, and go on for
+    as long as the daemon runs; every attempt and its outcome is logged. A job queued while the
+    worker was down is answered with an error, never run late on a stale observation.
+    """
+
+    def __init__(self, spec: PolicySpec, backoff_s: float = 0.5, backoff_max_s: float = 30.0) -> None:
         self._spec = spec
         self._ctx = mp.get_context("spawn")
         self._conn: Any = None
@@ -265,31 +290,55 @@ class ProcessWorker:
         self._result: JobResult | None = None
         self._busy = False
         self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
         self.info: PolicyInfo | None = None
         self._timeout_s = 600.0
-        self.restarts = 0
+        self.backoff_s = backoff_s
+        self.backoff_max_s = max(backoff_max_s, backoff_s)
+        # Run by a restarted process before it counts as up (the daemon sets them after its own warm-up).
+        self.warmup_jobs: list[Job] = []
+        # Health, written by the client thread, read by the clock thread (plain attributes: each
+        # read sees a whole value; `up` is written last on the way up and first on the way down).
+        self.up = False
+        self.down_reason: str | None = None
+        self.deaths = 0
+        self.restarts = 0  # successful restarts
+        self.restart_failures = 0
+        self.restart_attempt = 0  # attempt number within the current outage (0 while up)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def start(self, timeout_s: float = 600.0) -> PolicyInfo:
         self._timeout_s = timeout_s
         self.info = self._spawn()
+        self.up = True
         self._thread = threading.Thread(target=self._run, name="inference-client", daemon=True)
         self._thread.start()
         return self.info
 
     def _spawn(self) -> PolicyInfo:
         parent, child = self._ctx.Pipe(duplex=True)
-        self._proc = self._ctx.Process(target=_child_main, args=(child, self._spec), name="phyai-edge-worker", daemon=True)
-        self._proc.start()
+        proc = self._ctx.Process(target=_child_main, args=(child, self._spec), name="phyai-edge-worker", daemon=True)
+        proc.start()
         child.close()
-        self._conn = parent
-        if not parent.poll(self._timeout_s):
-            self._proc.kill()
-            raise TimeoutError(f"the policy did not load within {self._timeout_s:.0f} s")
+        self._proc, self._conn = proc, parent
+        deadline = time.monotonic() + self._timeout_s
+        while not parent.poll(0.2):  # end-of-file (the child died) also makes poll return True
+            if self._closing.is_set():
+                proc.kill()
+                raise RuntimeError("the daemon is shutting down")
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise TimeoutError(f"the policy did not load within {self._timeout_s:.0f} s")
         try:
             kind, payload = parent.recv()
         except EOFError:
-            raise RuntimeError(f"the worker process died while loading the policy (exit code {self._proc.exitcode})") from None
+            proc.join(1.0)
+            raise RuntimeError(f"the worker process died while loading the policy ({_exit_text(proc.exitcode)})") from None
         if kind != "ready":
+            proc.kill()
             raise RuntimeError(f"loading the policy failed: {payload}")
         return payload
 
@@ -321,28 +370,122 @@ class ProcessWorker:
 
     def close(self) -> None:
         """Fast: the child holds no state worth saving, so it is killed rather than joined."""
+        self._closing.set()
         with contextlib.suppress(queue.Full):
             self._jobs.put_nowait(None)
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            proc.kill()
+
+    # -- client thread
+
+    def _call(self, job: Job) -> JobResult:
+        """Send one job and wait for its result. Any failure of the pipe is the process dying."""
+        _send_job(self._conn, job)
+        res = self._conn.recv()
+        if not isinstance(res, JobResult):
+            raise EOFError(f"unexpected message from the worker: {type(res).__name__}")
+        return res
+
+    def _death_reason(self, exc: BaseException | None) -> str:
+        proc = self._proc
+        if proc is not None:
+            proc.join(1.0)  # reap it, so the exit code (signal) is known
+            if proc.is_alive():  # the pipe broke but the process lives on: do not leave it half-working
+                proc.kill()
+                proc.join(1.0)
+        code = proc.exitcode if proc is not None else None
+        pid = proc.pid if proc is not None else None
+        detail = f"; {type(exc).__name__}" if exc is not None and not isinstance(exc, EOFError) else ""
+        return f"inference worker process {pid} died ({_exit_text(code)}{detail})"
 
     def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
+        while not self._closing.is_set():
+            try:
+                job = self._jobs.get(timeout=0.1)
+            except queue.Empty:
+                proc = self._proc
+                if proc is not None and not proc.is_alive() and not self._closing.is_set():
+                    self._went_down(self._death_reason(None))  # died between jobs
+                    if not self._restart():
+                        return
+                continue
             if job is None:
                 return
             try:
-                _send_job(self._conn, job)
-                res = self._conn.recv()
-            except (EOFError, OSError) as exc:
-                code = self._proc.exitcode if self._proc is not None else None
-                self._result = JobResult(job.job_id, None, {}, 0.0, f"worker process died ({exc!r}, exit code {code})")
-                self.restarts += 1
-                log.error("inference worker died (exit code %s); restarting it", code)
-                try:
-                    self._spawn()
-                except Exception as exc2:
-                    log.error("inference worker restart failed: %s; no more inferences", exc2)
+                res = self._call(job)
+            except Exception as exc:  # EOFError, BrokenPipeError, a half-written result...
+                if self._closing.is_set():
+                    return
+                reason = self._death_reason(exc)
+                self._went_down(reason)  # `up` falls before the result is seen: no new job slips in
+                self._result = JobResult(job.job_id, None, {}, 0.0, reason)
+                if not self._restart():
                     return
                 continue
             self._result = res
+
+    def _went_down(self, reason: str) -> None:
+        self.up = False
+        self.down_reason = reason
+        self.deaths += 1
+        log.error("%s; the executing chunk runs out, then HOLD until a new worker is up", reason)
+
+    def _restart(self) -> bool:
+        """Start processes with backoff until one loads and warms up. False if closing first."""
+        cause = self.down_reason or "inference worker down"
+        delay = self.backoff_s
+        t_down = time.monotonic()
+        while True:
+            self.restart_attempt += 1
+            n = self.restart_attempt
+            log.warning("inference worker: restart attempt %d in %.1f s", n, delay)
+            if self._closing.wait(delay):
+                return False
+            try:
+                info = self._spawn()
+                if info != self.info:
+                    raise RuntimeError(f"the restarted policy differs from the running one ({info} != {self.info})")
+                for wj in self.warmup_jobs:
+                    res = self._call(wj)
+                    if res.error is not None:
+                        raise RuntimeError(f"warm-up inference failed: {res.error}")
+            except Exception as exc:
+                if self._closing.is_set():
+                    return False
+                if self._proc is not None and self._proc.is_alive():
+                    self._proc.kill()
+                self.restart_failures += 1
+                msg = str(exc) or type(exc).__name__
+                self.down_reason = f"{cause}; restart attempt {n} failed: {msg}"
+                delay = min(delay * 2, self.backoff_max_s)
+                log.error("inference worker: restart attempt %d failed: %s", n, msg)
+                continue
+            # A job the daemon queued while the process was gone is answered, not run late.
+            with contextlib.suppress(queue.Empty):
+                stale = self._jobs.get_nowait()
+                if stale is None:
+                    return False
+                self._result = JobResult(stale.job_id, None, {}, 0.0, f"{cause}; job dropped")
+            self.restarts += 1
+            self.restart_attempt = 0
+            self.down_reason = None
+            self.up = True
+            log.warning(
+                "inference worker: restarted (pid %d, attempt %d, %.1f s after it died); inference resumes",
+                self._proc.pid, n, time.monotonic() - t_down,
+            )
+            return True
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
