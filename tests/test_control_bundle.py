@@ -60,7 +60,7 @@ def test_bundle_key_is_validated_with_its_name(tmp_path, bundle):
     with pytest.raises(ConfigError, match=r"^model\.bundle: set either model\.bundle or model\.factory"):
         bundle_config(bundle, factory="phyai_edge.control.fakes:make_fake_policy")
     spec = policy_spec_from_config(bundle_config(bundle))
-    assert spec.factory == "phyai_edge.engines.bundle:load_bundle_policy"
+    assert spec.factory == "phyai_edge.engines.policy:load_bundle_policy"
     assert spec.kwargs == {"bundle": str(bundle), "device": "cpu", "checkpoint": None}
 
 

@@ -95,7 +95,7 @@ def policy_spec_from_config(cfg: DaemonConfig) -> PolicySpec:
     if m.bundle:
         # What load_policy(bundle=...) calls; a checkpoint given too is compared with the bundle's.
         kwargs = {"bundle": m.bundle, "device": m.device, "checkpoint": m.checkpoint or None}
-        return PolicySpec("phyai_edge.engines.bundle:load_bundle_policy", kwargs, m.threads)
+        return PolicySpec("phyai_edge.engines.policy:load_bundle_policy", kwargs, m.threads)
     kwargs = {
         "adapter": m.adapter,
         "checkpoint": m.checkpoint or None,
