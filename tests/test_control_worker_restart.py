@@ -213,3 +213,35 @@ def test_restarts_that_keep_failing_keep_holding_then_recover(tmp_path, daemon_l
     waits = [float(m.group(1)) for ln in daemon_log.lines if (m := re.fullmatch(r".*restart attempt \d+ in ([\d.]+) s", ln))]
     assert waits[:4] == [0.2, 0.4, 0.8, 0.8] and max(waits) == 0.8, waits
     assert sum(re.search(r"restart attempt \d+ failed: .*fake load failure", ln) is not None for ln in daemon_log.lines) >= 4
+
+
+def test_a_hung_worker_is_killed_after_the_inference_timeout_and_restarted(tmp_path, daemon_log):
+    """A worker that neither answers nor dies would hold the robot for good; after
+    `model.inference_timeout_s` it is killed and restarted like a dead one."""
+    hang = tmp_path / "hang"
+    cfg = test_config(
+        model={"worker": "process", "warmup": 1, "factory": "phyai_edge.control.fakes:make_fake_policy",
+               "factory_args": {"latency_s": 0.01, "hang_if_exists": str(hang)},
+               "restart_backoff_s": 0.2, "inference_timeout_s": 1.0},
+        chunking={"mode": "none", "execution_horizon": 10},
+    )
+    run = Running(Daemon(cfg, realtime=False))
+    try:
+        d = run.daemon
+        run.wait_for(lambda: d.stats.adopted >= 2, 20, "chunks from the first worker")
+        old_pid = d.worker.pid
+        hang.touch()  # the next inference never returns; the process stays alive
+        run.wait_for(lambda: d.worker.deaths >= 1, 20, "the hung worker noticed")
+        assert "hung (no result within 1 s); killed" in (d.worker.down_reason or ""), d.worker.down_reason
+        hang.unlink()
+        run.wait_for(lambda: d.worker.up and d.worker.restarts >= 1, 30, "a new worker")
+        n = len(run.actions())
+        run.wait_for(lambda: any(not h.flags & Flag.HOLD for h, _ in run.actions()[n:]), 20, "policy actions again")
+        run.stop()
+    finally:
+        if run.thread.is_alive():
+            run.daemon.stop()
+    seqs = [h.seq for h, _ in run.actions()]
+    assert seqs == list(range(len(seqs))) and run.listener.stats.gaps == 0
+    assert d.worker.pid != old_pid
+    assert any(f"process {old_pid} hung" in ln for ln in daemon_log.lines), daemon_log.lines

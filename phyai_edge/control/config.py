@@ -111,6 +111,7 @@ class ModelConfig:
     factory_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments for `factory`
     restart_backoff_s: float = 0.5  # first wait before restarting a dead worker process; doubles per failure
     restart_backoff_max_s: float = 30.0  # the longest wait between restart attempts (they never stop)
+    inference_timeout_s: float = 10.0  # a process worker's inference taking longer: killed and restarted
 
 
 @dataclass
@@ -417,6 +418,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         factory=m.string("factory", d.factory),
         restart_backoff_s=m.number("restart_backoff_s", d.restart_backoff_s, positive=True),
         restart_backoff_max_s=m.number("restart_backoff_max_s", d.restart_backoff_max_s, positive=True),
+        inference_timeout_s=m.number("inference_timeout_s", d.inference_timeout_s, positive=True),
     )
     present, fargs = m._take("factory_args")
     if present:
@@ -620,6 +622,7 @@ threads = 1                  # torch threads in the worker (leave a core for the
 warmup = 1
 restart_backoff_s = 0.5      # a dead worker process is restarted after this, doubling per failed attempt
 restart_backoff_max_s = 30.0 # up to this; attempts never stop (the daemon holds meanwhile)
+inference_timeout_s = 10.0   # an inference still running after this: the worker is hung, killed and restarted
 
 [chunking]
 mode = "guided-approx"       # none | crossfade | inpaint | guided-approx | guided

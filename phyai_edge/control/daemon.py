@@ -168,7 +168,7 @@ class Daemon:
             self.worker = ThreadWorker(spec=policy_spec_from_config(cfg))
         else:
             self.worker = ProcessWorker(policy_spec_from_config(cfg), cfg.model.restart_backoff_s,
-                                        cfg.model.restart_backoff_max_s)
+                                        cfg.model.restart_backoff_max_s, cfg.model.inference_timeout_s)
         info = self.worker.start(cfg.model.load_timeout_s)
         self.info = info
         log.info(

@@ -33,6 +33,7 @@ class FakePolicy:
         fail_calls: tuple[int, ...] = (),
         fail_from: int = 0,
         period_s: float = 0.02,
+        hang_if_exists: str = "",
     ) -> None:
         self.chunk_size = chunk_size
         self.action_dim = action_dim
@@ -43,6 +44,7 @@ class FakePolicy:
         self.fail_calls = set(fail_calls)
         self.fail_from = fail_from  # every call from this one (1-based) on fails; 0: never
         self.period_s = period_s
+        self.hang_if_exists = hang_if_exists  # a path; while it exists, inference never returns
         self.calls = 0
         self.requests: list[Any] = []  # the RTC requests received, for assertions
 
@@ -55,6 +57,11 @@ class FakePolicy:
                     raise ValueError(f"camera {name}: expected uint8 HWC, got {img.dtype} {img.shape}")
         if self.latency_s:
             time.sleep(self.latency_s)
+        if self.hang_if_exists:
+            import os
+
+            while os.path.exists(self.hang_if_exists):  # a wedged driver call, say
+                time.sleep(0.05)
         if self.calls in self.fail_calls or (self.fail_from and self.calls >= self.fail_from):
             raise RuntimeError(f"fake failure on call {self.calls}")
         t0 = observations[0].timestamp

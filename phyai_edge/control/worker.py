@@ -81,6 +81,7 @@ class Job:
     execution_horizon: int = 0
     max_guidance_weight: float = 5.0
     noise: np.ndarray | None = None  # (1, H, model_action_dim) float32; None: the engine's own stream
+    warmup: bool = False  # warm-up jobs may take as long as loading (first-call compilation, graph capture)
 
 
 @dataclass
@@ -144,7 +145,7 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
 
 def make_warmup_job(info: PolicyInfo, prompt: str, size: int = 224) -> Job:
     images: dict[str, np.ndarray | None] = {n: np.zeros((size, size, 3), np.uint8) for n in info.camera_names}
-    return Job(0, images, {}, np.zeros(info.state_dim, np.float32), prompt, time.monotonic())
+    return Job(0, images, {}, np.zeros(info.state_dim, np.float32), prompt, time.monotonic(), warmup=True)
 
 
 # ---------------------------------------------------------------- thread placement
@@ -269,6 +270,10 @@ def _child_main(conn: Any, spec: PolicySpec) -> None:
         conn.send(res)
 
 
+class WorkerHungError(RuntimeError):
+    """An inference that outlived `ProcessWorker.job_timeout_s`: the process is alive but stuck."""
+
+
 class ProcessWorker:
     """The policy in a child process, restarted with backoff when that process dies.
 
@@ -281,7 +286,8 @@ class ProcessWorker:
     worker was down is answered with an error, never run late on a stale observation.
     """
 
-    def __init__(self, spec: PolicySpec, backoff_s: float = 0.5, backoff_max_s: float = 30.0) -> None:
+    def __init__(self, spec: PolicySpec, backoff_s: float = 0.5, backoff_max_s: float = 30.0,
+                 job_timeout_s: float = 10.0) -> None:
         self._spec = spec
         self._ctx = mp.get_context("spawn")
         self._conn: Any = None
@@ -295,6 +301,9 @@ class ProcessWorker:
         self._timeout_s = 600.0
         self.backoff_s = backoff_s
         self.backoff_max_s = max(backoff_max_s, backoff_s)
+        # A process that neither answers nor dies (a wedged driver call, a deadlock) is treated
+        # like a dead one: killed and restarted, instead of leaving the robot holding for good.
+        self.job_timeout_s = job_timeout_s
         # Run by a restarted process before it counts as up (the daemon sets them after its own warm-up).
         self.warmup_jobs: list[Job] = []
         # Health, written by the client thread, read by the clock thread (plain attributes: each
@@ -380,8 +389,12 @@ class ProcessWorker:
     # -- client thread
 
     def _call(self, job: Job) -> JobResult:
-        """Send one job and wait for its result. Any failure of the pipe is the process dying."""
+        """Send one job and wait for its result. Any failure of the pipe is the process dying; no
+        answer within the job timeout is the process hanging (warm-ups get the load timeout)."""
         _send_job(self._conn, job)
+        timeout = self._timeout_s if job.warmup else self.job_timeout_s
+        if not self._conn.poll(timeout):  # end-of-file also ends the wait, and recv() raises below
+            raise WorkerHungError(f"no result within {timeout:g} s")
         res = self._conn.recv()
         if not isinstance(res, JobResult):
             raise EOFError(f"unexpected message from the worker: {type(res).__name__}")
@@ -389,6 +402,10 @@ class ProcessWorker:
 
     def _death_reason(self, exc: BaseException | None) -> str:
         proc = self._proc
+        if isinstance(exc, WorkerHungError) and proc is not None:
+            proc.kill()
+            proc.join(1.0)
+            return f"inference worker process {proc.pid} hung ({exc}); killed"
         if proc is not None:
             proc.join(1.0)  # reap it, so the exit code (signal) is known
             if proc.is_alive():  # the pipe broke but the process lives on: do not leave it half-working
