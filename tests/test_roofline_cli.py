@@ -149,3 +149,20 @@ def test_real_bench_output_feeds_roofline(tmp_path: Path, capsys: pytest.Capture
     # float32 on a CPU is not a modelled precision: reported, and the default efficiency is kept.
     assert report["efficiency"]["source"].startswith("default")
     assert any("float32" in n for n in report["notes"])
+
+
+def test_without_matplotlib_the_table_still_prints(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A robot computer often has no matplotlib: the table is the answer, the chart is optional;
+    asking for a chart explicitly says what to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.chdir(tmp_path)
+    rc, out, _ = run(["--device", "orin"], capsys)
+    assert rc == 0 and "Jetson AGX Orin" in out
+    assert "no chart: matplotlib is not installed" in out
+    assert not (tmp_path / "roofline.png").exists()
+    with pytest.raises(SystemExit, match=r"--plot needs matplotlib"):
+        run(["--device", "orin", "--plot", str(tmp_path / "x.png")], capsys)

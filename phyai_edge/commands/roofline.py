@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from dataclasses import dataclass, field, replace
@@ -86,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     out = p.add_argument_group("output")
     out.add_argument(
-        "--plot", default="roofline.png", metavar="PNG", help="chart path (default roofline.png)"
+        "--plot", default=None, metavar="PNG",
+        help="chart path (default roofline.png; needs matplotlib, otherwise only the table is printed)",
     )
     out.add_argument("--no-plot", action="store_true", help="skip the chart")
     out.add_argument(
@@ -334,6 +336,8 @@ def _verdict(p: Point) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    args.plot_given = args.plot is not None
+    args.plot = args.plot or "roofline.png"
     from phyai_edge.roofline.costs import cost_model
     from phyai_edge.roofline.devices import DEVICES
     from phyai_edge.roofline.model import RobotParams, analyze
@@ -489,7 +493,14 @@ def main(args: argparse.Namespace) -> int:
     }
 
     plot_path = None
-    if not args.no_plot and points:
+    plotting = not args.no_plot and bool(points)
+    if plotting and importlib.util.find_spec("matplotlib") is None:
+        # The table is the answer; the chart is optional (robot computers often lack matplotlib).
+        if args.plot_given:
+            raise SystemExit("--plot needs matplotlib: pip install 'phyai-edge[plot]' (or pass --no-plot)")
+        notes.append("no chart: matplotlib is not installed (pip install 'phyai-edge[plot]')")
+        plotting = False
+    if plotting:
         from phyai_edge.roofline.plot import PlotPoint, plot_roofline
 
         plot_path = plot_roofline(
