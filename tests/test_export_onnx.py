@@ -117,3 +117,17 @@ def test_fp16_export_is_typed(adapter, tmp_path):
     dims = onnx_io(path)["inputs"][0][1]
     assert dims[0] == "batch"
     assert next(adapter.module.parameters()).dtype == torch.float32  # the shared module untouched
+
+
+def test_export_without_onnx_installed_says_what_to_install(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from phyai_edge.cli import main as cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else real(name, *a))
+    rc = cli(["export", "--preset", "tiny", "--backend", "onnx", "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "the onnx backend needs onnx: pip install 'phyai-edge[onnx]'" in err
+    assert not (tmp_path / "b").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -81,6 +82,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--seed", type=int, default=0, help="seed for the built-in preset and sample noise")
 
 
+# Modules each backend's export imports (checked first, so a missing one is one clear line,
+# not a traceback after the checkpoint has loaded).
+NEEDS = {"onnx": ("onnx", "onnxruntime"), "onnxruntime": ("onnx", "onnxruntime"), "tensorrt": ("onnx", "tensorrt")}
+
+
 def main(args: argparse.Namespace) -> int:
     from phyai_edge.engines.bundle import BundleError
     from phyai_edge.engines.exporter import DEFAULT_TIMING_CACHE, ExportRequest, export_bundle
@@ -93,6 +99,11 @@ def main(args: argparse.Namespace) -> int:
         timing_cache=args.timing_cache or DEFAULT_TIMING_CACHE, workspace_gb=args.workspace_gb,
         overwrite=args.overwrite, progress=not args.no_progress, tokenizer=args.tokenizer,
     )
+    missing = [m for m in NEEDS.get(req.backend, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"phyai-edge export: the {req.backend} backend needs {', '.join(missing)}: "
+              f"pip install 'phyai-edge[{'tensorrt' if req.backend == 'tensorrt' else 'onnx'}]'", file=sys.stderr)
+        return 2
     try:
         manifest = export_bundle(req)
     except (BundleError, ValueError, FileNotFoundError, RuntimeError) as exc:
