@@ -51,6 +51,10 @@ BAD = [
     ({"model": {"restart_backoff_s": 5, "restart_backoff_max_s": 1}},
      "model.restart_backoff_max_s: expected a number >= model.restart_backoff_s (5), got 1"),
     ({"model": {"bundle": "/nonexistent/engines/x"}}, "model.bundle: '/nonexistent/engines/x' is not a folder"),
+    ({"model": {"tokenizer": "/nonexistent/tok.json"}}, "model.tokenizer: only used with model.checkpoint"),
+    ({"model": {"checkpoint": "/ckpt", "tokenizer": "/nonexistent/tok.json"}},
+     "model.tokenizer: '/nonexistent/tok.json' is neither a tokenizer file nor a folder"),
+    ({"model": {"inference_timeout_s": -1}}, "model.inference_timeout_s: expected a positive number, got -1"),
     ({"chunking": {"mode": "magic"}}, "chunking.mode: expected one of none, crossfade, inpaint"),
     ({"chunking": {"horizon": 20, "execution_horizon": 20}}, "chunking.execution_horizon: must be below chunking.horizon"),
     ({"chunking": {"execution_horizon": 0}}, "chunking.execution_horizon: expected an integer >= 1, got 0"),
@@ -118,3 +122,16 @@ def test_shipped_daemon_configs_are_valid():
     assert files
     for f in files:
         load_config(f)
+
+
+def test_model_tokenizer_reaches_load_policy(tmp_path):
+    """A checkpoint folder without the PaliGemma tokenizer files: the config names them."""
+    from phyai_edge.adapters.pi05.builtin import tiny_tokenizer_path
+    from phyai_edge.control.config import parse_config
+    from phyai_edge.control.daemon import policy_spec_from_config
+
+    tok = str(tiny_tokenizer_path())
+    cfg = parse_config({"model": {"checkpoint": str(tmp_path), "tokenizer": tok}}, "<test>")
+    spec = policy_spec_from_config(cfg)
+    assert spec.factory == "phyai_edge.engines.policy:load_policy"
+    assert spec.kwargs["tokenizer"] == tok and spec.kwargs["checkpoint"] == str(tmp_path)

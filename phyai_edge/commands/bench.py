@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", default="pi05", help="model adapter (default: pi05)")
     p.add_argument("--preset", default="tiny", help="built-in size when no checkpoint is given: tiny | full")
     p.add_argument("--checkpoint", help="checkpoint folder (LeRobot, openpi or native)")
+    p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model (or folder), if not in the checkpoint")
     p.add_argument("--engine", help="an exported engine bundle folder (overrides --backend)")
     p.add_argument("--backend", default="eager", help="eager | cudagraph | onnxruntime | tensorrt")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | meta (structure only)")
@@ -64,7 +65,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         return {"adapter": args.adapter, "preset": args.preset, "device": "meta", "params": n, "params_by_part": parts}
 
     policy = load_policy(adapter=args.adapter, checkpoint=args.checkpoint, preset=args.preset, backend=args.backend,
-                         device=args.device, dtype=args.dtype, bundle=args.engine)
+                         device=args.device, dtype=args.dtype, bundle=args.engine, tokenizer=args.tokenizer)
     adapter = policy.adapter
     if args.steps:
         adapter.solver = SolverSpec(args.steps)

@@ -97,6 +97,7 @@ class StateConfig:
 class ModelConfig:
     adapter: str = "pi05"
     checkpoint: str = ""
+    tokenizer: str = ""  # tokenizer.json / tokenizer.model (or their folder) when not in the checkpoint
     bundle: str = ""
     preset: str = "tiny"
     backend: str = "eager"
@@ -405,6 +406,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
     cfg.model = ModelConfig(
         adapter=m.string("adapter", d.adapter),
         checkpoint=m.string("checkpoint", d.checkpoint),
+        tokenizer=m.string("tokenizer", d.tokenizer),
         bundle=m.string("bundle", d.bundle),
         preset=m.string("preset", d.preset),
         backend=m.string("backend", d.backend),
@@ -436,6 +438,8 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         )
     if cfg.model.bundle:
         _check_bundle(cfg.model)
+    if cfg.model.tokenizer:
+        _check_tokenizer(cfg.model)
     m.finish()
 
     c = root.table("chunking")
@@ -508,6 +512,16 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
 
     root.finish()
     return cfg
+
+
+def _check_tokenizer(m: ModelConfig) -> None:
+    if not m.checkpoint:
+        raise ConfigError("model.tokenizer: only used with model.checkpoint (the built-in presets ship their own)")
+    p = Path(m.tokenizer)
+    names = ("tokenizer.json", "tokenizer.model")
+    if not (p.is_file() or (p.is_dir() and any((p / n).is_file() for n in names))):
+        raise ConfigError(f"model.tokenizer: {m.tokenizer!r} is neither a tokenizer file nor a folder holding "
+                          f"{' or '.join(names)}")
 
 
 def _check_bundle(m: ModelConfig) -> None:
@@ -611,6 +625,7 @@ source = "synthetic"         # synthetic | zmq
 adapter = "pi05"
 preset = "tiny"              # tiny: random seeded weights, for trying the daemon out
 checkpoint = ""              # a local checkpoint folder (safetensors)
+tokenizer = ""               # the PaliGemma tokenizer.json / tokenizer.model, if not in the checkpoint folder
 bundle = ""                  # or an engine bundle from `phyai-edge export` (then backend, preset and
                              # dtype come from its manifest; a checkpoint set too must be the one it was built from)
 backend = "eager"

@@ -104,6 +104,7 @@ def policy_spec_from_config(cfg: DaemonConfig) -> PolicySpec:
         "device": m.device,
         "dtype": m.dtype,
         "bundle": m.bundle or None,
+        "tokenizer": m.tokenizer or None,
     }
     return PolicySpec("phyai_edge.engines.policy:load_policy", kwargs, m.threads)
 
