@@ -9,6 +9,13 @@ results.json + results.md under --out.
 
     python benchmarks/pi05_gpu.py --out runs/gpu            # full size, needs lerobot==0.6.1
     python benchmarks/pi05_gpu.py --tiny --device cpu       # plumbing check on a CPU
+    python benchmarks/pi05_gpu.py --fp8-only --out runs/fp8 # fp8 variants only (no LeRobot needed)
+
+fp8 (`CudaGraphEngine(fp8="expert"|"all")`, E4M3 weights and activations through torch._scaled_mm
+on Ada / Hopper): timed at batch 1 and 32 beside the bf16 engine, accuracy against our eager fp32
+on the same inputs and noise. Part of the full run (`--no-fp8` skips it); `--fp8-only` builds
+seeded random full-size weights directly on the GPU instead of going through LeRobot, and measures
+the bf16 baseline and the fp8 variants alone (a short device call).
 """
 
 from __future__ import annotations
@@ -143,6 +150,179 @@ def rtc_guidance(adapter: Any, batch: int, mode: str) -> Any:
     return RTCGuidance(mode, target, prefix_weights(h, 5, 25), dim_mask, 5, 5.0)
 
 
+# -- fp8 -------------------------------------------------------------------------------------
+FP8_SCOPES = ("expert", "all")
+
+
+def run_fp8(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_for: Any, eager32: Any,
+            shapes: list[tuple[int, int]], budget_s: float, compile_b1: bool = False) -> None:
+    """fp8 variants of the cudagraph engine: (batch, reps) in `shapes`, 3 views, each scope; p50 and
+    stages beside the bf16 engine's, accuracy vs eager fp32 on the accuracy inputs (seed 6).
+    Dynamic per-tensor activation scales, weight scales from each weight's amax (no calibration
+    set: random weights). Results under res["fp8"]; errors are recorded, not raised."""
+    from phyai_edge.engines.cudagraph import CudaGraphEngine
+    from phyai_edge.layers.fp8 import fp8_linears
+
+    out = res.setdefault("fp8", {})
+    refs: dict[int, Any] = {}
+    variants: list[tuple[str, dict[str, Any]]] = [(scope, {"fp8": scope}) for scope in FP8_SCOPES]
+    if compile_b1:
+        variants.append(("expert+compile", {"fp8": "expert", "compile": True}))
+    for name, kw in variants:
+        if time.perf_counter() - par.T0 > budget_s:
+            out[name] = f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)"
+            continue
+        try:
+            t0 = time.perf_counter()
+            eng = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", **kw)
+            paths = sorted({m.backend for m in fp8_linears(eng.module)})
+            out[f"{name}_info"] = {"linears": eng.fp8_linears, "paths": paths,
+                                   "convert_s": time.perf_counter() - t0}
+            say(f"fp8 {name}: {eng.fp8_linears} linears, path {paths}")
+            for b, reps in shapes if "compile" not in kw else shapes[:1]:
+                if time.perf_counter() - par.T0 > budget_s:
+                    break
+                x, n = par.model_inputs(inputs_for(b, 3)), noise_for(b)
+                t0 = time.perf_counter()
+                eng.warmup(b, 3, VALID_TOKENS)
+                cap = time.perf_counter() - t0
+                r = time_engine(eng, x, n, None, dev, 3, reps)
+                r["samples_per_s"], r["capture_s"] = b / r["p50"] * 1e3, cap
+                xa, na = par.model_inputs(inputs_for(b, 3, seed=6)), noise_for(b)
+                if b not in refs:
+                    refs[b] = eager32.run(xa, noise=na)
+                r["vs_eager_fp32"] = par.err(eng.run(xa, noise=na), refs[b])
+                base = res.get("ours", {}).get(f"b{b}_v3")
+                if base:
+                    r["speedup_vs_bf16"] = base["p50"] / r["p50"]
+                out[f"{name}_b{b}"] = r
+                say(f"fp8 {name} batch {b}: p50 {r['p50']:.2f} ms, {r['samples_per_s']:.1f} samples/s, "
+                    f"stages {r['stages_p50']}, vs eager fp32 {r['vs_eager_fp32']} (capture {cap:.1f}s)")
+            del eng
+        except Exception as exc:  # report, keep the rest of the run
+            out[name] = f"failed: {type(exc).__name__}: {exc}"
+            say(f"fp8 {name} failed: {exc}")
+        sync(dev)
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def render_fp8(res: dict[str, Any]) -> list[str]:
+    f = res.get("fp8")
+    if not f:
+        return []
+    out = ["", "| fp8 variant | batch | p50 ms | samples/s | vs bf16 engine | vision / prefix / step ms | "
+           "vs eager fp32 max abs / scale | rel L2 |", "|---|---|---|---|---|---|---|---|"]
+    for key, r in f.items():
+        if key.endswith("_info"):
+            continue
+        if not isinstance(r, dict):
+            out.append(f"| {key} | | {r} | | | | | |")
+            continue
+        name, b = key.rsplit("_b", 1)
+        st = r.get("stages_p50", {})
+        e = r["vs_eager_fp32"]
+        out.append(f"| {name} | {b} | {r['p50']:.2f} | {r['samples_per_s']:.1f} | "
+                   f"{r.get('speedup_vs_bf16', float('nan')):.2f}x | {st.get('embed_images', float('nan')):.2f} / "
+                   f"{st.get('encode_prefix', float('nan')):.2f} / {st.get('denoise_step', float('nan')):.3f} | "
+                   f"{e['max_abs_over_scale']:.2e} | {e['rel_l2']:.2e} |")
+    return out
+
+
+def seeded_adapter(dev: str, tiny: bool, seed: int = 0) -> Any:
+    """Our adapter with seeded random weights drawn on `dev` (full size in seconds on a GPU; no
+    LeRobot): the same init as `adapters.pi05.builtin.seeded_model`, but on the device."""
+    from phyai_edge.adapters.pi05 import PI05Model, builtin_adapter
+    from phyai_edge.adapters.pi05.config import preset
+
+    adapter = builtin_adapter("tiny", seed=seed)
+    if tiny:
+        return adapter
+    cfg = preset("full")
+    with torch.device(dev):
+        model = PI05Model(cfg)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(0.0, 0.05, generator=gen)
+            else:
+                p.normal_(0.0, 1.0 / p[0].numel() ** 0.5, generator=gen)
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.add_(1.0)
+    adapter.cfg, adapter.module = cfg, model
+    return adapter
+
+
+def main_fp8_only(args: argparse.Namespace) -> int:
+    """The bf16 engine and its fp8 variants on seeded full-size weights: one short device call."""
+    from phyai_edge.engines.cudagraph import CudaGraphEngine
+    from phyai_edge.engines.eager import EagerEngine
+
+    dev = args.device
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "mode": "fp8-only",
+                           "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
+                           "torch": torch.__version__, "command": " ".join(sys.argv)}
+
+    def dump() -> None:
+        (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+
+    res["ceilings"] = measure_ceilings(dev)
+    adapter = seeded_adapter(dev, args.tiny)
+    cfg = adapter.cfg
+    say(f"seeded {'tiny' if args.tiny else 'full'} adapter on {dev}")
+    full = not args.tiny
+    reps1, reps32 = (50, 10) if full else (3, 2)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+    def inputs_for(b: int, v: int, seed: int = 3) -> dict[str, torch.Tensor]:
+        return par.make_inputs(b, v, [VALID_TOKENS] * b, dev, seed=seed, max_len=cfg.max_token_len,
+                               vocab=cfg.vocab_size)
+
+    def noise_for(b: int) -> torch.Tensor:
+        return torch.randn(b, adapter.chunk_size, adapter.model_action_dim,
+                           generator=torch.Generator().manual_seed(4)).to(dev)
+
+    res["ours"] = {}
+    bf16 = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16")
+    eager32 = EagerEngine(adapter, device=dev, dtype="float32")
+    res["accuracy"] = {}
+    for b, reps in ((1, reps1), (32, reps32)):
+        x, n = par.model_inputs(inputs_for(b, 3)), noise_for(b)
+        bf16.warmup(b, 3, VALID_TOKENS)
+        r = time_engine(bf16, x, n, None, dev, 3, reps)
+        r["samples_per_s"] = b / r["p50"] * 1e3
+        res["ours"][f"b{b}_v3"] = r
+        xa, na = par.model_inputs(inputs_for(b, 3, seed=6)), noise_for(b)
+        res["accuracy"][f"b{b}_bf16_cudagraph_vs_eager_fp32"] = par.err(bf16.run(xa, noise=na),
+                                                                         eager32.run(xa, noise=na))
+        say(f"bf16 cudagraph batch {b}: p50 {r['p50']:.2f} ms, stages {r['stages_p50']}")
+        dump()
+    del bf16
+    sync(dev)
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+    run_fp8(res, adapter, dev, inputs_for, noise_for, eager32, [(1, reps1), (32, reps32)], args.budget_s,
+            compile_b1=not args.no_compile)
+    dump()
+    c = res["ceilings"]
+    lines = [f"device: {res['device']}, torch {res['torch']} (fp8-only run, seeded random weights, {'tiny' if args.tiny else 'full size'})",
+             f"ceilings: bf16 matmul {c['tflops']:.0f} TFLOP/s, copy {c['gbps']:.0f} GB/s", "",
+             "| bf16 engine | batch | p50 ms | samples/s | vs eager fp32 max abs / scale | rel L2 |",
+             "|---|---|---|---|---|---|"]
+    for key, r in res["ours"].items():
+        b = key[1:].split("_")[0]
+        e = res["accuracy"][f"b{b}_bf16_cudagraph_vs_eager_fp32"]
+        lines.append(f"| cudagraph bf16 | {b} | {r['p50']:.2f} | {r['samples_per_s']:.1f} | "
+                     f"{e['max_abs_over_scale']:.2e} | {e['rel_l2']:.2e} |")
+    lines += render_fp8(res)
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return 0
+
+
 # -- the run ---------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,9 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/pi05_gpu"))
     ap.add_argument("--budget-s", type=float, default=470.0, help="skip optional parts past this many seconds")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 variants")
+    ap.add_argument("--fp8-only", action="store_true",
+                    help="only the bf16 engine and its fp8 variants, on seeded weights (no LeRobot)")
     args = ap.parse_args(argv)
     dev = args.device
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.fp8_only:
+        return main_fp8_only(args)
     if args.tiny:
         par.patch_tiny()
     from phyai_edge.engines.cudagraph import CudaGraphEngine
@@ -253,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
         dump()
     say(f"accuracy: {json.dumps(res['accuracy'])}")
 
+    # fp8 (E4M3) expert-only and everywhere, batch 1 and 32, accuracy vs eager fp32
+    if not args.no_fp8:
+        run_fp8(res, adapter, dev, inputs_for, noise_for, eager32, [(1, reps1), (32, reps32)],
+                args.budget_s - 120)
+        dump()
+
     # What each change bought: eager bf16 (ours), graphs alone, and the full engine
     res["ablation"] = {}
     plain = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", fuse=False, trim_prompt=False,
@@ -346,6 +537,7 @@ def render(res: dict[str, Any]) -> list[str]:
             **{k.replace("_", " "): v for k, v in res["accuracy"].items()}}
     for name, e in rows.items():
         out.append(f"| {name} | {e['max_abs_over_scale']:.2e} | {e['rel_l2']:.2e} |")
+    out += render_fp8(res)
     out += ["", "| ablation | p50 ms | stages p50 ms |", "|---|---|---|"]
     for key, r in res["ablation"].items():
         if isinstance(r, dict):

@@ -15,6 +15,7 @@ solver loop, postprocess) on synthetic inputs and print median and p90 latency a
 Examples:
   phyai-edge bench --preset tiny --device cpu
   phyai-edge bench --preset full --device cuda --dtype bfloat16 --backend cudagraph --views 3 --batch 1
+  phyai-edge bench --preset full --device cuda --dtype bfloat16 --backend cudagraph --fp8 expert
   phyai-edge bench --engine engines/pi05-orin            # an exported bundle
   phyai-edge bench --preset full --device meta           # structure and parameter count only
 """
@@ -38,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first")
     p.add_argument("--iters", type=int, default=20, help="timed calls")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--fp8", choices=["expert", "prefix", "all"], default=None,
+                   help="cudagraph backend: run these linears in fp8 E4M3 (torch._scaled_mm on Ada/Hopper, "
+                   "the plain-torch reference path elsewhere); default: none")
+    p.add_argument("--fp8-scales", default=None, metavar="FILE",
+                   help="calibrated fp8 scales (.safetensors from `phyai-edge export --precision fp8`); "
+                   "default: weight amax, dynamic activation scales")
     p.add_argument("--json", action="store_true", help="print one JSON object (input to `phyai-edge roofline`)")
 
 
@@ -64,8 +71,17 @@ def run_bench(args: argparse.Namespace) -> dict:
         parts = {name: sum(p.numel() for p in m.parameters()) for name, m in adapter.module.named_children()}
         return {"adapter": args.adapter, "preset": args.preset, "device": "meta", "params": n, "params_by_part": parts}
 
+    fp8 = getattr(args, "fp8", None)
+    options = {}
+    if fp8 is not None or getattr(args, "fp8_scales", None):
+        if args.engine:
+            raise SystemExit("--fp8 / --fp8-scales do not apply to a bundle: its fp8 setting was fixed at export")
+        if args.backend != "cudagraph":
+            raise SystemExit(f"--fp8 needs --backend cudagraph (got --backend {args.backend})")
+        options = {"fp8": fp8 or "expert", "fp8_scales": args.fp8_scales}
     policy = load_policy(adapter=args.adapter, checkpoint=args.checkpoint, preset=args.preset, backend=args.backend,
-                         device=args.device, dtype=args.dtype, bundle=args.engine, tokenizer=args.tokenizer)
+                         device=args.device, dtype=args.dtype, bundle=args.engine, tokenizer=args.tokenizer,
+                         engine_options=options)
     adapter = policy.adapter
     if args.steps:
         adapter.solver = SolverSpec(args.steps)
@@ -113,6 +129,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     return {
         "adapter": args.adapter, "preset": args.preset if not args.checkpoint else "checkpoint",
         "backend": getattr(policy.engine, "backend", args.backend), "device": args.device, "dtype": args.dtype,
+        "fp8": getattr(policy.engine, "fp8", None), "fp8_linears": getattr(policy.engine, "fp8_linears", 0),
         "batch": args.batch, "views": views, "steps": adapter.solver.num_steps, "prompt_tokens": n_valid,
         "iters": args.iters, "stages": stages,
         "samples_per_s": args.batch / (stages["engine"]["p50_ms"] / 1e3),
@@ -130,7 +147,8 @@ def main(args: argparse.Namespace) -> int:
         for name, n in result["params_by_part"].items():
             print(f"  {name:<18}{n:>15,}")
         return 0
-    print(f"{result['adapter']} {result['preset']} on {result['device']} ({result['backend']}, {result['dtype']}), "
+    fp8 = f", fp8 {result['fp8']} ({result['fp8_linears']} linears)" if result.get("fp8") else ""
+    print(f"{result['adapter']} {result['preset']} on {result['device']} ({result['backend']}, {result['dtype']}{fp8}), "
           f"batch {result['batch']}, {result['views']} views, {result['steps']} steps, "
           f"{result['prompt_tokens']} prompt tokens, {result['iters']} iterations")
     print(f"{'stage':<16}{'p50 ms':>10}{'p90 ms':>10}")

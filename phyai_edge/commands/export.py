@@ -22,7 +22,8 @@ backends:
   cudagraph  the checkpoint weights and shapes; CUDA graphs are captured when the bundle loads
 
 precisions: fp32, fp16, bf16 (tensorrt, cudagraph), int8 (onnx via onnxruntime QDQ, tensorrt via
-an entropy calibrator), fp8 (tensorrt QDQ; cudagraph/onnx: per-tensor scales in the bundle).
+an entropy calibrator), fp8 (tensorrt and onnx: E4M3 QDQ; cudagraph: the --fp8-scope linears in
+E4M3 with the bundle's per-tensor scales, torch._scaled_mm on Ada / Hopper).
 int8 and fp8 read --calibration: a `phyai-edge run --record` folder, a LeRobot dataset folder,
 or `synthetic`; the calibrated engine's error against bf16 and fp32 on held-out samples is
 printed and stored in the manifest.
@@ -69,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="recorded observations, a LeRobot dataset folder, or 'synthetic'")
     cal.add_argument("--calibration-samples", type=int, default=32, help="samples used to calibrate (default: 32)")
     cal.add_argument("--holdout", type=int, default=4, help="held-out samples for the accuracy report (default: 4)")
+    cal.add_argument("--fp8-scope", choices=["expert", "prefix", "all"], default="expert",
+                     help="cudagraph fp8: linears run in fp8 (E4M3, calibrated per-tensor scales): the action "
+                     "expert's, the prefix's, or every attention/MLP projection (default: expert)")
     cal.add_argument("--int8-mode", choices=["calibrator", "qdq"], default="calibrator",
                      help="tensorrt int8: entropy calibrator (implicit) or onnxruntime Q/DQ ONNX (explicit)")
     b = p.add_argument_group("build")
@@ -96,6 +100,7 @@ def main(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint, preset=args.preset, batch_sizes=args.batch, views=args.views, steps=args.steps,
         calibration=args.calibration, calibration_samples=args.calibration_samples, holdout=args.holdout,
         device=args.device, seed=args.seed, validate=not args.no_validate, int8_mode=args.int8_mode,
+        fp8_scope=args.fp8_scope,
         timing_cache=args.timing_cache or DEFAULT_TIMING_CACHE, workspace_gb=args.workspace_gb,
         overwrite=args.overwrite, progress=not args.no_progress, tokenizer=args.tokenizer,
     )

@@ -323,11 +323,29 @@ def load_bundle_engine(bundle: str | Path, device: str | torch.device = "cpu", c
         from phyai_edge.engines import make_engine
 
         # CUDA graphs cannot be serialised: the bundle holds the weights and the graphs are
-        # captured here, once, before the first chunk.
-        engine = make_engine("cudagraph", adapter, device=device, dtype=manifest["dtype"], seed=seed, **engine_kwargs)
+        # captured here, once, before the first chunk. An fp8 bundle converts its linears here too,
+        # with the scales stored in it.
+        options = {**cudagraph_fp8_options(bundle, manifest), **engine_kwargs}
+        engine = make_engine("cudagraph", adapter, device=device, dtype=manifest["dtype"], seed=seed, **options)
     else:
         raise BundleError(f"bundle backend {backend!r} is unknown to this phyai-edge")
     return adapter, engine, manifest
+
+
+def cudagraph_fp8_options(bundle: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """`CudaGraphEngine` keyword arguments for a cudagraph bundle exported with `--precision fp8`:
+    which linears (`manifest["fp8"]["scope"]`), the bundle's calibrated per-tensor scales and the
+    activation scaling. Bundles written before `fp8` was recorded convert the action expert."""
+    if "fp8" not in set(manifest.get("precision", {}).values()):
+        return {}
+    info = manifest.get("fp8") or {}
+    rel = info.get("scales") or manifest.get("artefacts", {}).get("fp8_scales")
+    if not rel or not (Path(bundle) / rel).is_file():
+        raise BundleError(f"fp8 bundle {bundle} has no fp8 scales file ({rel!r}); re-export it")
+    from phyai_edge.calibration.fp8 import load_scales
+
+    return {"fp8": info.get("scope", "expert"), "fp8_scales": load_scales(Path(bundle) / rel),
+            "fp8_activations": info.get("activations", "static")}
 
 
 def now_iso() -> str:

@@ -16,6 +16,10 @@ What makes it fast (each is exact, or equal within rounding, to the eager engine
   matrices on every step.
 - Fused projections (QKV, gate/up) and key-only attention masks with grouped-query folding
   (see `layers.fused`, `layers.attention`).
+- Optional fp8 (E4M3) weights and activations for the action expert (`fp8="expert"`) or every
+  attention / MLP projection (`fp8="all"`): `layers.fp8`, `torch._scaled_mm` on Ada / Hopper,
+  its plain-torch reference elsewhere. Converted after the precision is set and after fusion, so
+  the fused QKV and gate/up GEMMs are the ones quantised (see `layers/fp8.py` for why).
 - Optional `torch.compile` of the stage functions (inductor fuses norms, RoPE, GeGLU and
   residuals) underneath the same graphs.
 
@@ -31,6 +35,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,12 +98,20 @@ class CudaGraphEngine(EngineBase):
         compile_mode: str | None = None,
         graphs: bool = True,
         capture: list[tuple[int, int]] | None = None,
+        fp8: str | None = None,
+        fp8_scales: Any = None,
+        fp8_activations: str | None = None,
     ) -> None:
         super().__init__(adapter, device, seed)
         self.dtype = resolve_dtype(dtype)
         module = adapter.module
         if next(module.parameters()).device.type == "meta":
             raise ValueError("the cudagraph engine needs real weights (the model is on the meta device)")
+        if fp8 is not None:
+            from phyai_edge.layers.fp8 import SCOPES
+
+            if fp8 not in SCOPES:  # before touching the model
+                raise ValueError(f"fp8={fp8!r}: choose one of {tuple(SCOPES)} or None")
         self.take_module(module, self.dtype)
         module.to(self.device)
         module.set_precision(self.dtype)
@@ -109,6 +122,20 @@ class CudaGraphEngine(EngineBase):
         if hasattr(module, "attend_keys_only"):
             module.attend_keys_only = True
         self.fused = fuse_projections(module) if fuse else 0
+        # fp8 last: set_precision drops fp8 linears (and fusions), so converting earlier would be undone,
+        # and quantising after fusion makes the fused QKV / gate-up GEMMs the fp8 ones.
+        self.fp8, self.fp8_linears = fp8, 0
+        if fp8 is not None:
+            from phyai_edge.layers.fp8 import convert_fp8, fp8_linears
+
+            if isinstance(fp8_scales, (str, Path)):
+                from phyai_edge.calibration.fp8 import load_scales
+
+                fp8_scales = load_scales(fp8_scales)
+            self.fp8_linears = convert_fp8(module, fp8, fp8_scales, fp8_activations)
+            paths = sorted({m.backend for m in fp8_linears(module)})
+            log.info("cudagraph: %d linears in fp8 E4M3 (%s; %s activation scales; %s path)", self.fp8_linears,
+                     fp8, fp8_activations or ("static" if fp8_scales else "dynamic"), "/".join(paths))
         self.use_graphs = graphs and self.device.type == "cuda"
         if graphs and not self.use_graphs:
             log.info("cudagraph engine on %s: CUDA graphs need a CUDA device; running the same code eagerly",

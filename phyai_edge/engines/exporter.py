@@ -66,6 +66,7 @@ class ExportRequest:
     seed: int = 0
     validate: bool = True
     int8_mode: str = "calibrator"
+    fp8_scope: str = "expert"  # cudagraph fp8: which linears run in fp8 (layers.fp8.SCOPES)
     timing_cache: Path | None = DEFAULT_TIMING_CACHE
     workspace_gb: float | None = None
     overwrite: bool = False
@@ -84,6 +85,10 @@ class ExportRequest:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be positive integers, got {self.batch_sizes}")
         self.batch_sizes = sorted(set(self.batch_sizes))
+        from phyai_edge.layers.fp8 import SCOPES
+
+        if self.fp8_scope not in SCOPES:
+            raise ValueError(f"fp8 scope {self.fp8_scope!r}: choose one of {', '.join(SCOPES)}")
         if self.device is None:
             self.device = "cuda" if self.backend in ("tensorrt", "cudagraph") and torch.cuda.is_available() else "cpu"
         return self
@@ -296,6 +301,11 @@ def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progres
         "calibration": calibration_info if calibration_info is not None else (
             {"source": calib_source} if calib_source else None),
     }
+    if req.precision == "fp8" and req.backend == "cudagraph":
+        # What the loader converts (engines/bundle.py cudagraph_fp8_options): these linears, these
+        # scales, static activation scales from the same calibration.
+        manifest["fp8"] = {"scope": req.fp8_scope, "scales": "calibration/fp8_scales.safetensors",
+                           "activations": "static", "format": "e4m3fn, per-tensor"}
     manifest["validation"] = _validate(req, adapter, work, manifest, held_out, echo)
     if req.precision in ("int8", "fp8") and req.backend == "onnxruntime":
         manifest["calibration"] = {**(manifest["calibration"] or {}), "source": calib_source,
@@ -408,8 +418,21 @@ def _fp8_scales(adapter: Adapter, work: Path, calib: list[Observation], held: li
     twin.module = copy.deepcopy(adapter.module)
     with fake_fp8(twin.module, scales):
         err = compare_engines(adapter, EagerEngine(twin, dtype="float32"), ref, held, seed=req.seed)
-    return {"fp8_scales": "calibration/fp8_scales.safetensors", "linears": len(scales), "samples": len(calib),
+    info = {"fp8_scales": "calibration/fp8_scales.safetensors", "linears": len(scales), "samples": len(calib),
             "held_out": len(held), "fake_fp8_vs_fp32": err}
+    if req.backend == "cudagraph":
+        # What the bundle will run, through the fp8 layers' plain-torch reference path on the CPU:
+        # bf16 compute, the scoped linears in E4M3 with these scales (static activation scales).
+        from phyai_edge.engines.cudagraph import CudaGraphEngine
+
+        twin = copy.copy(adapter)
+        twin.module = copy.deepcopy(adapter.module)
+        eng = CudaGraphEngine(twin, device="cpu", dtype="bfloat16", seed=req.seed, fp8=req.fp8_scope,
+                              fp8_scales=scales, fp8_activations="static")
+        info["fp8_engine"] = {"scope": req.fp8_scope, "linears": eng.fp8_linears, "path": "reference (cpu)"}
+        info["fp8_engine_vs_fp32"] = compare_engines(adapter, eng, ref, held, seed=req.seed)
+        del eng, twin
+    return info
 
 
 def _validate(req: ExportRequest, adapter: Adapter, work: Path, manifest: dict[str, Any], held: list[Observation],
@@ -465,9 +488,12 @@ def _engine_for(req: ExportRequest, work: Path, manifest: dict[str, Any], adapte
 
     # Its own copy of the model: the cudagraph engine casts and fuses the weights it runs, and the
     # float32 reference it is validated against must keep the originals.
+    from phyai_edge.engines.bundle import cudagraph_fp8_options
+
     twin = copy.copy(adapter)
     twin.module = copy.deepcopy(adapter.module)
-    return make_engine("cudagraph", twin, device=req.device, dtype=manifest["dtype"], seed=req.seed)
+    return make_engine("cudagraph", twin, device=req.device, dtype=manifest["dtype"], seed=req.seed,
+                       **cudagraph_fp8_options(work, manifest))
 
 
 def summary_table(manifest: dict[str, Any], out: Path) -> str:
@@ -497,6 +523,10 @@ def summary_table(manifest: dict[str, Any], out: Path) -> str:
     if "fake_fp8_vs_fp32" in c:
         f = c["fake_fp8_vs_fp32"]
         lines.append(f"  fp8 scales ({c['linears']} linears, {c['samples']} samples): fake-fp8 eager vs fp32 "
+                     f"max {f['max_abs_error']:.3g} rel-RMSE {f['relative_rmse']:.3g}")
+    if "fp8_engine_vs_fp32" in c:
+        f, e = c["fp8_engine_vs_fp32"], c["fp8_engine"]
+        lines.append(f"  fp8 engine ({e['scope']}: {e['linears']} linears, {e['path']}) vs fp32 "
                      f"max {f['max_abs_error']:.3g} rel-RMSE {f['relative_rmse']:.3g}")
     lines.append(f"  export took {manifest.get('export_seconds', 0):.1f}s")
     return "\n".join(lines)

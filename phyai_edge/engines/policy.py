@@ -125,13 +125,15 @@ def load_policy(
     seed: int = 0,
     tokenizer: str | Path | None = None,
     camera_names: list[str] | None = None,
+    engine_options: dict[str, Any] | None = None,
 ) -> Policy:
-    """Build a ready Policy. `bundle` (an exported engine folder) takes precedence over backend."""
+    """Build a ready Policy. `bundle` (an exported engine folder) takes precedence over backend.
+    `engine_options`: extra keyword arguments for the engine (e.g. cudagraph's `fp8="expert"`)."""
     if bundle is not None:
-        return load_bundle_policy(Path(bundle), device=device, seed=seed)
+        return load_bundle_policy(Path(bundle), device=device, seed=seed, **(engine_options or {}))
     ad = load_adapter(adapter, checkpoint=checkpoint, preset_name=preset, device="cpu", tokenizer=tokenizer,
                       camera_names=camera_names, seed=seed)
-    engine = make_engine(backend, ad, device=device, dtype=dtype, seed=seed)
+    engine = make_engine(backend, ad, device=device, dtype=dtype, seed=seed, **(engine_options or {}))
     return Policy(ad, engine)
 
 

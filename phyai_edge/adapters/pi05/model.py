@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phyai_edge.adapters.pi05.config import PI05Config
+from phyai_edge.layers.fp8 import remove_fp8
 from phyai_edge.layers.fused import unfuse_projections
 from phyai_edge.layers.gemma import GemmaBlock
 from phyai_edge.layers.norm import AdaRMSNorm, LayerNorm, Modulation, RMSNorm
@@ -73,8 +74,10 @@ class PI05Model(nn.Module):
     # -- precision -------------------------------------------------------------------------
     def set_precision(self, dtype: torch.dtype) -> PI05Model:
         """Big matmuls in `dtype`; norms, the time MLP and the action projections stay float32
-        (they are tiny, and the published bf16 model keeps them in float32 too). Fused projections
-        are dropped first: the casts below re-create the tensors they would share."""
+        (they are tiny, and the published bf16 model keeps them in float32 too). Fp8 linears and
+        fused projections are dropped first: the casts below re-create the tensors they would share
+        (an fp8 copy would go stale; `layers.fp8` keeps the original Parameters, so nothing is lost)."""
+        remove_fp8(self)
         unfuse_projections(self)
         self.float()
         self.compute_dtype = dtype
