@@ -232,7 +232,7 @@ def render_fp8(res: dict[str, Any]) -> list[str]:
 def seeded_adapter(dev: str, tiny: bool, seed: int = 0) -> Any:
     """Our adapter with seeded random weights drawn on `dev` (full size in seconds on a GPU; no
     LeRobot): the same init as `adapters.pi05.builtin.seeded_model`, but on the device."""
-    from phyai_edge.adapters.pi05 import PI05Model, builtin_adapter
+    from phyai_edge.adapters.pi05 import PI05Adapter, PI05Model, builtin_adapter
     from phyai_edge.adapters.pi05.config import preset
 
     adapter = builtin_adapter("tiny", seed=seed)
@@ -251,8 +251,7 @@ def seeded_adapter(dev: str, tiny: bool, seed: int = 0) -> Any:
         for m in model.modules():
             if isinstance(m, torch.nn.LayerNorm):
                 m.weight.add_(1.0)
-    adapter.cfg, adapter.module = cfg, model
-    return adapter
+    return PI05Adapter(cfg, model, adapter.tokenizer, adapter.io)  # the tiny one's tokenizer and robot I/O
 
 
 def main_fp8_only(args: argparse.Namespace) -> int:
