@@ -10,12 +10,19 @@ results.json + results.md under --out.
     python benchmarks/pi05_gpu.py --out runs/gpu            # full size, needs lerobot==0.6.1
     python benchmarks/pi05_gpu.py --tiny --device cpu       # plumbing check on a CPU
     python benchmarks/pi05_gpu.py --fp8-only --out runs/fp8 # fp8 variants only (no LeRobot needed)
+    python benchmarks/pi05_gpu.py --triton-only --out runs/triton  # fused Triton ops ablation only
 
 fp8 (`CudaGraphEngine(fp8="expert"|"all")`, E4M3 weights and activations through torch._scaled_mm
 on Ada / Hopper): timed at batch 1 and 32 beside the bf16 engine, accuracy against our eager fp32
 on the same inputs and noise. Part of the full run (`--no-fp8` skips it); `--fp8-only` builds
 seeded random full-size weights directly on the GPU instead of going through LeRobot, and measures
 the bf16 baseline and the fp8 variants alone (a short device call).
+
+Fused Triton ops for the action expert (`CudaGraphEngine(triton_ops=True)`, `layers/triton_ops.py`):
+an ablation at batch 1 and 32: graphs + Triton ops, + fp8 expert, + torch.compile, each beside the
+bf16 engine and (with `--triton-only`) graphs + compile without them; accuracy vs eager fp32. Part of
+the full run (`--no-triton` skips it); `--triton-only` runs it on seeded full-size weights alone
+(combine with `--fp8-only` for both).
 """
 
 from __future__ import annotations
@@ -156,32 +163,66 @@ FP8_SCOPES = ("expert", "all")
 
 def run_fp8(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_for: Any, eager32: Any,
             shapes: list[tuple[int, int]], budget_s: float, compile_b1: bool = False) -> None:
-    """fp8 variants of the cudagraph engine: (batch, reps) in `shapes`, 3 views, each scope; p50 and
-    stages beside the bf16 engine's, accuracy vs eager fp32 on the accuracy inputs (seed 6).
+    """fp8 variants of the cudagraph engine: (batch, reps) in `shapes`, 3 views, each scope.
     Dynamic per-tensor activation scales, weight scales from each weight's amax (no calibration
-    set: random weights). Results under res["fp8"]; errors are recorded, not raised."""
+    set: random weights). Results under res["fp8"]."""
+    variants: list[tuple[str, dict[str, Any], list[tuple[int, int]]]] = [
+        (scope, {"fp8": scope}, shapes) for scope in FP8_SCOPES]
+    if compile_b1:
+        variants.append(("expert+compile", {"fp8": "expert", "compile": True}, shapes[:1]))
+    run_variants(res, "fp8", variants, adapter, dev, inputs_for, noise_for, eager32, budget_s)
+
+
+def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_for: Any, eager32: Any,
+               shapes: list[tuple[int, int]], budget_s: float, compile: bool = True,
+               compile_baseline: bool = False) -> None:
+    """Fused Triton ops for the action expert (`CudaGraphEngine(triton_ops=True)`, `layers/triton_ops.py`)
+    under the graphs: alone, with fp8 expert linears, and under torch.compile, at each (batch, reps)
+    in `shapes`. `compile_baseline` adds graphs + compile without Triton ops (the number to beat;
+    the full run has it in its ablation). Cheap variants first: compile ones are budget-guarded.
+    Results under res["triton"]; the path actually taken ("triton" or "reference") in *_info."""
+    variants: list[tuple[str, dict[str, Any], list[tuple[int, int]]]] = [
+        ("triton", {"triton_ops": True}, shapes),
+        ("triton+fp8 expert", {"triton_ops": True, "fp8": "expert"}, shapes),
+    ]
+    if compile:
+        if compile_baseline:
+            variants.append(("compile", {"compile": True}, shapes[:1]))
+        variants.append(("triton+compile", {"triton_ops": True, "compile": True}, shapes[:1]))
+        if compile_baseline:
+            variants.append(("compile", {"compile": True}, shapes[1:]))
+        variants.append(("triton+compile", {"triton_ops": True, "compile": True}, shapes[1:]))
+    run_variants(res, "triton", variants, adapter, dev, inputs_for, noise_for, eager32, budget_s)
+
+
+def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, dict[str, Any], list[tuple[int, int]]]],
+                 adapter: Any, dev: str, inputs_for: Any, noise_for: Any, eager32: Any, budget_s: float) -> None:
+    """Cudagraph engine variants (name, engine options, [(batch, reps)]), 3 views: p50 and stages
+    beside the bf16 engine's, accuracy vs eager fp32 on the accuracy inputs (seed 6). Results under
+    res[section]; errors are recorded, not raised."""
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.layers.fp8 import fp8_linears
 
-    out = res.setdefault("fp8", {})
+    out = res.setdefault(section, {})
     refs: dict[int, Any] = {}
-    variants: list[tuple[str, dict[str, Any]]] = [(scope, {"fp8": scope}) for scope in FP8_SCOPES]
-    if compile_b1:
-        variants.append(("expert+compile", {"fp8": "expert", "compile": True}))
-    for name, kw in variants:
+    for name, kw, shapes in variants:
+        if not shapes:
+            continue
         if time.perf_counter() - par.T0 > budget_s:
-            out[name] = f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)"
+            out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
             continue
         try:
             t0 = time.perf_counter()
             eng = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", **kw)
-            paths = sorted({m.backend for m in fp8_linears(eng.module)})
-            out[f"{name}_info"] = {"linears": eng.fp8_linears, "paths": paths,
-                                   "convert_s": time.perf_counter() - t0}
-            say(f"fp8 {name}: {eng.fp8_linears} linears, path {paths}")
-            for b, reps in shapes if "compile" not in kw else shapes[:1]:
+            info = {"options": kw, "build_s": time.perf_counter() - t0, "triton_path": eng.triton_ops,
+                    "fp8_linears": eng.fp8_linears,
+                    "fp8_paths": sorted({m.backend for m in fp8_linears(eng.module)})}
+            out[f"{name}_info"] = info
+            say(f"{section} {name}: {info}")
+            for b, reps in shapes:
                 if time.perf_counter() - par.T0 > budget_s:
-                    break
+                    out[f"{name}_b{b}"] = f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)"
+                    continue
                 x, n = par.model_inputs(inputs_for(b, 3)), noise_for(b)
                 t0 = time.perf_counter()
                 eng.warmup(b, 3, VALID_TOKENS)
@@ -196,22 +237,26 @@ def run_fp8(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_
                 if base:
                     r["speedup_vs_bf16"] = base["p50"] / r["p50"]
                 out[f"{name}_b{b}"] = r
-                say(f"fp8 {name} batch {b}: p50 {r['p50']:.2f} ms, {r['samples_per_s']:.1f} samples/s, "
-                    f"stages {r['stages_p50']}, vs eager fp32 {r['vs_eager_fp32']} (capture {cap:.1f}s)")
+                say(f"{section} {name} batch {b}: p50 {r['p50']:.2f} ms, {r['samples_per_s']:.1f} samples/s, "
+                    f"stages {r['stages_p50']}, vs eager fp32 {r['vs_eager_fp32']} (build+capture {cap:.1f}s)")
             del eng
         except Exception as exc:  # report, keep the rest of the run
             out[name] = f"failed: {type(exc).__name__}: {exc}"
-            say(f"fp8 {name} failed: {exc}")
+            say(f"{section} {name} failed: {exc}")
         sync(dev)
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
 
 
 def render_fp8(res: dict[str, Any]) -> list[str]:
-    f = res.get("fp8")
+    return render_variants(res, "fp8", "fp8 variant")
+
+
+def render_variants(res: dict[str, Any], section: str, title: str) -> list[str]:
+    f = res.get(section)
     if not f:
         return []
-    out = ["", "| fp8 variant | batch | p50 ms | samples/s | vs bf16 engine | vision / prefix / step ms | "
+    out = ["", f"| {title} | batch | p50 ms | samples/s | vs bf16 engine | vision / prefix / step ms | "
            "vs eager fp32 max abs / scale | rel L2 |", "|---|---|---|---|---|---|---|---|"]
     for key, r in f.items():
         if key.endswith("_info"):
@@ -226,6 +271,10 @@ def render_fp8(res: dict[str, Any]) -> list[str]:
                    f"{r.get('speedup_vs_bf16', float('nan')):.2f}x | {st.get('embed_images', float('nan')):.2f} / "
                    f"{st.get('encode_prefix', float('nan')):.2f} / {st.get('denoise_step', float('nan')):.3f} | "
                    f"{e['max_abs_over_scale']:.2e} | {e['rel_l2']:.2e} |")
+    paths = {k[: -len("_info")]: v.get("triton_path") for k, v in f.items() if k.endswith("_info")}
+    if any(paths.values()):
+        out.append("")
+        out.append("Triton ops path taken: " + ", ".join(f"{k}: {v}" for k, v in paths.items() if v))
     return out
 
 
@@ -254,13 +303,15 @@ def seeded_adapter(dev: str, tiny: bool, seed: int = 0) -> Any:
     return PI05Adapter(cfg, model, adapter.tokenizer, adapter.io)  # the tiny one's tokenizer and robot I/O
 
 
-def main_fp8_only(args: argparse.Namespace) -> int:
-    """The bf16 engine and its fp8 variants on seeded full-size weights: one short device call."""
+def main_seeded(args: argparse.Namespace) -> int:
+    """The bf16 engine and its fp8 variants (`--fp8-only`) and / or its Triton-ops variants
+    (`--triton-only`) on seeded full-size weights: one short device call."""
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.engines.eager import EagerEngine
 
     dev = args.device
-    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "mode": "fp8-only",
+    only = "+".join(m for m, on in (("fp8", args.fp8_only), ("triton", args.triton_only)) if on)
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "mode": f"{only}-only",
                            "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
                            "torch": torch.__version__, "command": " ".join(sys.argv)}
 
@@ -303,11 +354,16 @@ def main_fp8_only(args: argparse.Namespace) -> int:
     sync(dev)
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
-    run_fp8(res, adapter, dev, inputs_for, noise_for, eager32, [(1, reps1), (32, reps32)], args.budget_s,
-            compile_b1=not args.no_compile)
-    dump()
+    if args.fp8_only:
+        run_fp8(res, adapter, dev, inputs_for, noise_for, eager32, [(1, reps1), (32, reps32)], args.budget_s,
+                compile_b1=not args.no_compile)
+        dump()
+    if args.triton_only:
+        run_triton(res, adapter, dev, inputs_for, noise_for, eager32, [(1, reps1), (32, reps32)], args.budget_s,
+                   compile=not args.no_compile, compile_baseline=True)
+        dump()
     c = res["ceilings"]
-    lines = [f"device: {res['device']}, torch {res['torch']} (fp8-only run, seeded random weights, {'tiny' if args.tiny else 'full size'})",
+    lines = [f"device: {res['device']}, torch {res['torch']} ({only}-only run, seeded random weights, {'tiny' if args.tiny else 'full size'})",
              f"ceilings: bf16 matmul {c['tflops']:.0f} TFLOP/s, copy {c['gbps']:.0f} GB/s", "",
              "| bf16 engine | batch | p50 ms | samples/s | vs eager fp32 max abs / scale | rel L2 |",
              "|---|---|---|---|---|---|"]
@@ -317,6 +373,7 @@ def main_fp8_only(args: argparse.Namespace) -> int:
         lines.append(f"| cudagraph bf16 | {b} | {r['p50']:.2f} | {r['samples_per_s']:.1f} | "
                      f"{e['max_abs_over_scale']:.2e} | {e['rel_l2']:.2e} |")
     lines += render_fp8(res)
+    lines += render_variants(res, "triton", "Triton ops variant")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     return 0
@@ -333,11 +390,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 variants")
     ap.add_argument("--fp8-only", action="store_true",
                     help="only the bf16 engine and its fp8 variants, on seeded weights (no LeRobot)")
+    ap.add_argument("--no-triton", action="store_true", help="skip the fused Triton ops variants")
+    ap.add_argument("--triton-only", action="store_true",
+                    help="only the bf16 engine and its Triton-ops variants, on seeded weights (no LeRobot)")
     args = ap.parse_args(argv)
     dev = args.device
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.fp8_only:
-        return main_fp8_only(args)
+    if args.fp8_only or args.triton_only:
+        return main_seeded(args)
     if args.tiny:
         par.patch_tiny()
     from phyai_edge.engines.cudagraph import CudaGraphEngine
@@ -443,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
                 args.budget_s - 120)
         dump()
 
+    # Fused Triton ops for the action expert (graphs + triton_ops, + fp8, + compile), batch 1 and 32
+    if not args.no_triton:
+        run_triton(res, adapter, dev, inputs_for, noise_for, eager32, [(1, reps1), (32, reps32)],
+                   args.budget_s - 120, compile=not args.no_compile)
+        dump()
+
     # What each change bought: eager bf16 (ours), graphs alone, and the full engine
     res["ablation"] = {}
     plain = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", fuse=False, trim_prompt=False,
@@ -537,6 +603,7 @@ def render(res: dict[str, Any]) -> list[str]:
     for name, e in rows.items():
         out.append(f"| {name} | {e['max_abs_over_scale']:.2e} | {e['rel_l2']:.2e} |")
     out += render_fp8(res)
+    out += render_variants(res, "triton", "Triton ops variant")
     out += ["", "| ablation | p50 ms | stages p50 ms |", "|---|---|---|"]
     for key, r in res["ablation"].items():
         if isinstance(r, dict):

@@ -8,11 +8,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
+
+# Triton kernels (tests/test_triton_ops.py) run in Triton's CPU interpreter where there is no GPU.
+# Triton reads this when it decorates kernels, its own library's included, so it is set here, before
+# anything imports triton (torch._dynamo does, where triton is installed). CI has no triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from phyai_edge.adapters.base import Observation
 from phyai_edge.adapters.pi05.builtin import builtin_adapter

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-scales", default=None, metavar="FILE",
                    help="calibrated fp8 scales (.safetensors from `phyai-edge export --precision fp8`); "
                    "default: weight amax, dynamic activation scales")
+    p.add_argument("--triton-ops", action="store_true",
+                   help="cudagraph backend: the action expert's norms, residuals, RoPE and GeGLU as fused Triton "
+                   "kernels (layers/triton_ops.py; CUDA with triton installed, else the reference path); unmeasured")
     p.add_argument("--json", action="store_true", help="print one JSON object (input to `phyai-edge roofline`)")
 
 
@@ -79,6 +82,12 @@ def run_bench(args: argparse.Namespace) -> dict:
         if args.backend != "cudagraph":
             raise SystemExit(f"--fp8 needs --backend cudagraph (got --backend {args.backend})")
         options = {"fp8": fp8 or "expert", "fp8_scales": args.fp8_scales}
+    if getattr(args, "triton_ops", False):
+        if args.engine:
+            raise SystemExit("--triton-ops does not apply to a bundle (it is a cudagraph engine option)")
+        if args.backend != "cudagraph":
+            raise SystemExit(f"--triton-ops needs --backend cudagraph (got --backend {args.backend})")
+        options["triton_ops"] = True
     policy = load_policy(adapter=args.adapter, checkpoint=args.checkpoint, preset=args.preset, backend=args.backend,
                          device=args.device, dtype=args.dtype, bundle=args.engine, tokenizer=args.tokenizer,
                          engine_options=options)
@@ -130,6 +139,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "adapter": args.adapter, "preset": args.preset if not args.checkpoint else "checkpoint",
         "backend": getattr(policy.engine, "backend", args.backend), "device": args.device, "dtype": args.dtype,
         "fp8": getattr(policy.engine, "fp8", None), "fp8_linears": getattr(policy.engine, "fp8_linears", 0),
+        "triton_ops": getattr(policy.engine, "triton_ops", None),
         "batch": args.batch, "views": views, "steps": adapter.solver.num_steps, "prompt_tokens": n_valid,
         "iters": args.iters, "stages": stages,
         "samples_per_s": args.batch / (stages["engine"]["p50_ms"] / 1e3),
@@ -148,6 +158,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {name:<18}{n:>15,}")
         return 0
     fp8 = f", fp8 {result['fp8']} ({result['fp8_linears']} linears)" if result.get("fp8") else ""
+    fp8 += f", Triton ops ({result['triton_ops']} path)" if result.get("triton_ops") else ""
     print(f"{result['adapter']} {result['preset']} on {result['device']} ({result['backend']}, {result['dtype']}{fp8}), "
           f"batch {result['batch']}, {result['views']} views, {result['steps']} steps, "
           f"{result['prompt_tokens']} prompt tokens, {result['iters']} iterations")

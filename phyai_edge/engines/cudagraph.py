@@ -20,6 +20,9 @@ What makes it fast (each is exact, or equal within rounding, to the eager engine
   attention / MLP projection (`fp8="all"`): `layers.fp8`, `torch._scaled_mm` on Ada / Hopper,
   its plain-torch reference elsewhere. Converted after the precision is set and after fusion, so
   the fused QKV and gate/up GEMMs are the ones quantised (see `layers/fp8.py` for why).
+- Optional fused Triton kernels for the action expert's elementwise chains (`triton_ops=True`:
+  adaptive norm + modulation, gated residual + the next norm, RoPE out of the fused QKV, GeGLU;
+  `layers.triton_ops`), chosen around the model (`PI05Model.triton_stages`). Unmeasured on a GPU.
 - Optional `torch.compile` of the stage functions (inductor fuses norms, RoPE, GeGLU and
   residuals) underneath the same graphs.
 
@@ -101,6 +104,7 @@ class CudaGraphEngine(EngineBase):
         fp8: str | None = None,
         fp8_scales: Any = None,
         fp8_activations: str | None = None,
+        triton_ops: bool | str = False,
     ) -> None:
         super().__init__(adapter, device, seed)
         self.dtype = resolve_dtype(dtype)
@@ -112,6 +116,16 @@ class CudaGraphEngine(EngineBase):
 
             if fp8 not in SCOPES:  # before touching the model
                 raise ValueError(f"fp8={fp8!r}: choose one of {tuple(SCOPES)} or None")
+        triton_backend = {False: None, True: "auto"}.get(triton_ops, triton_ops)  # type: ignore[call-overload]
+        if triton_backend not in (None, "auto", "triton", "reference"):
+            raise ValueError(f"triton_ops={triton_ops!r}: choose True, False, 'auto', 'triton' or 'reference'")
+        self.triton_ops: str | None = None  # the path the fused ops take: "triton" or "reference"
+        if triton_backend is not None:  # before touching the model
+            if not hasattr(module, "triton_stages"):
+                raise ValueError(f"triton_ops: {type(module).__name__} has no Triton stages")
+            from phyai_edge.layers.triton_ops import resolve_backend
+
+            self.triton_ops = resolve_backend(triton_backend, self.device)
         self.take_module(module, self.dtype)
         module.to(self.device)
         module.set_precision(self.dtype)
@@ -141,6 +155,15 @@ class CudaGraphEngine(EngineBase):
             log.info("cudagraph engine on %s: CUDA graphs need a CUDA device; running the same code eagerly",
                      self.device)
         self._stages: dict[str, Callable[..., Any]] = {n: adapter.stage(n) for n in adapter.stage_names()}
+        if triton_backend is not None:
+            # Around the model, not in it: the model's Triton stage functions replace its own
+            # (same contract). Fused projections and fp8 linears are called as they are.
+            from phyai_edge.layers.triton_ops import triton_status
+
+            self._stages.update(module.triton_stages(triton_backend))
+            log.info("cudagraph: action expert elementwise chains on the fused ops (%s)",
+                     triton_status(self.device)[1] if self.triton_ops == "triton"
+                     else f"reference path: {triton_status(self.device)[1]}")
         if compile:
             kw = {"mode": compile_mode} if compile_mode else {}
             self._stages = {n: torch.compile(f, dynamic=False, **kw) for n, f in self._stages.items()}

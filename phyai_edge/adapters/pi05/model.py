@@ -14,6 +14,7 @@ attends bidirectionally among the chunk's own tokens. The solver loop belongs to
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -174,9 +175,23 @@ class PI05Model(nn.Module):
         """x_t (B, H, D) at flow time t (B,) -> velocity (B, H, D) float32.
 
         `modulation`: `time_modulation(t)` computed ahead (a table entry), or None to compute it."""
+        per_layer, final_mod = modulation if modulation is not None else self.time_modulation(t)
+        x, cos, sin, mask = self.expert_inputs(x_t, prefix_mask)
+        for i, layer in enumerate(self.expert_layers):
+            q, k, v, gate = layer.project_kv(x, cos, sin, per_layer[i][0])
+            k_all = torch.cat([k_cache[i], k], dim=2)
+            v_all = torch.cat([v_cache[i], v], dim=2)
+            x = layer.finish(x, q, k_all, v_all, mask, gate, per_layer[i][1])
+        out, _ = self.expert_norm(x, final_mod)
+        return self.expert_output(out)
+
+    def expert_inputs(
+        self, x_t: torch.Tensor, prefix_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The action expert's input: x_t (B, H, D) -> embedded actions (B, H, width), the chunk's
+        rotary cos/sin (positions continue after the valid prefix) and its attention mask."""
         e = self.cfg.expert
         b, h = x_t.shape[:2]
-        per_layer, final_mod = modulation if modulation is not None else self.time_modulation(t)
         x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
         offset = prefix_mask.long().sum(dim=1, keepdim=True)
         positions = offset + torch.arange(h, device=x_t.device)[None, :]
@@ -190,11 +205,25 @@ class PI05Model(nn.Module):
             ],
             dim=-1,
         )
-        for i, layer in enumerate(self.expert_layers):
-            q, k, v, gate = layer.project_kv(x, cos, sin, per_layer[i][0])
-            k_all = torch.cat([k_cache[i], k], dim=2)
-            v_all = torch.cat([v_cache[i], v], dim=2)
-            x = layer.finish(x, q, k_all, v_all, mask, gate, per_layer[i][1])
-        out, _ = self.expert_norm(x, final_mod)
-        return self.action_out_proj(out.to(self.action_out_proj.weight.dtype)).float()
+        return x, cos, sin, mask
 
+    def expert_output(self, normed: torch.Tensor) -> torch.Tensor:
+        """The final norm's output (B, H, width) -> velocity (B, H, D) float32."""
+        return self.action_out_proj(normed.to(self.action_out_proj.weight.dtype)).float()
+
+    def triton_stages(self, backend: str = "auto") -> dict[str, Callable[..., torch.Tensor]]:
+        """Stage functions that run the action expert's elementwise chains as fused Triton kernels
+        (`layers.triton_ops`; `backend` as there). An engine option chooses them
+        (`CudaGraphEngine(triton_ops=True)`); `denoise_step` above stays the reference."""
+        from phyai_edge.layers import triton_ops
+
+        def denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=None):
+            per_layer, final_mod = modulation if modulation is not None else self.time_modulation(t)
+            x, cos, sin, mask = self.expert_inputs(x_t, prefix_mask)
+            out = triton_ops.adaptive_block_stack(
+                self.expert_layers, x, cos, sin, k_cache, v_cache, mask, per_layer, final_mod,
+                self.expert_norm.eps, backend,
+            )
+            return self.expert_output(out)
+
+        return {"denoise_step": denoise_step}

@@ -1,0 +1,409 @@
+"""Fused Triton kernels for the action expert's elementwise chains, each beside its plain-torch
+reference, and the dispatcher that chooses between them.
+
+At batch 1 a PI0.5 denoise step (18 adaptive Gemma layers over 50 tokens) is bound by the number
+of small kernels, not by bytes or FLOPs (`benchmarks/RESULTS.md`, "PI0.5 on the H200"). Between
+the GEMMs and the attention, each layer runs chains of tiny elementwise ops; these kernels do
+each chain in one launch, one program per row (a row of 1024 fits one block):
+
+- `ada_rms_norm`: adaptive RMSNorm + modulation, `normed * (1 + scale) + shift`, statistics in
+  float32, output in the activation dtype (eager: ~10 kernels).
+- `residual_ada_rms_norm`: the gated residual `x + y * gate` fused with the *next* adaptive
+  RMSNorm; writes the new residual and the next op's normed input (eager: ~12 kernels).
+- `qkv_rope`: rotary embedding on q and k straight out of the fused QKV GEMM's output
+  (split + rotate-half + cast, written as contiguous (B, H, T, D)); v stays a view
+  (eager: ~14 kernels, the transposes' copies included).
+- `geglu`: `gelu_tanh(gate) * up` from the fused gate/up GEMM's output (eager: 2-3 kernels).
+
+`adaptive_block_stack` runs a stack of adaptive `GemmaBlock`s with these ops, carrying the
+normed input across block boundaries (the residual of block i is fused with the input norm of
+block i + 1, the last one with the final norm). The blocks' own linears (`qkv_proj`, `o_proj`,
+`gate_up`, `down_proj`: bf16, or fp8 after `layers.fp8.convert_fp8`) and attention are called as
+they are; only the elementwise glue changes. Models choose this path around themselves (an
+engine option, `CudaGraphEngine(triton_ops=True)`); the model's own code path is unchanged.
+
+Dispatch (`backend`): "reference" (the default: plain torch, everywhere), "triton" (the kernels;
+an error where they cannot run) or "auto" (the kernels on CUDA when triton is installed, or on
+any device under `TRITON_INTERPRET=1`; else the reference). Whatever is asked, a call whose inputs
+need a gradient (exact RTC guidance takes a vector-Jacobian product through the step) runs the
+reference: the kernels have no backward.
+
+Status: tested against the references on CPU under `TRITON_INTERPRET=1`
+(`tests/test_triton_ops.py`); **not yet compiled or timed on a GPU**.
+
+This module imports without triton installed: the references and the dispatcher work, and the
+kernels are simply absent (`triton_available()` is False).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from phyai_edge.layers.mlp import gelu_tanh
+from phyai_edge.layers.norm import Modulation, ada_rms_norm_ref
+from phyai_edge.layers.rotary import apply_rope
+
+try:  # optional: the references below need only torch
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent (CI)
+    triton = None
+    tl = None
+
+BACKENDS = ("reference", "triton", "auto")
+
+
+# -- dispatcher ---------------------------------------------------------------------------------
+def triton_available() -> bool:
+    return triton is not None
+
+
+# Triton decides at decoration whether a kernel is interpreted: for this module's kernels at its import,
+# for triton.language's own (tl.sum, ...) at triton's import. Both must have seen TRITON_INTERPRET=1.
+_INTERPRET_ASKED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+_INTERPRET = (triton is not None and _INTERPRET_ASKED
+              and type(getattr(tl, "sum", None)).__name__ == "InterpretedFunction")
+
+
+def interpret_mode() -> bool:
+    """The kernels run in Triton's CPU interpreter (numpy): `TRITON_INTERPRET=1` was set before
+    this module was imported."""
+    return _INTERPRET
+
+
+def triton_status(device: torch.device | str) -> tuple[bool, str]:
+    """Whether the kernels can run on `device`, and if not, why (one line)."""
+    device = torch.device(device)
+    if triton is None:
+        return False, "triton is not installed (pip install triton)"
+    if device.type == "cuda" or interpret_mode():
+        return True, "triton kernels" + (" (TRITON_INTERPRET=1)" if interpret_mode() else "")
+    if _INTERPRET_ASKED:
+        return False, "TRITON_INTERPRET=1 was set after triton was imported (set it before anything imports triton)"
+    return False, f"triton kernels need a CUDA device or TRITON_INTERPRET=1 (device is {device})"
+
+
+def resolve_backend(requested: str, device: torch.device | str) -> str:
+    """"reference" | "triton" | "auto" -> "reference" | "triton" for tensors on `device`."""
+    if requested not in BACKENDS:
+        raise ValueError(f"backend={requested!r}: choose one of {BACKENDS}")
+    if requested == "reference":
+        return "reference"
+    ok, why = triton_status(device)
+    if requested == "triton" and not ok:
+        raise RuntimeError(f"backend='triton' cannot run: {why}")
+    return "triton" if ok else "reference"
+
+
+def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
+    if backend == "reference":
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False  # autograd (exact RTC guidance): the kernels have no backward
+    return resolve_backend(backend, tensors[0].device) == "triton"
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A (..., width) tensor as (rows, width) with unit column stride (a view when it can be)."""
+    t = t.reshape(-1, width)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _per_batch(m: torch.Tensor, batch: int, width: int) -> tuple[torch.Tensor, int]:
+    """A (B or 1, 1, width) modulation as (B or 1, width) rows and its batch stride (0: broadcast)."""
+    rows = _rows(m, width)
+    if rows.shape[0] not in (1, batch):
+        raise ValueError(f"modulation of shape {tuple(m.shape)} does not broadcast over batch {batch}")
+    return rows, (rows.stride(0) if rows.shape[0] > 1 else 0)
+
+
+def _empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """Every kernel output is allocated here (the tests poison it to check it is fully written)."""
+    return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
+
+
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+# -- references -----------------------------------------------------------------------------------
+def residual_ref(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`GemmaBlock._residual` with a gate, in the residual's dtype."""
+    return x + y * gate.to(x.dtype)
+
+
+def residual_ada_rms_norm_ref(
+    x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r = residual_ref(x, y, gate)
+    return r, ada_rms_norm_ref(r, scale, shift, eps)
+
+
+def qkv_rope_ref(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`GemmaAttention.qkv` after its projection: qkv (B, T, (H + 2 Hkv) D) -> q (B, H, T, D),
+    k, v (B, Hkv, T, D), RoPE on q and k (`layers.rotary.apply_rope`)."""
+    b, t, _ = qkv.shape
+    nq, nkv = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+    q = q.reshape(b, t, num_heads, head_dim).transpose(1, 2)
+    k = k.reshape(b, t, num_kv_heads, head_dim).transpose(1, 2)
+    v = v.reshape(b, t, num_kv_heads, head_dim).transpose(1, 2)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def geglu_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """`GatedMLP`'s activation on the fused gate/up output (gate first, then up)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return gelu_tanh(gate) * up
+
+
+# -- kernels --------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _residual_ada_norm_kernel(
+        x_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, res_ptr, out_ptr,
+        n_cols, rows_per_batch, eps,
+        stride_x, stride_y, stride_res, stride_out,
+        stride_gate_b, stride_scale_b, stride_shift_b,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        b = row // rows_per_batch
+        cols = tl.arange(0, BLOCK)
+        m = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            y = tl.load(y_ptr + row * stride_y + cols, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(gate_ptr + b * stride_gate_b + cols, mask=m, other=0.0).to(tl.float32)
+            r = (x + y * g).to(res_ptr.dtype.element_ty)
+            tl.store(res_ptr + row * stride_res + cols, r, mask=m)
+            x = r.to(tl.float32)  # normalise the residual as stored (rounded), as the reference does
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        sc = tl.load(scale_ptr + b * stride_scale_b + cols, mask=m, other=0.0).to(tl.float32)
+        sh = tl.load(shift_ptr + b * stride_shift_b + cols, mask=m, other=0.0).to(tl.float32)
+        out = x * inv * (1.0 + sc) + sh
+        tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _qkv_rope_kernel(
+        qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr,
+        seq_len, num_heads, num_kv_heads,
+        stride_qkv_b, stride_qkv_t, stride_cs_b, stride_cs_t, stride_sn_b, stride_sn_t,
+        HALF: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # one program per (batch * token, head) over the q heads then the k heads
+        bt = tl.program_id(0)
+        head = tl.program_id(1)
+        b = bt // seq_len
+        t = bt % seq_len
+        cols = tl.arange(0, BLOCK)
+        m = cols < HALF
+        src = qkv_ptr + b * stride_qkv_b + t * stride_qkv_t + head * (2 * HALF)
+        x1 = tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + cols, mask=m, other=0.0).to(tl.float32)
+        cs = cos_ptr + b * stride_cs_b + t * stride_cs_t
+        sn = sin_ptr + b * stride_sn_b + t * stride_sn_t
+        c1 = tl.load(cs + cols, mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(cs + HALF + cols, mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(sn + cols, mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(sn + HALF + cols, mask=m, other=0.0).to(tl.float32)
+        o1 = x1 * c1 - x2 * s1  # rotate_half: (-x2, x1)
+        o2 = x2 * c2 + x1 * s2
+        heads = head + cols * 0  # the head index as a block, so the masks below are blocks
+        is_q = m & (heads < num_heads)
+        is_k = m & (heads >= num_heads)
+        qh = tl.minimum(head, num_heads - 1)
+        kh = tl.maximum(head - num_heads, 0)
+        dst_q = q_ptr + ((b * num_heads + qh) * seq_len + t) * (2 * HALF)
+        dst_k = k_ptr + ((b * num_kv_heads + kh) * seq_len + t) * (2 * HALF)
+        tl.store(dst_q + cols, o1.to(q_ptr.dtype.element_ty), mask=is_q)
+        tl.store(dst_q + HALF + cols, o2.to(q_ptr.dtype.element_ty), mask=is_q)
+        tl.store(dst_k + cols, o1.to(k_ptr.dtype.element_ty), mask=is_k)
+        tl.store(dst_k + HALF + cols, o2.to(k_ptr.dtype.element_ty), mask=is_k)
+
+    @triton.jit
+    def _geglu_kernel(gu_ptr, out_ptr, hidden, stride_in, stride_out, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < hidden
+        g = tl.load(gu_ptr + row * stride_in + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_in + hidden + cols, mask=m, other=0.0).to(tl.float32)
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi)
+        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh(15) is 1 in float32; no exp overflow
+        th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # tanh
+        out = 0.5 * g * (1.0 + th) * u
+        tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _residual_ada_norm_triton(x, y, gate, scale, shift, eps):
+    b, n = x.shape[0], x.shape[-1]
+    rows_per_batch = x[0].numel() // n
+    x2 = _rows(x, n)
+    out = _empty(x.shape, x)
+    out2 = out.view(-1, n)
+    sc, s_sc = _per_batch(scale, b, n)
+    sh, s_sh = _per_batch(shift, b, n)
+    if y is not None:
+        y2 = _rows(y, n)
+        g, s_g = _per_batch(gate, b, n)
+        res = _empty(x.shape, x)
+        res2 = res.view(-1, n)
+        sy, sres = y2.stride(0), res2.stride(0)
+    else:  # unused pointers: anything valid
+        y2, g, res, res2, s_g, sy, sres = x2, sc, None, out2, 0, 0, 0
+    _residual_ada_norm_kernel[(x2.shape[0],)](
+        x2, y2, g, sc, sh, res2, out2,
+        n, rows_per_batch, float(eps),
+        x2.stride(0), sy, sres, out2.stride(0),
+        s_g, s_sc, s_sh,
+        HAS_RESIDUAL=y is not None, BLOCK=_block(n),
+    )
+    return res, out
+
+
+# -- the ops (dispatched) -------------------------------------------------------------------------
+def ada_rms_norm(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, backend: str = "reference"
+) -> torch.Tensor:
+    """x (B, T, N); scale, shift (B or 1, 1, N) -> rms_norm(x) * (1 + scale) + shift in x.dtype."""
+    if not _use_triton(backend, x, scale, shift):
+        return ada_rms_norm_ref(x, scale, shift, eps)
+    return _residual_ada_norm_triton(x, None, None, scale, shift, eps)[1]
+
+
+def residual_ada_rms_norm(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float,
+    backend: str = "reference",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """r = x + y * gate (the gated residual, in x.dtype), then ada_rms_norm(r, scale, shift):
+    returns (r, normed r). x, y (B, T, N); gate, scale, shift (B or 1, 1, N)."""
+    if not _use_triton(backend, x, y, gate, scale, shift):
+        return residual_ada_rms_norm_ref(x, y, gate, scale, shift, eps)
+    return _residual_ada_norm_triton(x, y, gate, scale, shift, eps)
+
+
+def qkv_rope(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    backend: str = "reference",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `qkv_rope_ref`; cos, sin (B or 1, 1, T, D) as `rope_cos_sin` makes them."""
+    if not _use_triton(backend, qkv, cos, sin):
+        return qkv_rope_ref(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+    if head_dim % 2:
+        raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+    b, t, width = qkv.shape
+    if width != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv width {width} != (heads + 2 kv heads) * head_dim")
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    nq, nkv = num_heads * head_dim, num_kv_heads * head_dim
+    q = _empty((b, num_heads, t, head_dim), qkv)
+    k = _empty((b, num_kv_heads, t, head_dim), qkv)
+    cos3, sin3 = cos.reshape(cos.shape[0], t, head_dim), sin.reshape(sin.shape[0], t, head_dim)
+    if cos3.stride(-1) != 1:
+        cos3 = cos3.contiguous()
+    if sin3.stride(-1) != 1:
+        sin3 = sin3.contiguous()
+    for c in (cos3, sin3):
+        if c.shape[0] not in (1, b):
+            raise ValueError(f"cos/sin batch {c.shape[0]} does not broadcast over batch {b}")
+    half = head_dim // 2
+    _qkv_rope_kernel[(b * t, num_heads + num_kv_heads)](
+        qkv, cos3, sin3, q, k,
+        t, num_heads, num_kv_heads,
+        qkv.stride(0), qkv.stride(1),
+        cos3.stride(0) if cos3.shape[0] > 1 else 0, cos3.stride(1),
+        sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1),
+        HALF=half, BLOCK=_block(half),
+    )
+    v = qkv[..., nq + nkv :].reshape(b, t, num_kv_heads, head_dim).transpose(1, 2)
+    return q, k, v
+
+
+def geglu(gate_up: torch.Tensor, backend: str = "reference") -> torch.Tensor:
+    """gelu_tanh(gate) * up for gate_up (..., 2 H) = cat([gate, up], -1) -> (..., H)."""
+    if not _use_triton(backend, gate_up):
+        return geglu_ref(gate_up)
+    hidden = gate_up.shape[-1] // 2
+    gu = _rows(gate_up, 2 * hidden)
+    out = _empty((*gate_up.shape[:-1], hidden), gate_up)
+    out2 = out.view(-1, hidden)
+    block = min(1024, _block(hidden))
+    _geglu_kernel[(gu.shape[0], triton.cdiv(hidden, block))](
+        gu, out2, hidden, gu.stride(0), out2.stride(0), BLOCK=block
+    )
+    return out
+
+
+# -- a stack of adaptive Gemma blocks on the fused ops --------------------------------------------
+def _qkv_projection(attn: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The packed (B, T, (H + 2 Hkv) D) projection: the fused GEMM, or its parts concatenated."""
+    if attn.qkv_proj is not None:
+        return attn.qkv_proj(h)
+    return torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+
+
+def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str) -> torch.Tensor:
+    if mlp.gate_up is None:
+        return mlp(h)
+    return mlp.down_proj(geglu(mlp.gate_up(h), backend))
+
+
+def adaptive_block_stack(
+    blocks: Sequence[torch.nn.Module],
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    mask: torch.Tensor,
+    modulations: Sequence[tuple[Modulation, Modulation]],
+    final: Modulation,
+    final_eps: float,
+    backend: str = "reference",
+) -> torch.Tensor:
+    """Adaptive `GemmaBlock`s over x (B, T, W), each attending to its cached prefix keys/values
+    (`k_cache[i]`, `v_cache[i]`) and to itself, then the final adaptive norm (modulation `final`,
+    `final_eps`): returns that norm's output, in x.dtype.
+
+    The same function as running `block.project_kv` / `block.finish` per block and then the final
+    `AdaRMSNorm`, with the elementwise chains fused: each gated residual is computed together
+    with the norm that follows it (the block's post-attention norm, the next block's input norm,
+    or the final norm). `modulations[i]` is block i's (input, post-attention) (scale, shift, gate).
+    """
+    scale, shift, _ = modulations[0][0]
+    h = ada_rms_norm(x, scale, shift, blocks[0].input_layernorm.eps, backend)
+    for i, block in enumerate(blocks):
+        attn = block.self_attn
+        (_, _, gate_in), (scale2, shift2, gate_post) = modulations[i]
+        q, k, v = qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads,
+                           attn.head_dim, backend)
+        k_all = torch.cat([k_cache[i], k], dim=2)
+        v_all = torch.cat([v_cache[i], v], dim=2)
+        y = attn.attend(q, k_all, v_all, mask)
+        x, h = residual_ada_rms_norm(x, y, gate_in, scale2, shift2, block.post_attention_layernorm.eps, backend)
+        y = _mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend)
+        if i + 1 < len(blocks):
+            next_scale, next_shift, _ = modulations[i + 1][0]
+            eps = blocks[i + 1].input_layernorm.eps
+        else:
+            next_scale, next_shift, _ = final
+            eps = final_eps
+        x, h = residual_ada_rms_norm(x, y, gate_post, next_scale, next_shift, eps, backend)
+    return h
