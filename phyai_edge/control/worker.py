@@ -151,13 +151,38 @@ def make_warmup_job(info: PolicyInfo, prompt: str, size: int = 224) -> Job:
 # ---------------------------------------------------------------- thread placement
 
 
-class ThreadWorker:
-    def __init__(self, spec: PolicySpec | None = None, policy: PolicyLike | None = None) -> None:
-        self._spec = spec
-        self._policy = policy
+class _JobSlot:
+    """One inference at a time, handed over without blocking the clock: the clock thread submits
+    a job and polls for its result; the worker's own thread takes the job and leaves the result."""
+
+    def _init_slot(self) -> None:
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=1)
         self._result: JobResult | None = None
         self._busy = False
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def submit(self, job: Job) -> None:
+        if self._busy:
+            raise RuntimeError("worker is busy: one inference at a time")
+        self._busy = True
+        self._jobs.put_nowait(job)
+
+    def poll(self) -> JobResult | None:
+        res = self._result
+        if res is not None:
+            self._result = None
+            self._busy = False
+        return res
+
+
+class ThreadWorker(_JobSlot):
+    def __init__(self, spec: PolicySpec | None = None, policy: PolicyLike | None = None) -> None:
+        self._spec = spec
+        self._policy = policy
+        self._init_slot()
         self._thread: threading.Thread | None = None
         self.info: PolicyInfo | None = None
         # The health interface ProcessWorker has (a thread cannot die on its own and be restarted).
@@ -185,23 +210,6 @@ class ThreadWorker:
     def run_sync(self, job: Job) -> JobResult:
         assert self._policy is not None
         return run_job(self._policy, job)
-
-    @property
-    def busy(self) -> bool:
-        return self._busy
-
-    def submit(self, job: Job) -> None:
-        if self._busy:
-            raise RuntimeError("worker is busy: one inference at a time")
-        self._busy = True
-        self._jobs.put_nowait(job)
-
-    def poll(self) -> JobResult | None:
-        res = self._result
-        if res is not None:
-            self._result = None
-            self._busy = False
-        return res
 
     def close(self) -> None:
         with contextlib.suppress(queue.Full):
@@ -274,7 +282,7 @@ class WorkerHungError(RuntimeError):
     """An inference that outlived `ProcessWorker.job_timeout_s`: the process is alive but stuck."""
 
 
-class ProcessWorker:
+class ProcessWorker(_JobSlot):
     """The policy in a child process, restarted with backoff when that process dies.
 
     Death (OOM kill, a segfault in a driver, `kill -9`) is seen as end-of-file on the pipe while
@@ -292,9 +300,7 @@ class ProcessWorker:
         self._ctx = mp.get_context("spawn")
         self._conn: Any = None
         self._proc: Any = None
-        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=1)
-        self._result: JobResult | None = None
-        self._busy = False
+        self._init_slot()
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
         self.info: PolicyInfo | None = None
@@ -359,23 +365,6 @@ class ProcessWorker:
             if res is not None:
                 return res
             time.sleep(0.002)
-
-    @property
-    def busy(self) -> bool:
-        return self._busy
-
-    def submit(self, job: Job) -> None:
-        if self._busy:
-            raise RuntimeError("worker is busy: one inference at a time")
-        self._busy = True
-        self._jobs.put_nowait(job)
-
-    def poll(self) -> JobResult | None:
-        res = self._result
-        if res is not None:
-            self._result = None
-            self._busy = False
-        return res
 
     def close(self) -> None:
         """Fast: the child holds no state worth saving, so it is killed rather than joined."""
