@@ -1,4 +1,18 @@
-"""Model adapters: one module per model. The runtime finds them by name here."""
+"""Model adapters: one module per model. The runtime finds them by name here.
+
+Adding a model is one module and one line in ADAPTERS (tests/helpers/toy_adapter.py is a worked
+example, run through the runtime by tests/test_second_adapter.py). The module provides:
+
+- `load_adapter(checkpoint=None, preset_name="tiny", device="cpu", tokenizer=None,
+  camera_names=None, seed=0, **_)` -> an object implementing `base.Adapter` (stages as methods
+  of `adapter.module` named as in `stage_specs`, listed in execution order, the last one the
+  solver's velocity step taking (x_t, t, ...) first: see `Adapter.stage_specs`);
+- for engine bundles: `save_bundle_checkpoint(adapter, folder, with_weights)` and
+  `load_bundle_adapter(folder, weights_included)` (the adapter's own metadata format).
+
+Not yet model-agnostic: the cudagraph engine (PI0.5's graph, prompt-length buckets) and the
+TensorRT engine's run loop (PI0.5's stage and tensor names).
+"""
 
 from __future__ import annotations
 

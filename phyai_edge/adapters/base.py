@@ -77,6 +77,8 @@ class Adapter(Protocol):
     chunk_size: int  # H: actions per chunk
     model_action_dim: int  # padded action width the model integrates over
     action_dim: int  # robot action width after postprocess
+    state_dim: int  # robot state width `preprocess` expects
+    camera_names: list[str]  # camera slots, in the order the model sees them
     solver: SolverSpec
     module: torch.nn.Module
 
@@ -84,7 +86,13 @@ class Adapter(Protocol):
 
     def stage(self, name: str) -> Callable[..., Any]: ...
 
-    def stage_specs(self, batch_size: int, num_views: int) -> list[StageSpec]: ...
+    def stage_specs(self, batch_size: int, num_views: int | None = None) -> list[StageSpec]:
+        """The stages in execution order, as the engines run them (`engines/stages.py`): every
+        stage but the last runs once per chunk and takes its inputs by name from
+        `preprocess`'s tensors and earlier stages' outputs; the last is the solver's velocity
+        step, whose first two inputs are x_t (B, H, model_action_dim) and t (B,). Each stage
+        is a method of `module` with the stage's name (what the ONNX exporter traces)."""
+        ...
 
     def preprocess(self, observations: list[Observation], device: torch.device | str = "cpu") -> ModelInputs: ...
 

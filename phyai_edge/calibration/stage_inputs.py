@@ -40,28 +40,37 @@ def collect_stage_inputs(
 ) -> StageSamples:
     """{stage: [ {input name: array}, ... ]} for every group of `batch_size` observations;
     the denoise stage gets one sample per `denoise_every` flow steps."""
+    from phyai_edge.engines.stages import stage_graph
+
     module = adapter.module
     module.eval()
     gen = torch.Generator().manual_seed(seed)
     out: StageSamples = {name: [] for name in adapter.stage_names()}
-    embed, encode, step = (adapter.stage(n) for n in ("embed_images", "encode_prefix", "denoise_step"))
+    # The adapter's stages by name, as the engines run them (PI0.5: embed_images -> encode_prefix
+    # -> denoise_step); floating tensors are recorded in float32.
+    graph = stage_graph(adapter)
+    step = adapter.stage(graph.step)
     for group in batches(observations, batch_size):
-        x = adapter.preprocess(group).tensors
-        img = embed(x["images"])
-        out["embed_images"].append({"images": x["images"].numpy()})
-        k, v, mask = encode(img, x["image_mask"], x["tokens"], x["token_mask"])
-        out["encode_prefix"].append({"image_embeds": img.float().numpy(), "image_mask": x["image_mask"].numpy(),
-                                     "tokens": x["tokens"].numpy(), "token_mask": x["token_mask"].numpy()})
+        env = dict(adapter.preprocess(group).tensors)
+        for name, inputs, outputs in graph.prefix:
+            feeds = {n: env[n] for n in inputs}
+            result = adapter.stage(name)(*feeds.values())
+            out[name].append({n: _np(t) for n, t in feeds.items()})
+            env.update(zip(outputs, result if isinstance(result, (tuple, list)) else (result,)))
+        context = [env[n] for n in graph.step_context]
         counter = {"i": 0}
 
-        def velocity(xt: torch.Tensor, t: torch.Tensor, k=k, v=v, mask=mask, counter=counter) -> torch.Tensor:
+        def velocity(xt: torch.Tensor, t: torch.Tensor, context=context, counter=counter) -> torch.Tensor:
             if counter["i"] % denoise_every == 0:
-                out["denoise_step"].append({"x_t": xt.numpy().copy(), "t": t.numpy().copy(),
-                                            "k_cache": k.float().numpy(), "v_cache": v.float().numpy(),
-                                            "prefix_mask": mask.numpy()})
+                out[graph.step].append({graph.step_x: xt.numpy().copy(), graph.step_t: t.numpy().copy(),
+                                        **{n: _np(c) for n, c in zip(graph.step_context, context)}})
             counter["i"] += 1
-            return step(xt, t, k, v, mask)
+            return step(xt, t, *context)
 
         noise = torch.randn(len(group), adapter.chunk_size, adapter.model_action_dim, generator=gen)
         integrate(velocity, noise, adapter.solver)
     return out
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.float().numpy() if t.is_floating_point() else t.numpy()

@@ -106,16 +106,20 @@ def run_bench(args: argparse.Namespace) -> dict:
         for _ in range(args.batch)
     ]
     base = adapter.preprocess(obs, device=policy.device)
-    # A fixed number of valid prompt tokens, as a real prompt of that length would give.
-    tokens = base.tensors["tokens"].clone()
-    max_len = tokens.shape[1]
-    n_valid = min(args.prompt_tokens, max_len)
-    tokens[:, :n_valid] = torch.randint(4, getattr(adapter.tokenizer, "vocab_size", 256), (args.batch, n_valid))
-    tokens[:, n_valid:] = 0
-    mask = torch.zeros_like(base.tensors["token_mask"])
-    mask[:, :n_valid] = True
-    inputs = ModelInputs({**base.tensors, "tokens": tokens.to(policy.device), "token_mask": mask.to(policy.device)},
-                         args.batch)
+    inputs, n_valid = base, None
+    if "tokens" in base.tensors and "token_mask" in base.tensors:
+        # A fixed number of valid prompt tokens, as a real prompt of that length would give
+        # (models with a tokenised prompt; others run on their preprocessed observation as is).
+        tokens = base.tensors["tokens"].clone()
+        max_len = tokens.shape[1]
+        n_valid = min(args.prompt_tokens, max_len)
+        tokens[:, :n_valid] = torch.randint(4, getattr(getattr(adapter, "tokenizer", None), "vocab_size", 256),
+                                            (args.batch, n_valid))
+        tokens[:, n_valid:] = 0
+        mask = torch.zeros_like(base.tensors["token_mask"])
+        mask[:, :n_valid] = True
+        inputs = ModelInputs({**base.tensors, "tokens": tokens.to(policy.device),
+                              "token_mask": mask.to(policy.device)}, args.batch)
     samples: dict[str, list[float]] = {}
     for i in range(args.warmup + args.iters):
         t0 = time.perf_counter()
@@ -161,9 +165,12 @@ def main(args: argparse.Namespace) -> int:
     fp8 += f", Triton ops ({result['triton_ops']} path)" if result.get("triton_ops") else ""
     print(f"{result['adapter']} {result['preset']} on {result['device']} ({result['backend']}, {result['dtype']}{fp8}), "
           f"batch {result['batch']}, {result['views']} views, {result['steps']} steps, "
-          f"{result['prompt_tokens']} prompt tokens, {result['iters']} iterations")
+          + (f"{result['prompt_tokens']} prompt tokens, " if result["prompt_tokens"] is not None else "")
+          + f"{result['iters']} iterations")
     print(f"{'stage':<16}{'p50 ms':>10}{'p90 ms':>10}")
-    for name in [*STAGE_ORDER[:-1], "engine", "total"]:
+    # PI0.5's stages in their order; another model's stages (its own names) after them.
+    others = [n for n in result["stages"] if n not in STAGE_ORDER and n not in ("engine", "total")]
+    for name in [*STAGE_ORDER[:-1], *others, "engine", "total"]:
         if name in result["stages"]:
             s = result["stages"][name]
             print(f"{name:<16}{s['p50_ms']:>10.2f}{s['p90_ms']:>10.2f}")

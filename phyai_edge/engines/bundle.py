@@ -278,24 +278,30 @@ def verify_bundle(
 
 
 # -- loading ------------------------------------------------------------------------------
-def bundle_adapter(bundle: Path, manifest: dict[str, Any], seed: int = 0):
-    """The adapter from the bundle's own checkpoint folder, with weights only when included."""
-    name = manifest["adapter"]["name"]
-    if name != "pi05":
-        raise BundleError(f"bundle adapter {name!r} is not supported by this phyai-edge")
-    from phyai_edge.adapters.base import SolverSpec
-    from phyai_edge.adapters.pi05 import PI05Adapter, PI05Model, load_pi05
-    from phyai_edge.adapters.pi05.loaders import _load_native  # the native folder reader, sans weights
-    from phyai_edge.adapters.tokenizer import PromptTokenizer
+def adapter_module(name: str) -> Any:
+    """The module registered for adapter `name` (phyai_edge.adapters.ADAPTERS)."""
+    import importlib
 
-    folder = bundle / "checkpoint"
-    if manifest["checkpoint"].get("weights_included"):
-        adapter = load_pi05(folder)
-    else:
-        cfg, io, _ = _load_native(folder)
-        with torch.device("meta"):
-            model = PI05Model(cfg)  # stages run from the compiled artefacts; no weights needed
-        adapter = PI05Adapter(cfg, model, PromptTokenizer(folder), io)
+    from phyai_edge.adapters import ADAPTERS
+
+    if name not in ADAPTERS:
+        raise BundleError(f"bundle adapter {name!r} is not supported by this phyai-edge "
+                          f"(known adapters: {sorted(ADAPTERS)})")
+    return importlib.import_module(ADAPTERS[name])
+
+
+def bundle_adapter(bundle: Path, manifest: dict[str, Any], seed: int = 0):
+    """The adapter from the bundle's own checkpoint folder, with weights only when included.
+    Read by the adapter's module (`load_bundle_adapter(folder, weights_included)`)."""
+    name = manifest["adapter"]["name"]
+    module = adapter_module(name)
+    load = getattr(module, "load_bundle_adapter", None)
+    if load is None:
+        raise BundleError(f"adapter {name!r} cannot be loaded from a bundle: its module {module.__name__} "
+                          "has no load_bundle_adapter(folder, weights_included)")
+    from phyai_edge.adapters.base import SolverSpec
+
+    adapter = load(bundle / "checkpoint", bool(manifest["checkpoint"].get("weights_included")))
     adapter.solver = SolverSpec(int(manifest["steps"]))
     return adapter
 

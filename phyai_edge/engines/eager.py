@@ -11,6 +11,7 @@ from phyai_edge.adapters.base import Adapter, ModelInputs
 from phyai_edge.engines.base import EngineBase
 from phyai_edge.engines.rtc import RTCGuidance
 from phyai_edge.engines.solver import integrate
+from phyai_edge.engines.stages import run_prefix, stage_graph
 from phyai_edge.engines.timing import StageTimer
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -37,26 +38,26 @@ class EagerEngine(EngineBase):
         self.take_module(module, self.dtype)
         if next(module.parameters()).device.type != "meta":
             module.to(self.device)
-        module.set_precision(self.dtype)
+        if hasattr(module, "set_precision"):
+            module.set_precision(self.dtype)  # PI0.5: casts weights and sets its compute dtype
+        else:
+            module.to(self.dtype)
         module.eval().requires_grad_(False)
 
 
     @torch.no_grad()
     def run(self, inputs: ModelInputs, noise: torch.Tensor | None = None, rtc: RTCGuidance | None = None) -> torch.Tensor:
         a, b = self.adapter, inputs.batch_size
-        x = inputs.tensors
         noise = self.sample_noise(b) if noise is None else noise.to(self.device, torch.float32)
         timer = StageTimer(self.device)
-        with timer.stage("embed_images"):
-            img = a.stage("embed_images")(x["images"].to(self.device))
-        with timer.stage("encode_prefix"):
-            k, v, mask = a.stage("encode_prefix")(
-                img, x["image_mask"].to(self.device), x["tokens"].to(self.device), x["token_mask"].to(self.device)
-            )
-        step = a.stage("denoise_step")
+        g = self._graph = getattr(self, "_graph", None) or stage_graph(a)
+        # The adapter's stages, driven by name from its stage_specs (PI0.5: embed_images ->
+        # encode_prefix -> N x denoise_step); nothing here is specific to one model.
+        context = run_prefix(g, lambda name, feeds: a.stage(name)(*feeds.values()), inputs.tensors, self.device, timer)
+        step = a.stage(g.step)
         with timer.stage("solver_loop"):
-            chunk = integrate(lambda xt, t: step(xt, t, k, v, mask), noise, a.solver,
+            chunk = integrate(lambda xt, t: step(xt, t, *context), noise, a.solver,
                               rtc.to(self.device) if rtc is not None else None)
-        timer.ms["denoise_step"] = timer.ms["solver_loop"] / a.solver.num_steps
+        timer.ms[g.step] = timer.ms["solver_loop"] / a.solver.num_steps
         self._stage_ms = timer.ms
         return chunk

@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import time
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -147,31 +146,18 @@ def _set_views(adapter: Adapter, views: int | None) -> int:
     return views
 
 
-class _NoWeights(torch.nn.Module):
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        return {}
-
-
 def write_checkpoint(adapter: Adapter, folder: Path, with_weights: bool) -> None:
-    """The adapter's native folder (metadata, statistics, tokenizer), weights only if asked.
+    """The adapter's own checkpoint folder in the bundle (metadata, statistics, tokenizer...),
+    weights only if asked. Written by the adapter's module (`save_bundle_checkpoint`), the same
+    module `bundle.bundle_adapter` asks to read it back."""
+    from phyai_edge.engines.bundle import adapter_module
 
-    save_native stays the only writer of the native format; without weights it is handed a
-    module with no tensors, and the empty weight file it writes is removed.
-    """
-    from phyai_edge.adapters.pi05.loaders import save_native
-
-    if with_weights:
-        save_native(adapter, folder)
-    else:
-        proxy = types.SimpleNamespace(cfg=adapter.cfg, io=adapter.io, tokenizer=adapter.tokenizer, module=_NoWeights())
-        save_native(proxy, folder)
-        (folder / "model.safetensors").unlink(missing_ok=True)
-    # save_native keeps the tokenizer's own file name (the built-in one is tiny_tokenizer.json);
-    # the tokenizer loader looks for the standard names, so store it under one.
-    tok = folder / adapter.tokenizer.path.name
-    standard = folder / ("tokenizer.model" if tok.suffix == ".model" else "tokenizer.json")
-    if tok != standard and tok.exists() and not standard.exists():
-        tok.replace(standard)
+    module = adapter_module(adapter.name)
+    save = getattr(module, "save_bundle_checkpoint", None)
+    if save is None:
+        raise BundleError(f"adapter {adapter.name!r} cannot be exported into a bundle: its module "
+                          f"{module.__name__} has no save_bundle_checkpoint(adapter, folder, with_weights)")
+    save(adapter, folder, with_weights)
 
 
 def tensor_sha256(module: torch.nn.Module) -> str:
@@ -281,7 +267,7 @@ def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progres
         "format": FORMAT,
         "name": Path(req.out).name,
         "created": now_iso(),
-        "adapter": {"name": adapter.name, "preset": getattr(adapter.cfg, "preset", req.preset),
+        "adapter": {"name": adapter.name, "preset": getattr(getattr(adapter, "cfg", None), "preset", req.preset),
                     "camera_names": list(adapter.camera_names), "state_dim": getattr(adapter, "state_dim", None),
                     "action_dim": adapter.action_dim, "chunk_size": adapter.chunk_size,
                     "model_action_dim": adapter.model_action_dim},

@@ -83,6 +83,8 @@ def export_ready(adapter: Adapter, precision: str = "fp32") -> Iterator[Adapter]
         target = twin.module = copy.deepcopy(module)
     if hasattr(target, "set_precision"):
         target.set_precision(dtype)
+    else:
+        target.to(dtype)  # a model without its own precision switch: its weights in that dtype
     if old_flag is not None:
         # Neither onnxruntime nor TensorRT has a double-precision sine.
         target.time_embed_fp64 = False

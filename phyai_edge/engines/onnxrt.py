@@ -26,6 +26,7 @@ from phyai_edge.engines.base import EngineBase
 from phyai_edge.engines.eager import resolve_dtype
 from phyai_edge.engines.rtc import RTCGuidance
 from phyai_edge.engines.solver import integrate
+from phyai_edge.engines.stages import run_prefix, stage_graph
 from phyai_edge.engines.timing import StageTimer
 
 log = logging.getLogger(__name__)
@@ -178,24 +179,20 @@ class OnnxRuntimeEngine(EngineBase):
             raise exact_guidance_error(self.backend)
         a, b = self.adapter, inputs.batch_size
         stages = self._stages(b)
-        x = inputs.tensors
         noise = self.sample_noise(b) if noise is None else noise.to(self.device, torch.float32)
         timer = StageTimer(self.device)
-        with timer.stage("embed_images"):
-            (img,) = stages["embed_images"]({"images": x["images"]})
-        with timer.stage("encode_prefix"):
-            k, v, mask = stages["encode_prefix"](
-                {"image_embeds": img, "image_mask": x["image_mask"], "tokens": x["tokens"], "token_mask": x["token_mask"]}
-            )
-        k, v, mask = (t.to(self.device) for t in (k, v, mask))
-        denoise = stages["denoise_step"]
+        g = self._graph = getattr(self, "_graph", None) or stage_graph(a)
+        # Stages by name from the adapter's stage_specs; each session is fed by input name.
+        context = dict(zip(g.step_context, run_prefix(g, lambda name, feeds: stages[name](feeds), inputs.tensors,
+                                                      self.device, timer)))
+        denoise = stages[g.step]
 
         def velocity(xt: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            (vel,) = denoise({"x_t": xt, "t": t, "k_cache": k, "v_cache": v, "prefix_mask": mask})
+            (vel,) = denoise({g.step_x: xt, g.step_t: t, **context})
             return vel.to(self.device, torch.float32)
 
         with timer.stage("solver_loop"):
             chunk = integrate(velocity, noise, a.solver, rtc.to(self.device) if rtc is not None else None)
-        timer.ms["denoise_step"] = timer.ms["solver_loop"] / a.solver.num_steps
+        timer.ms[g.step] = timer.ms["solver_loop"] / a.solver.num_steps
         self._stage_ms = timer.ms
         return chunk

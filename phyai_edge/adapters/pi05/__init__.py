@@ -17,7 +17,53 @@ def load_adapter(checkpoint=None, preset_name: str = "tiny", device="cpu", token
     return builtin_adapter(preset_name, seed=seed, camera_names=camera_names)
 
 
+def save_bundle_checkpoint(adapter: PI05Adapter, folder, with_weights: bool) -> None:
+    """The native folder (metadata, statistics, tokenizer) an engine bundle carries, weights only
+    if asked (what `phyai-edge export` calls).
+
+    save_native stays the only writer of the native format; without weights it is handed a
+    module with no tensors, and the empty weight file it writes is removed.
+    """
+    import types
+    from pathlib import Path
+
+    folder = Path(folder)
+    if with_weights:
+        save_native(adapter, folder)
+    else:
+        proxy = types.SimpleNamespace(cfg=adapter.cfg, io=adapter.io, tokenizer=adapter.tokenizer, module=_NoWeights())
+        save_native(proxy, folder)
+        (folder / "model.safetensors").unlink(missing_ok=True)
+    # save_native keeps the tokenizer's own file name (the built-in one is tiny_tokenizer.json);
+    # the tokenizer loader looks for the standard names, so store it under one.
+    tok = folder / adapter.tokenizer.path.name
+    standard = folder / ("tokenizer.model" if tok.suffix == ".model" else "tokenizer.json")
+    if tok != standard and tok.exists() and not standard.exists():
+        tok.replace(standard)
+
+
+def load_bundle_adapter(folder, weights_included: bool) -> PI05Adapter:
+    """The adapter from a bundle's checkpoint folder; without weights the model is built on the
+    meta device (the stages run from the compiled artefacts)."""
+    import torch
+
+    from phyai_edge.adapters.pi05.loaders import _load_native  # the native folder reader, sans weights
+    from phyai_edge.adapters.tokenizer import PromptTokenizer
+
+    if weights_included:
+        return load_pi05(folder)
+    cfg, io, _ = _load_native(folder)
+    with torch.device("meta"):
+        model = PI05Model(cfg)
+    return PI05Adapter(cfg, model, PromptTokenizer(folder), io)
+
+
+class _NoWeights:
+    def state_dict(self, *args, **kwargs):
+        return {}
+
+
 __all__ = [
     "PI05Adapter", "PI05Config", "PI05Model", "RobotIO", "builtin_adapter", "detect_format", "full",
-    "load_adapter", "load_pi05", "preset", "save_native", "tiny",
+    "load_adapter", "load_bundle_adapter", "load_pi05", "preset", "save_bundle_checkpoint", "save_native", "tiny",
 ]
