@@ -281,26 +281,15 @@ def render_variants(res: dict[str, Any], section: str, title: str) -> list[str]:
 def seeded_adapter(dev: str, tiny: bool, seed: int = 0) -> Any:
     """Our adapter with seeded random weights drawn on `dev` (full size in seconds on a GPU; no
     LeRobot): the same init as `adapters.pi05.builtin.seeded_model`, but on the device."""
-    from phyai_edge.adapters.pi05 import PI05Adapter, PI05Model, builtin_adapter
+    from phyai_edge.adapters.pi05 import PI05Adapter, builtin_adapter
+    from phyai_edge.adapters.pi05.builtin import seeded_model_on
     from phyai_edge.adapters.pi05.config import preset
 
     adapter = builtin_adapter("tiny", seed=seed)
     if tiny:
         return adapter
     cfg = preset("full")
-    with torch.device(dev):
-        model = PI05Model(cfg)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.normal_(0.0, 0.05, generator=gen)
-            else:
-                p.normal_(0.0, 1.0 / p[0].numel() ** 0.5, generator=gen)
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.add_(1.0)
-    return PI05Adapter(cfg, model, adapter.tokenizer, adapter.io)  # the tiny one's tokenizer and robot I/O
+    return PI05Adapter(cfg, seeded_model_on(dev, cfg, seed), adapter.tokenizer, adapter.io)  # the tiny one's tokenizer and robot I/O
 
 
 def main_seeded(args: argparse.Namespace) -> int:

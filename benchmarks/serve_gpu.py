@@ -55,12 +55,10 @@ def build_policy(args: argparse.Namespace, seed: int = 0) -> Any:
     """The policy every scenario runs: a checkpoint, the tiny preset, or full size with seeded
     random weights initialised directly on the device (a 3B-parameter fp32 init on the CPU would
     take minutes of the device lease)."""
-    import torch
 
     from phyai_edge.adapters.pi05.adapter import PI05Adapter
-    from phyai_edge.adapters.pi05.builtin import builtin_adapter
+    from phyai_edge.adapters.pi05.builtin import builtin_adapter, seeded_model_on
     from phyai_edge.adapters.pi05.config import preset
-    from phyai_edge.adapters.pi05.model import PI05Model
     from phyai_edge.engines import make_engine
     from phyai_edge.engines.policy import Policy, load_policy
 
@@ -69,19 +67,7 @@ def build_policy(args: argparse.Namespace, seed: int = 0) -> Any:
                            device=args.device, dtype=args.dtype, seed=seed)
     shell = builtin_adapter(args.random_preset if args.random_preset != "full" else "full")  # tokenizer, robot I/O
     cfg = preset(args.random_preset)
-    gen = torch.Generator(device=args.device).manual_seed(seed)
-    with torch.device(args.device):
-        model = PI05Model(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.normal_(0.0, 0.05, generator=gen)
-            else:
-                p.normal_(0.0, 1.0 / p[0].numel() ** 0.5, generator=gen)
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.add_(1.0)
-    adapter = PI05Adapter(cfg, model, shell.tokenizer, shell.io)
+    adapter = PI05Adapter(cfg, seeded_model_on(args.device, cfg, seed), shell.tokenizer, shell.io)
     return Policy(adapter, make_engine(args.backend, adapter, device=args.device, dtype=args.dtype, seed=seed))
 
 

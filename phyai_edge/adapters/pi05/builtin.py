@@ -40,6 +40,24 @@ def seeded_model(cfg: PI05Config, seed: int = 0) -> PI05Model:
     return model
 
 
+def seeded_model_on(device: str | torch.device, cfg: PI05Config, seed: int = 0) -> PI05Model:
+    """The same init as `seeded_model`, drawn on `device` with that device's generator: the full
+    size in seconds on a GPU, for benchmarks. The values differ from `seeded_model`'s CPU draw."""
+    with torch.device(device):
+        model = PI05Model(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(0.0, 0.05, generator=gen)
+            else:
+                p.normal_(0.0, 1.0 / p[0].numel() ** 0.5, generator=gen)
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.add_(1.0)
+    return model
+
+
 def builtin_adapter(
     preset_name: str = "tiny",
     seed: int = 0,
