@@ -60,16 +60,20 @@ def child(bundle: str, device: str, checkpoint: str | None) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def make_checkpoint(folder: Path) -> Path:
+def make_checkpoint(folder: Path, device: str) -> Path:
+    """A seeded full-size native checkpoint, drawn on `device` (a 3B-parameter draw on the CPU
+    costs a minute of the device lease)."""
     from phyai_edge.adapters.pi05 import PI05Adapter, save_native
-    from phyai_edge.adapters.pi05.builtin import builtin_adapter, seeded_model
+    from phyai_edge.adapters.pi05.builtin import builtin_adapter, seeded_model_on
     from phyai_edge.adapters.pi05.config import full
 
     if (folder / "phyai_edge.json").exists():
         return folder
     shell = builtin_adapter("full")  # meta weights; borrow its tokenizer and robot I/O
-    adapter = PI05Adapter(full(), seeded_model(full(), seed=0), shell.tokenizer, shell.io)
-    return save_native(adapter, folder)
+    adapter = PI05Adapter(full(), seeded_model_on(device, full(), seed=0), shell.tokenizer, shell.io)
+    save_native(adapter, folder)
+    del adapter
+    return folder
 
 
 def main() -> int:
@@ -90,7 +94,7 @@ def main() -> int:
 
     from phyai_edge.engines.exporter import ExportRequest, export_bundle
 
-    ckpt = args.checkpoint or make_checkpoint(Path("/tmp/phyai-pi05-full-seeded"))
+    ckpt = args.checkpoint or make_checkpoint(Path("/tmp/phyai-pi05-full-seeded"), args.device)
     rows = []
     for backend in args.backends.split(","):
         out = args.out / f"pi05-full-{backend}"
