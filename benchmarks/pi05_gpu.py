@@ -175,7 +175,7 @@ def run_fp8(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_
 
 def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_for: Any, eager32: Any,
                shapes: list[tuple[int, int]], budget_s: float, compile: bool = True,
-               compile_baseline: bool = False) -> None:
+               compile_baseline: bool = False, fp8: bool = True, rtc_modes: tuple[str, ...] = ()) -> None:
     """Fused Triton ops for the action expert (`CudaGraphEngine(triton_ops=True)`, `layers/triton_ops.py`)
     under the graphs: alone, with fp8 expert linears, and under torch.compile, at each (batch, reps)
     in `shapes`. `compile_baseline` adds graphs + compile without Triton ops (the number to beat;
@@ -183,8 +183,9 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
     Results under res["triton"]; the path actually taken ("triton" or "reference") in *_info."""
     variants: list[tuple[str, dict[str, Any], list[tuple[int, int]]]] = [
         ("triton", {"triton_ops": True}, shapes),
-        ("triton+fp8 expert", {"triton_ops": True, "fp8": "expert"}, shapes),
     ]
+    if fp8:
+        variants.append(("triton+fp8 expert", {"triton_ops": True, "fp8": "expert"}, shapes))
     if compile:
         if compile_baseline:
             variants.append(("compile", {"compile": True}, shapes[:1]))
@@ -192,14 +193,16 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         if compile_baseline:
             variants.append(("compile", {"compile": True}, shapes[1:]))
         variants.append(("triton+compile", {"triton_ops": True, "compile": True}, shapes[1:]))
-    run_variants(res, "triton", variants, adapter, dev, inputs_for, noise_for, eager32, budget_s)
+    run_variants(res, "triton", variants, adapter, dev, inputs_for, noise_for, eager32, budget_s, rtc_modes)
 
 
 def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, dict[str, Any], list[tuple[int, int]]]],
-                 adapter: Any, dev: str, inputs_for: Any, noise_for: Any, eager32: Any, budget_s: float) -> None:
+                 adapter: Any, dev: str, inputs_for: Any, noise_for: Any, eager32: Any, budget_s: float,
+                 rtc_modes: tuple[str, ...] = ()) -> None:
     """Cudagraph engine variants (name, engine options, [(batch, reps)]), 3 views: p50 and stages
     beside the bf16 engine's, accuracy vs eager fp32 on the accuracy inputs (seed 6). Results under
-    res[section]; errors are recorded, not raised."""
+    res[section]; errors are recorded, not raised. `rtc_modes`: at batch 1, each RTC solver mode's
+    p50 and its overhead over the same engine's unguided chunk."""
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.layers.fp8 import fp8_linears
 
@@ -239,6 +242,17 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
                 out[f"{name}_b{b}"] = r
                 say(f"{section} {name} batch {b}: p50 {r['p50']:.2f} ms, {r['samples_per_s']:.1f} samples/s, "
                     f"stages {r['stages_p50']}, vs eager fp32 {r['vs_eager_fp32']} (build+capture {cap:.1f}s)")
+                for mode in rtc_modes if b == 1 else ():
+                    if time.perf_counter() - par.T0 > budget_s:
+                        break
+                    g = rtc_guidance(adapter, b, mode)
+                    t0 = time.perf_counter()
+                    eng.warmup(b, 3, VALID_TOKENS, modes=(mode,))
+                    rr = time_engine(eng, x, n, g, dev, 3, reps)
+                    rr["overhead"], rr["capture_s"] = rr["p50"] / r["p50"] - 1.0, time.perf_counter() - t0
+                    r.setdefault("rtc", {})[mode] = rr
+                    say(f"{section} {name} batch {b} RTC {mode}: p50 {rr['p50']:.2f} ms, "
+                        f"overhead {100 * rr['overhead']:+.1f}% (capture {rr['capture_s']:.0f}s)")
             del eng
         except Exception as exc:  # report, keep the rest of the run
             out[name] = f"failed: {type(exc).__name__}: {exc}"
@@ -271,6 +285,10 @@ def render_variants(res: dict[str, Any], section: str, title: str) -> list[str]:
                    f"{r.get('speedup_vs_bf16', float('nan')):.2f}x | {st.get('embed_images', float('nan')):.2f} / "
                    f"{st.get('encode_prefix', float('nan')):.2f} / {st.get('denoise_step', float('nan')):.3f} | "
                    f"{e['max_abs_over_scale']:.2e} | {e['rel_l2']:.2e} |")
+    for key, r in f.items():
+        if isinstance(r, dict) and r.get("rtc"):
+            out += [f"| {key.rsplit('_b', 1)[0]} + RTC {mode} | {key.rsplit('_b', 1)[1]} | {rr['p50']:.2f} | | "
+                    f"{100 * rr['overhead']:+.1f}% vs unguided | | | |" for mode, rr in r["rtc"].items()]
     paths = {k[: -len("_info")]: v.get("triton_path") for k, v in f.items() if k.endswith("_info")}
     if any(paths.values()):
         out.append("")
@@ -349,7 +367,8 @@ def main_seeded(args: argparse.Namespace) -> int:
         dump()
     if args.triton_only:
         run_triton(res, adapter, dev, inputs_for, noise_for, eager32, [(1, reps1), (32, reps32)], args.budget_s,
-                   compile=not args.no_compile, compile_baseline=True)
+                   compile=not args.no_compile, compile_baseline=True, fp8=not args.no_fp8,
+                   rtc_modes=("guided-approx", "guided"))
         dump()
     c = res["ceilings"]
     lines = [f"device: {res['device']}, torch {res['torch']} ({only}-only run, seeded random weights, {'tiny' if args.tiny else 'full size'})",

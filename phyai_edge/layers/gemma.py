@@ -7,6 +7,9 @@ writing a KV cache) and the action expert (attending to the cached prefix and to
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -47,8 +50,11 @@ class GemmaAttention(nn.Module):
         v = v.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = attention(q, k, v, mask)
+    def attend(self, q: torch.Tensor, k: Any, v: Any, mask: torch.Tensor,
+               attention_fn: Callable[..., torch.Tensor] = attention) -> torch.Tensor:
+        """Attention then the output projection. `attention_fn` (same contract as
+        `layers.attention.attention`) lets a fast path swap the kernel without copying this."""
+        out = attention_fn(q, k, v, mask)
         b, _, t, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         return self.o_proj(out.to(self.o_proj.weight.dtype))

@@ -14,6 +14,8 @@ each chain in one launch, one program per row (a row of 1024 fits one block):
   (split + rotate-half + cast, written as contiguous (B, H, T, D)); v stays a view
   (eager: ~14 kernels, the transposes' copies included).
 - `geglu`: `gelu_tanh(gate) * up` from the fused gate/up GEMM's output (eager: 2-3 kernels).
+- attention: split-KV over the cached prefix and the step's own keys without concatenating them
+  (`layers.triton_attention`).
 
 `adaptive_block_stack` runs a stack of adaptive `GemmaBlock`s with these ops, carrying the
 normed input across block boundaries (the residual of block i is fused with the input norm of
@@ -387,6 +389,11 @@ def adaptive_block_stack(
     with the norm that follows it (the block's post-attention norm, the next block's input norm,
     or the final norm). `modulations[i]` is block i's (input, post-attention) (scale, shift, gate).
     """
+    from phyai_edge.layers.triton_attention import attention_split
+
+    def attend(q, k, v, m):
+        return attention_split(q, k, v, m, backend=backend)
+
     scale, shift, _ = modulations[0][0]
     h = ada_rms_norm(x, scale, shift, blocks[0].input_layernorm.eps, backend)
     for i, block in enumerate(blocks):
@@ -394,9 +401,8 @@ def adaptive_block_stack(
         (_, _, gate_in), (scale2, shift2, gate_post) = modulations[i]
         q, k, v = qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads,
                            attn.head_dim, backend)
-        k_all = torch.cat([k_cache[i], k], dim=2)
-        v_all = torch.cat([v_cache[i], v], dim=2)
-        y = attn.attend(q, k_all, v_all, mask)
+        # The cached prefix and the step's own keys as two parts: no per-layer concatenation.
+        y = attn.attend(q, (k_cache[i], k), (v_cache[i], v), mask, attention_fn=attend)
         x, h = residual_ada_rms_norm(x, y, gate_in, scale2, shift2, block.post_attention_layernorm.eps, backend)
         y = _mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend)
         if i + 1 < len(blocks):

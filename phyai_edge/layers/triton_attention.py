@@ -1,0 +1,244 @@
+"""Split-KV attention for short query blocks over a long cached prefix (a Triton kernel), beside
+its reference.
+
+Why: in a PI0.5 denoise step the action expert's 50 query tokens attend to ~870 keys (the cached
+prefix and themselves) through 8 query heads sharing one KV head. Folded into the query axis that
+is 400 rows against one KV head: a flash-style kernel tiles it into ~7 programs, so one call uses
+7 of the H200's 132 SMs and took ~51 us (55% of a compiled step at batch 1, measured with
+`benchmarks/pi05_profile.py`). Splitting the keys across programs (flash-decoding) fills the
+GPU: each program reduces its own key range to a partial output and log-sum-exp, and a second
+small kernel merges the partials. With one split the first kernel writes the output directly.
+
+`attention_split(q, k, v, mask)` has the contract of `layers.attention.attention` for key-only
+masks (B, 1, 1, Tk): grouped KV heads, boolean mask, a query row with no allowed key sees all keys.
+Dispatch follows `layers.triton_ops`: "reference" (the model's own SDPA path), "triton", "auto";
+a call that needs a gradient, a non-key-only mask, or a head size the kernel does not take
+(not a power of two in 16..256) runs the reference. Under Triton's CPU interpreter the dot
+products run in float32 on operands rounded as on the GPU (the interpreter's bf16 `tl.dot` is
+wrong in triton 3.9).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from phyai_edge.layers.attention import _full_rows, attention
+from phyai_edge.layers.triton_ops import _use_triton, interpret_mode, tl, triton
+
+_SM_COUNT: dict[int, int] = {}
+MIN_KEYS_PER_SPLIT = 128  # below this a split's merge traffic costs more than its parallelism buys
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so the merge is exercised
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def plan_splits(rows: int, keys: int, groups: int, sms: int, block_m: int, block_n: int) -> tuple[int, int]:
+    """(splits, keys per split): enough programs for about two per SM, no split under
+    MIN_KEYS_PER_SPLIT keys, each split a whole number of key blocks. `groups` = batch x KV heads."""
+    programs = math.ceil(rows / block_m) * groups
+    want = max(1, math.ceil(2 * sms / programs))
+    splits = max(1, min(want, keys // MIN_KEYS_PER_SPLIT))
+    per = math.ceil(math.ceil(keys / splits) / block_n) * block_n
+    return math.ceil(keys / per), per
+
+
+def _blocks(d: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) by head size: the fp32 accumulator is BLOCK_M x d per program."""
+    if d >= 256:
+        return 64, 32, 8
+    return 64, 64, 4
+
+
+def kernel_takes(q: torch.Tensor, mask: torch.Tensor) -> bool:
+    d = q.shape[-1]
+    key_only = mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
+    return key_only and 16 <= d <= 256 and d & (d - 1) == 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_attn_kernel(
+        q_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, o_ptr, lse_ptr,
+        rows, keys, keys1, keys_per_split, scale_log2, tq,
+        sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+        sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
+        so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh,
+        HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        FINAL: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        split = tl.program_id(1)
+        bh = tl.program_id(2)
+        b = bh // HKV
+        h = bh % HKV
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + r[:, None] * sq_m + d[None, :], mask=r[:, None] < rows, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        # A finite start: a block whose keys are all masked then gives p = 0, not exp(-inf + inf).
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        start = split * keys_per_split
+        end = tl.minimum(start + keys_per_split, keys)
+        for n0 in range(start, end, BLOCK_N):
+            c = n0 + tl.arange(0, BLOCK_N)
+            inb = c < end
+            # Keys 0..keys1-1 come from the first part (the cached prefix), the rest from the second
+            # (the step's own keys): the two are never concatenated in memory.
+            one = inb & (c < keys1)
+            two = inb & (c >= keys1)
+            c2 = tl.maximum(c - keys1, 0)
+            kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=one[None, :], other=0.0)
+            kt += tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[None, :] * sk2_n + d[:, None], mask=two[None, :],
+                          other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
+            s = tl.dot(q, kt) * scale_log2
+            ok = inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=one[:, None], other=0.0)
+            vb += tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=two[:, None],
+                          other=0.0)
+            if UPCAST:  # round p as the GPU path does, then multiply in float32
+                acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype).to(tl.float32), vb.to(tl.float32))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+            m_i = m_new
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]  # a split with no allowed key: 0, weighted 0 below
+        # Row r of the folded query is (group r // tq, token r % tq): a final output goes straight
+        # to its (B, Tq, Hq, D) place, so the o-projection reads it without a transpose copy.
+        o = o_ptr + split * so_s + b * so_b + h * so_h + ((r // tq) * so_g + (r % tq) * so_t)[:, None] + d[None, :]
+        tl.store(o, out.to(o_ptr.dtype.element_ty), mask=r[:, None] < rows)
+        if not FINAL:
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+            tl.store(lse_ptr + split * sl_s + bh * sl_bh + r, lse, mask=r < rows)
+
+    @triton.jit
+    def _merge_kernel(
+        p_ptr, lse_ptr, out_ptr, rows, splits, tq,
+        sp_s, sp_b, sp_h, sp_m, sl_s, sl_bh, so_b, so_h, so_g, so_t,
+        HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // HKV
+        h = bh % HKV
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D)
+        live = r < rows
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for s in range(0, splits):
+            top = tl.maximum(top, tl.load(lse_ptr + s * sl_s + bh * sl_bh + r, mask=live, other=float("-inf")))
+        top = tl.where(top == float("-inf"), 0.0, top)  # rows past the end: keep them finite
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        wsum = tl.zeros([BLOCK_M], tl.float32)
+        for s in range(0, splits):
+            w = tl.exp2(tl.load(lse_ptr + s * sl_s + bh * sl_bh + r, mask=live, other=float("-inf")) - top)
+            part = tl.load(p_ptr + s * sp_s + b * sp_b + h * sp_h + r[:, None] * sp_m + d[None, :],
+                           mask=live[:, None], other=0.0)
+            acc += w[:, None] * part
+            wsum += w
+        out = acc / tl.maximum(wsum, 1e-30)[:, None]
+        dst = out_ptr + b * so_b + h * so_h + ((r // tq) * so_g + (r % tq) * so_t)[:, None] + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every kernel output is allocated here (the tests poison it to check it is fully written)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tensor],
+                            vs: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor,
+                            scale: float, splits: int | None, tq: int) -> torch.Tensor:
+    """q (B, Hkv, G * Tq, D) (the G query heads of each KV head folded into the rows), keys and
+    values in two parts (B, Hkv, N1 / N2, D), key_mask (B, N1 + N2) -> (B, Tq, Hkv * G, D)."""
+    b, hkv, rows, d = q.shape
+    groups = rows // tq
+    (k, k2), (v, v2) = ks, vs
+    keys1 = k.shape[2]
+    keys = keys1 + k2.shape[2]
+    bm, bn, warps = _blocks(d)
+    if splits is None:
+        splits, per = plan_splits(rows, keys, b * hkv, _sm_count(q.device), bm, bn)
+    else:
+        per = math.ceil(math.ceil(keys / splits) / bn) * bn
+        splits = math.ceil(keys / per)
+    out = _empty((b, tq, hkv * groups, d), q.dtype, q.device)
+    # (b, kv head, group, token) strides of the output
+    os_ = (out.stride(0), groups * out.stride(2), out.stride(2), out.stride(1))
+    mask_u8 = key_mask.to(torch.uint8)
+    final = splits == 1
+    lse = _empty((splits, b * hkv, rows), torch.float32, q.device)
+    if final:
+        part, ps = out, (0, *os_)
+    else:  # partials in the folded layout: (split, b, kv head, group, token) strides
+        part = _empty((splits, b, hkv, rows, d), torch.float32, q.device)
+        ps = (part.stride(0), part.stride(1), part.stride(2), tq * part.stride(3), part.stride(3))
+    grid = (triton.cdiv(rows, bm), splits, b * hkv)
+    _split_attn_kernel[grid](
+        q, k, v, k2, v2, mask_u8, part, lse, rows, keys, keys1, per, scale * 1.4426950408889634, tq,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
+        v2.stride(0), v2.stride(1), v2.stride(2), mask_u8.stride(0),
+        *ps, lse.stride(0), lse.stride(1),
+        HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, UPCAST=interpret_mode(), num_warps=warps,
+    )
+    if not final:
+        mb = 32
+        _merge_kernel[(triton.cdiv(rows, mb), b * hkv)](
+            part, lse, out, rows, splits, tq,
+            part.stride(0), part.stride(1), part.stride(2), part.stride(3), lse.stride(0), lse.stride(1), *os_,
+            HKV=hkv, D=d, BLOCK_M=mb, num_warps=4,
+        )
+    return out
+
+
+KV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _parts(x: KV) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(x, torch.Tensor):  # one part: an empty second one
+        return x, x[:, :, :0]
+    return x
+
+
+def attention_split(
+    q: torch.Tensor, k: KV, v: KV, mask: torch.Tensor, scale: float | None = None,
+    backend: str = "reference", splits: int | None = None,
+) -> torch.Tensor:
+    """q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D), or each as two parts (cached, new) that together
+    make Tk keys (attended as if concatenated, without the copy); mask bool (B, 1, 1, Tk)
+    -> (B, Hq, Tq, D).
+
+    The kernel's result is a transposed view of a contiguous (B, Tq, Hq, D) tensor, so
+    `out.transpose(1, 2).reshape(B, Tq, Hq * D)` (what an output projection reads) copies nothing.
+    `splits`: how many key ranges (None: enough to fill the GPU, see `plan_splits`)."""
+    ks, vs = _parts(k), _parts(v)
+    if not (kernel_takes(q, mask) and _use_triton(backend, q, *ks, *vs)):
+        k_all = ks[0] if ks[1].shape[2] == 0 else torch.cat(ks, dim=2)
+        v_all = vs[0] if vs[1].shape[2] == 0 else torch.cat(vs, dim=2)
+        return attention(q, k_all, v_all, mask, scale)
+    b, hq, tq, d = q.shape
+    hkv = ks[0].shape[1]
+    key_mask = _full_rows(mask)[:, 0, 0, :].expand(b, ks[0].shape[2] + ks[1].shape[2])
+    # Query heads sharing a KV head are folded into the rows, as `attention` does (a view for
+    # contiguous q), so K and V are read once per KV head.
+    qf = q.reshape(b, hkv, (hq // hkv) * tq, d)
+    out = _split_attention_triton(qf, ks, vs, key_mask, scale if scale is not None else 1.0 / math.sqrt(d), splits, tq)
+    return out.transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
