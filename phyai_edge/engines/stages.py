@@ -11,6 +11,10 @@ Engines do not hard-code a model's stage names. The convention (see `Adapter.sta
 
 PI0.5's `embed_images -> encode_prefix -> denoise_step` is one such graph; another model may
 have one prefix stage or five, with its own names.
+
+Engines that bind one static buffer per tensor (TensorRT) take `static_plan` (who writes each
+tensor, at one batch size) and `batch_axes` (each tensor's batch axis, for batch-dynamic export
+and optimisation profiles) from here too.
 """
 
 from __future__ import annotations
@@ -88,3 +92,111 @@ def run_prefix(
     if missing:
         raise KeyError(f"stage {graph.step!r} needs {missing}, which neither preprocess nor an earlier stage gives")
     return [env[n].to(device) for n in graph.step_context]
+
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StaticPlan:
+    """The graph at one batch size laid out for engines that bind one static buffer per tensor
+    name (TensorRT contexts, captured graphs): who writes each tensor, in which order.
+
+    feeds: tensors copied in from `preprocess` once per chunk (inputs that no stage writes),
+        in first-use order. The solver writes the step's x_t and t before every step; each other
+        tensor is written by exactly one stage (`writers`).
+    io: stage -> (input names, output names), in spec order; the dict is in execution order.
+    tensors: every name -> (shape, dtype) as the adapter's specs declare it.
+    """
+
+    batch: int
+    graph: StageGraph
+    feeds: tuple[str, ...]
+    step_out: str
+    io: dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
+    tensors: dict[str, tuple[Shape, torch.dtype]]
+    writers: dict[str, str]  # name -> "preprocess", "solver" or the stage that outputs it
+
+    @property
+    def prefix(self) -> list[str]:
+        return [p[0] for p in self.graph.prefix]
+
+
+def static_plan(adapter: Any, batch: int, num_views: int | None = None) -> StaticPlan:
+    """`adapter`'s stages at `batch` as a static-buffer plan, refusing specs that cannot share
+    buffers by name: a name with two shapes or dtypes, two writers, or a step without exactly one
+    chunk-shaped output."""
+    graph = stage_graph(adapter)
+    specs = adapter.stage_specs(batch, num_views)
+    if [s.name for s in specs] != graph.names:
+        raise ValueError(f"stage_specs({batch}) lists {[s.name for s in specs]}, at batch 1 {graph.names}")
+    tensors: dict[str, tuple[Shape, torch.dtype]] = {}
+    writers: dict[str, str] = {}
+    feeds: list[str] = []
+
+    def declare(stage: str, name: str, shape: Any, dtype: torch.dtype) -> None:
+        shape = tuple(int(d) for d in shape)
+        prev = tensors.setdefault(name, (shape, dtype))
+        if prev != (shape, dtype):
+            raise ValueError(f"tensor {name!r} is {prev[0]} {prev[1]} in one stage and {shape} {dtype} in "
+                             f"{stage!r}: one name is one buffer")
+
+    def write(stage: str, name: str) -> None:
+        if name in writers:
+            raise ValueError(f"stage {stage!r} outputs {name!r}, which {writers[name]} already writes")
+        writers[name] = stage
+
+    *pre, step = specs
+    x, t = graph.step_x, graph.step_t
+    for spec in pre:
+        for name, (shape, dtype) in spec.inputs.items():
+            declare(spec.name, name, shape, dtype)
+            if name not in writers:
+                writers[name] = "preprocess"
+                feeds.append(name)
+        for name, (shape, dtype) in spec.outputs.items():
+            declare(spec.name, name, shape, dtype)
+            write(spec.name, name)
+    for name in (x, t):
+        if name in writers:
+            raise ValueError(f"{name!r} is the step's {'x_t' if name == x else 't'}, which the solver writes every "
+                             f"step; {writers[name]} writes it too")
+    for name, (shape, dtype) in step.inputs.items():
+        declare(step.name, name, shape, dtype)
+        if name in (x, t):
+            writers[name] = "solver"
+        elif name not in writers:
+            writers[name] = "preprocess"
+            feeds.append(name)
+    chunk = (batch, adapter.chunk_size, adapter.model_action_dim)
+    if tensors[x][0] != chunk or tensors[t][0] != (batch,):
+        raise ValueError(f"stage {step.name!r} at batch {batch} takes {x} {tensors[x][0]} and {t} {tensors[t][0]}; "
+                         f"the solver gives {chunk} and {(batch,)}")
+    outs = list(step.outputs.items())
+    if len(outs) != 1 or tuple(outs[0][1][0]) != chunk:
+        raise ValueError(f"stage {step.name!r} is the velocity step: it must output one tensor of shape {chunk}, "
+                         f"it declares {[(n, tuple(s)) for n, (s, _) in outs]}")
+    declare(step.name, outs[0][0], *outs[0][1])
+    write(step.name, outs[0][0])
+    return StaticPlan(batch=batch, graph=graph, feeds=tuple(feeds), step_out=outs[0][0],
+                      io={s.name: (tuple(s.inputs), tuple(s.outputs)) for s in specs}, tensors=tensors,
+                      writers=writers)
+
+
+def batch_axes(adapter: Any, num_views: int | None = None) -> dict[str, int | None]:
+    """Tensor name -> its batch axis (None: no batch axis), found by comparing the specs at batch
+    1 and batch 2: the one axis whose size changes. Most tensors carry the batch on axis 0,
+    PI0.5's per-layer KV caches on axis 1; the exporter marks that axis dynamic."""
+    shapes = [{n: tuple(sh) for s in adapter.stage_specs(b, num_views)
+               for n, (sh, _) in [*s.inputs.items(), *s.outputs.items()]} for b in (1, 2)]
+    axes: dict[str, int | None] = {}
+    for name, one in shapes[0].items():
+        two = shapes[1].get(name)
+        if two is None or len(two) != len(one):
+            raise ValueError(f"tensor {name!r} is {one} at batch 1 but {two} at batch 2")
+        changed = [i for i, (p, q) in enumerate(zip(one, two)) if p != q]
+        if len(changed) > 1 or any(two[i] != 2 * one[i] for i in changed):
+            raise ValueError(f"tensor {name!r} is {one} at batch 1 and {two} at batch 2: a batch-dynamic export "
+                             "needs one axis that scales with the batch")
+        axes[name] = changed[0] if changed else None
+    return axes
