@@ -240,7 +240,7 @@ def run_parity(device: str, folder: Path, seed: int = 0, tiny: bool = False) -> 
     say("LeRobot fp32 chunk done")
     eager32 = EagerEngine(adapter, device=device, dtype="float32")
     ours32 = eager32.run(model_inputs(inputs), noise=noise)
-    fast32 = CudaGraphEngine(copy.deepcopy(adapter), device=device, dtype="float32")
+    fast32 = CudaGraphEngine(copy.deepcopy(adapter), device=device, dtype="float32", triton_ops=False)
     ours_fast32 = fast32.run(model_inputs(inputs), noise=noise)
     del fast32
     report: dict[str, Any] = {
@@ -269,7 +269,7 @@ def bf16_parity(state: dict[str, Any], device: str) -> dict[str, Any]:
     ad16 = copy.deepcopy(state["adapter"])
     eager16 = EagerEngine(ad16, device=device, dtype="bfloat16").run(model_inputs(inputs), noise=noise)
     del ad16
-    fast = CudaGraphEngine(copy.deepcopy(state["adapter"]), device=device, dtype="bfloat16")
+    fast = CudaGraphEngine(copy.deepcopy(state["adapter"]), device=device, dtype="bfloat16", triton_ops=False)
     fast16 = fast.run(model_inputs(inputs), noise=noise)
     ref32, ours32 = state["lerobot_fp32_chunk"], state["ours_fp32_chunk"]
     return {

@@ -18,7 +18,8 @@ on the same inputs and noise. Part of the full run (`--no-fp8` skips it); `--fp8
 seeded random full-size weights directly on the GPU instead of going through LeRobot, and measures
 the bf16 baseline and the fp8 variants alone (a short device call).
 
-Fused Triton ops for the action expert (`CudaGraphEngine(triton_ops=True)`, `layers/triton_ops.py`):
+Fused Triton ops for the prefix and the action expert (`CudaGraphEngine(triton_ops=True)`, `layers/triton_ops.py`,
+`layers/triton_attention.py`; on by default on CUDA, so every other engine here sets `triton_ops=False`):
 an ablation at batch 1 and 32: graphs + Triton ops, + fp8 expert, + torch.compile, each beside the
 bf16 engine and (with `--triton-only`) graphs + compile without them; accuracy vs eager fp32. Part of
 the full run (`--no-triton` skips it); `--triton-only` runs it on seeded full-size weights alone
@@ -167,9 +168,9 @@ def run_fp8(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_
     Dynamic per-tensor activation scales, weight scales from each weight's amax (no calibration
     set: random weights). Results under res["fp8"]."""
     variants: list[tuple[str, dict[str, Any], list[tuple[int, int]]]] = [
-        (scope, {"fp8": scope}, shapes) for scope in FP8_SCOPES]
+        (scope, {"fp8": scope, "triton_ops": False}, shapes) for scope in FP8_SCOPES]
     if compile_b1:
-        variants.append(("expert+compile", {"fp8": "expert", "compile": True}, shapes[:1]))
+        variants.append(("expert+compile", {"fp8": "expert", "compile": True, "triton_ops": False}, shapes[:1]))
     run_variants(res, "fp8", variants, adapter, dev, inputs_for, noise_for, eager32, budget_s)
 
 
@@ -188,10 +189,10 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         variants.append(("triton+fp8 expert", {"triton_ops": True, "fp8": "expert"}, shapes))
     if compile:
         if compile_baseline:
-            variants.append(("compile", {"compile": True}, shapes[:1]))
+            variants.append(("compile", {"compile": True, "triton_ops": False}, shapes[:1]))
         variants.append(("triton+compile", {"triton_ops": True, "compile": True}, shapes[:1]))
         if compile_baseline:
-            variants.append(("compile", {"compile": True}, shapes[1:]))
+            variants.append(("compile", {"compile": True, "triton_ops": False}, shapes[1:]))
         variants.append(("triton+compile", {"triton_ops": True, "compile": True}, shapes[1:]))
     run_variants(res, "triton", variants, adapter, dev, inputs_for, noise_for, eager32, budget_s, rtc_modes)
 
@@ -343,7 +344,7 @@ def main_seeded(args: argparse.Namespace) -> int:
                            generator=torch.Generator().manual_seed(4)).to(dev)
 
     res["ours"] = {}
-    bf16 = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16")
+    bf16 = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", triton_ops=False)
     eager32 = EagerEngine(adapter, device=dev, dtype="float32")
     res["accuracy"] = {}
     for b, reps in ((1, reps1), (32, reps32)):
@@ -367,7 +368,7 @@ def main_seeded(args: argparse.Namespace) -> int:
         dump()
     if args.triton_only:
         run_triton(res, adapter, dev, inputs_for, noise_for, eager32, [(1, reps1), (32, reps32)], args.budget_s,
-                   compile=not args.no_compile, compile_baseline=True, fp8=not args.no_fp8,
+                   compile=not args.no_compile, compile_baseline=not args.no_compile_baseline, fp8=not args.no_fp8,
                    rtc_modes=("guided-approx", "guided"))
         dump()
     c = res["ceilings"]
@@ -399,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8-only", action="store_true",
                     help="only the bf16 engine and its fp8 variants, on seeded weights (no LeRobot)")
     ap.add_argument("--no-triton", action="store_true", help="skip the fused Triton ops variants")
+    ap.add_argument("--no-compile-baseline", action="store_true",
+                    help="--triton-only: skip graphs + compile without the Triton ops (a number an earlier run has)")
     ap.add_argument("--triton-only", action="store_true",
                     help="only the bf16 engine and its Triton-ops variants, on seeded weights (no LeRobot)")
     args = ap.parse_args(argv)
@@ -464,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
 
     # Our engine, bf16
-    fast = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16")
+    fast = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", triton_ops=False)
     res["ours"] = {}
     shapes = [(1, 3, reps1), (1, 2, reps1), (1, 1, reps1), (8, 3, reps8), (32, 3, reps32)]
     for b, v, reps in shapes:
@@ -519,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # What each change bought: eager bf16 (ours), graphs alone, and the full engine
     res["ablation"] = {}
-    plain = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", fuse=False, trim_prompt=False,
+    plain = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", triton_ops=False, fuse=False, trim_prompt=False,
                             modulation_tables=False)
     for b, reps in ((1, reps1), (32, reps32)):
         x, n = par.model_inputs(inputs_for(b, 3)), noise_for(b)
@@ -539,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - par.T0
     if not args.no_compile and elapsed < args.budget_s - 150:
         try:
-            comp = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", compile=True)
+            comp = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", compile=True,
+                                   triton_ops=False)
             for b, reps in ((1, reps1), (32, reps32)):
                 if time.perf_counter() - par.T0 > args.budget_s:
                     break

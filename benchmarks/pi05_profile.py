@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/pi05_profile"))
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--compile-step", action="store_true", help="also profile the denoise step under torch.compile")
+    ap.add_argument("--triton-ops", action="store_true", help="the engine's fused Triton stages (default: the model's own)")
     args = ap.parse_args(argv)
     dev = args.device
     args.out.mkdir(parents=True, exist_ok=True)
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     adapter = seeded_adapter(dev, args.tiny)
     cfg = adapter.cfg
-    eng = CudaGraphEngine(adapter, device=dev, dtype="bfloat16")
+    eng = CudaGraphEngine(adapter, device=dev, dtype="bfloat16", triton_ops=args.triton_ops)
     module = eng.module
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
                            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "batches": {}}

@@ -14,7 +14,6 @@ from phyai_edge.calibration import synthetic_observations
 from phyai_edge.engines import make_engine
 from phyai_edge.engines.onnx_export import export_ready, export_stage, onnx_io, sample_inputs
 from phyai_edge.engines.rtc import RTCGuidance, prefix_weights
-from phyai_edge.engines.stages import batch_axes
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +111,7 @@ def test_fp16_export_is_typed(adapter, tmp_path):
 
     with export_ready(adapter, "fp16") as twin:
         spec = next(s for s in twin.stage_specs(1, 3) if s.name == "encode_prefix")
-        path = export_stage(twin.module, spec, tmp_path / "e.onnx", batch_axes=batch_axes(twin, 3))
+        path = export_stage(twin.module, spec, tmp_path / "e.onnx", dynamic_batch=True)
     types = {i.name: i.type.tensor_type.elem_type for i in onnx.load(str(path)).graph.input}
     assert types["image_embeds"] == onnx.TensorProto.FLOAT16
     dims = onnx_io(path)["inputs"][0][1]

@@ -24,19 +24,17 @@ def entropy_calibrator(
     cache_file: str | Path,
     device: str | torch.device = "cuda",
     trt: Any = None,
-    batch_size: int | None = None,
 ) -> Any:
     """An `IInt8EntropyCalibrator2` over `samples` (each a full batch of the stage's inputs,
-    all of the same batch size). `batch_size` is that batch (`tensorrt.calibration_batch` reads
-    it on each input's batch axis from the specs); without it, axis 0 of the first input. `trt`
-    may be passed in (tests use a stand-in module)."""
+    all of the same batch size). `trt` may be passed in (tests use a stand-in module)."""
     if trt is None:
         import tensorrt as trt
     if not samples:
         raise ValueError("an int8 calibrator needs at least one sample")
     first = next(iter(samples[0].values()))
     names = list(samples[0])
-    batch = int(batch_size) if batch_size is not None else int(first.shape[0])
+    # k/v caches carry the batch on axis 1; every other input on axis 0.
+    batch = int(samples[0]["k_cache"].shape[1]) if "k_cache" in samples[0] else int(first.shape[0])
 
     class EntropyCalibrator(trt.IInt8EntropyCalibrator2):
         def __init__(self) -> None:

@@ -45,9 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-scales", default=None, metavar="FILE",
                    help="calibrated fp8 scales (.safetensors from `phyai-edge export --precision fp8`); "
                    "default: weight amax, dynamic activation scales")
-    p.add_argument("--triton-ops", action="store_true",
-                   help="cudagraph backend: the action expert's norms, residuals, RoPE and GeGLU as fused Triton "
-                   "kernels (layers/triton_ops.py; CUDA with triton installed, else the reference path); unmeasured")
+    p.add_argument("--triton-ops", action=argparse.BooleanOptionalAction, default=None,
+                   help="cudagraph backend: norms, residuals, RoPE, GeGLU and attention of the prefix and the action "
+                   "expert as fused Triton kernels (layers/triton_ops.py, layers/triton_attention.py); default: on "
+                   "on a CUDA device with triton installed; --triton-ops on a CPU takes their reference path")
     p.add_argument("--json", action="store_true", help="print one JSON object (input to `phyai-edge roofline`)")
 
 
@@ -82,12 +83,12 @@ def run_bench(args: argparse.Namespace) -> dict:
         if args.backend != "cudagraph":
             raise SystemExit(f"--fp8 needs --backend cudagraph (got --backend {args.backend})")
         options = {"fp8": fp8 or "expert", "fp8_scales": args.fp8_scales}
-    if getattr(args, "triton_ops", False):
+    if getattr(args, "triton_ops", None) is not None:
         if args.engine:
             raise SystemExit("--triton-ops does not apply to a bundle (it is a cudagraph engine option)")
         if args.backend != "cudagraph":
             raise SystemExit(f"--triton-ops needs --backend cudagraph (got --backend {args.backend})")
-        options["triton_ops"] = True
+        options["triton_ops"] = args.triton_ops
     policy = load_policy(adapter=args.adapter, checkpoint=args.checkpoint, preset=args.preset, backend=args.backend,
                          device=args.device, dtype=args.dtype, bundle=args.engine, tokenizer=args.tokenizer,
                          engine_options=options)

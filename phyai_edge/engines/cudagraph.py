@@ -20,9 +20,11 @@ What makes it fast (each is exact, or equal within rounding, to the eager engine
   attention / MLP projection (`fp8="all"`): `layers.fp8`, `torch._scaled_mm` on Ada / Hopper,
   its plain-torch reference elsewhere. Converted after the precision is set and after fusion, so
   the fused QKV and gate/up GEMMs are the ones quantised (see `layers/fp8.py` for why).
-- Optional fused Triton kernels for the action expert's elementwise chains (`triton_ops=True`:
-  adaptive norm + modulation, gated residual + the next norm, RoPE out of the fused QKV, GeGLU;
-  `layers.triton_ops`), chosen around the model (`PI05Model.triton_stages`). Unmeasured on a GPU.
+- Fused Triton kernels for the prefix's and the action expert's elementwise chains and attention
+  (`triton_ops`: norm + modulation, residual + the next norm, RoPE out of the fused QKV, GeGLU,
+  split-KV attention; `layers.triton_ops`, `layers.triton_attention`), chosen around the model
+  (`PI05Model.triton_stages`). On by default on a CUDA device with triton installed (and no fp8:
+  measured slower together, benchmarks/RESULTS.md); `triton_ops=False` turns them off.
 - Optional `torch.compile` of the stage functions (inductor fuses norms, RoPE, GeGLU and
   residuals) underneath the same graphs.
 
@@ -104,7 +106,7 @@ class CudaGraphEngine(EngineBase):
         fp8: str | None = None,
         fp8_scales: Any = None,
         fp8_activations: str | None = None,
-        triton_ops: bool | str = False,
+        triton_ops: bool | str | None = None,
     ) -> None:
         super().__init__(adapter, device, seed)
         self.dtype = resolve_dtype(dtype)
@@ -116,6 +118,11 @@ class CudaGraphEngine(EngineBase):
 
             if fp8 not in SCOPES:  # before touching the model
                 raise ValueError(f"fp8={fp8!r}: choose one of {tuple(SCOPES)} or None")
+        if triton_ops is None:  # the default: the kernels where they can run on a GPU, else the model's own stages
+            from phyai_edge.layers.triton_ops import triton_available
+
+            triton_ops = (self.device.type == "cuda" and triton_available() and hasattr(module, "triton_stages")
+                          and fp8 is None)
         triton_backend = {False: None, True: "auto"}.get(triton_ops, triton_ops)  # type: ignore[call-overload]
         if triton_backend not in (None, "auto", "triton", "reference"):
             raise ValueError(f"triton_ops={triton_ops!r}: choose True, False, 'auto', 'triton' or 'reference'")

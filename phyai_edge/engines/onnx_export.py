@@ -16,7 +16,7 @@ import contextlib
 import copy
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,8 @@ def sample_inputs(spec: StageSpec, seed: int = 0, device: torch.device | str = "
                 t[..., 0] = True  # every row keeps at least one valid entry, like real inputs
         elif dtype in (torch.int64, torch.int32):
             t = torch.randint(0, 100, shape, generator=gen, dtype=dtype)
-        elif len(shape) == 1 and dtype.is_floating_point:
-            t = torch.rand(shape, generator=gen).to(dtype)  # one scalar per sample: a flow time lies in [0, 1]
+        elif name == "t":
+            t = torch.rand(shape, generator=gen)
         else:
             t = torch.randn(shape, generator=gen).to(dtype)
         out[name] = t.to(device)
@@ -99,12 +99,12 @@ def export_ready(adapter: Adapter, precision: str = "fp32") -> Iterator[Adapter]
                 module.set_precision(old_dtype)
 
 
-def _dynamic_axes(spec: StageSpec, batch_axes: Mapping[str, int | None]) -> dict[str, dict[int, str]]:
-    """Only the batch dimension is dynamic, on the axis `stages.batch_axes` found for each name."""
-    missing = [n for n in [*spec.inputs, *spec.outputs] if n not in batch_axes]
-    if missing:
-        raise KeyError(f"stage {spec.name!r}: no batch axis known for {missing}")
-    return {n: {batch_axes[n]: "batch"} for n in [*spec.inputs, *spec.outputs] if batch_axes[n] is not None}
+def _dynamic_axes(spec: StageSpec) -> dict[str, dict[int, str]]:
+    """Only the batch dimension is dynamic: axis 1 for the per-layer KV caches, 0 otherwise."""
+    axes = {}
+    for name in [*spec.inputs, *spec.outputs]:
+        axes[name] = {1 if name in ("k_cache", "v_cache") else 0: "batch"}
+    return axes
 
 
 def export_stage(
@@ -112,12 +112,10 @@ def export_stage(
     spec: StageSpec,
     path: str | Path,
     opset: int = OPSET,
-    batch_axes: Mapping[str, int | None] | None = None,
+    dynamic_batch: bool = False,
     check: bool = True,
 ) -> Path:
-    """Trace one stage into `path`. Large models keep their weights in `<path>.data` beside it.
-    With `batch_axes` (name -> axis, from `stages.batch_axes`) the batch is a symbolic dimension
-    (what TensorRT's optimisation profiles need); without, every shape is the spec's."""
+    """Trace one stage into `path`. Large models keep their weights in `<path>.data` beside it."""
     import onnx
 
     path = Path(path)
@@ -131,7 +129,7 @@ def export_stage(
         raw = Path(tmp) / "model.onnx"
         kwargs: dict[str, Any] = dict(
             input_names=list(spec.inputs), output_names=list(spec.outputs), opset_version=opset,
-            do_constant_folding=True, dynamic_axes=_dynamic_axes(spec, batch_axes) if batch_axes is not None else None,
+            do_constant_folding=True, dynamic_axes=_dynamic_axes(spec) if dynamic_batch else None,
         )
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # tracer chatter about shape-derived Python ints

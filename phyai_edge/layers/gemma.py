@@ -51,10 +51,10 @@ class GemmaAttention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q: torch.Tensor, k: Any, v: Any, mask: torch.Tensor,
-               attention_fn: Callable[..., torch.Tensor] = attention) -> torch.Tensor:
+               attention_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """Attention then the output projection. `attention_fn` (same contract as
         `layers.attention.attention`) lets a fast path swap the kernel without copying this."""
-        out = attention_fn(q, k, v, mask)
+        out = (attention_fn or attention)(q, k, v, mask)
         b, _, t, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         return self.o_proj(out.to(self.o_proj.weight.dtype))

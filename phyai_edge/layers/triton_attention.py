@@ -104,7 +104,9 @@ if triton is not None:
                           other=0.0)
             if UPCAST:
                 kt = kt.to(tl.float32)
-            s = tl.dot(q, kt) * scale_log2
+            # float32 explicitly: under torch.compile a Python float argument arrives as fp64, which
+            # would turn the loop-carried statistics into fp64.
+            s = (tl.dot(q, kt) * scale_log2).to(tl.float32)
             ok = inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -220,7 +222,7 @@ def _parts(x: KV) -> tuple[torch.Tensor, torch.Tensor]:
 
 def attention_split(
     q: torch.Tensor, k: KV, v: KV, mask: torch.Tensor, scale: float | None = None,
-    backend: str = "reference", splits: int | None = None,
+    backend: str = "reference", splits: int | None = None, only_if_split: bool = False,
 ) -> torch.Tensor:
     """q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D), or each as two parts (cached, new) that together
     make Tk keys (attended as if concatenated, without the copy); mask bool (B, 1, 1, Tk)
@@ -228,9 +230,16 @@ def attention_split(
 
     The kernel's result is a transposed view of a contiguous (B, Tq, Hq, D) tensor, so
     `out.transpose(1, 2).reshape(B, Tq, Hq * D)` (what an output projection reads) copies nothing.
-    `splits`: how many key ranges (None: enough to fill the GPU, see `plan_splits`)."""
+    `splits`: how many key ranges (None: enough to fill the GPU, see `plan_splits`).
+    `only_if_split`: take the kernel only where it would split the keys, i.e. where a one-pass
+    kernel would leave SMs idle; elsewhere SDPA's own kernels (cuDNN's flash kernel on Hopper)."""
     ks, vs = _parts(k), _parts(v)
-    if not (kernel_takes(q, mask) and _use_triton(backend, q, *ks, *vs)):
+    use = kernel_takes(q, mask) and _use_triton(backend, q, *ks, *vs)
+    if use and only_if_split and splits is None:
+        bm, bn, _ = _blocks(q.shape[-1])
+        n = ks[0].shape[2] + ks[1].shape[2]
+        use = plan_splits(q.shape[1] * q.shape[2], n, q.shape[0], _sm_count(q.device), bm, bn)[0] > 1
+    if not use:
         k_all = ks[0] if ks[1].shape[2] == 0 else torch.cat(ks, dim=2)
         v_all = vs[0] if vs[1].shape[2] == 0 else torch.cat(vs, dim=2)
         return attention(q, k_all, v_all, mask, scale)

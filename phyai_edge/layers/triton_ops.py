@@ -186,7 +186,8 @@ if triton is not None:
             r = (x + y * g).to(res_ptr.dtype.element_ty)
             tl.store(res_ptr + row * stride_res + cols, r, mask=m)
             x = r.to(tl.float32)  # normalise the residual as stored (rounded), as the reference does
-        inv = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        # float32 explicitly: under torch.compile a Python float argument arrives as fp64.
+        inv = tl.rsqrt((tl.sum(x * x, axis=0) / n_cols + eps).to(tl.float32))
         sc = tl.load(scale_ptr + b * stride_scale_b + cols, mask=m, other=0.0).to(tl.float32)
         sh = tl.load(shift_ptr + b * stride_shift_b + cols, mask=m, other=0.0).to(tl.float32)
         out = x * inv * (1.0 + sc) + sh
@@ -413,3 +414,51 @@ def adaptive_block_stack(
             eps = final_eps
         x, h = residual_ada_rms_norm(x, y, gate_post, next_scale, next_shift, eps, backend)
     return h
+
+
+def plain_block_stack(
+    blocks: Sequence[torch.nn.Module],
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    backend: str = "reference",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain (non-adaptive) `GemmaBlock`s over x (B, T, W), attending among themselves under a
+    key-only mask (B, 1, 1, T): returns every block's rotated keys and values, stacked
+    (blocks, B, Hkv, T, D). The last block's attention and MLP are skipped (only its K/V is read).
+
+    The same function as `project_kv` / `finish` per block (the PI0.5 prefix), on the kernels
+    above: Gemma's RMSNorm `normed * (1 + w)` is the adaptive norm with scale w and no shift,
+    and its ungated residual the gated one with gate 1 (both exact)."""
+    from phyai_edge.layers.triton_attention import attention_split
+
+    def attend(q, k, v, m):
+        return attention_split(q, k, v, m, backend=backend, only_if_split=True)
+
+    width = x.shape[-1]
+    zero = torch.zeros(1, 1, width, dtype=torch.float32, device=x.device)
+    one = torch.ones(1, 1, width, dtype=x.dtype, device=x.device)
+
+    def weight(norm: torch.nn.Module) -> torch.Tensor:
+        return norm.weight.view(1, 1, width)
+
+    first = blocks[0].input_layernorm
+    h = ada_rms_norm(x, weight(first), zero, first.eps, backend)
+    ks, vs = [], []
+    last = len(blocks) - 1
+    for i, block in enumerate(blocks):
+        attn = block.self_attn
+        q, k, v = qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads,
+                           attn.head_dim, backend)
+        ks.append(k)
+        vs.append(v)
+        if i == last:
+            break
+        y = attn.attend(q, k, v, mask, attention_fn=attend)
+        post = block.post_attention_layernorm
+        x, h = residual_ada_rms_norm(x, y, one, weight(post), zero, post.eps, backend)
+        y = _mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend)
+        nxt = blocks[i + 1].input_layernorm
+        x, h = residual_ada_rms_norm(x, y, one, weight(nxt), zero, nxt.eps, backend)
+    return torch.stack(ks), torch.stack(vs)

@@ -212,9 +212,10 @@ class PI05Model(nn.Module):
         return self.action_out_proj(normed.to(self.action_out_proj.weight.dtype)).float()
 
     def triton_stages(self, backend: str = "auto") -> dict[str, Callable[..., torch.Tensor]]:
-        """Stage functions that run the action expert's elementwise chains as fused Triton kernels
-        (`layers.triton_ops`; `backend` as there). An engine option chooses them
-        (`CudaGraphEngine(triton_ops=True)`); `denoise_step` above stays the reference."""
+        """Stage functions that run the prefix's and the action expert's elementwise chains and
+        attention as fused Triton kernels (`layers.triton_ops`, `layers.triton_attention`; `backend`
+        as there). An engine option chooses them (`CudaGraphEngine(triton_ops=True)`);
+        `encode_prefix` and `denoise_step` above stay the reference."""
         from phyai_edge.layers import triton_ops
 
         def denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=None):
@@ -226,4 +227,14 @@ class PI05Model(nn.Module):
             )
             return self.expert_output(out)
 
-        return {"denoise_step": denoise_step}
+        def encode_prefix(image_embeds, image_mask, tokens, token_mask):
+            if not self.attend_keys_only:  # the fused stack takes key-only masks
+                return self.encode_prefix(image_embeds, image_mask, tokens, token_mask)
+            p = self.cfg.prefix
+            x, mask = self.embed_prefix(image_embeds, image_mask, tokens, token_mask)
+            positions = torch.cumsum(mask.long(), dim=1) - 1
+            cos, sin = rope_cos_sin(positions, p.head_dim, p.rope_theta, self.compute_dtype)
+            k, v = triton_ops.plain_block_stack(self.prefix_layers, x, cos, sin, mask[:, None, None, :], backend)
+            return k, v, mask
+
+        return {"denoise_step": denoise_step, "encode_prefix": encode_prefix}
