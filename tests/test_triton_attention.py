@@ -128,3 +128,25 @@ def test_two_part_keys_equal_concatenation(poisoned, split_at, splits):
     ref = ta.attention_split(q, (k[:, :, :split_at], k[:, :, split_at:]), (v[:, :, :split_at], v[:, :, split_at:]),
                              mask, backend="reference")
     assert _rel(parts, ref) < 2e-5
+
+
+@pytest.mark.parametrize("rows,groups,split", [
+    (400, 1, True),     # PI0.5 expert, batch 1: 7 query blocks on 132 SMs
+    (400, 8, True),     # batch 8: 56 blocks
+    (400, 16, False),   # batch 16: 112 blocks, cuDNN's one pass fills the GPU
+    (6528, 1, False),   # the prefix at batch 1: 102 blocks
+])
+def test_needs_split(rows, groups, split):
+    assert ta.needs_split(rows, groups, 132, 64) is split
+
+
+def test_only_if_idle_keeps_sdpa_on_a_full_gpu(monkeypatch):
+    """Where one pass fills the GPU the call is SDPA's, kernels available or not."""
+    q, k, v = _qkv(2, 4, 1, 40, 150, 32, torch.float32)
+    mask = _key_mask(2, 150)
+    monkeypatch.setattr(ta, "_sm_count", lambda device: 2)  # 2 x 3 query blocks >= 2 // 2
+    monkeypatch.setattr(ta, "_use_triton", lambda *a: True)
+    called = []
+    monkeypatch.setattr(ta, "_split_attention_triton", lambda *a: called.append(1))
+    out = ta.attention_split(q, k, v, mask, backend="triton", only_if_idle=True)
+    assert not called and torch.equal(out, attention(q, k, v, mask))

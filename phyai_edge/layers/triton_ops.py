@@ -393,7 +393,7 @@ def adaptive_block_stack(
     from phyai_edge.layers.triton_attention import attention_split
 
     def attend(q, k, v, m):
-        return attention_split(q, k, v, m, backend=backend)
+        return attention_split(q, k, v, m, backend=backend, only_if_idle=True)
 
     scale, shift, _ = modulations[0][0]
     h = ada_rms_norm(x, scale, shift, blocks[0].input_layernorm.eps, backend)
@@ -434,7 +434,7 @@ def plain_block_stack(
     from phyai_edge.layers.triton_attention import attention_split
 
     def attend(q, k, v, m):
-        return attention_split(q, k, v, m, backend=backend, only_if_split=True)
+        return attention_split(q, k, v, m, backend=backend, only_if_idle=True)
 
     width = x.shape[-1]
     zero = torch.zeros(1, 1, width, dtype=torch.float32, device=x.device)
