@@ -10,7 +10,10 @@ For each backend: `export_bundle` (with its own validation against eager), then 
 process (`--child`) loads the bundle and produces one chunk; the parent measures the wall time
 from spawning that process to the child's first chunk (what a robot restarted by systemd waits;
 target <= 10 s), and the child compares the chunk with the eager engine on the same
-observation and noise. A Markdown section is appended to the results file.
+observation and noise. The child also reports where that time went: imports, the load's own
+breakdown (`policy.load_timings`: verify / hash, read weights, to device, adapter, engine build)
+and the first chunk (CUDA graph capture included). A Markdown section is appended to the
+results file.
 """
 
 from __future__ import annotations
@@ -28,7 +31,12 @@ T_PROCESS = time.perf_counter()  # as early as possible: the child's own start
 
 def child(bundle: str, device: str, checkpoint: str | None) -> None:
     """Load the bundle, one chunk, then the eager comparison; one JSON line on stdout."""
+    import logging
+
     import torch
+
+    # The loader's INFO line (where the load's time went) on stderr, beside the parent's output.
+    logging.basicConfig(level=logging.INFO, format="child %(name)s: %(message)s")
 
     from phyai_edge.calibration import synthetic_observations
     from phyai_edge.engines.policy import load_bundle_policy
@@ -44,9 +52,13 @@ def child(bundle: str, device: str, checkpoint: str | None) -> None:
     t_first = time.perf_counter()
     print("FIRST_CHUNK", flush=True)  # the parent stops its clock here
     warm = [policy.infer(obs, noise=noise).stage_ms["total"] for _ in range(5)]
+    # load_bundle_policy's own breakdown of load_s (verify_s incl. hash_s, read_s, to_device_s,
+    # adapter_s, engine_s); first_infer_s is the first chunk itself, CUDA graph capture included.
     out = {"bundle": bundle, "imports_s": t0 - T_PROCESS, "load_s": t_loaded - t0,
-           "first_chunk_s": t_first - T_PROCESS, "warm_total_ms": sorted(warm)[len(warm) // 2],
-           "stage_ms": result.stage_ms}
+           "first_chunk_s": t_first - T_PROCESS, "first_infer_s": t_first - t_loaded,
+           "load_breakdown": getattr(policy, "load_timings", {}),
+           "weight_dtype": policy.manifest["checkpoint"].get("weight_dtype"),
+           "warm_total_ms": sorted(warm)[len(warm) // 2], "stage_ms": result.stage_ms}
     if checkpoint:
         from phyai_edge.engines.policy import load_policy
 
@@ -122,13 +134,20 @@ def main() -> int:
     gpu = manifest["target"].get("gpu_name")
     lines = [f"\n## Export bundles, full-size PI0.5 ({datetime.now(timezone.utc):%Y-%m-%d}, {gpu})\n",
              "| backend | precision | device | export s | spawn -> first chunk s (target <= 10) | load s | "
-             "warm chunk ms | max abs err vs eager fp32 | export validation |", "|---|---|---|---|---|---|---|---|---|"]
+             "warm chunk ms | max abs err vs eager fp32 | export validation | imports s | "
+             "load: verify (hash) / read / to device / adapter / engine s | first chunk s (incl. capture) | "
+             "stored weights |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
     for r in rows:
         v = r["validation"]
+        b = r.get("load_breakdown") or {}
         lines.append(f"| {r['backend']} | {r['precision']} | {r['device']} | {r['export_s']:.0f} | "
-                     f"{r['spawn_to_first_chunk_s'] or float('nan'):.2f} | {r.get('load_s', float('nan')):.2f} | "
-                     f"{r.get('warm_total_ms', float('nan')):.1f} | {r.get('max_abs_error_vs_eager_fp32', float('nan')):.3g} | "
-                     f"{v.get('status')} {v.get('max_abs_error', '')} |")
+                     f"{r['spawn_to_first_chunk_s'] or nan:.2f} | {r.get('load_s', nan):.2f} | "
+                     f"{r.get('warm_total_ms', nan):.1f} | {r.get('max_abs_error_vs_eager_fp32', nan):.3g} | "
+                     f"{v.get('status')} {v.get('max_abs_error', '')} | {r.get('imports_s', nan):.2f} | "
+                     f"{b.get('verify_s', nan):.2f} ({b.get('hash_s', nan):.2f}) / {b.get('read_s', nan):.2f} / "
+                     f"{b.get('to_device_s', nan):.2f} / {b.get('adapter_s', nan):.2f} / {b.get('engine_s', nan):.2f} | "
+                     f"{r.get('first_infer_s', nan):.2f} | {r.get('weight_dtype') or '-'} |")
     args.results.parent.mkdir(parents=True, exist_ok=True)
     with args.results.open("a") as f:
         f.write("\n".join(lines) + "\n")

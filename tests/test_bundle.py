@@ -165,7 +165,9 @@ def test_cudagraph_bundle_carries_the_weights(tmp_path, checkpoint):
         assert m["validation"]["status"] == "skipped"
         with pytest.raises(BundleError, match="CUDA device"):
             load_policy(bundle=out)
-    # The weights in the bundle are the checkpoint's: same hash, same eager actions.
+    # The weights in the bundle are the checkpoint's, stored in the engine's precision: same
+    # hash, same eager actions at that precision (tests/test_bundle_weights.py has the rest).
+    assert m["checkpoint"]["weight_dtype"] == "bfloat16"
     verify_bundle(out, device="cuda", checkpoint=checkpoint, here=Platform(True, "x", "9.0", {}))
     from phyai_edge.engines.bundle import bundle_adapter
     from phyai_edge.engines.eager import EagerEngine
@@ -174,8 +176,8 @@ def test_cudagraph_bundle_carries_the_weights(tmp_path, checkpoint):
     ref = builtin_adapter("tiny", seed=0)
     inputs = ref.preprocess(synthetic_observations(ref, 1))
     noise = torch.randn(1, 50, 32)
-    a = EagerEngine(ad).run(inputs, noise=noise)
-    b = EagerEngine(ref).run(inputs, noise=noise)
+    a = EagerEngine(ad, dtype="bfloat16").run(inputs, noise=noise)
+    b = EagerEngine(ref, dtype="bfloat16").run(inputs, noise=noise)
     assert torch.equal(a, b)
 
 

@@ -9,6 +9,9 @@ example, run through the runtime by tests/test_second_adapter.py). The module pr
   solver's velocity step taking (x_t, t, ...) first: see `Adapter.stage_specs`);
 - for engine bundles: `save_bundle_checkpoint(adapter, folder, with_weights)` and
   `load_bundle_adapter(folder, weights_included)` (the adapter's own metadata format).
+  Optional keywords, passed only to functions that name them: `weight_dtype` (save: store the
+  weights for an engine of that precision), `device` and `timings` (load: put the weights on
+  that device; add `read_s` / `to_device_s` to the dict).
 
 Not yet model-agnostic: the cudagraph engine (PI0.5's graph, prompt-length buckets) and the
 TensorRT engine's run loop (PI0.5's stage and tensor names).

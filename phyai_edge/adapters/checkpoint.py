@@ -2,13 +2,16 @@
 unexpected, shapes and dtypes right, and tensors nobody needs (language-model heads) never read.
 
 Weights are assigned into a model built on the meta device, so loading a 3B model does not
-first allocate 3B random parameters.
+first allocate 3B random parameters. Each tensor goes from the file's memory map straight to
+its device: no CPU copy of the whole model is made first (safetensors maps the file, so the
+bytes are only read when the copy to the device touches them).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -34,9 +37,23 @@ def load_safetensors_strict(
     files: list[Path],
     key_map: KeyMap,
     device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = torch.float32,
+    expect_dtypes: Mapping[str, torch.dtype] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> list[str]:
-    """Load `files` into `model` (which may live on the meta device) as float32 tensors on
-    `device`; engines cast to their precision. Returns the checkpoint names skipped unread."""
+    """Load `files` into `model` (which may live on the meta device) on `device`. Returns the
+    checkpoint names skipped unread.
+
+    dtype: every tensor is converted to it (float32 by default: engines cast to their
+        precision), or None to keep each as stored (a checkpoint already written in the
+        engine's precision, e.g. a bf16 bundle: widening it would only be narrowed again).
+    expect_dtypes: model name -> the dtype the file must store it in (a checkpoint that
+        records the precision it was written for); anything else is a wrongly typed tensor.
+    timings: if given, `read_s` (headers, checks, mapping the tensors) and `to_device_s`
+        (copying them to `device` and converting; this is where the file's bytes are read)
+        are added to it.
+    """
+    t0 = time.perf_counter()
     expected = {name: t for name, t in model.state_dict(keep_vars=True).items()}
     found: dict[str, tuple[Path, str]] = {}
     unexpected, skipped = [], []
@@ -60,6 +77,8 @@ def load_safetensors_strict(
         problems.append(_listing("unexpected tensors", unexpected))
     bad_shape, bad_dtype = [], []
     handles = {f: safe_open(str(f), framework="pt") for f in {p for p, _ in found.values()}}
+    device = torch.device(device)
+    read_s = to_device_s = 0.0
     try:
         for name, (f, key) in found.items():
             sl = handles[f].get_slice(key)
@@ -67,25 +86,50 @@ def load_safetensors_strict(
             want = tuple(expected[name].shape)
             if shape != want:
                 bad_shape.append(f"{key}: checkpoint {list(shape)}, model {list(want)}")
-            if not _float_dtype(sl.get_dtype()):
-                bad_dtype.append(f"{key}: {sl.get_dtype()} (expected a floating-point tensor)")
+            stored = sl.get_dtype()
+            if not _float_dtype(stored):
+                bad_dtype.append(f"{key}: {stored} (expected a floating-point tensor)")
+            elif expect_dtypes is not None and _ST_DTYPES.get(stored) != expect_dtypes.get(name):
+                bad_dtype.append(f"{key}: {stored} (the checkpoint records it as {expect_dtypes.get(name)})")
         if bad_shape:
             problems.append(_listing("mis-shaped tensors", bad_shape))
         if bad_dtype:
             problems.append(_listing("wrongly typed tensors", bad_dtype))
         if problems:
             raise CheckpointError("checkpoint does not match the model:\n" + "\n".join(problems))
+        read_s = time.perf_counter() - t0
         state = {}
         for name, (f, key) in found.items():
-            state[name] = handles[f].get_tensor(key).to(device=device, dtype=torch.float32)
+            t1 = time.perf_counter()
+            t = handles[f].get_tensor(key)  # a view of the mapped file: nothing read yet
+            t2 = time.perf_counter()
+            # Move, then convert: a float32 conversion on the CPU would copy (and double) the
+            # bytes before they cross to the device; a conversion there is nearly free.
+            t = t.to(device)
+            if dtype is not None and t.dtype != dtype:
+                t = t.to(dtype)
+            state[name] = t
+            read_s += t2 - t1
+            to_device_s += time.perf_counter() - t2
+        if device.type == "cuda":
+            t1 = time.perf_counter()
+            torch.cuda.synchronize(device)
+            to_device_s += time.perf_counter() - t1
     finally:
         handles.clear()
     model.load_state_dict(state, strict=True, assign=True)
+    if timings is not None:
+        timings["read_s"] = timings.get("read_s", 0.0) + read_s
+        timings["to_device_s"] = timings.get("to_device_s", 0.0) + to_device_s
     return skipped
 
 
+_ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
 def _float_dtype(name: str) -> bool:
-    return name in {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+    return name in _ST_DTYPES
 
 
 def regex_key_map(rules: list[tuple[str, str]], skip: list[str]) -> KeyMap:

@@ -5,7 +5,8 @@ Layout (paths are relative to the bundle folder and listed, with hashes, in the 
     manifest.json               what was built, for what, by what, and how well it matched eager
     checkpoint/                 native adapter metadata: phyai_edge.json, norm_stats.json,
                                 tokenizer.json; plus model.safetensors for backends that need
-                                the weights at load time (cudagraph)
+                                the weights at load time (cudagraph), stored in the dtypes the
+                                engine runs them in (manifest checkpoint.weight_dtype)
     onnx/b<B>/<stage>.onnx      static-shape ONNX per batch size (onnxruntime backend; also the
                                 TensorRT sources, with `onnx/dynamic/` for the batch profiles)
     trt/<stage>.plan            serialised TensorRT engines, one profile per batch size
@@ -27,10 +28,13 @@ architecture-specific), or whose TensorRT version differs from the installed one
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import logging
 import os
 import platform
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -38,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 FORMAT = "phyai-edge/bundle/1"
 MANIFEST = "manifest.json"
@@ -265,12 +271,16 @@ def verify_bundle(
     checkpoint: str | Path | None = None,
     here: Platform | None = None,
     check_hashes: bool = True,
+    timings: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Every refusal check, cheapest first. Returns the manifest."""
+    """Every refusal check, cheapest first. Returns the manifest; `timings` gets `hash_s`."""
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
+    t0 = time.perf_counter()
     if check_hashes:
         check_files(bundle, manifest)
+    if timings is not None:
+        timings["hash_s"] = time.perf_counter() - t0
     if checkpoint is not None:
         check_checkpoint(manifest, checkpoint)
     check_platform(manifest, here or Platform.current(device), device)
@@ -290,9 +300,21 @@ def adapter_module(name: str) -> Any:
     return importlib.import_module(ADAPTERS[name])
 
 
-def bundle_adapter(bundle: Path, manifest: dict[str, Any], seed: int = 0):
+def optional_kwargs(fn: Any, **options: Any) -> dict[str, Any]:
+    """The `options` that `fn` names (or takes as **kwargs), for the optional keywords of the
+    adapter module protocol: an adapter written before them still loads and saves."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {k: v for k, v in options.items() if k in params}
+
+
+def bundle_adapter(bundle: Path, manifest: dict[str, Any], seed: int = 0, device: str | torch.device | None = None,
+                   timings: dict[str, float] | None = None):
     """The adapter from the bundle's own checkpoint folder, with weights only when included.
-    Read by the adapter's module (`load_bundle_adapter(folder, weights_included)`)."""
+    Read by the adapter's module (`load_bundle_adapter(folder, weights_included)`), which puts
+    included weights on `device` if it takes one (else the engine moves them) and adds
+    `read_s` / `to_device_s` to `timings` if it takes that."""
     name = manifest["adapter"]["name"]
     module = adapter_module(name)
     load = getattr(module, "load_bundle_adapter", None)
@@ -301,19 +323,37 @@ def bundle_adapter(bundle: Path, manifest: dict[str, Any], seed: int = 0):
                           "has no load_bundle_adapter(folder, weights_included)")
     from phyai_edge.adapters.base import SolverSpec
 
-    adapter = load(bundle / "checkpoint", bool(manifest["checkpoint"].get("weights_included")))
+    options = {k: v for k, v in (("device", device), ("timings", timings)) if v is not None}
+    adapter = load(bundle / "checkpoint", bool(manifest["checkpoint"].get("weights_included")),
+                   **optional_kwargs(load, **options))
     adapter.solver = SolverSpec(int(manifest["steps"]))
     return adapter
 
 
 def load_bundle_engine(bundle: str | Path, device: str | torch.device = "cpu", checkpoint: str | Path | None = None,
                        seed: int = 0, here: Platform | None = None, check_hashes: bool = True,
-                       **engine_kwargs: Any):
-    """(adapter, engine, manifest) for a verified bundle."""
+                       timings: dict[str, float] | None = None, **engine_kwargs: Any):
+    """(adapter, engine, manifest) for a verified bundle.
+
+    Logs one INFO line with where the time went (what a robot restarted by systemd waits
+    before its first chunk, less imports and the first chunk itself), and puts the same numbers
+    in `timings` if given: verify_s (manifest, hashes, platform: the first CUDA call is here),
+    hash_s (the file hashes alone), read_s (weight headers, checks and mapping), to_device_s
+    (weights copied to the device: the file's bytes are read here), adapter_s (the rest of the
+    adapter: metadata, tokenizer, model skeleton), engine_s (the engine's construction: casts,
+    fusion; CUDA graphs are captured at the first chunk), total_s.
+    """
+    t0 = time.perf_counter()
     bundle = Path(bundle)
-    manifest = verify_bundle(bundle, device, checkpoint, here, check_hashes)
-    adapter = bundle_adapter(bundle, manifest, seed)
+    verified: dict[str, float] = {}
+    manifest = verify_bundle(bundle, device, checkpoint, here, check_hashes, timings=verified)
+    t_verified = time.perf_counter()
     backend = manifest["backend"]
+    weights: dict[str, float] = {}
+    # Included weights (cudagraph) go straight to the engine's device, in the dtypes stored.
+    adapter = bundle_adapter(bundle, manifest, seed, device=device if backend == "cudagraph" else None,
+                             timings=weights)
+    t_adapter = time.perf_counter()
     batches = manifest["batch_sizes"]
     if backend == "onnxruntime":
         from phyai_edge.engines.onnxrt import OnnxRuntimeEngine
@@ -335,6 +375,24 @@ def load_bundle_engine(bundle: str | Path, device: str | torch.device = "cpu", c
         engine = make_engine("cudagraph", adapter, device=device, dtype=manifest["dtype"], seed=seed, **options)
     else:
         raise BundleError(f"bundle backend {backend!r} is unknown to this phyai-edge")
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)  # the engine's casts and copies are queued, not done
+    t_end = time.perf_counter()
+    read_s, to_device_s = weights.get("read_s", 0.0), weights.get("to_device_s", 0.0)
+    spent = {"verify_s": t_verified - t0, "hash_s": verified["hash_s"], "read_s": read_s, "to_device_s": to_device_s,
+             "adapter_s": max(0.0, t_adapter - t_verified - read_s - to_device_s), "engine_s": t_end - t_adapter,
+             "total_s": t_end - t0}
+    files = manifest.get("files", {})
+    weight_gb = sum(info["bytes"] for rel, info in files.items()
+                    if rel.startswith("checkpoint/") and rel.endswith(".safetensors")) / 1e9
+    included = manifest["checkpoint"].get("weights_included")
+    stored = manifest["checkpoint"].get("weight_dtype", "float32") if included else None  # older bundles: float32
+    log.info("bundle %s (%s) loaded in %.2f s: verify/hash %.2f s (%s), read weights %.2f s, to device %.2f s, "
+             "adapter %.2f s, engine build %.2f s%s", bundle.name, backend, spent["total_s"], spent["verify_s"],
+             f"hashes {spent['hash_s']:.2f} s" if check_hashes else "hashes not checked", read_s, to_device_s,
+             spent["adapter_s"], spent["engine_s"], f" ({weight_gb:.2f} GB of {stored} weights to {device})" if stored else "")
+    if timings is not None:
+        timings.update(spent)
     return adapter, engine, manifest
 
 

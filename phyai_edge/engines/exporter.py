@@ -146,18 +146,28 @@ def _set_views(adapter: Adapter, views: int | None) -> int:
     return views
 
 
-def write_checkpoint(adapter: Adapter, folder: Path, with_weights: bool) -> None:
+def write_checkpoint(adapter: Adapter, folder: Path, with_weights: bool,
+                     weight_dtype: str = "float32") -> str | None:
     """The adapter's own checkpoint folder in the bundle (metadata, statistics, tokenizer...),
     weights only if asked. Written by the adapter's module (`save_bundle_checkpoint`), the same
-    module `bundle.bundle_adapter` asks to read it back."""
-    from phyai_edge.engines.bundle import adapter_module
+    module `bundle.bundle_adapter` asks to read it back. Weights are stored for an engine running
+    in `weight_dtype` when the module takes that option (PI0.5: big matmuls in it, the rest
+    float32), else in float32. Returns the dtype they were stored for (None: no weights)."""
+    from phyai_edge.engines.bundle import adapter_module, optional_kwargs
+    from phyai_edge.engines.eager import resolve_dtype
 
     module = adapter_module(adapter.name)
     save = getattr(module, "save_bundle_checkpoint", None)
     if save is None:
         raise BundleError(f"adapter {adapter.name!r} cannot be exported into a bundle: its module "
                           f"{module.__name__} has no save_bundle_checkpoint(adapter, folder, with_weights)")
-    save(adapter, folder, with_weights)
+    options = {}
+    if with_weights and weight_dtype != "float32":
+        options = optional_kwargs(save, weight_dtype=resolve_dtype(weight_dtype))
+    save(adapter, folder, with_weights, **options)
+    if not with_weights:
+        return None
+    return weight_dtype if options else "float32"
 
 
 def tensor_sha256(module: torch.nn.Module) -> str:
@@ -232,8 +242,11 @@ def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progres
            echo: Callable[[str], None]) -> dict[str, Any]:
     here = Platform.current(req.device)
     include_weights = req.backend == "cudagraph"
+    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}.get(req.precision, "float32")
     (work / "checkpoint").mkdir()
-    write_checkpoint(adapter, work / "checkpoint", include_weights)
+    # In the engine's own precision: half the bytes to hash, read and move at every start of a
+    # bf16 / fp16 engine, and bit-identical to what it would cast the float32 weights to.
+    weight_dtype = write_checkpoint(adapter, work / "checkpoint", include_weights, dtype)
     if req.checkpoint is not None and weight_files(Path(req.checkpoint)):
         ck_hash, ck_source = checkpoint_sha256(req.checkpoint), str(Path(req.checkpoint).resolve())
     else:
@@ -254,7 +267,6 @@ def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progres
         calibration_info = _fp8_scales(adapter, work, calib_obs, held_out, req)
         if req.backend == "cudagraph":
             artefacts["fp8_scales"] = "calibration/fp8_scales.safetensors"
-    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}.get(req.precision, "float32")
 
     specs = {}
     from phyai_edge.engines.onnx_export import export_ready
@@ -272,7 +284,7 @@ def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progres
                     "action_dim": adapter.action_dim, "chunk_size": adapter.chunk_size,
                     "model_action_dim": adapter.model_action_dim},
         "checkpoint": {"source": ck_source, "sha256": ck_hash, "weights_included": include_weights,
-                       "folder": "checkpoint"},
+                       "folder": "checkpoint", **({"weight_dtype": weight_dtype} if weight_dtype else {})},
         "backend": req.backend,
         "dtype": dtype,
         "precision": stage_precision,

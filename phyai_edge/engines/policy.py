@@ -140,12 +140,15 @@ def load_policy(
 def load_bundle_policy(bundle: str | Path, device: str | torch.device = "cpu", checkpoint: str | Path | None = None,
                        seed: int = 0, check_hashes: bool = True, **engine_kwargs: Any) -> Policy:
     """A ready `Policy` from an exported bundle (what `load_policy(bundle=...)` and `phyai-edge bench
-    --engine` call). Refuses a bundle that fails its checks; the manifest is kept as `policy.manifest`."""
+    --engine` call). Refuses a bundle that fails its checks; the manifest is kept as `policy.manifest`
+    and where the load's time went (`load_bundle_engine`'s timings) as `policy.load_timings`."""
     from phyai_edge.engines.bundle import load_bundle_engine
 
+    timings: dict[str, float] = {}
     adapter, engine, manifest = load_bundle_engine(bundle, device, checkpoint, seed, check_hashes=check_hashes,
-                                                   **engine_kwargs)
+                                                   timings=timings, **engine_kwargs)
     policy = Policy(adapter, engine)
     policy.manifest = manifest
+    policy.load_timings = timings
     return policy
 

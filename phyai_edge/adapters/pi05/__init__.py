@@ -17,9 +17,10 @@ def load_adapter(checkpoint=None, preset_name: str = "tiny", device="cpu", token
     return builtin_adapter(preset_name, seed=seed, camera_names=camera_names)
 
 
-def save_bundle_checkpoint(adapter: PI05Adapter, folder, with_weights: bool) -> None:
+def save_bundle_checkpoint(adapter: PI05Adapter, folder, with_weights: bool, weight_dtype=None) -> None:
     """The native folder (metadata, statistics, tokenizer) an engine bundle carries, weights only
-    if asked (what `phyai-edge export` calls).
+    if asked (what `phyai-edge export` calls), stored for an engine running in `weight_dtype`
+    (see `save_native`; None: float32).
 
     save_native stays the only writer of the native format; without weights it is handed a
     module with no tensors, and the empty weight file it writes is removed.
@@ -29,7 +30,7 @@ def save_bundle_checkpoint(adapter: PI05Adapter, folder, with_weights: bool) -> 
 
     folder = Path(folder)
     if with_weights:
-        save_native(adapter, folder)
+        save_native(adapter, folder, dtype=weight_dtype)
     else:
         proxy = types.SimpleNamespace(cfg=adapter.cfg, io=adapter.io, tokenizer=adapter.tokenizer, module=_NoWeights())
         save_native(proxy, folder)
@@ -42,20 +43,18 @@ def save_bundle_checkpoint(adapter: PI05Adapter, folder, with_weights: bool) -> 
         tok.replace(standard)
 
 
-def load_bundle_adapter(folder, weights_included: bool) -> PI05Adapter:
+def load_bundle_adapter(folder, weights_included: bool, device="cpu", timings=None) -> PI05Adapter:
     """The adapter from a bundle's checkpoint folder; without weights the model is built on the
-    meta device (the stages run from the compiled artefacts)."""
-    import torch
-
+    meta device (the stages run from the compiled artefacts). Weights go straight to `device`
+    in the dtypes they were stored in (the engine's own: nothing to widen and cast back);
+    `timings` gets their `read_s` / `to_device_s`."""
     from phyai_edge.adapters.pi05.loaders import _load_native  # the native folder reader, sans weights
     from phyai_edge.adapters.tokenizer import PromptTokenizer
 
     if weights_included:
-        return load_pi05(folder)
+        return load_pi05(folder, device=device, dtype=None, timings=timings)
     cfg, io, _ = _load_native(folder)
-    with torch.device("meta"):
-        model = PI05Model(cfg)
-    return PI05Adapter(cfg, model, PromptTokenizer(folder), io)
+    return PI05Adapter(cfg, PI05Model.skeleton(cfg), PromptTokenizer(folder), io)
 
 
 class _NoWeights:

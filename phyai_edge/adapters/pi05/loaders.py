@@ -81,8 +81,18 @@ def load_pi05(
     tokenizer: str | Path | None = None,
     camera_names: list[str] | None = None,
     structure: PI05Config | str | None = None,
+    dtype: torch.dtype | None = torch.float32,
+    timings: dict[str, float] | None = None,
 ) -> PI05Adapter:
     """Load a PI0.5 checkpoint folder (native, LeRobot or openpi) into an adapter.
+
+    dtype: float32 (the default) gives every weight in float32, whatever the file stores;
+        None keeps them as stored: for a native folder written in an engine's precision
+        (`save_native(dtype=...)`, what cudagraph bundles carry), whose engine would only cast
+        them back. A native folder that records its precision must store every tensor in the
+        dtype `PI05Model.precision_dtypes` gives it.
+    timings: filled with the weight loading's `read_s` and `to_device_s` (see
+        `load_safetensors_strict`).
 
     structure: the network's shape, as a `PI05Config` or a preset name. LeRobot and openpi
         folders do not record widths and depths (LeRobot's config.json only names the variants
@@ -96,8 +106,10 @@ def load_pi05(
     folder = Path(folder)
     fmt = detect_format(folder)
     base = preset(structure) if isinstance(structure, str) else structure
+    stored_dtype = None
     if fmt == "native":
         cfg, io, key_map_rules = _load_native(folder)
+        stored_dtype = native_weight_dtype(folder)
         if base is not None and _architecture(base) != _architecture(cfg):
             raise CheckpointError(
                 f"{folder} records a different structure than the one passed: "
@@ -114,8 +126,7 @@ def load_pi05(
     files = sorted(folder.glob("model*.safetensors"))
     if not files:
         raise CheckpointError(f"no model*.safetensors in {folder}")
-    with torch.device("meta"):
-        model = PI05Model(cfg)
+    model = PI05Model.skeleton(cfg)
     keys = checkpoint_keys(files)
     rules = list(key_map_rules)
     skip = [LM_HEAD]
@@ -123,8 +134,10 @@ def load_pi05(
         # Tied embeddings saved only as the language-model head: read it as the embedding.
         rules.insert(0, (_P + r"paligemma\.lm_head\.weight$", "embed_tokens.weight"))
         skip = [_P + r"gemma_expert\.lm_head\.weight$"]
+    expect = model.precision_dtypes(stored_dtype) if stored_dtype is not None else None
     try:
-        skipped = load_safetensors_strict(model, files, regex_key_map(rules, skip), device=device)
+        skipped = load_safetensors_strict(model, files, regex_key_map(rules, skip), device=device, dtype=dtype,
+                                          expect_dtypes=expect, timings=timings)
     except CheckpointError as exc:
         if fmt != "native" and base is None and "mis-shaped" in str(exc):
             raise CheckpointError(
@@ -134,7 +147,6 @@ def load_pi05(
         raise
     if skipped:
         log.info("skipped %d unused tensors without reading them: %s", len(skipped), ", ".join(sorted(skipped)))
-    model.float()
     return PI05Adapter(cfg, model, tok, io)
 
 
@@ -163,10 +175,30 @@ def _load_native(folder: Path) -> tuple[PI05Config, RobotIO, list]:
     return PI05Config.from_dict(meta["config"]), robot, []
 
 
-def save_native(adapter: PI05Adapter, folder: str | Path) -> Path:
-    """Write `adapter` as a native folder (weights in float32, our tensor names)."""
+def native_weight_dtype(folder: str | Path) -> torch.dtype | None:
+    """The engine precision a native folder's weights were written for (`save_native(dtype=...)`),
+    or None for a plain float32 folder."""
+    meta = json.loads((Path(folder) / NATIVE_MANIFEST).read_text())
+    name = meta.get("weight_dtype")
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CheckpointError(f"{Path(folder) / NATIVE_MANIFEST}: weight_dtype {name!r} is not a float dtype")
+    return dtype
+
+
+def save_native(adapter: PI05Adapter, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write `adapter` as a native folder (our tensor names). Weights in float32, unless `dtype`
+    names the precision an engine will run them in: then each is stored in the dtype
+    `PI05Model.set_precision(dtype)` would give it (big matmul weights in `dtype`, norms, time MLP
+    and action projections in float32; `PI05Model.precision_dtypes`), which halves a bf16 / fp16
+    bundle and spares its loader the cast. `adapter`'s own tensors are only read.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if dtype == torch.float32:
+        dtype = None  # the plain format: its files stay byte-identical to what they always were
     io = adapter.io
     meta: dict[str, Any] = {
         "format": NATIVE_FORMAT,
@@ -175,11 +207,17 @@ def save_native(adapter: PI05Adapter, folder: str | Path) -> Path:
         "io": {"camera_names": io.camera_names, "state_dim": io.state_dim, "action_dim": io.action_dim,
                "pad_state_in_prompt": io.pad_state_in_prompt, "default_prompt": io.default_prompt},
     }
+    if dtype is not None:
+        meta["weight_dtype"] = str(dtype).removeprefix("torch.")
     (folder / NATIVE_MANIFEST).write_text(json.dumps(meta, indent=2))
     (folder / "norm_stats.json").write_text(
         json.dumps({"state": io.state_stats.to_json(), "action": io.action_stats.to_json()}, indent=2)
     )
-    state = {k: v.detach().float().cpu().contiguous() for k, v in adapter.module.state_dict().items()}
+    state = adapter.module.state_dict()
+    want = adapter.module.precision_dtypes(dtype) if dtype is not None and state else {}
+    # Each tensor gets its own copy when it changes (dtype or device), never an in-place cast:
+    # the caller's float32 model stays as it was (the exporter validates against it).
+    state = {k: v.detach().to(device="cpu", dtype=want.get(k, torch.float32)).contiguous() for k, v in state.items()}
     save_file(state, str(folder / "model.safetensors"))
     tok_src = adapter.tokenizer.path
     # Under the canonical name the loader looks for (the source may be e.g. tiny_tokenizer.json).

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from phyai_edge.adapters.pi05.config import PI05Config
 from phyai_edge.layers.fp8 import remove_fp8
@@ -44,7 +45,31 @@ def sinusoidal_time_embedding(
     return torch.cat([angle.sin(), angle.cos()], dim=-1).float()
 
 
+class _NoMetaInit(TorchFunctionMode):
+    """Random initialisers on meta tensors return at once. Their values never exist, and a
+    checkpoint replaces every tensor; but `normal_` on a meta tensor (nn.Embedding's init)
+    imports torch._dynamo for its meta kernel: about a second of every process start that loads
+    a checkpoint. Thread-local, like every torch function mode."""
+
+    _SKIP = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, nn.init.normal_, nn.init.uniform_,
+                       nn.init.trunc_normal_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._SKIP:
+            t = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
 class PI05Model(nn.Module):
+    @classmethod
+    def skeleton(cls, cfg: PI05Config) -> PI05Model:
+        """The model on the meta device, for loading a checkpoint into (no memory, no init)."""
+        with torch.device("meta"), _NoMetaInit():
+            return cls(cfg)
+
     def __init__(self, cfg: PI05Config) -> None:
         super().__init__()
         self.cfg = cfg
@@ -73,27 +98,62 @@ class PI05Model(nn.Module):
         self.attend_keys_only = False
 
     # -- precision -------------------------------------------------------------------------
+    def precision_dtypes(self, dtype: torch.dtype) -> dict[str, torch.dtype]:
+        """The dtype `set_precision(dtype)` gives every parameter and buffer, by state-dict name:
+        the big matmuls' weights (linears, the patch convolution, embeddings of the vision tower,
+        projector, token embedding, prefix and expert layers) in `dtype`; norms (with the adaptive
+        norms' modulation linears), the time MLP and the action projections in float32 (they are
+        tiny, and the published bf16 model keeps them in float32 too); non-float tensors as they are.
+
+        The one statement of that rule: set_precision casts by it and `save_native(dtype=...)`
+        stores by it, so a bundle's reduced-precision weights are exactly what the engine would
+        have cast the float32 checkpoint to."""
+        low: set[int] = set()
+        if dtype != torch.float32:
+            norm_parts = {
+                id(sub)
+                for m in self.modules()
+                if isinstance(m, (RMSNorm, AdaRMSNorm, LayerNorm))
+                for sub in m.modules()
+            }
+            for module in (self.vision, self.projector, self.embed_tokens, self.prefix_layers, self.expert_layers):
+                for sub in module.modules():
+                    if isinstance(sub, (nn.Linear, nn.Conv2d, nn.Embedding)) and id(sub) not in norm_parts:
+                        # the whole submodule, as `sub.to(dtype)` would cast it
+                        low.update(id(m) for m in sub.modules())
+        out: dict[str, torch.dtype] = {}
+        for prefix, module in self.named_modules():
+            for name, t in (*module._parameters.items(), *module._buffers.items()):
+                if t is None:
+                    continue
+                key = f"{prefix}.{name}" if prefix else name
+                out[key] = (dtype if id(module) in low else torch.float32) if t.is_floating_point() else t.dtype
+        return out
+
     def set_precision(self, dtype: torch.dtype) -> PI05Model:
-        """Big matmuls in `dtype`; norms, the time MLP and the action projections stay float32
-        (they are tiny, and the published bf16 model keeps them in float32 too). Fp8 linears and
-        fused projections are dropped first: the casts below re-create the tensors they would share
-        (an fp8 copy would go stale; `layers.fp8` keeps the original Parameters, so nothing is lost)."""
+        """Cast to the dtypes `precision_dtypes(dtype)` gives. Tensors already in theirs are left
+        alone, so weights loaded in the engine's precision (a bf16 bundle) are not copied, nor
+        widened to float32 on the device first. Fp8 linears and fused projections are dropped
+        first: the casts below re-create the tensors they would share (an fp8 copy would go stale;
+        `layers.fp8` keeps the original Parameters, so nothing is lost)."""
         remove_fp8(self)
         unfuse_projections(self)
-        self.float()
+        want = self.precision_dtypes(dtype)
+        for prefix, module in self.named_modules():
+            for store in (module._parameters, module._buffers):
+                for name, t in store.items():
+                    if t is None:
+                        continue
+                    target = want[f"{prefix}.{name}" if prefix else name]
+                    if t.dtype == target:
+                        continue
+                    # Through float32, as the cast always went (bf16 <-> fp16 never directly).
+                    src = t.data if t.dtype in (torch.float32, target) else t.data.float()
+                    if isinstance(t, nn.Parameter):
+                        t.data = src.to(target)  # the same Parameter object, as Module.to keeps it
+                    else:
+                        store[name] = src.to(target)
         self.compute_dtype = dtype
-        if dtype == torch.float32:
-            return self
-        norm_parts = {
-            id(sub)
-            for m in self.modules()
-            if isinstance(m, (RMSNorm, AdaRMSNorm, LayerNorm))
-            for sub in m.modules()
-        }
-        for module in (self.vision, self.projector, self.embed_tokens, self.prefix_layers, self.expert_layers):
-            for sub in module.modules():
-                if isinstance(sub, (nn.Linear, nn.Conv2d, nn.Embedding)) and id(sub) not in norm_parts:
-                    sub.to(dtype)
         return self
 
     # -- stages ----------------------------------------------------------------------------
