@@ -3,9 +3,9 @@ and the cudagraph engine's `triton_ops` option against the eager engine.
 
 Without a GPU the kernels run in Triton's CPU interpreter: `conftest.py` sets `TRITON_INTERPRET=1`
 (only where CUDA is absent) before anything imports triton, since Triton decides at decoration.
-Kernel tests skip, with the reason, where triton is not installed (CI does not install it: the
-package is ~1 GB); the reference, dispatcher and engine tests run everywhere (the engine then
-takes the dispatcher's reference path).
+Kernel tests skip, with the reason, where triton is not installed (the `test` extra installs it
+on Linux x86-64, so CI runs them under the interpreter); the reference, dispatcher and engine
+tests run everywhere (the engine then takes the dispatcher's reference path).
 """
 
 from __future__ import annotations
