@@ -8,21 +8,29 @@ encoding. This times each of those for a batch of B robots (one observation each
 an RTC prefix), with a stub engine that returns the noise (so only host work is timed) or the
 tiny preset's eager engine.
 
-    python benchmarks/serve_host_overhead.py                       # CPU, stub engine
-    python benchmarks/serve_host_overhead.py --engine tiny         # CPU, the tiny model
-    python benchmarks/serve_host_overhead.py --device cuda         # GPU: H2D and GPU work synced
+    python benchmarks/serve_host_overhead.py --threads 1               # CPU, stub engine
+    python benchmarks/serve_host_overhead.py --threads 1 --engine tiny # CPU, the tiny model
+    python benchmarks/serve_host_overhead.py --device cuda             # GPU: H2D and GPU work synced
     python benchmarks/serve_host_overhead.py --preprocess per-sample   # the per-sample reference path
 
-Columns (median ms per batch over --iters runs): decode = wire.decode_request + request_item
-for the B messages (received through a ZeroMQ socket, so frames are real zmq.Frames);
-noise+rtc = run_group's noise draw and split plus Policy.rtc_guidance_per_sample; img host /
-tokens / h2d / img dev = the parts of preprocess (staging the frames on the host, state ->
-prompt -> token ids, the copy to the device, the conversion on the device; the per-sample
-path does all image work on the host, so its img dev is empty); pre = adapter.preprocess as
-one call; post = adapter.postprocess; reply = wire.encode_reply for the B replies; host =
-decode + noise+rtc + pre + post + reply; service = LocalExecutor.run plus the replies, end to
-end (engine included). On CUDA every phase is bracketed by torch.cuda.synchronize, so GPU-side
-work is charged to the phase that queued it.
+Columns (median ms per batch over --iters runs):
+- decode: wire.decode_request + request_item for the B messages (received through a ZeroMQ
+  socket, so the frames are real zmq.Frames);
+- noise+rtc: run_group's noise draws and RTC split, then Policy.rtc_guidance_per_sample;
+- img host / h2d / img dev: the images' part of preprocess. On a GPU: staging the uint8 frames
+  in pinned memory / the copy to the device / the conversion and resize there. On the CPU the
+  frames are converted where they are (all in img host). The per-sample path does all image
+  work in float32 on the host (img host) and copies floats (h2d);
+- tokens: state -> prompt -> token ids (the tokenisation cache cleared before each phase
+  unless --token-cache warm: moving robots rarely repeat a prompt);
+- pre: adapter.preprocess as one call; engine: the stub (or tiny) engine; post:
+  adapter.postprocess; reply: wire.encode_reply for the B replies;
+- host: decode + noise+rtc + pre + post + reply; service: LocalExecutor.run plus the replies,
+  end to end (engine included), what the server's service time measures;
+- to-GPU MB: the image bytes a GPU run copies to the device per batch.
+On CUDA every phase is bracketed by torch.cuda.synchronize, so GPU-side work is charged to the
+phase that queued it. On a small shared CPU pass --threads 1: intra-op threads that wait on a
+busy sibling core turn each elementwise op into milliseconds of barrier waits.
 """
 
 from __future__ import annotations
@@ -100,7 +108,8 @@ def robot_messages(policy: Policy, batch: int, hw: tuple[int, int], rtc_mode: st
     return out
 
 
-def measure(policy: Policy, frames: list[list[Any]], iters: int, warmup: int) -> dict[str, float]:
+def measure(policy: Policy, frames: list[list[Any]], iters: int, warmup: int,
+            warm_tokens: bool = False) -> dict[str, float]:
     a, dev = policy.adapter, torch.device(policy.device)
     cuda = dev.type == "cuda"
     batched = hasattr(a, "stage_images") and a.preprocess != getattr(a, "preprocess_per_sample", None)
@@ -109,7 +118,7 @@ def measure(policy: Policy, frames: list[list[Any]], iters: int, warmup: int) ->
         if cuda:
             torch.cuda.synchronize(dev)
 
-    def timed(name: str, fn: Callable[[], Any], into: dict[str, list[float]]) -> Any:
+    def timed_once(name: str, fn: Callable[[], Any], into: dict[str, list[float]]) -> Any:
         sync()
         t0 = time.perf_counter()
         out = fn()
@@ -135,16 +144,27 @@ def measure(policy: Policy, frames: list[list[Any]], iters: int, warmup: int) ->
         info = {"stage_ms": stage_ms, "batch": len(items), "queue_ms": 1.0, "server_ms": 2.0, "late": False}
         return [wire.encode_reply(wire.Reply(i, True, actions[i:i + 1], info=info)) for i in range(len(items))]
 
+    def timed(name: str, fn: Callable[[], Any], into: dict[str, list[float]]) -> Any:
+        if not warm_tokens and hasattr(a, "_token_cache"):
+            # Robots' states move between requests, so their prompts rarely repeat: every
+            # phase here tokenises as if the texts were new.
+            a._token_cache.clear()
+        return timed_once(name, fn, into)
+
     def one_batch() -> dict[str, list[float]]:
         t: dict[str, list[float]] = {}
         items = timed("decode", lambda: [request_item(wire.decode_request(f)) for f in frames], t)
         obs = [o for it in items for o in it.observations]
         noise, guidance = timed("noise+rtc", lambda: noise_rtc(items), t)
-        if batched:
+        if batched and dev.type != "cpu":
             staged = timed("img host", lambda: a.stage_images(obs, pin=cuda), t)
             on_dev = timed("h2d", lambda: staged.to(dev), t)
             timed("img dev", lambda: a.images_from_staged(on_dev), t)
             timed("tokens", lambda: tokens(obs), t)
+        elif batched:  # on the CPU the frames are converted where they are: no staging, no copy
+            timed("img host", lambda: a.images(obs, dev), t)
+            timed("tokens", lambda: tokens(obs), t)
+            t["h2d"] = t["img dev"] = [0.0]
         else:
             host_pre = timed("img host", lambda: a.preprocess_per_sample(obs, "cpu") if hasattr(
                 a, "preprocess_per_sample") else a.preprocess(obs, "cpu"), t)
@@ -175,8 +195,9 @@ def measure(policy: Policy, frames: list[list[Any]], iters: int, warmup: int) ->
 
 
 def image_bytes(policy: Policy, batch: int, hw: tuple[int, int], per_sample: bool) -> float:
-    """Bytes of images crossing to the device per batch: float32 at the model's size on the
-    per-sample path, the uint8 frames as sent on the batched one."""
+    """Image bytes a GPU run copies to the device per batch (whatever device this run is on):
+    float32 at the model's size on the per-sample path, the uint8 frames as sent on the batched
+    one."""
     views = len(policy.camera_names)
     if per_sample:
         s = policy.adapter.cfg.vision.image_size
@@ -195,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtc-mode", default="guided-approx", help="what the robots ask for ('none': no RTC)")
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--token-cache", choices=["cold", "warm"], default="cold",
+                   help="cold: clear the tokenisation cache before each pass (moving robots); warm: keep it")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
@@ -206,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     dev_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     print(f"# serve host overhead: {args.engine} engine on {args.device} ({dev_name}), torch {torch.__version__}, "
           f"{torch.get_num_threads()} intra-op thread(s), preprocess {'per-sample' if per_sample else 'batched'}, "
-          f"rtc {args.rtc_mode}, median of {args.iters}")
-    head = ["image", "B", *PHASES, "h2d MB"]
+          f"rtc {args.rtc_mode}, token cache {args.token_cache}, median of {args.iters}")
+    head = ["image", "B", *PHASES, "to-GPU MB"]
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|")
     rows = []
@@ -215,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         hw = tuple(int(x) for x in size.lower().split("x"))
         for b in (int(x) for x in args.batches.split(",")):
             frames = robot_messages(policy, b, hw, args.rtc_mode, seed=b)
-            ms = measure(policy, frames, args.iters, args.warmup)
+            ms = measure(policy, frames, args.iters, args.warmup, args.token_cache == "warm")
             mb = image_bytes(policy, b, hw, per_sample) / 1e6
-            rows.append({"image": size, "batch": b, **ms, "h2d_mb": mb})
+            rows.append({"image": size, "batch": b, **ms, "to_gpu_mb": mb})
             print(f"| {size} | {b} | " + " | ".join(f"{ms[k]:.2f}" for k in PHASES) + f" | {mb:.1f} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "device": dev_name, "rows": rows}, indent=2))

@@ -17,7 +17,7 @@ from phyai_edge.adapters import load_adapter
 from phyai_edge.adapters.base import Adapter, Observation
 from phyai_edge.engines import make_engine
 from phyai_edge.engines.base import SOLVER_RTC_MODES, InferenceResult, RTCRequest
-from phyai_edge.engines.rtc import RTCGuidance, batch_guidance, prefix_weights
+from phyai_edge.engines.rtc import RTCGuidance, prefix_weights
 
 
 class Policy:
@@ -39,43 +39,88 @@ class Policy:
             return None
         a = self.adapter
         h, d_model = a.chunk_size, a.model_action_dim
+        prefix = self._checked_prefix(rtc, batch)
+        n = prefix.shape[1]
+        target = torch.zeros(batch, h, d_model)
+        target[:, :n] = a.normalize_actions(prefix)
+        return RTCGuidance(rtc.mode, target, self._soft_mask(rtc, n), self._dim_mask(), rtc.delay,
+                           rtc.max_guidance_weight)
+
+    def _checked_prefix(self, rtc: RTCRequest, batch: int) -> np.ndarray:
+        """rtc.prefix as a (batch, n, action_dim) array, checked against the chunk and delay."""
+        a = self.adapter
         prefix = rtc.prefix.detach().cpu().numpy() if isinstance(rtc.prefix, torch.Tensor) else np.asarray(rtc.prefix)
         if prefix.ndim == 2:
             prefix = np.broadcast_to(prefix, (batch, *prefix.shape))
         if prefix.ndim != 3 or prefix.shape[0] != batch or prefix.shape[2] != a.action_dim:
             raise ValueError(f"RTC prefix must be (n, {a.action_dim}) or ({batch}, n, {a.action_dim}), got {prefix.shape}")
         n = prefix.shape[1]
-        if n > h:
-            raise ValueError(f"RTC prefix has {n} actions, more than the chunk length {h}")
+        if n > a.chunk_size:
+            raise ValueError(f"RTC prefix has {n} actions, more than the chunk length {a.chunk_size}")
         if rtc.delay > n:
             raise ValueError(f"RTC delay {rtc.delay} exceeds the {n} prefix actions given")
         if not np.isfinite(prefix).all():
             raise ValueError("RTC prefix has NaN or Inf values")
-        target = torch.zeros(batch, h, d_model)
-        target[:, :n] = a.normalize_actions(prefix)
-        weights = prefix_weights(h, rtc.delay, rtc.execution_horizon)
+        return prefix
+
+    def _soft_mask(self, rtc: RTCRequest, n: int) -> torch.Tensor:
+        weights = prefix_weights(self.adapter.chunk_size, rtc.delay, rtc.execution_horizon)
         weights[n:] = 0.0  # nothing to agree with past the prefix
-        dim_mask = torch.zeros(d_model)
-        dim_mask[: a.action_dim] = 1.0
-        return RTCGuidance(rtc.mode, target, weights, dim_mask, rtc.delay, rtc.max_guidance_weight)
+        return weights
+
+    def _dim_mask(self) -> torch.Tensor:
+        dim_mask = torch.zeros(self.adapter.model_action_dim)
+        dim_mask[: self.adapter.action_dim] = 1.0
+        return dim_mask
 
     def rtc_guidance_per_sample(self, requests: list[RTCRequest | None]) -> RTCGuidance | None:
         """One RTC request per sample (each robot or environment with its own prefix and delay)
         -> guidance with (B, H) weights and (B,) delays. Samples with None or a daemon-side
         mode are unguided. Solver modes and guidance weights must agree across the batch (the
-        serve and rollout batchers group requests that way); delays may differ in every mode."""
-        parts = []
+        serve and rollout batchers group requests that way); delays may differ in every mode.
+
+        What joining one `rtc_guidance(r, 1)` per sample (`batch_guidance`) gives, built for the
+        batch at once: one normalisation of every prefix row, one soft mask per distinct
+        (d, s, prefix length)."""
+        a = self.adapter
+        h, d_model = a.chunk_size, a.model_action_dim
+        rows: list[tuple[int, RTCRequest, np.ndarray]] = []
+        masks: dict[tuple[int, int, int], torch.Tensor] = {}
         for i, r in enumerate(requests):
             if r is None:
-                parts.append(None)
                 continue
             prefix = r.prefix.detach().cpu().numpy() if isinstance(r.prefix, torch.Tensor) else np.asarray(r.prefix)
             if prefix.ndim == 3 and prefix.shape[0] != 1:
                 raise ValueError(f"sample {i}: a per-sample RTC prefix must be (n, A) or (1, n, A), got {prefix.shape}")
-            parts.append(self.rtc_guidance(r, 1))
-        g = batch_guidance(parts, self.adapter.chunk_size, self.adapter.model_action_dim)
-        if g is None:
-            return g
+            if r.mode not in SOLVER_RTC_MODES:
+                continue
+            prefix = self._checked_prefix(RTCRequest(r.mode, prefix, r.delay, r.execution_horizon,
+                                                     r.max_guidance_weight), 1)[0]
+            key = (r.delay, r.execution_horizon, prefix.shape[0])
+            if key not in masks:
+                masks[key] = self._soft_mask(r, prefix.shape[0])
+            rows.append((i, r, prefix))
+        if not rows:
+            return None
+        first = rows[0][1]
+        for _, p, _ in rows[1:]:
+            if p.mode != first.mode or p.max_guidance_weight != first.max_guidance_weight:
+                raise ValueError(
+                    f"cannot batch RTC mode {p.mode!r} (beta {p.max_guidance_weight}) with {first.mode!r} "
+                    f"(beta {first.max_guidance_weight}); group requests by mode first"
+                )
+        b = len(requests)
+        target, weights = torch.zeros(b, h, d_model), torch.zeros(b, h)
+        delays = torch.zeros(b, dtype=torch.int64)
+        norm = a.normalize_actions(np.concatenate([p for _, _, p in rows]))  # elementwise: rows as alone
+        start = 0
+        for i, r, p in rows:
+            n = p.shape[0]
+            target[i, :n] = norm[start:start + n]
+            start += n
+            weights[i] = masks[(r.delay, r.execution_horizon, n)]
+            delays[i] = r.delay
+        g = RTCGuidance(first.mode, target, weights, self._dim_mask(), delays, first.max_guidance_weight)
         same_weights = bool((g.weights == g.weights[:1]).all())
         if same_weights:
             # Every sample has the same soft mask (same d, s and prefix length): hand the engine

@@ -118,17 +118,20 @@ def split_rtc(rtc: RTCRequest | None, k: int) -> list[RTCRequest | None]:
 
 
 def item_noise(policy: Any, item: BatchItem) -> torch.Tensor:
-    """The item's own noise, checked, or fresh draws from the engine's seeded generator."""
+    """The item's own noise, checked, or fresh draws from the engine's seeded generator, on the
+    engine's device (drawn noise stays there: a round trip through the host would cost a
+    device sync per request)."""
     a = policy.adapter
     shape = (item.size, a.chunk_size, a.model_action_dim)
+    device = torch.device(policy.device)
     if item.noise is None:
-        return policy.engine.sample_noise(item.size).to("cpu", torch.float32)
+        return policy.engine.sample_noise(item.size).to(device, torch.float32)
     n = torch.as_tensor(np.asarray(item.noise) if not isinstance(item.noise, torch.Tensor) else item.noise)
     if tuple(n.shape) != shape:
         raise ValueError(f"noise must have shape {shape} (observations, H, model action width), got {tuple(n.shape)}")
     if not torch.isfinite(n).all():
         raise ValueError("noise has NaN or Inf values")
-    return n.to("cpu", torch.float32)
+    return n.to(device, torch.float32)
 
 
 def run_group(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int] | None = None) -> list[ItemResult]:
@@ -149,7 +152,7 @@ def run_group(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int
         extra = padded - n
         obs.extend([obs[0]] * extra)
         rtcs.extend([rtcs[0]] * extra)
-        noises.append(torch.zeros(extra, *noises[0].shape[1:]))
+        noises.append(torch.zeros(extra, *noises[0].shape[1:], device=noises[0].device))
     use_rtc = any(r is not None for r in rtcs)
     res = policy.infer(obs, rtc=rtcs if use_rtc else None, noise=torch.cat(noises))
     out, start = [], 0

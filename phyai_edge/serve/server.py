@@ -76,9 +76,11 @@ class LocalExecutor:
 
 
 def request_item(req: wire.Request, tag: Any = None) -> BatchItem:
-    """Decoded wire request -> what the batcher runs. Arrays are copied out of the receive
-    buffers (read-only, and they would otherwise pin the whole message)."""
-    obs = [Observation(images={k: None if v is None else np.array(v) for k, v in o.images.items()},
+    """Decoded wire request -> what the batcher runs. Images stay views of their ZeroMQ frames
+    (each image is a frame of its own, so a view keeps only that frame alive), made read-only:
+    preprocess reads each once, into the device staging buffer or its slot of the batch, so a
+    copy here would only double the bytes the host moves. The small arrays are copied."""
+    obs = [Observation(images={k: None if v is None else _read_only(v) for k, v in o.images.items()},
                        state=np.array(o.state, dtype=np.float32), prompt=o.prompt, timestamp=o.timestamp)
            for o in req.observations]
     rtc = None
@@ -298,6 +300,12 @@ class PolicyServer:
             info = {"stage_ms": r.stage_ms, "batch": r.batch, "queue_ms": queue_ms, "server_ms": latency_ms,
                     "late": missed}
             self._reply(ident, wire.Reply(p.req_id, True, np.asarray(r.actions, dtype=np.float32), info=info))
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 def _peek_id(body: list[Any]) -> int:

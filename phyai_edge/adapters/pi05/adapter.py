@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,16 +17,23 @@ from phyai_edge.adapters.normalization import NormStats
 from phyai_edge.adapters.pi05.config import PI05Config
 from phyai_edge.adapters.pi05.model import PI05Model
 from phyai_edge.adapters.pi05.preprocess import (
+    StagedImages,
     discretize_state,
     format_prompt,
     image_to_float_chw,
+    images_from_staged,
+    images_to_model,
     resize_with_pad,
+    stage_images,
 )
 from phyai_edge.adapters.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
 STAGES = ("embed_images", "encode_prefix", "denoise_step")
+# Distinct prompt texts kept tokenised: a fleet's prompts times the state-bin patterns that
+# recur (a robot at rest, the padding copies of a batch); a miss costs one tokenisation.
+TOKEN_CACHE_SIZE = 4096
 
 
 @dataclass
@@ -61,6 +70,8 @@ class PI05Adapter:
         self.camera_names = list(io.camera_names)
         self.solver = SolverSpec(cfg.num_steps)
         self._warned_truncation = False
+        self._token_cache: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._token_owner: tuple[PromptTokenizer, int] | None = None
 
     # -- stages ---------------------------------------------------------------------------
     def stage_names(self) -> list[str]:
@@ -98,6 +109,110 @@ class PI05Adapter:
 
     # -- pre / post -----------------------------------------------------------------------
     def preprocess(self, observations: list[Observation], device: torch.device | str = "cpu") -> ModelInputs:
+        """Equal to `preprocess_per_sample` (bit for bit but for frames a GPU resizes); faster:
+        see `preprocess.images_to_model` and `prompt_tokens`."""
+        if not observations:
+            raise ValueError("preprocess needs at least one observation")
+        device = torch.device(device)
+        # On a GPU the frames' copy and conversion are queued here and run while the host
+        # tokenises below.
+        images, present = self.images(observations, device)
+        ids, mask = self.prompt_tokens(observations)
+        tokens, token_mask = torch.from_numpy(ids), torch.from_numpy(mask)
+        pin = device.type == "cuda"
+        if pin:
+            tokens, token_mask = tokens.pin_memory(), token_mask.pin_memory()
+        tensors = {
+            "images": images,
+            "image_mask": present,
+            "tokens": tokens.to(device, non_blocking=pin),
+            "token_mask": token_mask.to(device, non_blocking=pin),
+        }
+        return ModelInputs(tensors, len(observations))
+
+    def images(self, observations: list[Observation], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """The images input (B, views, 3, S, S) float32 and the (B, views) camera mask, on `device`."""
+        return images_to_model(self._camera_slots(observations), self.camera_names, self.cfg.vision.image_size,
+                               torch.device(device))
+
+    def _camera_slots(self, observations: list[Observation]) -> list[list[Any]]:
+        """Each observation's images in camera order (None where missing), checked."""
+        per_obs = []
+        for i, obs in enumerate(observations):
+            unknown = set(obs.images) - set(self.camera_names)
+            if unknown:
+                raise ValueError(f"observation {i}: unknown cameras {sorted(unknown)}; the model expects {self.camera_names}")
+            views = [obs.images.get(name) for name in self.camera_names]
+            if all(v is None for v in views):
+                raise ValueError(f"observation {i}: every camera is missing; at least one image is required")
+            per_obs.append(views)
+        return per_obs
+
+    def stage_images(self, observations: list[Observation], pin: bool = False) -> StagedImages:
+        """The device path's first step, on the host (what `preprocess` does for a GPU; exposed
+        for benchmarks/serve_host_overhead.py): the batch's frames gathered, still uint8."""
+        return stage_images(self._camera_slots(observations), self.camera_names, self.cfg.vision.image_size, pin=pin)
+
+    def images_from_staged(self, staged: StagedImages) -> torch.Tensor:
+        """The device path's last step: staged frames on their device -> the images input."""
+        return images_from_staged(staged)
+
+    def prompt_tokens(self, observations: list[Observation]) -> tuple[np.ndarray, np.ndarray]:
+        """Every observation's state and prompt -> (B, max_token_len) int64 ids and bool mask.
+        The state arithmetic runs on the whole batch at once (elementwise, so each row is what
+        it would be alone); tokenisations are cached by their exact text."""
+        states = [self._checked_state(obs, i) for i, obs in enumerate(observations)]
+        norm = self.io.state_stats.normalize(np.stack(states))
+        if self.io.pad_state_in_prompt:
+            norm = np.pad(norm, ((0, 0), (0, self.cfg.max_action_dim - norm.shape[1])))
+        bins = discretize_state(norm, self.cfg.state_bins)
+        n = self.cfg.max_token_len
+        ids = np.empty((len(observations), n), dtype=np.int64)
+        mask = np.empty((len(observations), n), dtype=bool)
+        for i, obs in enumerate(observations):
+            prompt = obs.prompt or self.io.default_prompt
+            if not prompt:
+                raise ValueError(f"observation {i}: empty prompt and no default prompt configured")
+            ids[i], mask[i] = self._tokenize(format_prompt(prompt, bins[i]))
+        return ids, mask
+
+    def _tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        n = self.cfg.max_token_len
+        # Keyed by the exact text, for the tokenizer and length it was filled with: a tokenizer
+        # maps a text to one id sequence, so a hit returns what tokenising again would.
+        owner = self._token_owner
+        if owner is None or owner[0] is not self.tokenizer or owner[1] != n:
+            self._token_cache.clear()
+            self._token_owner = (self.tokenizer, n)
+        cache = self._token_cache
+        hit = cache.get(text)
+        if hit is not None:
+            # Server workers may share this adapter: another thread may evict the entry meanwhile.
+            with contextlib.suppress(KeyError):
+                cache.move_to_end(text)
+            return hit
+        tok = self.tokenizer(text, n)
+        if tok.truncated and not self._warned_truncation:
+            log.warning("prompt longer than %d tokens was truncated; raise max_token_len", n)
+            self._warned_truncation = True
+        entry = (np.asarray(tok.ids, dtype=np.int64), np.asarray(tok.mask, dtype=bool))
+        cache[text] = entry
+        while len(cache) > TOKEN_CACHE_SIZE:
+            with contextlib.suppress(KeyError):
+                cache.popitem(last=False)
+        return entry
+
+    def _checked_state(self, obs: Observation, i: int) -> np.ndarray:
+        state = np.asarray(obs.state, dtype=np.float32).reshape(-1)
+        if state.shape[0] != self.state_dim:
+            raise ValueError(f"observation {i}: state has {state.shape[0]} values, the robot config says {self.state_dim}")
+        if not np.isfinite(state).all():
+            raise ValueError(f"observation {i}: state has NaN or Inf values")
+        return state
+
+    def preprocess_per_sample(self, observations: list[Observation], device: torch.device | str = "cpu") -> ModelInputs:
+        """The reference path: each observation and camera on its own, float32 on the host,
+        then one copy to `device`. `preprocess` is tested against it."""
         if not observations:
             raise ValueError("preprocess needs at least one observation")
         size = self.cfg.vision.image_size
@@ -131,12 +246,7 @@ class PI05Adapter:
         return ModelInputs(tensors, len(observations))
 
     def _prompt_tokens(self, obs: Observation, i: int) -> tuple[list[int], list[bool]]:
-        state = np.asarray(obs.state, dtype=np.float32).reshape(-1)
-        if state.shape[0] != self.state_dim:
-            raise ValueError(f"observation {i}: state has {state.shape[0]} values, the robot config says {self.state_dim}")
-        if not np.isfinite(state).all():
-            raise ValueError(f"observation {i}: state has NaN or Inf values")
-        norm = self.io.state_stats.normalize(state)
+        norm = self.io.state_stats.normalize(self._checked_state(obs, i))
         if self.io.pad_state_in_prompt:
             norm = np.pad(norm, (0, self.cfg.max_action_dim - norm.shape[0]))
         prompt = obs.prompt or self.io.default_prompt
