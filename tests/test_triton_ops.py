@@ -25,7 +25,7 @@ from phyai_edge.engines.cudagraph import CudaGraphEngine
 from phyai_edge.engines.eager import EagerEngine
 from phyai_edge.layers import triton_ops
 from phyai_edge.layers.gemma import GemmaBlock
-from phyai_edge.layers.norm import ada_rms_norm_ref
+from phyai_edge.layers.norm import ada_rms_norm_ref, layer_norm_ref
 from phyai_edge.layers.rotary import rope_cos_sin
 
 KERNELS_RUN, WHY_NOT = triton_ops.triton_status("cuda" if torch.cuda.is_available() else "cpu")
@@ -262,15 +262,19 @@ def tiny():
 
 
 @pytest.mark.parametrize("mode", ["none", "guided"])
-def test_engine_triton_ops_fp32(tiny, mode) -> None:
+def test_engine_triton_ops_fp32(tiny, mode, monkeypatch) -> None:
     """fp32: the fused path (kernels under the interpreter, else the reference path) matches eager."""
     base, eager = tiny
+    vision_calls = []
+    stack = triton_ops.siglip_block_stack
+    monkeypatch.setattr(triton_ops, "siglip_block_stack", lambda *a: vision_calls.append(a[-1]) or stack(*a))
     fast = CudaGraphEngine(copy.deepcopy(base), device="cpu", dtype="float32", triton_ops=True)
     assert fast.triton_ops == ("triton" if KERNELS_RUN else "reference")
     inputs = _inputs(base, 2, 3, [9, 30], masked_view=True)
     noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
     rtc = None if mode == "none" else _rtc(base, 2, mode)
     out, ref = fast.run(inputs, noise=noise, rtc=rtc), eager.run(inputs, noise=noise, rtc=rtc)
+    assert vision_calls == ["auto"]  # the vision stage ran on the fused stack
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-5
 
@@ -360,3 +364,161 @@ def test_plain_block_stack(backend, dtype) -> None:
     for got, want in ((k, rk), (v, rv)):
         assert torch.isfinite(got).all()
         assert _rel(got[:, valid], want[:, valid]) < tol
+
+
+# -- SigLIP: LayerNorm, residual + LayerNorm, GELU, the vision stack ------------------------------------
+# Under the interpreter a float32 -> bf16 store truncates (Triton 3.9's numpy emulation rounds toward
+# zero; GPUs round to nearest even), so the bf16 cases sit ~1 ulp (0.4%) from the references by design.
+# 1152: SigLIP so400m's width (one row a program); narrower rows share a program (33 -> 32 rows of
+# 64 columns: 65 rows leave the last program partly empty)
+LN_SHAPES = [(1, 50, 1152), (2, 7, 96), (3, 5, 1000), (2, 3, 33), (5, 13, 33)]
+AFFINE = ["weight+bias", "weight", "none"]
+
+
+def _affine(n, affine):
+    w = _randn(n, seed=31, scale=0.3) + 0.9 if affine != "none" else None
+    b = _randn(n, seed=32, scale=0.2) if affine == "weight+bias" else None
+    return w, b
+
+
+@kernels
+@pytest.mark.parametrize("shape", LN_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", AFFINE)
+def test_layer_norm_kernel(poisoned, shape, dtype, affine) -> None:
+    n = shape[-1]
+    x = _randn(*shape, dtype=dtype, seed=33, scale=2.0) + 5.0  # |mean| >> std: the variance must not cancel
+    w, b = _affine(n, affine)
+    _check(triton_ops.layer_norm(x, w, b, 1e-6, backend="triton"), layer_norm_ref(x, w, b, 1e-6), dtype)
+
+
+@kernels
+@pytest.mark.parametrize("shape", LN_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_residual_layer_norm_kernel(poisoned, shape, dtype, layout) -> None:
+    n = shape[-1]
+    x = _randn(*shape, dtype=dtype, seed=34, scale=3.0)
+    y = _randn(*shape[:-1], n + (5 if layout == "strided" else 0), dtype=dtype, seed=35)[..., :n]
+    w, b = _affine(n, "weight+bias")
+    res, out = triton_ops.residual_layer_norm(x, y, w, b, 1e-6, backend="triton")
+    ref_res, ref_out = triton_ops.residual_layer_norm_ref(x, y, w, b, 1e-6)
+    _check(res, ref_res, dtype)
+    if dtype == torch.float32:
+        assert torch.equal(res, ref_res)  # one add in float32 in both (bf16: the interpreter truncates)
+    _check(out, ref_out, dtype)
+
+
+@kernels
+def test_residual_layer_norm_checks() -> None:
+    x = _randn(2, 3, 8)
+    with pytest.raises(ValueError, match="must match x"):
+        triton_ops.residual_layer_norm(x, x.to(torch.bfloat16), None, None, 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="weight of shape"):
+        triton_ops.layer_norm(x, torch.ones(9, device=DEVICE), None, 1e-6, backend="triton")
+
+
+@kernels
+@pytest.mark.parametrize("shape", [(1, 50, 4304), (2, 7, 96), (3, 5, 1000), (2, 3, 33)])  # 4304: SigLIP's fc1
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bias_gelu_kernel(poisoned, shape, dtype, with_bias) -> None:
+    n = shape[-1]
+    y = _randn(*shape[:-1], n + 3, dtype=dtype, seed=36, scale=3.0)[..., :n]  # not contiguous
+    bias = _randn(n, dtype=dtype, seed=37) if with_bias else None
+    _check(triton_ops.bias_gelu(y, bias, backend="triton"), triton_ops.bias_gelu_ref(y, bias), dtype)
+
+
+def _tower(dtype, fuse, cfg=(28, 7, 60, 3, 4, 100)):
+    """A small SigLIP tower, seeded (default: 16 patches, width 60, 4 heads of 15, MLP 100, 3 blocks)."""
+    from phyai_edge.layers.siglip import SiglipVisionTower
+
+    image, patch, width, depth, heads, mlp = cfg
+    torch.manual_seed(2)
+    tower = SiglipVisionTower(image, patch, width, depth, heads, mlp, 1e-6)
+    for name, p in tower.named_parameters():
+        if "norm" in name:
+            p.data = 1.0 + 0.2 * torch.randn_like(p) if name.endswith("weight") else 0.1 * torch.randn_like(p)
+        else:
+            p.data.normal_(0, 0.1)
+    for sub in tower.modules():  # as PI05Model.set_precision: matmul weights low, norms float32
+        if isinstance(sub, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Embedding)):
+            sub.to(dtype)
+    if fuse:
+        for block in tower.encoder.layers:
+            block.self_attn.fuse()
+    return tower.to(DEVICE).eval().requires_grad_(False)
+
+
+def _stack(tower, pixels, backend):
+    return triton_ops.siglip_block_stack(tower.encoder.layers, tower.embeddings(pixels), tower.post_layernorm,
+                                         backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fuse", [True, False])
+def test_siglip_stack_reference_path(dtype, fuse) -> None:
+    """The stack's own glue (unmasked SDPA, packed QKV split, norm order) against the tower's forward."""
+    tower = _tower(dtype, fuse)
+    pixels = _randn(3, 3, 28, 28, seed=38).clamp(-1, 1)
+    with torch.no_grad():
+        out, ref = _stack(tower, pixels, "reference"), tower(pixels)
+    assert out.dtype == ref.dtype == dtype
+    assert _rel(out.float(), ref.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_siglip_stack_kernels(poisoned, dtype) -> None:
+    tower = _tower(dtype, fuse=True)
+    pixels = _randn(3, 3, 28, 28, seed=38).clamp(-1, 1)
+    with torch.no_grad():
+        out, ref = _stack(tower, pixels, "triton"), tower(pixels)
+    if dtype == torch.float32:
+        _check(out, ref, dtype)
+        return
+    # bf16 through three blocks: judge kernels and reference against the same tower in float32.
+    from phyai_edge.layers.fused import unfuse_projections
+
+    truth_tower = copy.deepcopy(tower)
+    unfuse_projections(truth_tower)  # `.float()` does not reach the unregistered fused QKV
+    with torch.no_grad():
+        truth = truth_tower.float()(pixels)
+    assert torch.isfinite(out).all()
+    err, ref_err = _rel(out.float(), truth), _rel(ref.float(), truth)
+    assert err < 2e-2 and err < 1.5 * ref_err, (err, ref_err)  # here 7.2e-3 against 5.9e-3
+    assert _rel(out.float(), ref.float()) < 2e-2
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_siglip_stage_tiny_preset(poisoned, dtype) -> None:
+    """`PI05Model.triton_stages()["embed_images"]` on the tiny preset (SigLIP at 224 px / 14, width 32)
+    against the model's own `embed_images`, as the cudagraph engine would prepare the model."""
+    from phyai_edge.layers.fused import fuse_projections
+
+    model = copy.deepcopy(builtin_adapter("tiny", seed=4).module).to(DEVICE).set_precision(dtype)
+    model.eval().requires_grad_(False)
+    fuse_projections(model)
+    images = _randn(1, 2, 3, 224, 224, seed=39).clamp(-1, 1)
+    with torch.no_grad():
+        out, ref = model.triton_stages("triton")["embed_images"](images), model.embed_images(images)
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert _rel(out.float(), ref.float()) < (1e-5 if dtype == torch.float32 else 2e-2)  # bf16 here: 8.5e-3
+
+
+def test_siglip_stack_fp8_linears() -> None:
+    """With every SigLIP linear in fp8 (`convert_fp8(scope="all")`) the stack calls them as they are."""
+    from phyai_edge.layers.fp8 import Fp8Linear, convert_fp8
+    from phyai_edge.layers.fused import fuse_projections
+
+    model = copy.deepcopy(builtin_adapter("tiny", seed=4).module).set_precision(torch.bfloat16)
+    model.eval().requires_grad_(False)
+    fuse_projections(model)
+    convert_fp8(model, "all")
+    assert isinstance(model.vision.encoder.layers[0].self_attn.qkv_proj, Fp8Linear)
+    images = _randn(1, 1, 3, 224, 224, seed=40).clamp(-1, 1).cpu()
+    with torch.no_grad():
+        out = model.triton_stages("reference")["embed_images"](images)
+        ref = model.embed_images(images)
+    assert _rel(out.float(), ref.float()) < 1e-2

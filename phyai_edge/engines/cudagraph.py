@@ -20,9 +20,10 @@ What makes it fast (each is exact, or equal within rounding, to the eager engine
   attention / MLP projection (`fp8="all"`): `layers.fp8`, `torch._scaled_mm` on Ada / Hopper,
   its plain-torch reference elsewhere. Converted after the precision is set and after fusion, so
   the fused QKV and gate/up GEMMs are the ones quantised (see `layers/fp8.py` for why).
-- Fused Triton kernels for the prefix's and the action expert's elementwise chains and attention
-  (`triton_ops`: norm + modulation, residual + the next norm, RoPE out of the fused QKV, GeGLU,
-  split-KV attention; `layers.triton_ops`, `layers.triton_attention`), chosen around the model
+- Fused Triton kernels for the vision tower's, the prefix's and the action expert's elementwise
+  chains and attention (`triton_ops`: norm + modulation, residual + the next norm, RoPE out of the
+  fused QKV, GeGLU, SigLIP's LayerNorm / residual + LayerNorm / GELU, split-KV attention;
+  `layers.triton_ops`, `layers.triton_attention`), chosen around the model
   (`PI05Model.triton_stages`). On by default on a CUDA device with triton installed (and no fp8:
   measured slower together, benchmarks/RESULTS.md); `triton_ops=False` turns them off.
 - Optional `torch.compile` of the stage functions (inductor fuses norms, RoPE, GeGLU and
@@ -168,7 +169,7 @@ class CudaGraphEngine(EngineBase):
             from phyai_edge.layers.triton_ops import triton_status
 
             self._stages.update(module.triton_stages(triton_backend))
-            log.info("cudagraph: action expert elementwise chains on the fused ops (%s)",
+            log.info("cudagraph: vision, prefix and action expert elementwise chains on the fused ops (%s)",
                      triton_status(self.device)[1] if self.triton_ops == "triton"
                      else f"reference path: {triton_status(self.device)[1]}")
         if compile:

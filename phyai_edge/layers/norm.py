@@ -65,10 +65,25 @@ class AdaRMSNorm(nn.Module):
         return ada_rms_norm_ref(x, scale, shift, self.eps), gate.to(x.dtype)
 
 
+def layer_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    normalized_shape: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """LayerNorm over the last axis in float32, cast back to x.dtype (SigLIP's published math).
+    `normalized_shape`: the module's own, as Python ints; an exporter's tracer would record
+    `x.shape[-1:]` as a shape computation."""
+    w = weight.float() if weight is not None else None
+    b = bias.float() if bias is not None else None
+    shape = normalized_shape if normalized_shape is not None else x.shape[-1:]
+    return F.layer_norm(x.float(), shape, w, b, eps).to(x.dtype)
+
+
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm computed in float32 and cast back, for bf16 activations."""
+    """LayerNorm computed in float32 and cast back, for bf16 activations (`layer_norm_ref`, which
+    the fused kernels are tested against)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.float() if self.weight is not None else None
-        b = self.bias.float() if self.bias is not None else None
-        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+        return layer_norm_ref(x, self.weight, self.bias, self.eps, tuple(self.normalized_shape))

@@ -1,5 +1,5 @@
-"""Fused Triton kernels for the action expert's elementwise chains, each beside its plain-torch
-reference, and the dispatcher that chooses between them.
+"""Fused Triton kernels for the elementwise chains of PI0.5's action expert, Gemma prefix and SigLIP
+vision tower, each beside its plain-torch reference, and the dispatcher that chooses between them.
 
 At batch 1 a PI0.5 denoise step (18 adaptive Gemma layers over 50 tokens) is bound by the number
 of small kernels, not by bytes or FLOPs (`benchmarks/RESULTS.md`, "PI0.5 on the H200"). Between
@@ -16,6 +16,13 @@ each chain in one launch, one program per row (a row of 1024 fits one block):
 - `geglu`: `gelu_tanh(gate) * up` from the fused gate/up GEMM's output (eager: 2-3 kernels).
 - attention: split-KV over the cached prefix and the step's own keys without concatenating them
   (`layers.triton_attention`).
+- `layer_norm` / `residual_layer_norm`: SigLIP's LayerNorm (statistics, weight and bias in
+  float32, one cast back), alone or fused with the residual add before it; writes the new
+  residual and the normed input (eager in bf16: the add, a cast up, the norm, a cast down). Narrow
+  rows share a program.
+- `bias_gelu`: GELU (tanh) on SigLIP's fc1 output, with an optional bias. The vision stack passes
+  none: cuBLAS already adds the bias in the GEMM's epilogue (the H200 profile's vision GEMMs are
+  `nvjet_*_bias_*` kernels, four a block), so the op replaces one kernel with one.
 
 `adaptive_block_stack` runs a stack of adaptive `GemmaBlock`s with these ops, carrying the
 normed input across block boundaries (the residual of block i is fused with the input norm of
@@ -23,6 +30,9 @@ block i + 1, the last one with the final norm). The blocks' own linears (`qkv_pr
 `gate_up`, `down_proj`: bf16, or fp8 after `layers.fp8.convert_fp8`) and attention are called as
 they are; only the elementwise glue changes. Models choose this path around themselves (an
 engine option, `CudaGraphEngine(triton_ops=True)`); the model's own code path is unchanged.
+`plain_block_stack` does the same for the prefix, and `siglip_block_stack` for the vision tower
+(each block's residual fused with the next block's first LayerNorm, the last with the tower's
+post-layernorm; attention is SDPA, handed no mask: SigLIP's is full).
 
 Dispatch (`backend`): "reference" (the default: plain torch, everywhere), "triton" (the kernels;
 an error where they cannot run) or "auto" (the kernels on CUDA when triton is installed, or on
@@ -31,8 +41,9 @@ need a gradient (exact RTC guidance takes a vector-Jacobian product through the 
 reference: the kernels have no backward.
 
 Status: tested against the references on CPU under `TRITON_INTERPRET=1`
-(`tests/test_triton_ops.py`); compiled and timed on an H200 (`benchmarks/RESULTS.md`: with the
-split-KV attention, a batch-1 PI0.5 chunk 48.8 -> 23.6 ms under CUDA graphs).
+(`tests/test_triton_ops.py`); the expert's and prefix's ops compiled and timed on an H200
+(`benchmarks/RESULTS.md`: with the split-KV attention, a batch-1 PI0.5 chunk 48.8 -> 23.6 ms under
+CUDA graphs). The SigLIP ops and `siglip_block_stack` have not yet run on a GPU.
 
 This module imports without triton installed: the references and the dispatcher work, and the
 kernels are simply absent (`triton_available()` is False).
@@ -44,9 +55,10 @@ import os
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from phyai_edge.layers.mlp import gelu_tanh
-from phyai_edge.layers.norm import Modulation, ada_rms_norm_ref
+from phyai_edge.layers.norm import Modulation, ada_rms_norm_ref, layer_norm_ref
 from phyai_edge.layers.rotary import apply_rope
 
 try:  # optional: the references below need only torch
@@ -132,6 +144,13 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def _row_warps(elements: int) -> int:
+    """Warps for a program holding `elements` of each row tensor in registers: 8 from 2048 (SigLIP's
+    1152-wide rows), so a thread holds 8 floats of each rather than 16 (Triton's layer-norm
+    tutorial's rule)."""
+    return min(max(elements // 256, 1), 8)
+
+
 # -- references -----------------------------------------------------------------------------------
 def residual_ref(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """`GemmaBlock._residual` with a gate, in the residual's dtype."""
@@ -165,8 +184,29 @@ def geglu_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return gelu_tanh(gate) * up
 
 
+def residual_layer_norm_ref(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`SiglipBlock`'s residual `x + y`, then the next LayerNorm on it: (r, normed r)."""
+    r = x + y
+    return r, layer_norm_ref(r, weight, bias, eps)
+
+
+def bias_gelu_ref(y: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`GeluMLP`'s activation, gelu_tanh(y + bias), in y.dtype."""
+    return gelu_tanh(y if bias is None else y + bias.to(y.dtype))
+
+
 # -- kernels --------------------------------------------------------------------------------------
 if triton is not None:
+
+    @triton.jit
+    def _gelu_tanh(g):
+        """GELU (tanh approximation) of a float32 block."""
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi)
+        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh(15) is 1 in float32; no exp overflow
+        th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # tanh
+        return 0.5 * g * (1.0 + th)
 
     @triton.jit
     def _residual_ada_norm_kernel(
@@ -238,11 +278,50 @@ if triton is not None:
         m = cols < hidden
         g = tl.load(gu_ptr + row * stride_in + cols, mask=m, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * stride_in + hidden + cols, mask=m, other=0.0).to(tl.float32)
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi)
-        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh(15) is 1 in float32; no exp overflow
-        th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # tanh
-        out = 0.5 * g * (1.0 + th) * u
+        out = _gelu_tanh(g) * u
         tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _residual_layer_norm_kernel(
+        x_ptr, y_ptr, w_ptr, b_ptr, res_ptr, out_ptr,
+        n_rows, n_cols, eps,
+        stride_x, stride_y, stride_res, stride_out,
+        HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # ROWS rows per program, each whole in registers; int64: rows * stride passes 2**31 elements
+        # at large batches.
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        m = (rows < n_rows) & (cols < n_cols)
+        x = tl.load(x_ptr + rows * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            y = tl.load(y_ptr + rows * stride_y + cols, mask=m, other=0.0).to(tl.float32)
+            r = (x + y).to(res_ptr.dtype.element_ty)
+            tl.store(res_ptr + rows * stride_res + cols, r, mask=m)
+            x = r.to(tl.float32)  # normalise the residual as stored (rounded), as the reference does
+        # Two passes over the row held in registers (mean, then the centred square), not
+        # E[x^2] - mean^2: that cancels badly when |mean| >> std, as in residual streams.
+        mean = tl.sum(x, axis=1)[:, None] / n_cols
+        d = tl.where(m, x - mean, 0.0)
+        # float32 explicitly: under torch.compile a Python float argument arrives as fp64.
+        rstd = tl.rsqrt((tl.sum(d * d, axis=1)[:, None] / n_cols + eps).to(tl.float32))
+        out = d * rstd
+        if HAS_WEIGHT:
+            out = out * tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            out = out + tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _bias_gelu_kernel(y_ptr, b_ptr, out_ptr, total, n_cols, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        # over the flat (contiguous) tensor: no row boundary to respect but the bias's column
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < total
+        g = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            g = g + tl.load(b_ptr + offs % n_cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, _gelu_tanh(g).to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _residual_ada_norm_triton(x, y, gate, scale, shift, eps):
@@ -267,6 +346,39 @@ def _residual_ada_norm_triton(x, y, gate, scale, shift, eps):
         x2.stride(0), sy, sres, out2.stride(0),
         s_g, s_sc, s_sh,
         HAS_RESIDUAL=y is not None, BLOCK=_block(n),
+    )
+    return res, out
+
+
+def _layer_norm_triton(x, y, weight, bias, eps):
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    out = _empty(x.shape, x)
+    out2 = out.view(-1, n)
+    if y is not None:
+        if y.shape != x.shape or y.dtype != x.dtype:
+            raise ValueError(f"residual_layer_norm: y {tuple(y.shape)} {y.dtype} must match x "
+                             f"{tuple(x.shape)} {x.dtype}")
+        y2 = _rows(y, n)
+        res = _empty(x.shape, x)
+        res2 = res.view(-1, n)
+    else:  # unused pointers: anything valid
+        y2, res, res2 = x2, None, out2
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.shape != (n,):
+            raise ValueError(f"layer norm {name} of shape {tuple(p.shape)} for width {n}")
+    w = weight.contiguous() if weight is not None else x2
+    b = bias.contiguous() if bias is not None else x2
+    block = _block(n)
+    # Narrow rows share a program (up to 2048 elements): a row of a few dozen would leave most of
+    # a program's threads idle. SigLIP's 1152 (block 2048) is one row per program.
+    rows = max(1, 2048 // block)
+    _residual_layer_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
+        x2, y2, w, b, res2, out2,
+        x2.shape[0], n, float(eps),
+        x2.stride(0), y2.stride(0), res2.stride(0), out2.stride(0),
+        HAS_RESIDUAL=y is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        ROWS=rows, BLOCK=block, num_warps=_row_warps(rows * block),
     )
     return res, out
 
@@ -351,6 +463,53 @@ def geglu(gate_up: torch.Tensor, backend: str = "reference") -> torch.Tensor:
     block = min(1024, _block(hidden))
     _geglu_kernel[(gu.shape[0], triton.cdiv(hidden, block))](
         gu, out2, hidden, gu.stride(0), out2.stride(0), BLOCK=block
+    )
+    return out
+
+
+def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, backend: str = "reference"
+) -> torch.Tensor:
+    """LayerNorm of x (..., N) over its last axis, statistics, weight and bias in float32, output in
+    x.dtype (`layers.norm.layer_norm_ref`)."""
+    if not _use_triton(backend, x, *_present(weight, bias)):
+        return layer_norm_ref(x, weight, bias, eps)
+    return _layer_norm_triton(x, None, weight, bias, eps)[1]
+
+
+def residual_layer_norm(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    backend: str = "reference",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """r = x + y (x, y (..., N) of one dtype), then layer_norm(r): returns (r, normed r), both in
+    x.dtype."""
+    if not _use_triton(backend, x, y, *_present(weight, bias)):
+        return residual_layer_norm_ref(x, y, weight, bias, eps)
+    return _layer_norm_triton(x, y, weight, bias, eps)
+
+
+def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "reference") -> torch.Tensor:
+    """gelu_tanh(y + bias) for y (..., N) and bias (N,) or None, in y.dtype. The sum stays in
+    float32 (the reference rounds it to y.dtype before the GELU)."""
+    if not _use_triton(backend, y, *_present(bias)):
+        return bias_gelu_ref(y, bias)
+    n = y.shape[-1]
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} for width {n}")
+    src = y if y.is_contiguous() else y.contiguous()
+    out = _empty(y.shape, y)
+    block = 1024
+    _bias_gelu_kernel[(triton.cdiv(src.numel(), block),)](
+        src, bias.contiguous() if bias is not None else src, out, src.numel(), n,
+        HAS_BIAS=bias is not None, BLOCK=block,
     )
     return out
 
@@ -463,3 +622,44 @@ def plain_block_stack(
         nxt = blocks[i + 1].input_layernorm
         x, h = residual_ada_rms_norm(x, y, one, weight(nxt), zero, nxt.eps, backend)
     return torch.stack(ks), torch.stack(vs)
+
+
+# -- the SigLIP encoder on the fused ops ------------------------------------------------------------
+def _siglip_attention(attn: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """`SiglipAttention` without its mask. The mask is all true (every patch sees every patch), so
+    SDPA is given none: the same function, minus the 4 kernels a layer that build the mask and
+    check it for empty rows, and minus the mask's reads inside the attention kernel."""
+    b, t, w = h.shape
+    nh = attn.num_heads
+    if attn.qkv_proj is not None:
+        q, k, v = attn.qkv_proj(h).reshape(b, t, 3, nh, w // nh).permute(2, 0, 3, 1, 4).unbind(0)
+    else:
+        q, k, v = (p(h).reshape(b, t, nh, w // nh).transpose(1, 2) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    out = F.scaled_dot_product_attention(q, k, v)
+    return attn.out_proj(out.transpose(1, 2).reshape(b, t, w))
+
+
+def siglip_block_stack(
+    blocks: Sequence[torch.nn.Module], x: torch.Tensor, final_norm: torch.nn.Module, backend: str = "reference"
+) -> torch.Tensor:
+    """`SiglipBlock`s over x (N, T, W) (the embeddings' output), then `final_norm` (the tower's
+    post-layernorm): the same function as `SiglipEncoder` followed by that norm, returned in
+    x.dtype.
+
+    Each residual add is computed together with the LayerNorm after it (the block's second norm,
+    the next block's first, or the final one); the first norm runs alone; fc1's GELU is
+    `bias_gelu` with no bias (the GEMM adds it). The blocks' linears (fused QKV or its parts, fp8
+    after `layers.fp8.convert_fp8`) are called as they are, and attention is SDPA's."""
+    norms = [block.layer_norm1 for block in blocks] + [final_norm]
+    # The embeddings' sum keeps the patch convolution's transposed layout; both the first norm and
+    # the first residual read it as rows, so copy once here rather than once in each.
+    x = x.contiguous()
+    h = layer_norm(x, norms[0].weight, norms[0].bias, norms[0].eps, backend)
+    for i, block in enumerate(blocks):
+        post = block.layer_norm2
+        x, h = residual_layer_norm(x, _siglip_attention(block.self_attn, h), post.weight, post.bias, post.eps,
+                                   backend)
+        y = block.mlp.fc2(bias_gelu(block.mlp.fc1(h), None, backend))
+        nxt = norms[i + 1]
+        x, h = residual_layer_norm(x, y, nxt.weight, nxt.bias, nxt.eps, backend)
+    return h

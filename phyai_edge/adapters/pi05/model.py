@@ -160,9 +160,13 @@ class PI05Model(nn.Module):
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
         """images (B, V, 3, S, S) in [-1, 1] -> (B, V * tokens_per_image, prefix width)."""
         b, nv = images.shape[:2]
-        feats = self.vision(images.flatten(0, 1))
+        return self.project_images(self.vision(images.flatten(0, 1)), b, nv)
+
+    def project_images(self, feats: torch.Tensor, batch: int, views: int) -> torch.Tensor:
+        """The vision tower's output (B * V, tokens_per_image, width) -> (B, V * tokens_per_image,
+        prefix width) through the projector."""
         feats = self.projector(feats.to(self.projector.weight.dtype))
-        return feats.reshape(b, nv * feats.shape[1], feats.shape[2]).to(self.compute_dtype)
+        return feats.reshape(batch, views * feats.shape[1], feats.shape[2]).to(self.compute_dtype)
 
     def embed_prefix(
         self, image_embeds: torch.Tensor, image_mask: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor
@@ -272,11 +276,25 @@ class PI05Model(nn.Module):
         return self.action_out_proj(normed.to(self.action_out_proj.weight.dtype)).float()
 
     def triton_stages(self, backend: str = "auto") -> dict[str, Callable[..., torch.Tensor]]:
-        """Stage functions that run the prefix's and the action expert's elementwise chains and
-        attention as fused Triton kernels (`layers.triton_ops`, `layers.triton_attention`; `backend`
-        as there). An engine option chooses them (`CudaGraphEngine(triton_ops=True)`);
-        `encode_prefix` and `denoise_step` above stay the reference."""
+        """Stage functions, same contracts as the model's own, with the elementwise chains (and
+        where it pays, attention) as fused Triton kernels (`layers.triton_ops`,
+        `layers.triton_attention`; `backend` as there):
+
+        - `embed_images`: SigLIP's blocks on `triton_ops.siglip_block_stack` (LayerNorms fused
+          with the residual adds, GELU; SDPA without the all-true mask); patch embedding, position
+          embedding and projector as in `embed_images` above.
+        - `encode_prefix`: the Gemma prefix on `triton_ops.plain_block_stack` (key-only masks).
+        - `denoise_step`: the action expert on `triton_ops.adaptive_block_stack`.
+
+        An engine option chooses them (`CudaGraphEngine(triton_ops=True)`); the model's own stage
+        methods stay the reference."""
         from phyai_edge.layers import triton_ops
+
+        def embed_images(images):
+            tower = self.vision
+            x = tower.embeddings(images.flatten(0, 1))
+            feats = triton_ops.siglip_block_stack(tower.encoder.layers, x, tower.post_layernorm, backend)
+            return self.project_images(feats, images.shape[0], images.shape[1])
 
         def denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=None):
             per_layer, final_mod = modulation if modulation is not None else self.time_modulation(t)
@@ -297,4 +315,4 @@ class PI05Model(nn.Module):
             k, v = triton_ops.plain_block_stack(self.prefix_layers, x, cos, sin, mask[:, None, None, :], backend)
             return k, v, mask
 
-        return {"denoise_step": denoise_step, "encode_prefix": encode_prefix}
+        return {"embed_images": embed_images, "denoise_step": denoise_step, "encode_prefix": encode_prefix}
