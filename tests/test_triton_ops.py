@@ -23,7 +23,7 @@ from phyai_edge.adapters.base import SolverSpec
 from phyai_edge.adapters.pi05 import builtin_adapter
 from phyai_edge.engines.cudagraph import CudaGraphEngine
 from phyai_edge.engines.eager import EagerEngine
-from phyai_edge.layers import triton_ops
+from phyai_edge.layers import triton_dispatch, triton_ops
 from phyai_edge.layers.gemma import GemmaBlock
 from phyai_edge.layers.norm import ada_rms_norm_ref, layer_norm_ref
 from phyai_edge.layers.rotary import rope_cos_sin
@@ -220,16 +220,16 @@ def test_dispatcher(monkeypatch) -> None:
     assert triton_ops.resolve_backend("reference", "cuda") == "reference"
     with pytest.raises(ValueError, match="backend="):
         triton_ops.resolve_backend("fast", "cpu")
-    monkeypatch.setattr(triton_ops, "_INTERPRET", False)
-    monkeypatch.setattr(triton_ops, "_INTERPRET_ASKED", False)
-    monkeypatch.setattr(triton_ops, "triton", triton_ops.triton or object())  # installed, or pretend it is
+    monkeypatch.setattr(triton_dispatch, "_INTERPRET", False)
+    monkeypatch.setattr(triton_dispatch, "_INTERPRET_ASKED", False)
+    monkeypatch.setattr(triton_dispatch, "triton", triton_dispatch.triton or object())  # installed, or pretend it is
     assert triton_ops.resolve_backend("auto", "cpu") == "reference"
     assert triton_ops.resolve_backend("auto", "cuda") == "triton"
     with pytest.raises(RuntimeError, match="CUDA device or TRITON_INTERPRET"):
         triton_ops.resolve_backend("triton", "cpu")
-    monkeypatch.setattr(triton_ops, "_INTERPRET_ASKED", True)  # asked for, but triton came first
+    monkeypatch.setattr(triton_dispatch, "_INTERPRET_ASKED", True)  # asked for, but triton came first
     assert "after triton was imported" in triton_ops.triton_status("cpu")[1]
-    monkeypatch.setattr(triton_ops, "triton", None)
+    monkeypatch.setattr(triton_dispatch, "triton", None)
     assert triton_ops.resolve_backend("auto", "cuda") == "reference"
     ok, why = triton_ops.triton_status("cuda")
     assert not ok and "not installed" in why

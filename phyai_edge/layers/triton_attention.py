@@ -25,7 +25,7 @@ import math
 import torch
 
 from phyai_edge.layers.attention import _full_rows, attention
-from phyai_edge.layers.triton_ops import _use_triton, interpret_mode, tl, triton
+from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, triton
 
 _SM_COUNT: dict[int, int] = {}
 MIN_KEYS_PER_SPLIT = 128  # below this a split's merge traffic costs more than its parallelism buys

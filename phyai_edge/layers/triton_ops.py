@@ -51,7 +51,6 @@ kernels are simply absent (`triton_available()` is False).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -60,65 +59,17 @@ import torch.nn.functional as F
 from phyai_edge.layers.mlp import gelu_tanh
 from phyai_edge.layers.norm import Modulation, ada_rms_norm_ref, layer_norm_ref
 from phyai_edge.layers.rotary import apply_rope
-
-try:  # optional: the references below need only torch
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is absent (CI)
-    triton = None
-    tl = None
-
-BACKENDS = ("reference", "triton", "auto")
-
-
-# -- dispatcher ---------------------------------------------------------------------------------
-def triton_available() -> bool:
-    return triton is not None
-
-
-# Triton decides at decoration whether a kernel is interpreted: for this module's kernels at its import,
-# for triton.language's own (tl.sum, ...) at triton's import. Both must have seen TRITON_INTERPRET=1.
-_INTERPRET_ASKED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-_INTERPRET = (triton is not None and _INTERPRET_ASKED
-              and type(getattr(tl, "sum", None)).__name__ == "InterpretedFunction")
-
-
-def interpret_mode() -> bool:
-    """The kernels run in Triton's CPU interpreter (numpy): `TRITON_INTERPRET=1` was set before
-    this module was imported."""
-    return _INTERPRET
-
-
-def triton_status(device: torch.device | str) -> tuple[bool, str]:
-    """Whether the kernels can run on `device`, and if not, why (one line)."""
-    device = torch.device(device)
-    if triton is None:
-        return False, "triton is not installed (pip install triton)"
-    if device.type == "cuda" or interpret_mode():
-        return True, "triton kernels" + (" (TRITON_INTERPRET=1)" if interpret_mode() else "")
-    if _INTERPRET_ASKED:
-        return False, "TRITON_INTERPRET=1 was set after triton was imported (set it before anything imports triton)"
-    return False, f"triton kernels need a CUDA device or TRITON_INTERPRET=1 (device is {device})"
-
-
-def resolve_backend(requested: str, device: torch.device | str) -> str:
-    """"reference" | "triton" | "auto" -> "reference" | "triton" for tensors on `device`."""
-    if requested not in BACKENDS:
-        raise ValueError(f"backend={requested!r}: choose one of {BACKENDS}")
-    if requested == "reference":
-        return "reference"
-    ok, why = triton_status(device)
-    if requested == "triton" and not ok:
-        raise RuntimeError(f"backend='triton' cannot run: {why}")
-    return "triton" if ok else "reference"
-
-
-def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
-    if backend == "reference":
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False  # autograd (exact RTC guidance): the kernels have no backward
-    return resolve_backend(backend, tensors[0].device) == "triton"
+from phyai_edge.layers.triton_attention import attention_split
+from phyai_edge.layers.triton_dispatch import (  # noqa: F401  (re-exported: the ops' public dispatch API)
+    BACKENDS,
+    _use_triton,
+    interpret_mode,
+    resolve_backend,
+    tl,
+    triton,
+    triton_available,
+    triton_status,
+)
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -550,8 +501,6 @@ def adaptive_block_stack(
     with the norm that follows it (the block's post-attention norm, the next block's input norm,
     or the final norm). `modulations[i]` is block i's (input, post-attention) (scale, shift, gate).
     """
-    from phyai_edge.layers.triton_attention import attention_split
-
     def attend(q, k, v, m):
         return attention_split(q, k, v, m, backend=backend, only_if_idle=True)
 
@@ -591,8 +540,6 @@ def plain_block_stack(
     The same function as `project_kv` / `finish` per block (the PI0.5 prefix), on the kernels
     above: Gemma's RMSNorm `normed * (1 + w)` is the adaptive norm with scale w and no shift,
     and its ungated residual the gated one with gate 1 (both exact)."""
-    from phyai_edge.layers.triton_attention import attention_split
-
     def attend(q, k, v, m):
         return attention_split(q, k, v, m, backend=backend, only_if_idle=True)
 
