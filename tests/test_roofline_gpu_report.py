@@ -133,3 +133,23 @@ def test_cli_places_the_h200_points_and_calibrates_on_the_first(
     model_ms = first["embed_images"] + first["encode_prefix"] + first["solver_loop"]
     assert h200["stage_times_ms"]["total_ms"] == pytest.approx(model_ms, rel=1e-6)
     assert any("launch-overhead bound" in n for n in report["notes"])
+
+
+TRITON_RUN = RUN.with_name("pi05_triton_2026-12-02.json")
+
+
+def test_variant_sections_convert() -> None:
+    """A `pi05_gpu.py --triton-only` report: entries keyed variant-first ("triton+compile_b1")
+    become runs at that batch, 3 views, with the variant in the label and the stage medians."""
+    raw_t = json.loads(TRITON_RUN.read_text())
+    assert gpu_report.is_gpu_report(raw_t)
+    runs = {r["key"]: r for r in gpu_report.to_bench_runs(raw_t, ["triton.triton+compile_b1", "triton_b32"])}
+    r1 = runs["triton.triton+compile_b1"]
+    assert (r1["batch"], r1["views"], r1["backend"]) == (1, 3, "cudagraph+triton+compile")
+    assert "triton+compile" in r1["label"]
+    want = raw_t["triton"]["triton+compile_b1"]
+    assert r1["stages"]["engine"]["p50_ms"] == want["p50"]
+    assert r1["stages"]["denoise_step"]["p50_ms"] == want["stages_p50"]["denoise_step"]
+    assert r1["steps"] == round(want["stages_p50"]["solver_loop"] / want["stages_p50"]["denoise_step"])
+    assert runs["triton.triton_b32"]["batch"] == 32
+    assert "triton.triton_b1_info" not in {r["key"] for r in gpu_report.to_bench_runs(raw_t)}

@@ -36,7 +36,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-SECTIONS = ("ours", "ablation", "rtc", "lerobot")
+SECTIONS = ("ours", "ablation", "rtc", "lerobot", "triton", "fp8")
+# Engine-variant sections (`pi05_gpu.py --triton-only / --fp8-only`) key their entries by the
+# variant first: "triton+compile_b1" is the variant "triton+compile" at batch 1 (3 views).
+VARIANT_SECTIONS = {"triton": "ours graphs + {variant}", "fp8": "ours graphs + fp8 {variant}"}
 
 # (section, variant regex) -> (description, backend, prompt trimmed). First match wins.
 _KINDS: tuple[tuple[str, str, str, str, bool], ...] = (
@@ -48,6 +51,12 @@ _KINDS: tuple[tuple[str, str, str, str, bool], ...] = (
     ("ablation", r"ours_eager.*", "ours eager", "eager", False),
 )
 _KEY_RE = re.compile(r"^b(?P<batch>\d+)(?:_v(?P<views>\d+))?(?:_(?P<variant>.+))?$")
+_VARIANT_KEY_RE = re.compile(r"^(?P<variant>.+)_b(?P<batch>\d+)$")
+
+
+def _parse_key(section: str, key: str) -> re.Match[str] | None:
+    """batch, views (or None) and variant of an entry's key, or None for a key that is no entry."""
+    return (_VARIANT_KEY_RE if section in VARIANT_SECTIONS else _KEY_RE).match(key)
 ADAPTER, PRESET, PRECISION = "pi05", "full", "bf16"
 
 
@@ -63,6 +72,8 @@ def is_gpu_report(data: Any) -> bool:
 
 
 def _kind(section: str, variant: str) -> tuple[str, str, bool]:
+    if section in VARIANT_SECTIONS:  # every variant there trims the prompt, as the engine does by default
+        return VARIANT_SECTIONS[section].format(variant=variant), "cudagraph+" + variant.replace(" ", "-"), True
     for sec, pattern, desc, backend, trimmed in _KINDS:
         m = re.fullmatch(pattern, variant) if sec == section else None
         if m:
@@ -130,7 +141,7 @@ def entries(report: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
         if not isinstance(sec, Mapping):
             continue
         for key, e in sec.items():
-            if isinstance(e, Mapping) and isinstance(e.get("p50"), (int, float)) and _KEY_RE.match(key):
+            if isinstance(e, Mapping) and isinstance(e.get("p50"), (int, float)) and _parse_key(section, key):
                 out[f"{section}.{key}"] = e
     return out
 
@@ -166,10 +177,10 @@ def to_bench_runs(report: Mapping[str, Any], select: Sequence[str] | None = None
     for name in names:
         section, key = name.split(".", 1)
         e = table[name]
-        km = _KEY_RE.match(key)
+        km = _parse_key(section, key)
         assert km is not None  # entries() only keeps matching keys
         desc, backend, trimmed = _kind(section, km["variant"] or "")
-        batch, views = int(km["batch"]), int(km["views"] or default_views)
+        batch, views = int(km["batch"]), int(km.groupdict().get("views") or default_views)
         whole = {f"{s}_ms": e[s] for s in ("p50", "p90", "min") if isinstance(e.get(s), (int, float))}
         stages: dict[str, Any] = {"engine": whole}
         run_notes = list(notes)
