@@ -7,7 +7,8 @@ config and checkpoint folder). It is registered the way a new model would be (an
 eager engine, RTC in every solver mode, the daemon's worker path and a short daemon run, the
 serve batcher and rollout API, `bench`, and ONNX export -> onnxruntime engine -> bundle.
 
-Where the rule does not hold yet, the test is an `xfail(strict=True)` naming what a new model
+The cudagraph engine runs it too, on its generic path (static buffers from `stage_specs`);
+where the rule does not hold, a test would be an `xfail(strict=True)` naming what a new model
 would have to change in the runtime.
 """
 
@@ -233,25 +234,70 @@ def test_onnx_export_onnxruntime_engine_and_bundle(policy, tmp_path):
                                atol=1e-4, rtol=0)
 
 
-@pytest.mark.xfail(strict=True, raises=(AttributeError, KeyError, TypeError), reason=(
-    "engines/cudagraph.py is written for PI0.5's graph: it calls module.set_precision, and builds static "
-    "buffers from x['tokens'] / x['token_mask'] / cfg.max_token_len / cfg.vocab_size / cfg.vision.image_size, "
-    "captures 'vision' and 'prefix' graphs around the stages named embed_images / encode_prefix and a loop "
-    "around denoise_step(x, t, k, v, mask). A new model needs a change to the cudagraph engine (static buffers "
-    "from stage_specs and the stage graph of engines/stages.py) before it can use it."))
-def test_cudagraph_engine_runs_the_toy(policy):
-    """CPU run of the cudagraph engine (same code, no capture) — as tests/test_cudagraph.py does for PI0.5."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cudagraph_engine_runs_the_toy(policy, batch, caplog):
+    """CPU run of the cudagraph engine's generic path (static buffers from the toy's stage_specs,
+    the per-chunk stages and the solver loop run eagerly, as they would be captured), every RTC
+    mode, against the eager engine; as tests/test_cudagraph.py does for PI0.5."""
     import copy
+    import logging
 
     from phyai_edge.engines.cudagraph import CudaGraphEngine
+    from phyai_edge.engines.rtc import RTCGuidance, prefix_weights
 
     a = copy.copy(policy.adapter)
     a.module = copy.deepcopy(policy.adapter.module)
-    eng = CudaGraphEngine(a, device="cpu", dtype="float32")
-    obs = [toy_obs(a)]
-    n = noise(a, 1, seed=0)
-    np.testing.assert_allclose(a.postprocess(eng.run(a.preprocess(obs), noise=n)), policy.infer(obs, noise=n).actions,
-                               atol=1e-5)
+    with caplog.at_level(logging.INFO, logger="phyai_edge.engines.cudagraph"):
+        eng = CudaGraphEngine(a, device="cpu", dtype="float32")
+    assert eng.generic
+    assert sum("CUDA graphs need a CUDA device" in r.getMessage() for r in caplog.records) == 1
+    eager = policy.engine
+    obs = [toy_obs(a, seed=10 + i, missing="wrist" if i == 1 else None) for i in range(batch)]
+    x = a.preprocess(obs)
+    n = noise(a, batch, seed=batch)
+    h, d = a.chunk_size, a.model_action_dim
+    target = torch.randn(batch, h, d, generator=torch.Generator().manual_seed(5)) * 0.5
+    dim_mask = torch.zeros(d)
+    dim_mask[: a.action_dim] = 1.0
+    shared = prefix_weights(h, 3, 4)
+    # Per-sample rows: the second sample (batch 2) has its own delay and soft mask.
+    per_sample = torch.stack([prefix_weights(h, 3 + i, 4) for i in range(batch)])
+    delays = torch.tensor([3 + i for i in range(batch)])
+    cases = [None] + [RTCGuidance(m, target, shared, dim_mask, 3, 5.0) for m in ("inpaint", "guided-approx", "guided")]
+    cases += [RTCGuidance(m, target, per_sample, dim_mask, delays, 5.0) for m in ("inpaint", "guided-approx", "guided")]
+    free = eager.run(x, noise=n)
+    for rtc in cases:
+        want = eager.run(x, noise=n, rtc=rtc)
+        got = eng.run(x, noise=n, rtc=rtc)
+        assert got.shape == (batch, h, d)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        if rtc is not None:  # the guidance did something, so the comparison is not of two free runs
+            assert (got - free).abs().max() > 1e-3, rtc.mode
+    assert set(eng.last_stage_ms) == {"encode_obs", "velocity", "solver_loop"}
+    # Through the policy API too (the runtime unchanged: make_engine by name).
+    from phyai_edge.engines.policy import Policy
+
+    np.testing.assert_allclose(Policy(a, eng).infer(obs, noise=n).actions, policy.infer(obs, noise=n).actions,
+                               atol=1e-5, rtol=0)
+
+
+def test_cudagraph_engine_toy_bf16(policy):
+    """A model without `set_precision` on the cudagraph engine: cast like the eager engine."""
+    import copy
+
+    from phyai_edge.engines.cudagraph import CudaGraphEngine
+    from phyai_edge.engines.eager import EagerEngine
+
+    twins = []
+    for _ in range(2):
+        a = copy.copy(policy.adapter)
+        a.module = copy.deepcopy(policy.adapter.module)
+        twins.append(a)
+    fast, ref = CudaGraphEngine(twins[0], device="cpu", dtype="bfloat16"), EagerEngine(twins[1], dtype="bfloat16")
+    assert next(twins[0].module.parameters()).dtype == torch.bfloat16
+    x = twins[0].preprocess([toy_obs(twins[0], seed=4)])
+    n = noise(twins[0], 1, seed=4)
+    torch.testing.assert_close(fast.run(x, noise=n), ref.run(x, noise=n), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])

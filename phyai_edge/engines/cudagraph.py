@@ -1,6 +1,14 @@
 """The CUDA-graph backend: the eager model's stages replayed from captured graphs.
 
-What makes it fast (each is exact, or equal within rounding, to the eager engine):
+Two paths, chosen by the adapter's stage graph. PI0.5's (`embed_images -> encode_prefix ->
+denoise_step`) is everything listed below and is the one measured on GPUs. Any other adapter
+takes the generic path, so a new model needs no change here: static input buffers laid out from
+its `stage_specs` and filled by name from `ModelInputs.tensors`, one graph for all its per-chunk
+stages in order (external events inside it time each stage), one graph per RTC mode for the
+solver loop of its last stage (`static_euler`, the loop PI0.5's path runs too), precision via the
+module's `set_precision` or a plain cast. Its capture has not yet been run on a GPU.
+
+What makes the PI0.5 path fast (each is exact, or equal within rounding, to the eager engine):
 - Static buffers and three graphs per (batch, views, prompt bucket): vision, prefix (writes the
   KV cache once per chunk) and the whole solver loop (all flow steps, RTC guidance included:
   the exact vector-Jacobian product is captured too; RTC masks are per-sample (B, H, D) and
@@ -50,11 +58,14 @@ from phyai_edge.adapters.base import Adapter, ModelInputs, SolverSpec
 from phyai_edge.engines.base import EngineBase
 from phyai_edge.engines.eager import resolve_dtype
 from phyai_edge.engines.rtc import RTCGuidance, guidance_weight
+from phyai_edge.engines.stages import StageGraph, stage_graph
 from phyai_edge.layers.fused import fuse_projections
 
 log = logging.getLogger(__name__)
 
 LOOP_MODES = ("none", "inpaint", "guided-approx", "guided")
+# The stage graph the PI0.5 path is written for; any other graph takes the generic path.
+PI05_STAGES = ("embed_images", "encode_prefix", "denoise_step")
 
 
 def prompt_bucket(token_mask: torch.Tensor, bucket: int) -> int:
@@ -86,6 +97,55 @@ class _GraphSet:
     eager: bool = False
 
 
+@dataclass
+class _StageSet:
+    """Static buffers and graphs for one (batch, views) of an adapter on the generic path."""
+
+    key: tuple[int, int | None]
+    inputs: dict[str, torch.Tensor]
+    pool: Any = None
+    context: list[torch.Tensor] = field(default_factory=list)
+    chunk_graph: torch.cuda.CUDAGraph | None = None
+    # Recorded inside the per-chunk graph after each stage, so one replay still times every stage.
+    stage_events: list[Any] = field(default_factory=list)
+    loop_bufs: dict[str, torch.Tensor] = field(default_factory=dict)
+    loops: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(default_factory=dict)
+    eager: bool = False
+
+
+def static_euler(velocity: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor], bufs: dict[str, torch.Tensor],
+                 mode: str, solver: SolverSpec) -> torch.Tensor:
+    """The Euler loop of `engines.solver.integrate`, with every per-call quantity (noise, RTC
+    target, per-sample soft mask (B, H, D), per-sample hard prefix (B, H, 1), guidance
+    weights) read from static buffers so it can be captured. `velocity(i, x, t)` is step i."""
+    noise, target, mask, fixed, weight = bufs["noise"], bufs["target"], bufs["mask"], bufs["fixed"], bufs["weight"]
+    x = noise
+    dt = solver.dt
+    batch = noise.shape[0]
+    times = solver.times()
+    next_times = [*times[1:], solver.t_end]  # as integrate(): the last is exactly t_end
+    for i, t in enumerate(times):
+        tt = torch.full((batch,), t, dtype=torch.float32, device=noise.device)
+        if mode == "guided":
+            with torch.enable_grad():
+                x_in = x.detach().requires_grad_(True)
+                vel = velocity(i, x_in, tt)
+                x1 = x_in - t * vel
+                err = ((target - x1) * mask).detach()
+                (correction,) = torch.autograd.grad(x1, x_in, err)
+            vel = vel.detach() - weight[i] * correction
+        elif mode == "guided-approx":
+            vel = velocity(i, x, tt)
+            vel = vel - weight[i] * ((target - (x - t * vel)) * mask)
+        else:
+            vel = velocity(i, x, tt)
+        x = x + dt * vel
+        if mode == "inpaint":
+            t_next = next_times[i]
+            x = torch.where(fixed, t_next * noise + (1.0 - t_next) * target, x)
+    return x
+
+
 class CudaGraphEngine(EngineBase):
     backend = "cudagraph"
 
@@ -114,6 +174,13 @@ class CudaGraphEngine(EngineBase):
         module = adapter.module
         if next(module.parameters()).device.type == "meta":
             raise ValueError("the cudagraph engine needs real weights (the model is on the meta device)")
+        # PI0.5's path (prompt trimming, KV-cache graphs, modulation tables) only for PI0.5's
+        # graph; any other adapter's stages run from buffers laid out by its own stage_specs.
+        self._graph: StageGraph = stage_graph(adapter)
+        self.generic = tuple(self._graph.names) != PI05_STAGES
+        if self.generic and fp8 is not None:  # the scopes name PI0.5's submodules
+            raise ValueError(f"fp8={fp8!r} is for PI0.5's stages; adapter {getattr(adapter, 'name', '?')!r} "
+                             f"has {self._graph.names}")
         if fp8 is not None:
             from phyai_edge.layers.fp8 import SCOPES
 
@@ -136,7 +203,10 @@ class CudaGraphEngine(EngineBase):
             self.triton_ops = resolve_backend(triton_backend, self.device)
         self.take_module(module, self.dtype)
         module.to(self.device)
-        module.set_precision(self.dtype)
+        if hasattr(module, "set_precision"):
+            module.set_precision(self.dtype)
+        else:  # a model without PI0.5's hook: cast it, as the eager engine does
+            module.to(self.dtype)
         module.eval().requires_grad_(False)
         self.module = module
         self.trim_prompt, self.token_bucket = trim_prompt, token_bucket
@@ -163,6 +233,8 @@ class CudaGraphEngine(EngineBase):
             log.info("cudagraph engine on %s: CUDA graphs need a CUDA device; running the same code eagerly",
                      self.device)
         self._stages: dict[str, Callable[..., Any]] = {n: adapter.stage(n) for n in adapter.stage_names()}
+        self._views: int | None = len(getattr(adapter, "camera_names", ()) or ()) or None
+        self._stage_sets: dict[tuple[int, int | None], _StageSet] = {}
         if triton_backend is not None:
             # Around the model, not in it: the model's Triton stage functions replace its own
             # (same contract). Fused projections and fp8 linears are called as they are.
@@ -184,7 +256,13 @@ class CudaGraphEngine(EngineBase):
 
     def warmup(self, batch: int, views: int, prompt_tokens: int | None = None,
                modes: tuple[str, ...] = ("none",)) -> None:
-        """Capture the graphs for a shape before the first real call (start-up, not first tick)."""
+        """Capture the graphs for a shape before the first real call (start-up, not first tick).
+        `prompt_tokens` is PI0.5's (prompt trimming); the generic path has no prompt to trim."""
+        if self.generic:
+            ss = self._stage_set(batch, views)
+            for mode in modes:
+                self._stage_loop_graph(ss, mode, self.adapter.solver)
+            return
         cfg = self.adapter.cfg
         length = cfg.max_token_len
         if prompt_tokens is not None and self.trim_prompt:
@@ -196,6 +274,8 @@ class CudaGraphEngine(EngineBase):
 
     @torch.no_grad()
     def run(self, inputs: ModelInputs, noise: torch.Tensor | None = None, rtc: RTCGuidance | None = None) -> torch.Tensor:
+        if self.generic:
+            return self._run_generic(inputs, noise, rtc)
         a, b = self.adapter, inputs.batch_size
         x = inputs.tensors
         images, token_mask = x["images"], x["token_mask"]
@@ -259,16 +339,7 @@ class CudaGraphEngine(EngineBase):
             "token_mask": torch.ones(batch, length, dtype=torch.bool, device=dev),
         }
         gs = _GraphSet(key, inputs)
-        h, d = self.adapter.chunk_size, self.adapter.model_action_dim
-        gs.loop_bufs = {
-            "noise": torch.randn(batch, h, d, generator=gen).to(dev),
-            "target": torch.zeros(batch, h, d, device=dev),
-            # Per-sample RTC: one soft mask and one hard-prefix mask per sample, so the same
-            # captured loop serves any mix of delays and weights at this batch size.
-            "mask": torch.zeros(batch, h, d, device=dev),
-            "fixed": torch.zeros(batch, h, 1, dtype=torch.bool, device=dev),
-            "weight": torch.zeros(max(self.adapter.solver.num_steps, 1), device=dev),
-        }
+        gs.loop_bufs = self._loop_buffers(batch, gen)
         if not self.use_graphs:
             gs.eager = True
             self._sets[key] = gs
@@ -286,7 +357,19 @@ class CudaGraphEngine(EngineBase):
         self._sets[key] = gs
         return gs
 
-    def _capture(self, gs: _GraphSet, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    def _loop_buffers(self, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        h, d, dev = self.adapter.chunk_size, self.adapter.model_action_dim, self.device
+        return {
+            "noise": torch.randn(batch, h, d, generator=gen).to(dev),
+            "target": torch.zeros(batch, h, d, device=dev),
+            # Per-sample RTC: one soft mask and one hard-prefix mask per sample, so the same
+            # captured loop serves any mix of delays and weights at this batch size.
+            "mask": torch.zeros(batch, h, d, device=dev),
+            "fixed": torch.zeros(batch, h, 1, dtype=torch.bool, device=dev),
+            "weight": torch.zeros(max(self.adapter.solver.num_steps, 1), device=dev),
+        }
+
+    def _capture(self, gs: _GraphSet | _StageSet, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         # Warm up on a side stream (allocator, cuBLAS handles, compilation), then capture.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -352,43 +435,11 @@ class CudaGraphEngine(EngineBase):
         return table
 
     def _loop(self, gs: _GraphSet, mode: str, solver: SolverSpec) -> torch.Tensor:
-        """The Euler loop of `engines.solver.integrate`, with every per-call quantity (noise, RTC
-        target, per-sample soft mask (B, H, D), per-sample hard prefix (B, H, 1), guidance
-        weights) read from static buffers so it can be captured."""
         k, v, pmask = gs.kv
-        bufs = gs.loop_bufs
-        noise, target, mask, fixed, weight = bufs["noise"], bufs["target"], bufs["mask"], bufs["fixed"], bufs["weight"]
         step = self._stages["denoise_step"]
         table = self._table(solver)
-        x = noise
-        dt = solver.dt
-        batch = noise.shape[0]
-        times = solver.times()
-        next_times = [*times[1:], solver.t_end]  # as integrate(): the last is exactly t_end
-        for i, t in enumerate(times):
-            tt = torch.full((batch,), t, dtype=torch.float32, device=noise.device)
-
-            def velocity(xin: torch.Tensor, tt: torch.Tensor = tt, mod: Any = table[i]) -> torch.Tensor:
-                return step(xin, tt, k, v, pmask, modulation=mod)
-
-            if mode == "guided":
-                with torch.enable_grad():
-                    x_in = x.detach().requires_grad_(True)
-                    vel = velocity(x_in)
-                    x1 = x_in - t * vel
-                    err = ((target - x1) * mask).detach()
-                    (correction,) = torch.autograd.grad(x1, x_in, err)
-                vel = vel.detach() - weight[i] * correction
-            elif mode == "guided-approx":
-                vel = velocity(x)
-                vel = vel - weight[i] * ((target - (x - t * vel)) * mask)
-            else:
-                vel = velocity(x)
-            x = x + dt * vel
-            if mode == "inpaint":
-                t_next = next_times[i]
-                x = torch.where(fixed, t_next * noise + (1.0 - t_next) * target, x)
-        return x
+        return static_euler(lambda i, xin, tt: step(xin, tt, k, v, pmask, modulation=table[i]), gs.loop_bufs, mode,
+                            solver)
 
     def _load_rtc(self, bufs: dict[str, torch.Tensor], rtc: RTCGuidance, solver: SolverSpec, batch: int) -> None:
         """Copy the call's RTC into the static buffers (in place: a captured loop reads them).
@@ -401,6 +452,136 @@ class CudaGraphEngine(EngineBase):
         bufs["fixed"].copy_(rtc.fixed_mask(h).to(self.device).expand(batch, h, 1))
         w = [guidance_weight(t, rtc.max_guidance_weight) for t in solver.times()]
         bufs["weight"][: len(w)].copy_(torch.tensor(w, dtype=torch.float32))
+
+
+    # -- the generic path: any adapter's stage graph, laid out from its stage_specs -------
+    def _run_generic(self, inputs: ModelInputs, noise: torch.Tensor | None, rtc: RTCGuidance | None) -> torch.Tensor:
+        a, b, g = self.adapter, inputs.batch_size, self._graph
+        ss = self._stage_set(b, self._views)
+        for name, buf in ss.inputs.items():
+            given = inputs.tensors.get(name)
+            if given is None:
+                raise KeyError(f"stage input {name!r} is neither in the preprocessed tensors nor made by an earlier "
+                               f"stage (preprocess gave {sorted(inputs.tensors)})")
+            if tuple(given.shape) != tuple(buf.shape):
+                raise ValueError(f"{name}: got shape {tuple(given.shape)}, the adapter's stage_specs({b}, "
+                                 f"{self._views}) declare {tuple(buf.shape)}")
+            buf.copy_(given)
+        noise = self.sample_noise(b) if noise is None else noise
+        mode = rtc.mode if rtc is not None else "none"
+        if mode not in LOOP_MODES:
+            raise ValueError(f"RTC mode {mode!r} is not a solver mode; solver modes are {LOOP_MODES[1:]}")
+        graph, out = self._stage_loop_graph(ss, mode, a.solver)
+        ss.loop_bufs["noise"].copy_(noise)
+        if rtc is not None:
+            self._load_rtc(ss.loop_bufs, rtc, a.solver, b)
+
+        marks: list[Any] = [self._mark()]
+        if ss.eager:
+            ss.context = self._chunk_stages(ss, marks)
+        else:
+            ss.chunk_graph.replay()
+            marks.extend(ss.stage_events)
+        if graph is not None:
+            graph.replay()
+            chunk = out
+        else:
+            chunk = self._stage_loop(ss, mode, a.solver)
+        marks.append(self._mark())
+        ms = _elapsed_ms(marks)
+        names = [p[0] for p in g.prefix]
+        self._stage_ms = {**dict(zip(names, ms)), "solver_loop": ms[-1], g.step: ms[-1] / a.solver.num_steps}
+        return chunk.clone()
+
+    def _stage_set(self, batch: int, views: int | None) -> _StageSet:
+        key = (batch, views)
+        ss = self._stage_sets.get(key)
+        if ss is not None:
+            return ss
+        g, dev = self._graph, self.device
+        specs = {s.name: s for s in self.adapter.stage_specs(batch, views)}
+        # External inputs: what a per-chunk stage (or the step, besides x_t and t) reads that no
+        # earlier stage writes; they come from ModelInputs.tensors by name on every call.
+        made: set[str] = set()
+        wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for name, ins, outs in g.prefix:
+            wanted.update({n: specs[name].inputs[n] for n in ins if n not in made and n not in wanted})
+            made.update(outs)
+        step_ins = specs[g.step].inputs
+        wanted.update({n: step_ins[n] for n in g.step_context if n not in made and n not in wanted})
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        # Capture on real-looking inputs: never on zeros for floats (they can hide indexing errors);
+        # integers stay 0, the one index every embedding table has.
+        inputs = {}
+        for n, (shape, dtype) in wanted.items():
+            if dtype.is_floating_point:
+                inputs[n] = (torch.rand(shape, generator=gen) * 2 - 1).to(dev, dtype)
+            elif dtype == torch.bool:
+                inputs[n] = torch.ones(shape, dtype=torch.bool, device=dev)
+            else:
+                inputs[n] = torch.zeros(shape, dtype=dtype, device=dev)
+        ss = _StageSet(key, inputs, loop_bufs=self._loop_buffers(batch, gen))
+        if not self.use_graphs:
+            ss.eager = True
+            self._stage_sets[key] = ss
+            return ss
+        try:
+            ss.pool = torch.cuda.graph_pool_handle()
+
+            def per_chunk() -> list[torch.Tensor]:
+                # Fresh events each pass: the ones recorded during capture are the graph's own.
+                ss.stage_events = []
+                return self._chunk_stages(ss, ss.stage_events)
+
+            ss.chunk_graph, ss.context = self._capture(ss, per_chunk)
+            log.info("cudagraph: captured the per-chunk stages %s for batch %d, %s views", [p[0] for p in g.prefix],
+                     batch, views)
+        except Exception as exc:  # capture can fail on unusual setups; stay correct, say so once
+            log.warning("cudagraph: capture failed for batch %d, views %s (%s: %s); running eagerly",
+                        batch, views, type(exc).__name__, exc)
+            ss.eager, ss.chunk_graph, ss.stage_events = True, None, []
+        self._stage_sets[key] = ss
+        return ss
+
+    def _chunk_stages(self, ss: _StageSet, marks: list[Any]) -> list[torch.Tensor]:
+        """Every per-chunk stage in order on the static inputs; returns the step's context."""
+        env: dict[str, torch.Tensor] = dict(ss.inputs)
+        for name, ins, outs in self._graph.prefix:
+            out = self._stages[name](*(env[n] for n in ins))
+            out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            if len(out) != len(outs):
+                raise ValueError(f"stage {name!r} returned {len(out)} tensor(s), its spec declares {list(outs)}")
+            env.update(zip(outs, out))
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # An external event is a node of the graph, so it records on every replay.
+                event = torch.cuda.Event(enable_timing=True, external=True)
+                event.record()
+                marks.append(event)
+            else:
+                marks.append(self._mark())
+        return [env[n] for n in self._graph.step_context]
+
+    def _stage_loop_graph(self, ss: _StageSet, mode: str, solver: SolverSpec):
+        key = (mode, solver)
+        if key in ss.loops:
+            return ss.loops[key]
+        if solver.num_steps > ss.loop_bufs["weight"].shape[0]:
+            ss.loop_bufs["weight"] = torch.zeros(solver.num_steps, device=self.device)
+        entry: tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None] = (None, None)
+        if not ss.eager:
+            try:
+                ss.chunk_graph.replay()  # the loop reads the per-chunk outputs: fill them before warming up
+                entry = self._capture(ss, lambda: self._stage_loop(ss, mode, solver))
+                log.info("cudagraph: captured the %d-step solver loop (RTC %s) for %s", solver.num_steps, mode, ss.key)
+            except Exception as exc:
+                log.warning("cudagraph: loop capture failed for %s, RTC %s (%s: %s); running it eagerly",
+                            ss.key, mode, type(exc).__name__, exc)
+        ss.loops[key] = entry
+        return entry
+
+    def _stage_loop(self, ss: _StageSet, mode: str, solver: SolverSpec) -> torch.Tensor:
+        step, context = self._stages[self._graph.step], ss.context
+        return static_euler(lambda i, xin, tt: step(xin, tt, *context), ss.loop_bufs, mode, solver)
 
 
 def _elapsed_ms(marks: list[torch.cuda.Event | float]) -> list[float]:
