@@ -393,24 +393,31 @@ class CudaGraphEngine(EngineBase):
         (gs.vision_graph if stage == "vision" else gs.prefix_graph).replay()
 
     def _loop_graph(self, gs: _GraphSet, mode: str, solver: SolverSpec):
+        # The loop reads the prefix graph's KV cache: fill it once before warming up.
+        return self._cached_loop(gs, mode, solver, lambda: (gs.vision_graph.replay(), gs.prefix_graph.replay()),
+                                 lambda: self._loop(gs, mode, solver))
+
+    def _cached_loop(self, sets: Any, mode: str, solver: SolverSpec, fill: Callable[[], Any],
+                     body: Callable[[], torch.Tensor]):
+        """(graph, output) of the solver loop for one graph set (PI0.5's or the generic one) and
+        RTC mode, captured on first use; (None, None) where it runs eagerly. `fill` replays what
+        the loop reads before it is warmed up and captured."""
         key = (mode, solver)
-        if key in gs.loops:
-            return gs.loops[key]
-        if solver.num_steps > gs.loop_bufs["weight"].shape[0]:
-            gs.loop_bufs["weight"] = torch.zeros(solver.num_steps, device=self.device)
+        if key in sets.loops:
+            return sets.loops[key]
+        if solver.num_steps > sets.loop_bufs["weight"].shape[0]:
+            sets.loop_bufs["weight"] = torch.zeros(solver.num_steps, device=self.device)
         entry: tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None] = (None, None)
-        if not gs.eager:
+        if not sets.eager:
             try:
-                # The loop reads the prefix graph's KV cache: fill it once before warming up.
-                gs.vision_graph.replay()
-                gs.prefix_graph.replay()
-                entry = self._capture(gs, lambda: self._loop(gs, mode, solver))
+                fill()
+                entry = self._capture(sets, body)
                 log.info("cudagraph: captured the %d-step solver loop (RTC %s) for %s", solver.num_steps, mode,
-                         gs.key)
+                         sets.key)
             except Exception as exc:
                 log.warning("cudagraph: loop capture failed for %s, RTC %s (%s: %s); running it eagerly",
-                            gs.key, mode, type(exc).__name__, exc)
-        gs.loops[key] = entry
+                            sets.key, mode, type(exc).__name__, exc)
+        sets.loops[key] = entry
         return entry
 
     # -- stage bodies (shared by capture and the eager fallback) --------------------------
@@ -562,22 +569,9 @@ class CudaGraphEngine(EngineBase):
         return [env[n] for n in self._graph.step_context]
 
     def _stage_loop_graph(self, ss: _StageSet, mode: str, solver: SolverSpec):
-        key = (mode, solver)
-        if key in ss.loops:
-            return ss.loops[key]
-        if solver.num_steps > ss.loop_bufs["weight"].shape[0]:
-            ss.loop_bufs["weight"] = torch.zeros(solver.num_steps, device=self.device)
-        entry: tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None] = (None, None)
-        if not ss.eager:
-            try:
-                ss.chunk_graph.replay()  # the loop reads the per-chunk outputs: fill them before warming up
-                entry = self._capture(ss, lambda: self._stage_loop(ss, mode, solver))
-                log.info("cudagraph: captured the %d-step solver loop (RTC %s) for %s", solver.num_steps, mode, ss.key)
-            except Exception as exc:
-                log.warning("cudagraph: loop capture failed for %s, RTC %s (%s: %s); running it eagerly",
-                            ss.key, mode, type(exc).__name__, exc)
-        ss.loops[key] = entry
-        return entry
+        # The loop reads the per-chunk outputs: fill them before warming up.
+        return self._cached_loop(ss, mode, solver, lambda: ss.chunk_graph.replay(),
+                                 lambda: self._stage_loop(ss, mode, solver))
 
     def _stage_loop(self, ss: _StageSet, mode: str, solver: SolverSpec) -> torch.Tensor:
         step, context = self._stages[self._graph.step], ss.context
