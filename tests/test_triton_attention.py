@@ -150,3 +150,15 @@ def test_only_if_idle_keeps_sdpa_on_a_full_gpu(monkeypatch):
     monkeypatch.setattr(ta, "_split_attention_triton", lambda *a: called.append(1))
     out = ta.attention_split(q, k, v, mask, backend="triton", only_if_idle=True)
     assert not called and torch.equal(out, attention(q, k, v, mask))
+
+
+@kernels
+def test_stack_attention_shares_one_key_mask(poisoned):
+    """The stacks' attention makes the kernel's mask once; each call equals attention_split alone."""
+    q, k, v = _qkv(1, 4, 1, 10, 300, 32, torch.float32, seed=8)
+    mask = _key_mask(1, 300, seed=9)
+    attend = ta.stack_attention(mask, 1, "triton")
+    alone = ta.attention_split(q, k, v, mask, backend="triton", only_if_idle=True)
+    assert torch.equal(attend(q, k, v, mask), alone)
+    other = _key_mask(1, 300, seed=10)  # a different mask object: computed from it, not the shared one
+    assert torch.equal(attend(q, k, v, other), ta.attention_split(q, k, v, other, backend="triton", only_if_idle=True))

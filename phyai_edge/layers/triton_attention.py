@@ -21,6 +21,7 @@ wrong in triton 3.9).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -175,7 +176,8 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
                             vs: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor,
                             scale: float, splits: int | None, tq: int) -> torch.Tensor:
     """q (B, Hkv, G * Tq, D) (the G query heads of each KV head folded into the rows), keys and
-    values in two parts (B, Hkv, N1 / N2, D), key_mask (B, N1 + N2) -> (B, Tq, Hkv * G, D)."""
+    values in two parts (B, Hkv, N1 / N2, D), key_mask (B, N1 + N2) uint8 (`kernel_key_mask`)
+    -> (B, Tq, Hkv * G, D)."""
     b, hkv, rows, d = q.shape
     groups = rows // tq
     (k, k2), (v, v2) = ks, vs
@@ -190,7 +192,7 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
     out = _empty((b, tq, hkv * groups, d), q.dtype, q.device)
     # (b, kv head, group, token) strides of the output
     os_ = (out.stride(0), groups * out.stride(2), out.stride(2), out.stride(1))
-    mask_u8 = key_mask.to(torch.uint8)
+    mask_u8 = key_mask
     final = splits == 1
     lse = _empty((splits, b * hkv, rows), torch.float32, q.device)
     if final:
@@ -226,9 +228,17 @@ def _parts(x: KV) -> tuple[torch.Tensor, torch.Tensor]:
     return x
 
 
+def kernel_key_mask(mask: torch.Tensor, batch: int) -> torch.Tensor:
+    """A key-only mask (B or 1, 1, 1, Tk) as the kernel reads it: (B, Tk) uint8, a row with no
+    allowed key opened to all keys (`_full_rows`). A stack of layers shares one mask, so it
+    computes this once (`attention_split(key_mask=)`) instead of once per layer."""
+    return _full_rows(mask)[:, 0, 0, :].expand(batch, mask.shape[-1]).to(torch.uint8)
+
+
 def attention_split(
     q: torch.Tensor, k: KV, v: KV, mask: torch.Tensor, scale: float | None = None,
     backend: str = "reference", splits: int | None = None, only_if_idle: bool = False,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D), or each as two parts (cached, new) that together
     make Tk keys (attended as if concatenated, without the copy); mask bool (B, 1, 1, Tk)
@@ -239,7 +249,8 @@ def attention_split(
     `splits`: how many key ranges (None: enough to fill the GPU, see `plan_splits`).
     `only_if_idle`: take the kernel only where a one-pass kernel would leave most SMs idle (fewer
     query blocks than half the SMs); elsewhere SDPA's own kernels (cuDNN's flash kernel on
-    Hopper), which on the H200 beat this one wherever the GPU is already full (RESULTS.md)."""
+    Hopper), which on the H200 beat this one wherever the GPU is already full (RESULTS.md).
+    `key_mask`: `kernel_key_mask(mask, B)` computed ahead (it depends on the mask alone)."""
     ks, vs = _parts(k), _parts(v)
     use = kernel_takes(q, mask) and _use_triton(backend, q, *ks, *vs)
     if use and only_if_idle:
@@ -250,9 +261,24 @@ def attention_split(
         return attention(q, k_all, v_all, mask, scale)
     b, hq, tq, d = q.shape
     hkv = ks[0].shape[1]
-    key_mask = _full_rows(mask)[:, 0, 0, :].expand(b, ks[0].shape[2] + ks[1].shape[2])
+    if key_mask is None:
+        key_mask = kernel_key_mask(mask, b)
     # Query heads sharing a KV head are folded into the rows, as `attention` does (a view for
     # contiguous q), so K and V are read once per KV head.
     qf = q.reshape(b, hkv, (hq // hkv) * tq, d)
     out = _split_attention_triton(qf, ks, vs, key_mask, scale if scale is not None else 1.0 / math.sqrt(d), splits, tq)
     return out.transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
+
+
+def stack_attention(mask: torch.Tensor, batch: int, backend: str) -> Callable[..., torch.Tensor]:
+    """The attention a stack of layers sharing `mask` calls (`GemmaAttention.attend(attention_fn=)`):
+    the split kernel where a one-pass kernel would leave the GPU idle, else SDPA; the kernel's
+    form of the mask made once for the whole stack."""
+    key_only = mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
+    key_mask = kernel_key_mask(mask, batch) if key_only and backend != "reference" else None
+
+    def attend(q: torch.Tensor, k: KV, v: KV, m: torch.Tensor) -> torch.Tensor:
+        return attention_split(q, k, v, m, backend=backend, only_if_idle=True,
+                               key_mask=key_mask if m is mask else None)
+
+    return attend

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from phyai_edge.layers.mlp import gelu_tanh
 from phyai_edge.layers.norm import Modulation, ada_rms_norm_ref, layer_norm_ref
 from phyai_edge.layers.rotary import apply_rope
-from phyai_edge.layers.triton_attention import attention_split
+from phyai_edge.layers.triton_attention import stack_attention
 from phyai_edge.layers.triton_dispatch import (  # noqa: F401  (re-exported: the ops' public dispatch API)
     BACKENDS,
     _use_triton,
@@ -501,9 +501,7 @@ def adaptive_block_stack(
     with the norm that follows it (the block's post-attention norm, the next block's input norm,
     or the final norm). `modulations[i]` is block i's (input, post-attention) (scale, shift, gate).
     """
-    def attend(q, k, v, m):
-        return attention_split(q, k, v, m, backend=backend, only_if_idle=True)
-
+    attend = stack_attention(mask, x.shape[0], backend)
     scale, shift, _ = modulations[0][0]
     h = ada_rms_norm(x, scale, shift, blocks[0].input_layernorm.eps, backend)
     for i, block in enumerate(blocks):
@@ -540,9 +538,7 @@ def plain_block_stack(
     The same function as `project_kv` / `finish` per block (the PI0.5 prefix), on the kernels
     above: Gemma's RMSNorm `normed * (1 + w)` is the adaptive norm with scale w and no shift,
     and its ungated residual the gated one with gate 1 (both exact)."""
-    def attend(q, k, v, m):
-        return attention_split(q, k, v, m, backend=backend, only_if_idle=True)
-
+    attend = stack_attention(mask, x.shape[0], backend)
     width = x.shape[-1]
     zero = torch.zeros(1, 1, width, dtype=torch.float32, device=x.device)
     one = torch.ones(1, 1, width, dtype=x.dtype, device=x.device)
