@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -41,27 +42,45 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def plan_splits(rows: int, keys: int, groups: int, sms: int, block_m: int, block_n: int) -> tuple[int, int]:
-    """(splits, keys per split): enough programs for about two per SM, no split under
-    MIN_KEYS_PER_SPLIT keys, each split a whole number of key blocks. `groups` = batch x KV heads."""
+@dataclass(frozen=True)
+class SplitConfig:
+    """The split kernel's tiling: query rows and keys per block, warps and software-pipeline
+    stages per program, and the fewest keys a split may hold (below that a split's merge traffic
+    costs more than its parallelism buys). `benchmarks/attention_gpu.py` sweeps them on a GPU."""
+
+    block_m: int = 64
+    block_n: int = 64
+    warps: int = 4
+    stages: int = 2
+    min_keys: int = MIN_KEYS_PER_SPLIT
+
+
+def default_config(d: int) -> SplitConfig:
+    """By head size: the fp32 accumulator is block_m x d per program, so wide heads take narrower
+    key blocks and more warps."""
+    if d >= 256:
+        return SplitConfig(block_m=64, block_n=32, warps=8)
+    return SplitConfig(block_m=64, block_n=64, warps=4)
+
+
+def plan_splits(rows: int, keys: int, groups: int, sms: int, block_m: int, block_n: int,
+                min_keys: int = MIN_KEYS_PER_SPLIT) -> tuple[int, int]:
+    """(splits, keys per split): enough programs for about two per SM, no split under `min_keys`
+    keys, each split a whole number of key blocks. `groups` = batch x KV heads."""
     programs = math.ceil(rows / block_m) * groups
     want = max(1, math.ceil(2 * sms / programs))
-    splits = max(1, min(want, keys // MIN_KEYS_PER_SPLIT))
+    splits = max(1, min(want, keys // max(min_keys, 1)))
     per = math.ceil(math.ceil(keys / splits) / block_n) * block_n
     return math.ceil(keys / per), per
 
 
-def needs_split(rows: int, groups: int, sms: int, block_m: int) -> bool:
+ONE_PASS_BLOCK_M = 64  # query rows per program of SDPA's one-pass (cuDNN / flash) kernels
+
+
+def needs_split(rows: int, groups: int, sms: int, block_m: int = ONE_PASS_BLOCK_M) -> bool:
     """A one-pass flash kernel would run fewer programs than half the SMs: split the keys.
     `rows` = query rows per KV head (grouped heads folded), `groups` = batch x KV heads."""
     return math.ceil(rows / block_m) * groups < sms // 2
-
-
-def _blocks(d: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) by head size: the fp32 accumulator is BLOCK_M x d per program."""
-    if d >= 256:
-        return 64, 32, 8
-    return 64, 64, 4
 
 
 def kernel_takes(q: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -71,6 +90,26 @@ def kernel_takes(q: torch.Tensor, mask: torch.Tensor) -> bool:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
+        """One key block of the online softmax: kt (D, BLOCK_N), vb (BLOCK_N, D), ok (BLOCK_N,)
+        the keys that may be attended; returns the updated (max, sum, accumulator)."""
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        # float32 explicitly: under torch.compile a Python float argument arrives as fp64, which
+        # would turn the loop-carried statistics into fp64.
+        s = (tl.dot(q, kt) * scale_log2).to(tl.float32)
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if UPCAST:  # round p as the GPU path does, then multiply in float32
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype).to(tl.float32), vb.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+        return m_new, l_i, acc
 
     @triton.jit
     def _split_attn_kernel(
@@ -98,36 +137,27 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         start = split * keys_per_split
         end = tl.minimum(start + keys_per_split, keys)
-        for n0 in range(start, end, BLOCK_N):
+        # Keys 0..keys1-1 come from the first part (the cached prefix), the rest from the second
+        # (the step's own keys): the two are never concatenated in memory. One loop per part, so
+        # each block issues one load per operand rather than two masked ones.
+        end1 = tl.minimum(end, keys1)
+        for n0 in range(start, end1, BLOCK_N):
+            c = n0 + tl.arange(0, BLOCK_N)
+            inb = c < end1
+            kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=inb[None, :], other=0.0)
+            vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
+            ok = inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
+            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST)
+        for n0 in range(tl.maximum(start, keys1), end, BLOCK_N):
             c = n0 + tl.arange(0, BLOCK_N)
             inb = c < end
-            # Keys 0..keys1-1 come from the first part (the cached prefix), the rest from the second
-            # (the step's own keys): the two are never concatenated in memory.
-            one = inb & (c < keys1)
-            two = inb & (c >= keys1)
-            c2 = tl.maximum(c - keys1, 0)
-            kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=one[None, :], other=0.0)
-            kt += tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[None, :] * sk2_n + d[:, None], mask=two[None, :],
-                          other=0.0)
-            if UPCAST:
-                kt = kt.to(tl.float32)
-            # float32 explicitly: under torch.compile a Python float argument arrives as fp64, which
-            # would turn the loop-carried statistics into fp64.
-            s = (tl.dot(q, kt) * scale_log2).to(tl.float32)
+            c2 = c - keys1
+            kt = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[None, :] * sk2_n + d[:, None], mask=inb[None, :],
+                         other=0.0)
+            vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
+                         other=0.0)
             ok = inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=one[:, None], other=0.0)
-            vb += tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=two[:, None],
-                          other=0.0)
-            if UPCAST:  # round p as the GPU path does, then multiply in float32
-                acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype).to(tl.float32), vb.to(tl.float32))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # a split with no allowed key: 0, weighted 0 below
         # Row r of the folded query is (group r // tq, token r % tq): a final output goes straight
         # to its (B, Tq, Hq, D) place, so the o-projection reads it without a transpose copy.
@@ -174,7 +204,8 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tensor],
                             vs: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor,
-                            scale: float, splits: int | None, tq: int) -> torch.Tensor:
+                            scale: float, splits: int | None, tq: int,
+                            config: SplitConfig | None = None) -> torch.Tensor:
     """q (B, Hkv, G * Tq, D) (the G query heads of each KV head folded into the rows), keys and
     values in two parts (B, Hkv, N1 / N2, D), key_mask (B, N1 + N2) uint8 (`kernel_key_mask`)
     -> (B, Tq, Hkv * G, D)."""
@@ -183,9 +214,10 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
     (k, k2), (v, v2) = ks, vs
     keys1 = k.shape[2]
     keys = keys1 + k2.shape[2]
-    bm, bn, warps = _blocks(d)
+    cfg = config or default_config(d)
+    bm, bn = cfg.block_m, cfg.block_n
     if splits is None:
-        splits, per = plan_splits(rows, keys, b * hkv, _sm_count(q.device), bm, bn)
+        splits, per = plan_splits(rows, keys, b * hkv, _sm_count(q.device), bm, bn, cfg.min_keys)
     else:
         per = math.ceil(math.ceil(keys / splits) / bn) * bn
         splits = math.ceil(keys / per)
@@ -207,7 +239,8 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
         v2.stride(0), v2.stride(1), v2.stride(2), mask_u8.stride(0),
         *ps, lse.stride(0), lse.stride(1),
-        HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, UPCAST=interpret_mode(), num_warps=warps,
+        HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, UPCAST=interpret_mode(),
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
     if not final:
         mb = 32
@@ -238,7 +271,7 @@ def kernel_key_mask(mask: torch.Tensor, batch: int) -> torch.Tensor:
 def attention_split(
     q: torch.Tensor, k: KV, v: KV, mask: torch.Tensor, scale: float | None = None,
     backend: str = "reference", splits: int | None = None, only_if_idle: bool = False,
-    key_mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None, config: SplitConfig | None = None,
 ) -> torch.Tensor:
     """q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D), or each as two parts (cached, new) that together
     make Tk keys (attended as if concatenated, without the copy); mask bool (B, 1, 1, Tk)
@@ -250,11 +283,12 @@ def attention_split(
     `only_if_idle`: take the kernel only where a one-pass kernel would leave most SMs idle (fewer
     query blocks than half the SMs); elsewhere SDPA's own kernels (cuDNN's flash kernel on
     Hopper), which on the H200 beat this one wherever the GPU is already full (RESULTS.md).
-    `key_mask`: `kernel_key_mask(mask, B)` computed ahead (it depends on the mask alone)."""
+    `key_mask`: `kernel_key_mask(mask, B)` computed ahead (it depends on the mask alone).
+    `config`: the kernel's tiling (None: `default_config` by head size)."""
     ks, vs = _parts(k), _parts(v)
     use = kernel_takes(q, mask) and _use_triton(backend, q, *ks, *vs)
     if use and only_if_idle:
-        use = needs_split(q.shape[1] * q.shape[2], q.shape[0] * ks[0].shape[1], _sm_count(q.device), _blocks(q.shape[-1])[0])
+        use = needs_split(q.shape[1] * q.shape[2], q.shape[0] * ks[0].shape[1], _sm_count(q.device))
     if not use:
         k_all = ks[0] if ks[1].shape[2] == 0 else torch.cat(ks, dim=2)
         v_all = vs[0] if vs[1].shape[2] == 0 else torch.cat(vs, dim=2)
@@ -266,7 +300,8 @@ def attention_split(
     # Query heads sharing a KV head are folded into the rows, as `attention` does (a view for
     # contiguous q), so K and V are read once per KV head.
     qf = q.reshape(b, hkv, (hq // hkv) * tq, d)
-    out = _split_attention_triton(qf, ks, vs, key_mask, scale if scale is not None else 1.0 / math.sqrt(d), splits, tq)
+    out = _split_attention_triton(qf, ks, vs, key_mask, scale if scale is not None else 1.0 / math.sqrt(d), splits, tq,
+                                  config)
     return out.transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
 
 

@@ -1,0 +1,185 @@
+"""Which attention kernel, and which tiling of it, for PI0.5's attention shapes on one GPU.
+
+One question, one run: for the action expert's attention (50 queries x 8 heads on one KV head,
+over the cached prefix and the step's own keys) at batch 1, 8 and 32, and the prefix's own
+attention at batch 1, time
+- SDPA as the model calls it (`layers.attention.attention` over the concatenated keys: cuDNN's
+  flash kernel on Hopper), the concatenation included;
+- the split-KV Triton kernel (`layers.triton_attention`) with its default tiling, and every tiling
+  of a small sweep (query rows and keys per block, warps, pipeline stages, fewest keys per split);
+each inside a CUDA graph of 20 calls (how the engine runs them: no launch gaps), median of the
+replays. Every tiling's output is checked against the fp32 reference before it is timed. Prints one
+table per shape and the best tiling; `--json` keeps everything.
+
+    python benchmarks/attention_gpu.py --json runs/attention.json        # on the GPU
+    TRITON_INTERPRET=1 python benchmarks/attention_gpu.py --device cpu --tiny   # plumbing check
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from phyai_edge.layers import triton_attention as ta
+from phyai_edge.layers.attention import attention, attention_ref
+
+# (name, batch, query heads, query tokens, keys in the cached part, keys in the own part)
+FULL_SHAPES = [
+    ("expert b1", 1, 8, 50, 816, 50),
+    ("expert b8", 8, 8, 50, 816, 50),
+    ("expert b32", 32, 8, 50, 816, 50),
+    ("prefix b1", 1, 8, 816, 816, 0),
+]
+TINY_SHAPES = [("expert b1", 1, 4, 5, 60, 5), ("expert b2", 2, 4, 5, 60, 5)]
+
+
+def sweep_configs(tiny: bool) -> list[ta.SplitConfig]:
+    if tiny:
+        return [ta.SplitConfig(16, 16, 2, 1, 16), ta.SplitConfig(32, 32, 4, 2, 32)]
+    out = []
+    for bm, bn, warps, stages, min_keys in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2), (64, 128)):
+        out.append(ta.SplitConfig(bm, bn, warps, stages, min_keys))
+    return out
+
+
+def graph_time_us(fn: Callable[[], Any], device: torch.device, calls: int = 20, replays: int = 15) -> float:
+    """Median time of one call, measured as a CUDA graph of `calls` calls replayed (CPU: wall)."""
+    if device.type != "cuda":
+        fn()
+        t = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+        return statistics.median(t) * 1e6
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    name, b, hq, tq, n1, n2 = shape
+    d = 256 if device.type == "cuda" else 32
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, hq, tq, d, generator=g).to(device, dtype)
+    k = torch.randn(b, 1, n1 + n2, d, generator=g).to(device, dtype)
+    v = torch.randn(b, 1, n1 + n2, d, generator=g).to(device, dtype)
+    mask = torch.ones(b, 1, 1, n1 + n2, dtype=torch.bool, device=device)
+    mask[:, ..., n1 - max(n1 // 20, 1):n1] = False  # a few padded prefix keys, as a trimmed prompt leaves
+    kp = (k[:, :, :n1].contiguous(), k[:, :, n1:].contiguous())
+    vp = (v[:, :, :n1].contiguous(), v[:, :, n1:].contiguous())
+    ref = attention_ref(q.float(), k.float(), v.float(), mask)
+    key_mask = ta.kernel_key_mask(mask, b)
+    sms = ta._sm_count(device)
+
+    def sdpa() -> torch.Tensor:
+        kk = kp[0] if n2 == 0 else torch.cat(kp, dim=2)
+        vv = vp[0] if n2 == 0 else torch.cat(vp, dim=2)
+        return attention(q, kk, vv, mask)
+
+    rows = []
+
+    def rel(out: torch.Tensor) -> float:
+        return float((out.float() - ref).norm() / ref.norm())
+
+    out = sdpa()
+    rows.append({"variant": "sdpa (model path)", "us": graph_time_us(sdpa, device), "rel_err": rel(out)})
+    default = ta.default_config(d)
+    for label, cfg in [("split, default", default)] + [(None, c) for c in configs]:
+        splits, _ = ta.plan_splits(hq * tq, n1 + n2, b, sms, cfg.block_m, cfg.block_n, cfg.min_keys)
+
+        def call(cfg: ta.SplitConfig = cfg) -> torch.Tensor:
+            return ta.attention_split(q, kp, vp, mask, backend="triton", key_mask=key_mask, config=cfg)
+
+        row: dict[str, Any] = {"variant": label or "split", "config": cfg.__dict__, "splits": splits}
+        try:
+            row["rel_err"] = rel(call())
+            if not math.isfinite(row["rel_err"]) or row["rel_err"] > 2e-2:
+                row["error"] = f"wrong result: relative error {row['rel_err']:.2e}"
+            else:
+                row["us"] = graph_time_us(call, device)
+        except Exception as exc:  # a tiling the GPU cannot run (shared memory, registers): recorded, skipped
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        rows.append(row)
+    timed = [r for r in rows if r["variant"] == "split" and "us" in r]
+    best = min(timed, key=lambda r: r["us"]) if timed else None
+    return {"shape": name, "batch": b, "rows_per_kv_head": hq * tq, "keys": n1 + n2,
+            "needs_split": ta.needs_split(hq * tq, b, sms), "rows": rows, "best": best}
+
+
+def print_shape(res: dict[str, Any]) -> None:
+    rows = res["rows"]
+    sdpa = rows[0]["us"]
+    print(f"\n## {res['shape']}: {res['rows_per_kv_head']} query rows per KV head, {res['keys']} keys, "
+          f"needs_split={res['needs_split']}")
+    print("| variant | tiling (bm, bn, warps, stages, min keys) | splits | us | vs SDPA | rel err |")
+    print("|---|---|---|---|---|---|")
+    shown = rows[:2] + sorted((r for r in rows[2:] if "us" in r), key=lambda r: r["us"])[:5]
+    for r in shown:
+        cfg = r.get("config")
+        tiling = ", ".join(str(x) for x in cfg.values()) if cfg else "-"
+        us = r.get("us")
+        print(f"| {r['variant']} | {tiling} | {r.get('splits', '-')} | "
+              f"{us:.1f} | {sdpa / us:.2f}x | {r['rel_err']:.1e} |" if us else
+              f"| {r['variant']} | {tiling} | - | - | - | {r.get('error', '')} |")
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        print(f"({len(failed)} tilings could not run or were wrong; first: {failed[0]['error']})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="small shapes and two tilings: plumbing check")
+    p.add_argument("--json", type=Path, help="write every timing here")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = TINY_SHAPES if args.tiny else FULL_SHAPES
+    configs = sweep_configs(args.tiny)
+    t0 = time.perf_counter()
+    results = []
+    for shape in shapes:
+        res = run_shape(shape, configs, device, dtype)
+        print_shape(res)
+        results.append(res)
+    print(f"\n{len(configs)} tilings x {len(shapes)} shapes in {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+        args.json.write_text(json.dumps({**meta, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
