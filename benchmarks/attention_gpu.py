@@ -2,7 +2,7 @@
 
 One question, one run: for the action expert's attention (50 queries x 8 heads on one KV head,
 over the cached prefix and the step's own keys) at batch 1, 8 and 32, and the prefix's own
-attention at batch 1, time
+attention at batch 1, 8 and 32, time
 - SDPA as the model calls it (`layers.attention.attention` over the concatenated keys: cuDNN's
   flash kernel on Hopper), the concatenation included;
 - the split-KV Triton kernel (`layers.triton_attention`) with its default tiling, and every tiling
@@ -41,6 +41,8 @@ FULL_SHAPES = [
     ("expert b8", 8, 8, 50, 816, 50),
     ("expert b32", 32, 8, 50, 816, 50),
     ("prefix b1", 1, 8, 816, 816, 0),
+    ("prefix b8", 8, 8, 816, 816, 0),
+    ("prefix b32", 32, 8, 816, 816, 0),
 ]
 TINY_SHAPES = [("expert b1", 1, 4, 5, 60, 5), ("expert b2", 2, 4, 5, 60, 5)]
 
@@ -114,7 +116,7 @@ def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device,
 
     out = sdpa()
     rows.append({"variant": "sdpa (model path)", "us": graph_time_us(sdpa, device), "rel_err": rel(out)})
-    default = ta.default_config(d)
+    default = ta.default_config(hq * tq, b, sms)
     for label, cfg in [("split, default", default)] + [(None, c) for c in configs]:
         splits, _ = ta.plan_splits(hq * tq, n1 + n2, b, sms, cfg.block_m, cfg.block_n, cfg.min_keys)
 
@@ -134,14 +136,14 @@ def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device,
     timed = [r for r in rows if r["variant"] == "split" and "us" in r]
     best = min(timed, key=lambda r: r["us"]) if timed else None
     return {"shape": name, "batch": b, "rows_per_kv_head": hq * tq, "keys": n1 + n2,
-            "needs_split": ta.needs_split(hq * tq, b, sms), "rows": rows, "best": best}
+            "kernel_pays": ta.kernel_pays(hq * tq, b, sms), "rows": rows, "best": best}
 
 
 def print_shape(res: dict[str, Any]) -> None:
     rows = res["rows"]
     sdpa = rows[0]["us"]
     print(f"\n## {res['shape']}: {res['rows_per_kv_head']} query rows per KV head, {res['keys']} keys, "
-          f"needs_split={res['needs_split']}")
+          f"kernel_pays={res['kernel_pays']}")
     print("| variant | tiling (bm, bn, warps, stages, min keys) | splits | us | vs SDPA | rel err |")
     print("|---|---|---|---|---|---|")
     shown = rows[:2] + sorted((r for r in rows[2:] if "us" in r), key=lambda r: r["us"])[:5]

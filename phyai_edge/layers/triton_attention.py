@@ -8,6 +8,9 @@ is 400 rows against one KV head: a flash-style kernel tiles it into ~7 programs,
 `benchmarks/pi05_profile.py`). Splitting the keys across programs (flash-decoding) fills the
 GPU: each program reduces its own key range to a partial output and log-sum-exp, and a second
 small kernel merges the partials. With one split the first kernel writes the output directly.
+Reading the keys as two parts also saves SDPA's concatenation, and folding the query heads reads
+each KV block once for all of them: on the H200 the kernel beat SDPA also where one pass fills
+the GPU (the expert at batch 32, the prefix at batch 1; `kernel_pays`, `default_config`).
 
 `attention_split(q, k, v, mask)` has the contract of `layers.attention.attention` for key-only
 masks (B, 1, 1, Tk): grouped KV heads, boolean mask, a query row with no allowed key sees all keys.
@@ -31,6 +34,7 @@ from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, t
 
 _SM_COUNT: dict[int, int] = {}
 MIN_KEYS_PER_SPLIT = 128  # below this a split's merge traffic costs more than its parallelism buys
+ONE_PASS_BLOCK_M = 64  # query rows per program of SDPA's one-pass (cuDNN / flash) kernels
 
 
 def _sm_count(device: torch.device) -> int:
@@ -55,12 +59,21 @@ class SplitConfig:
     min_keys: int = MIN_KEYS_PER_SPLIT
 
 
-def default_config(d: int) -> SplitConfig:
-    """By head size: the fp32 accumulator is block_m x d per program, so wide heads take narrower
-    key blocks and more warps."""
-    if d >= 256:
-        return SplitConfig(block_m=64, block_n=32, warps=8)
-    return SplitConfig(block_m=64, block_n=64, warps=4)
+# Measured on an H200 (benchmarks/attention_gpu.py, RESULTS.md), PI0.5's head size 256: with few
+# query blocks (the expert at batch 1: 7) 16-row blocks and 8 warps win (13.6 vs 18.3 us for the
+# 64-row, 8-warp tiling); with more, 64-row blocks on 4 warps, one stage (expert batch 8 / 32 and
+# the prefix at batch 1: 29-31 / 72 / 34 us, where 8 warps took 44 / 140 / 61 us).
+FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=8, stages=2, min_keys=128)
+MANY_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=1, min_keys=64)
+
+
+def default_config(rows: int, groups: int, sms: int) -> SplitConfig:
+    """The tiling for `rows` query rows per KV head (grouped heads folded) in `groups` = batch x
+    KV heads on `sms` SMs: small tiles where 64-row tiles would leave most SMs idle even after
+    splitting the keys."""
+    if math.ceil(rows / ONE_PASS_BLOCK_M) * groups < max(sms // 8, 1):
+        return FEW_BLOCKS
+    return MANY_BLOCKS
 
 
 def plan_splits(rows: int, keys: int, groups: int, sms: int, block_m: int, block_n: int,
@@ -74,13 +87,13 @@ def plan_splits(rows: int, keys: int, groups: int, sms: int, block_m: int, block
     return math.ceil(keys / per), per
 
 
-ONE_PASS_BLOCK_M = 64  # query rows per program of SDPA's one-pass (cuDNN / flash) kernels
-
-
-def needs_split(rows: int, groups: int, sms: int, block_m: int = ONE_PASS_BLOCK_M) -> bool:
-    """A one-pass flash kernel would run fewer programs than half the SMs: split the keys.
+def kernel_pays(rows: int, groups: int, sms: int, block_m: int = ONE_PASS_BLOCK_M) -> bool:
+    """Whether the split kernel beats SDPA (cuDNN's one-pass flash kernel plus the concatenation
+    of the two key parts it needs): measured on an H200 wherever the one-pass kernel has at most
+    4 blocks per SM (the expert at batch 1-32, the prefix at batch 1: 102-224 blocks, 1.3-4.8x);
+    above that (the prefix at larger batches) SDPA keeps the call.
     `rows` = query rows per KV head (grouped heads folded), `groups` = batch x KV heads."""
-    return math.ceil(rows / block_m) * groups < sms // 2
+    return math.ceil(rows / block_m) * groups <= 4 * sms
 
 
 def kernel_takes(q: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -214,7 +227,7 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
     (k, k2), (v, v2) = ks, vs
     keys1 = k.shape[2]
     keys = keys1 + k2.shape[2]
-    cfg = config or default_config(d)
+    cfg = config or default_config(rows, b * hkv, _sm_count(q.device))
     bm, bn = cfg.block_m, cfg.block_n
     if splits is None:
         splits, per = plan_splits(rows, keys, b * hkv, _sm_count(q.device), bm, bn, cfg.min_keys)
@@ -270,7 +283,7 @@ def kernel_key_mask(mask: torch.Tensor, batch: int) -> torch.Tensor:
 
 def attention_split(
     q: torch.Tensor, k: KV, v: KV, mask: torch.Tensor, scale: float | None = None,
-    backend: str = "reference", splits: int | None = None, only_if_idle: bool = False,
+    backend: str = "reference", splits: int | None = None, only_where_it_pays: bool = False,
     key_mask: torch.Tensor | None = None, config: SplitConfig | None = None,
 ) -> torch.Tensor:
     """q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D), or each as two parts (cached, new) that together
@@ -280,15 +293,14 @@ def attention_split(
     The kernel's result is a transposed view of a contiguous (B, Tq, Hq, D) tensor, so
     `out.transpose(1, 2).reshape(B, Tq, Hq * D)` (what an output projection reads) copies nothing.
     `splits`: how many key ranges (None: enough to fill the GPU, see `plan_splits`).
-    `only_if_idle`: take the kernel only where a one-pass kernel would leave most SMs idle (fewer
-    query blocks than half the SMs); elsewhere SDPA's own kernels (cuDNN's flash kernel on
-    Hopper), which on the H200 beat this one wherever the GPU is already full (RESULTS.md).
+    `only_where_it_pays`: take the kernel only where it was measured to beat SDPA (`kernel_pays`:
+    up to 4 one-pass blocks per SM); elsewhere SDPA's own kernels (cuDNN's flash kernel on Hopper).
     `key_mask`: `kernel_key_mask(mask, B)` computed ahead (it depends on the mask alone).
-    `config`: the kernel's tiling (None: `default_config` by head size)."""
+    `config`: the kernel's tiling (None: `default_config` by shape)."""
     ks, vs = _parts(k), _parts(v)
     use = kernel_takes(q, mask) and _use_triton(backend, q, *ks, *vs)
-    if use and only_if_idle:
-        use = needs_split(q.shape[1] * q.shape[2], q.shape[0] * ks[0].shape[1], _sm_count(q.device))
+    if use and only_where_it_pays:
+        use = kernel_pays(q.shape[1] * q.shape[2], q.shape[0] * ks[0].shape[1], _sm_count(q.device))
     if not use:
         k_all = ks[0] if ks[1].shape[2] == 0 else torch.cat(ks, dim=2)
         v_all = vs[0] if vs[1].shape[2] == 0 else torch.cat(vs, dim=2)
@@ -307,13 +319,13 @@ def attention_split(
 
 def stack_attention(mask: torch.Tensor, batch: int, backend: str) -> Callable[..., torch.Tensor]:
     """The attention a stack of layers sharing `mask` calls (`GemmaAttention.attend(attention_fn=)`):
-    the split kernel where a one-pass kernel would leave the GPU idle, else SDPA; the kernel's
-    form of the mask made once for the whole stack."""
+    the split kernel where it pays (`kernel_pays`), else SDPA; the kernel's form of the mask made
+    once for the whole stack."""
     key_only = mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
     key_mask = kernel_key_mask(mask, batch) if key_only and backend != "reference" else None
 
     def attend(q: torch.Tensor, k: KV, v: KV, m: torch.Tensor) -> torch.Tensor:
-        return attention_split(q, k, v, m, backend=backend, only_if_idle=True,
+        return attention_split(q, k, v, m, backend=backend, only_where_it_pays=True,
                                key_mask=key_mask if m is mask else None)
 
     return attend
