@@ -147,6 +147,8 @@ def print_shape(res: dict[str, Any]) -> None:
     print("| variant | tiling (bm, bn, warps, stages, min keys) | splits | us | vs SDPA | rel err |")
     print("|---|---|---|---|---|---|")
     shown = rows[:2] + sorted((r for r in rows[2:] if "us" in r), key=lambda r: r["us"])[:5]
+    if "us" not in rows[1]:
+        print(f"(default tiling failed: {rows[1].get('error')})")
     for r in shown:
         cfg = r.get("config")
         tiling = ", ".join(str(x) for x in cfg.values()) if cfg else "-"
@@ -164,11 +166,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="small shapes and two tilings: plumbing check")
     p.add_argument("--json", type=Path, help="write every timing here")
+    p.add_argument("--default-only", action="store_true", help="SDPA against the default tiling alone (no sweep)")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = TINY_SHAPES if args.tiny else FULL_SHAPES
-    configs = sweep_configs(args.tiny)
+    configs = [] if args.default_only else sweep_configs(args.tiny)
     t0 = time.perf_counter()
     results = []
     for shape in shapes:
