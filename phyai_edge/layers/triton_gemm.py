@@ -1,0 +1,553 @@
+"""Small-M Triton GEMMs for the action expert's projections, with their elementwise epilogues
+fused in, each beside its plain-torch reference.
+
+Why: at batch 1 a PI0.5 denoise step multiplies 50 activation rows by each expert layer's four
+weights (fused QKV 2560 x 1024, o_proj 1024 x 2048, fused gate/up 8192 x 1024, down 1024 x 4096).
+Those GEMMs are memory-bound (the weights are read once, the activations are tiny), and on the
+H200 cuBLAS read them at ~1.4 TB/s of the ~4.2 TB/s the GPU can copy (`benchmarks/RESULTS.md`,
+the profile). Each layer also launches separate RoPE and GeGLU kernels after the QKV and gate/up
+GEMMs, and every kernel in a CUDA graph costs a few microseconds whatever it does. Here:
+
+- `linear_qkv_rope(h, weight, cos, sin, H, Hkv, D)`: the fused QKV GEMM with rotary embedding in
+  its epilogue; returns q (B, H, T, D), k, v (B, Hkv, T, D), all contiguous. RoPE's rotate-half
+  pairs column d of a head with column d + D/2, so a program accumulates the two halves of one
+  head's column range as two accumulators (weight rows [head D + j, ...) and [head D + D/2 + j,
+  ...)) and rotates them in registers before the one store.
+- `linear_geglu(h, weight)`: the fused gate/up GEMM (weight (2 H, K), gate rows first) with
+  gelu_tanh(gate) * up in the epilogue: two accumulators (gate rows j, up rows H + j), one
+  (..., H) store; the (..., 2 H) intermediate never exists.
+- `linear(h, weight)`: the plain GEMM (o_proj, down_proj), optionally split over K. A split-K
+  call is two kernels: each split writes a float32 partial, and a second kernel sums the
+  partials (in a fixed order: the result is deterministic), adds the bias and casts. The output
+  of the expert's o_proj and down (N = 1024) is only ~16-32 column tiles wide, far fewer
+  programs than the H200's 132 SMs; splitting K is the other way to put every SM to work. No
+  atomics: those would need a zeroed float32 buffer (another kernel) and give run-to-run
+  differences.
+
+Every op accepts an optional bias (the expert's linears have none), accumulates in float32 and
+rounds once, in the activation dtype. Tile configs are explicit (`GemmConfig`); without one, a
+small table keyed by shape class (`shape_class`, `CONFIGS`) gives it. Nothing autotunes at run
+time: a robot's start-up time matters, and autotuning inside a CUDA graph's warm-up is fragile.
+
+Dispatch: `backend` as in `layers.triton_ops` ("reference" | "triton" | "auto"); a call whose
+inputs need a gradient (exact RTC guidance takes a vector-Jacobian product) runs the reference,
+as does a dtype or layout the kernels do not take (`kernel_takes`). Where the kernels are worth
+it is a separate rule for callers, `takes(rows, weight)` / `module_takes(module, h)`: at most
+`MAX_ROWS` rows, a 2-D bf16 / fp16 weight of a plain `nn.Linear` (an fp8 linear from
+`layers.fp8`, or anything else, keeps its own forward). `triton_ops.adaptive_block_stack(...,
+gemm_backend=)` applies it layer by layer.
+
+Under Triton's CPU interpreter (`TRITON_INTERPRET=1`) the tiles are upcast to float32 before
+`tl.dot` (the interpreter's bf16 `tl.dot` is wrong in triton 3.9, as `layers.triton_attention`
+notes) and its bf16 stores round toward zero, so CPU results sit within about one bf16 ulp of a
+GPU's.
+
+Status: tested against the references on CPU under the interpreter only
+(`tests/test_triton_gemm.py`). **None of this has run on a GPU yet**: the kernels have not been
+compiled for sm_90, the tile table holds unmeasured first guesses, and `MAX_ROWS` is a guess;
+`benchmarks/gemm_gpu.py` is the measurement that should replace them. Written against the
+Triton API present in both 3.6 (the GPU machine) and 3.9 (here): `tl.dot` with `acc` and
+`input_precision`, pointer-arithmetic loads and stores, `tl.program_id`, `tl.cdiv`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, triton
+from phyai_edge.layers.triton_ops import geglu_ref, qkv_rope_ref
+
+# Above this many rows a GEMM is no longer memory-bound at the expert's widths (M = 512 against
+# K = 1024 is ~1 TFLOP per GB of weights, past the H200's ~190 FLOP per byte balance point) and
+# cuBLAS's tuned compute-bound kernels are the safer choice. A first guess, to be set from
+# `benchmarks/gemm_gpu.py` (it times M = 50, 400 and 1600).
+MAX_ROWS = 512
+# The weight dtypes `takes` sends to the kernels. float32 runs in the kernels too (the tests use
+# it for tight checks) but is not routed there: on a GPU it would be an IEEE-precision tl.dot
+# against cuBLAS's TF32 / SIMT paths, never measured.
+TAKES_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+OPS = ("linear", "geglu", "qkv_rope")
+
+
+# -- tile configs ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemmConfig:
+    """One kernel's tiling. `block_n` counts output columns: for `geglu` and `qkv_rope` a program
+    holds two accumulators of that width (gate and up; the two rotary halves), so its weight tile
+    is 2 x block_n rows. `split_k` only applies to `linear` (the other epilogues are not linear in
+    the partial sums, or, for RoPE, would need the partials in q/k/v layout)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name}={v}: tl.dot needs a power of two >= 16")
+        if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"GemmConfig {self}: split_k, num_warps and num_stages must be >= 1")
+
+    def label(self) -> str:
+        s = f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
+        return s + (f" split{self.split_k}" if self.split_k > 1 else "")
+
+
+def _m_class(rows: int) -> str:
+    for bound in (16, 64, 256, 1024):
+        if rows <= bound:
+            return f"m{bound}"
+    return "mbig"
+
+
+def shape_class(op: str, rows: int, n: int) -> str:
+    """The key of `CONFIGS` for an op at `rows` (M) and `n` output columns (for `geglu` H, for
+    `qkv_rope` the fused width): M bucketed (16, 64, 256, 1024, more), and for `linear` whether
+    N is narrow (<= 2048: at most 64 column tiles of 32, fewer programs than the H200 has SMs at
+    small M, so split K) or wide."""
+    if op not in OPS:
+        raise ValueError(f"op {op!r}: choose one of {OPS}")
+    key = f"{op}/{_m_class(rows)}"
+    if op == "linear":
+        key += "/narrow" if n <= 2048 else "/wide"
+    return key
+
+
+def _cfg(bm: int, bn: int, bk: int, warps: int = 4, stages: int = 3, split: int = 1) -> GemmConfig:
+    return GemmConfig(bm, bn, bk, warps, stages, split)
+
+
+# First guesses, not measurements (nothing here has run on a GPU). The reasoning, for the H200:
+# - M <= 64 (batch 1 = 50 rows): one 64-row tile (wgmma's native height) so each weight byte is
+#   read from HBM once; narrow column tiles and split K so that ~128 programs stream the weight
+#   (fewer leave SMs idle and bandwidth unused): QKV 10 heads x 8 tiles of 16 = 80 programs,
+#   gate/up 4096 / 32 = 128, o_proj / down 1024 / 32 x split 4 = 128. block_k 128 and 3-4 stages
+#   keep ~24-32 KB of weight in flight per program.
+# - M in (64, 1024] (batch 8 = 400 rows): the weight is re-read by each row tile (from L2: the
+#   largest, 16.8 MB, fits the 50 MB L2), so wider column tiles for more reuse.
+# - more rows: compute-bound; 128 x 64 tiles with 8 warps, cuBLAS is expected to win there (the
+#   `takes` rule keeps it).
+CONFIGS: dict[str, GemmConfig] = {
+    "linear/m16/narrow": _cfg(16, 32, 128, stages=4, split=4),
+    "linear/m64/narrow": _cfg(64, 32, 128, stages=4, split=4),
+    "linear/m256/narrow": _cfg(64, 64, 64, stages=4, split=2),
+    "linear/m1024/narrow": _cfg(64, 64, 64, stages=4),
+    "linear/mbig/narrow": _cfg(128, 128, 64, warps=8),
+    "linear/m16/wide": _cfg(16, 64, 128, stages=4),
+    "linear/m64/wide": _cfg(64, 64, 128, stages=4),
+    "linear/m256/wide": _cfg(64, 64, 64, stages=4),
+    "linear/m1024/wide": _cfg(64, 128, 64),
+    "linear/mbig/wide": _cfg(128, 128, 64, warps=8),
+    "geglu/m16": _cfg(16, 32, 128, stages=4),
+    "geglu/m64": _cfg(64, 32, 128),
+    "geglu/m256": _cfg(64, 64, 64),
+    "geglu/m1024": _cfg(64, 64, 64),
+    "geglu/mbig": _cfg(128, 64, 64, warps=8),
+    "qkv_rope/m16": _cfg(16, 16, 128, stages=4),
+    "qkv_rope/m64": _cfg(64, 16, 128, stages=4),
+    "qkv_rope/m256": _cfg(64, 32, 64, stages=4),
+    "qkv_rope/m1024": _cfg(64, 64, 64),
+    "qkv_rope/mbig": _cfg(128, 64, 64, warps=8),
+}
+
+
+def default_config(op: str, rows: int, n: int) -> GemmConfig:
+    return CONFIGS[shape_class(op, rows, n)]
+
+
+# -- the rule callers apply --------------------------------------------------------------------------
+def takes(rows: int, weight: torch.Tensor) -> bool:
+    """Worth sending to the kernels: at most MAX_ROWS activation rows against a 2-D bf16 / fp16
+    weight (a memory-bound GEMM)."""
+    return 0 < rows <= MAX_ROWS and weight.dim() == 2 and weight.dtype in TAKES_DTYPES
+
+
+def module_takes(module: nn.Module | None, h: torch.Tensor) -> bool:
+    """`module` is a plain `nn.Linear` (exactly: `layers.fp8.Fp8Linear` subclasses it and must keep
+    its own forward) whose weight `takes` h's rows, in h's dtype."""
+    if type(module) is not nn.Linear:
+        return False
+    rows = h.numel() // h.shape[-1] if h.dim() else 0
+    return takes(rows, module.weight) and module.weight.dtype == h.dtype and h.shape[-1] == module.in_features
+
+
+def kernel_takes(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """What the kernels can compute: float weights and activations of one dtype (bf16, fp16,
+    float32), a 2-D weight (N, K) matching h's last axis, a bias (N,) if any."""
+    if weight.dim() != 2 or h.dim() < 1 or h.shape[-1] != weight.shape[1] or h.numel() == 0:
+        return False
+    if weight.dtype not in KERNEL_DTYPES or h.dtype != weight.dtype:
+        return False
+    return bias is None or (bias.shape == (weight.shape[0],) and bias.dtype.is_floating_point)
+
+
+# -- references ----------------------------------------------------------------------------------------
+def linear_ref(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(h, weight, bias)
+
+
+def linear_geglu_ref(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`GatedMLP`'s fused gate/up projection and activation: (..., K) -> (..., H)."""
+    return geglu_ref(F.linear(h, weight, bias))
+
+
+def linear_qkv_rope_ref(
+    h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+    num_kv_heads: int, head_dim: int, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`GemmaAttention.qkv` with the fused projection: h (B, T, K) -> q, k, v."""
+    return qkv_rope_ref(F.linear(h, weight, bias), cos, sin, num_heads, num_kv_heads, head_dim)
+
+
+# -- kernels ---------------------------------------------------------------------------------------------
+if triton is not None:
+    from phyai_edge.layers.triton_ops import _gelu_tanh
+
+    @triton.jit
+    def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """acc + a @ b in float32. UPCAST (the interpreter): multiply float32 copies, since the
+        interpreter's bf16 dot is wrong. IEEE (float32 operands on a GPU): no TF32 rounding, so
+        a float32 call means float32."""
+        if UPCAST:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        elif IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
+    def _linear_kernel(
+        a_ptr, w_ptr, bias_ptr, out_ptr,
+        M, N, K, k_per_split,
+        s_am, s_ak, s_wn, s_wk, s_os, s_om,
+        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+        UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # Column tiles vary fastest: programs running together share one row tile of the
+        # activations (from L2) and stream disjoint weight rows from HBM.
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        split = tl.program_id(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        k0 = split * k_per_split
+        k_end = tl.minimum(k0 + k_per_split, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(k0, k_end, BLOCK_K):
+            kk = k + rk
+            if EVEN_K:  # no K mask: lets the loads vectorise along K
+                a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None] * s_wk, mask=n_ok[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            else:
+                k_ok = kk < k_end
+                a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None] * s_wk, mask=n_ok[None, :] & k_ok[:, None],
+                            other=0.0, eviction_policy="evict_first")
+            acc = _mma(a, w, acc, UPCAST, IEEE)
+        dst = out_ptr + split * s_os + rm[:, None] * s_om + rn[None, :]
+        if PARTIAL:  # float32 partial sum; the reduce kernel adds the bias and casts
+            tl.store(dst, acc, mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _split_k_reduce_kernel(
+        part_ptr, bias_ptr, out_ptr, M, N, s_ps, s_pm, s_om,
+        SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = (rm[:, None] < M) & (rn[None, :] < N)
+        src = part_ptr + rm[:, None] * s_pm + rn[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in tl.static_range(SPLITS):  # a fixed order: the same sum on every run
+            acc += tl.load(src + s * s_ps, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _linear_geglu_kernel(
+        a_ptr, w_ptr, bias_ptr, out_ptr,
+        M, H, K,
+        s_am, s_ak, s_wn, s_wk, s_om,
+        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; the matching up rows are H + rn
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < H
+        wg_ptr = w_ptr + rn[None, :] * s_wn
+        wu_ptr = w_ptr + (rn + H)[None, :] * s_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            kk = k + rk
+            if EVEN_K:
+                a_mask = m_ok[:, None]
+                w_mask = n_ok[None, :]
+            else:
+                a_mask = m_ok[:, None] & (kk < K)[None, :]
+                w_mask = n_ok[None, :] & (kk < K)[:, None]
+            a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=a_mask, other=0.0)
+            wg = tl.load(wg_ptr + kk[:, None] * s_wk, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            wu = tl.load(wu_ptr + kk[:, None] * s_wk, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc_g = _mma(a, wg, acc_g, UPCAST, IEEE)
+            acc_u = _mma(a, wu, acc_u, UPCAST, IEEE)
+        if HAS_BIAS:
+            acc_g += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(bias_ptr + H + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = _gelu_tanh(acc_g) * acc_u
+        tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _linear_qkv_rope_kernel(
+        a_ptr, w_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
+        M, K, seq_len, num_heads, num_kv_heads, tiles_per_half,
+        s_am, s_ak, s_wn, s_wk, s_cb, s_ct, s_sb, s_st,
+        HALF: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+        UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # Program (head, j) owns columns j*BLOCK_N.. of both halves of one head of the fused
+        # output (q heads, then k heads, then v heads), so rotate-half's partner is in registers.
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        head = pid_n // tiles_per_half
+        d = (pid_n % tiles_per_half) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        d_ok = d < HALF
+        row1 = head * (2 * HALF) + d  # weight rows of the first half's columns
+        w1_ptr = w_ptr + row1[None, :] * s_wn
+        w2_ptr = w_ptr + (row1 + HALF)[None, :] * s_wn
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            kk = k + rk
+            if EVEN_K:
+                a_mask = m_ok[:, None]
+                w_mask = d_ok[None, :]
+            else:
+                a_mask = m_ok[:, None] & (kk < K)[None, :]
+                w_mask = d_ok[None, :] & (kk < K)[:, None]
+            a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=a_mask, other=0.0)
+            w1 = tl.load(w1_ptr + kk[:, None] * s_wk, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            w2 = tl.load(w2_ptr + kk[:, None] * s_wk, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc1 = _mma(a, w1, acc1, UPCAST, IEEE)
+            acc2 = _mma(a, w2, acc2, UPCAST, IEEE)
+        if HAS_BIAS:
+            acc1 += tl.load(bias_ptr + row1, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            acc2 += tl.load(bias_ptr + row1 + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        b = rm // seq_len
+        t = rm % seq_len
+        ok = m_ok[:, None] & d_ok[None, :]
+        cs = cos_ptr + (b * s_cb + t * s_ct)[:, None] + d[None, :]
+        sn = sin_ptr + (b * s_sb + t * s_st)[:, None] + d[None, :]
+        c1 = tl.load(cs, mask=ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cs + HALF, mask=ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sn, mask=ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sn + HALF, mask=ok, other=0.0).to(tl.float32)
+        # v heads are not rotated; the selects below keep one code path for all heads.
+        rotate = head < num_heads + num_kv_heads
+        o1 = tl.where(rotate, acc1 * c1 - acc2 * s1, acc1)  # rotate_half: (-x2, x1)
+        o2 = tl.where(rotate, acc2 * c2 + acc1 * s2, acc2)
+        # Each head goes to its own (B, heads, T, D) tensor; the two stores a program does not
+        # own are fully masked (clamped indices keep their addresses in bounds anyway).
+        heads = head + d * 0  # the head index as a block, so the masks below are blocks
+        is_q = ok & (heads < num_heads)[None, :]
+        is_k = ok & ((heads >= num_heads) & (heads < num_heads + num_kv_heads))[None, :]
+        is_v = ok & (heads >= num_heads + num_kv_heads)[None, :]
+        qh = tl.minimum(head, num_heads - 1)
+        kh = tl.minimum(tl.maximum(head - num_heads, 0), num_kv_heads - 1)
+        vh = tl.minimum(tl.maximum(head - num_heads - num_kv_heads, 0), num_kv_heads - 1)
+        cols = d[None, :]
+        dst_q = q_ptr + ((b * num_heads + qh) * seq_len + t)[:, None] * (2 * HALF) + cols
+        dst_k = k_ptr + ((b * num_kv_heads + kh) * seq_len + t)[:, None] * (2 * HALF) + cols
+        dst_v = v_ptr + ((b * num_kv_heads + vh) * seq_len + t)[:, None] * (2 * HALF) + cols
+        tl.store(dst_q, o1.to(q_ptr.dtype.element_ty), mask=is_q)
+        tl.store(dst_q + HALF, o2.to(q_ptr.dtype.element_ty), mask=is_q)
+        tl.store(dst_k, o1.to(k_ptr.dtype.element_ty), mask=is_k)
+        tl.store(dst_k + HALF, o2.to(k_ptr.dtype.element_ty), mask=is_k)
+        tl.store(dst_v, o1.to(v_ptr.dtype.element_ty), mask=is_v)
+        tl.store(dst_v + HALF, o2.to(v_ptr.dtype.element_ty), mask=is_v)
+
+
+# -- launchers -------------------------------------------------------------------------------------------
+def _empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every kernel output and split-K partial is allocated here (the tests poison it to check it
+    is fully written)."""
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """(..., width) as (rows, width) with unit column stride (a view when it can be)."""
+    t = t.reshape(-1, width)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _flags(a: torch.Tensor, k: int, cfg: GemmConfig) -> dict[str, object]:
+    return {"EVEN_K": k % cfg.block_k == 0, "UPCAST": interpret_mode(), "IEEE": a.dtype == torch.float32,
+            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def _linear_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   cfg: GemmConfig | None) -> torch.Tensor:
+    n, k = weight.shape
+    a = _rows(h, k)
+    m = a.shape[0]
+    cfg = cfg or default_config("linear", m, n)
+    out = _empty((*h.shape[:-1], n), h.dtype, h.device)
+    out2 = out.view(m, n)
+    # Each split a whole number of K blocks; a split_k larger than K's blocks gives fewer splits.
+    per = math.ceil(math.ceil(k / cfg.split_k) / cfg.block_k) * cfg.block_k
+    splits = math.ceil(k / per)
+    bias_arg = bias if bias is not None else a  # unused pointer: anything valid
+    flags = _flags(a, k, cfg)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
+    if splits == 1:
+        _linear_kernel[grid](a, weight, bias_arg, out2, m, n, k, per,
+                             a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), 0, out2.stride(0),
+                             HAS_BIAS=bias is not None, PARTIAL=False, **flags)
+        return out
+    part = _empty((splits, m, n), torch.float32, h.device)
+    _linear_kernel[grid](a, weight, bias_arg, part, m, n, k, per,
+                         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), part.stride(0), part.stride(1),
+                         HAS_BIAS=False, PARTIAL=True, **flags)
+    rb_m, rb_n = 16, 128
+    _split_k_reduce_kernel[(triton.cdiv(n, rb_n), triton.cdiv(m, rb_m))](
+        part, bias_arg, out2, m, n, part.stride(0), part.stride(1), out2.stride(0),
+        SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=rb_m, BLOCK_N=rb_n, num_warps=4,
+    )
+    return out
+
+
+def _geglu_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  cfg: GemmConfig | None) -> torch.Tensor:
+    two_h, k = weight.shape
+    hidden = two_h // 2
+    a = _rows(h, k)
+    m = a.shape[0]
+    cfg = cfg or default_config("geglu", m, hidden)
+    out = _empty((*h.shape[:-1], hidden), h.dtype, h.device)
+    out2 = out.view(m, hidden)
+    grid = (triton.cdiv(hidden, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    _linear_geglu_kernel[grid](
+        a, weight, bias if bias is not None else a, out2, m, hidden, k,
+        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out2.stride(0),
+        HAS_BIAS=bias is not None, **_flags(a, k, cfg),
+    )
+    return out
+
+
+def _cos_sin_rows(c: torch.Tensor, batch: int, t: int, d: int) -> tuple[torch.Tensor, int, int]:
+    """cos or sin (B or 1, 1, T, D) as (B or 1, T, D) with unit column stride, and its (batch,
+    token) strides (batch stride 0: one table for every sample)."""
+    c3 = c.reshape(c.shape[0], t, d)
+    if c3.stride(-1) != 1:
+        c3 = c3.contiguous()
+    if c3.shape[0] not in (1, batch):
+        raise ValueError(f"cos/sin batch {c3.shape[0]} does not broadcast over batch {batch}")
+    return c3, (c3.stride(0) if c3.shape[0] > 1 else 0), c3.stride(1)
+
+
+def _qkv_rope_triton(h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_heads: int, num_kv_heads: int, head_dim: int, bias: torch.Tensor | None,
+                     cfg: GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, t, k = h.shape
+    width = weight.shape[0]
+    a = _rows(h, k)
+    m = a.shape[0]
+    cfg = cfg or default_config("qkv_rope", m, width)
+    cos3, s_cb, s_ct = _cos_sin_rows(cos, b, t, head_dim)
+    sin3, s_sb, s_st = _cos_sin_rows(sin, b, t, head_dim)
+    q = _empty((b, num_heads, t, head_dim), h.dtype, h.device)
+    kk = _empty((b, num_kv_heads, t, head_dim), h.dtype, h.device)
+    v = _empty((b, num_kv_heads, t, head_dim), h.dtype, h.device)
+    half = head_dim // 2
+    tiles = triton.cdiv(half, cfg.block_n)
+    grid = ((num_heads + 2 * num_kv_heads) * tiles, triton.cdiv(m, cfg.block_m))
+    _linear_qkv_rope_kernel[grid](
+        a, weight, bias if bias is not None else a, cos3, sin3, q, kk, v,
+        m, k, t, num_heads, num_kv_heads, tiles,
+        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), s_cb, s_ct, s_sb, s_st,
+        HALF=half, HAS_BIAS=bias is not None, **_flags(a, k, cfg),
+    )
+    return q, kk, v
+
+
+# -- the ops (dispatched) ----------------------------------------------------------------------------------
+def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+def linear(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
+           bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """h (..., K) @ weight (N, K)^T (+ bias) -> (..., N) in h.dtype, as `F.linear`. `config`: the
+    tiling (None: `CONFIGS` by shape class); its `split_k` > 1 adds a second, reducing kernel."""
+    if not (_use_triton(backend, h, weight, *_present(bias)) and kernel_takes(h, weight, bias)):
+        return linear_ref(h, weight, bias)
+    return _linear_triton(h, weight, bias, config)
+
+
+def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
+                 bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """gelu_tanh(h @ Wg^T) * (h @ Wu^T) for h (..., K) and the fused gate/up weight (2 H, K) (gate
+    rows first, as `GatedMLP.fuse` concatenates them) -> (..., H) in h.dtype; one kernel, the
+    activation applied to the float32 sums."""
+    if weight.dim() == 2 and weight.shape[0] % 2:
+        raise ValueError(f"linear_geglu: the fused gate/up weight has an odd row count {weight.shape[0]}")
+    if not (_use_triton(backend, h, weight, *_present(bias)) and kernel_takes(h, weight, bias)):
+        return linear_geglu_ref(h, weight, bias)
+    if config is not None and config.split_k > 1:
+        raise ValueError("linear_geglu: split_k > 1 is not supported (GeGLU needs the whole sums)")
+    return _geglu_triton(h, weight, bias, config)
+
+
+def linear_qkv_rope(
+    h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+    num_kv_heads: int, head_dim: int, backend: str = "reference", *, bias: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused QKV projection of h (B, T, K) by weight ((H + 2 Hkv) D, K) with RoPE on q and k:
+    the contract of `qkv_rope_ref(F.linear(h, weight), cos, sin, H, Hkv, D)` (q (B, H, T, D); k, v
+    (B, Hkv, T, D)); cos, sin (B or 1, 1, T, D) as `rope_cos_sin` makes them. The kernel's q, k
+    and v are contiguous (the reference's v is a view)."""
+    if head_dim % 2:
+        raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+    if h.dim() != 3:
+        raise ValueError(f"linear_qkv_rope: h (B, T, K) expected, got shape {tuple(h.shape)}")
+    if weight.dim() == 2 and weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv weight rows {weight.shape[0]} != (heads + 2 kv heads) * head_dim")
+    if not (_use_triton(backend, h, weight, cos, sin, *_present(bias)) and kernel_takes(h, weight, bias)):
+        return linear_qkv_rope_ref(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias)
+    if config is not None and config.split_k > 1:
+        raise ValueError("linear_qkv_rope: split_k > 1 is not supported")
+    return _qkv_rope_triton(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias, config)

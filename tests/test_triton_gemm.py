@@ -1,0 +1,339 @@
+"""Small-M Triton GEMMs (`layers/triton_gemm.py`) against their plain-torch references, the
+dispatch rule.
+
+As in `test_triton_ops.py`: without a GPU the kernels run in Triton's CPU interpreter
+(`conftest.py` sets `TRITON_INTERPRET=1` before anything imports triton); kernel tests skip where
+triton is not installed. Shapes are small so the interpreter (numpy, one program at a time) keeps
+the file to seconds; they are chosen to hit every mask: odd row counts (1, 7, 50, 100), K and N
+that are not multiples of the blocks, rotary halves narrower than a column tile.
+
+Tolerances. float32: the kernels sum in float32 in a different order than the reference's BLAS:
+relative L2 1e-5. bf16: the kernels round once from float32 sums; the references round the GEMM
+output to bf16 and then again after each elementwise op. Under the interpreter a float32 -> bf16
+store rounds toward zero (a GPU rounds to nearest), so a plain GEMM's output is within
+1 ulp (truncation) + 1/2 ulp (the reference's rounding) of the exact sum: elementwise
+|out - ref| <= 2^-6 |ref| holds with margin (bf16 has 8 significant bits, ulp <= 2^-7 |x|). The
+fused epilogues (GeGLU, RoPE) can cancel, so elementwise relative bounds do not hold there; they
+are judged against float64 on the same bf16 inputs: no further from it than the reference is
+(up to a factor for the truncating stores, see `_check_bf16`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_cudagraph import _rel
+
+from phyai_edge.layers import triton_gemm as tg
+from phyai_edge.layers import triton_ops
+from phyai_edge.layers.rotary import rope_cos_sin
+
+KERNELS_RUN, WHY_NOT = triton_ops.triton_status("cuda" if torch.cuda.is_available() else "cpu")
+kernels = pytest.mark.skipif(not KERNELS_RUN, reason=f"Triton kernels cannot run here: {WHY_NOT}")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+LAUNCHERS = ("_linear_triton", "_geglu_triton", "_qkv_rope_triton")
+
+
+def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def _weight(n, k, dtype, seed):
+    return _randn(n, k, dtype=dtype, seed=seed, scale=k**-0.5)  # outputs of order 1
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Kernel outputs and split-K partials start as NaN: any element a kernel fails to write shows up."""
+
+    def empty(shape, dtype, device):
+        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(tg, "_empty", empty)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts the kernel launches per op (and lets the ops run)."""
+    counts = dict.fromkeys(LAUNCHERS, 0)
+    for name in LAUNCHERS:
+        real = getattr(tg, name)
+
+        def counted(*args, _name=name, _real=real):
+            counts[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(tg, name, counted)
+    return counts
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """Any kernel launch fails the test: the reference path must be taken."""
+    for name in LAUNCHERS:
+        monkeypatch.setattr(tg, name, lambda *a, _n=name: pytest.fail(f"{_n} launched; the reference was expected"))
+
+
+def _f64(*tensors):
+    return [t.double() if t is not None else None for t in tensors]
+
+
+def _check_f32(out, ref):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all(), "output not fully written (NaN poison left)"
+    assert _rel(out, ref) < 1e-5
+
+
+def _check_bf16(out, ref, truth):
+    """`truth`: float64 on the same bf16 inputs. The kernel rounds once; under the interpreter that
+    rounding truncates, whose RMS error (ulp / sqrt(3)) is twice a rounding to nearest's
+    (ulp / sqrt(12)), and measured here the kernel sits 1.6-2.0x further from float64 than the
+    reference does (the reference's later roundings partly average out). 2.5x is that with margin;
+    a wrong epilogue (a swapped half, a missing bias, another row's cos) is off by O(1), not O(ulp)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all(), "output not fully written (NaN poison left)"
+    err, ref_err = _rel(out.double(), truth), _rel(ref.double(), truth)
+    assert err < 2.5 * ref_err + 1e-4, (err, ref_err)
+    assert _rel(out.float(), ref.float()) < 1e-2
+
+
+# -- linear ------------------------------------------------------------------------------------------
+# (batch, tokens, K, N): rows = batch x tokens in 1, 7, 50, 100
+LINEAR_SHAPES = [(1, 1, 64, 48), (1, 7, 100, 70), (1, 50, 96, 128), (2, 50, 40, 24)]
+SPLIT_CONFIGS = {
+    "default": None,
+    "narrow": tg.GemmConfig(16, 16, 32),  # many programs, K in 3-4 blocks with a ragged last one
+    "split3": tg.GemmConfig(32, 32, 16, split_k=3),  # K split 3 ways (ragged last split when K % 16)
+    "split8": tg.GemmConfig(64, 64, 32, split_k=8),  # more splits than K blocks: fewer splits
+}
+
+
+@kernels
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", list(SPLIT_CONFIGS))
+def test_linear_kernel(poisoned, launches, shape, dtype, config) -> None:
+    b, t, k, n = shape
+    h, w = _randn(b, t, k, dtype=dtype, seed=1), _weight(n, k, dtype, seed=2)
+    out = tg.linear(h, w, "triton", config=SPLIT_CONFIGS[config])
+    ref = tg.linear_ref(h, w)
+    assert launches["_linear_triton"] == 1
+    if dtype == torch.float32:
+        _check_f32(out, ref)
+        return
+    assert out.shape == ref.shape and out.dtype == ref.dtype and torch.isfinite(out).all()
+    # elementwise: within 2^-6 |ref| (module docstring), plus a floor for sums that cancel to ~0
+    assert ((out.float() - ref.float()).abs() <= 2**-6 * ref.float().abs() + 2e-3).all()
+    truth = F.linear(*_f64(h, w))
+    # one truncation (RMS error ulp / sqrt(3)) against one rounding to nearest (ulp / sqrt(12)): 2x expected
+    assert _rel(out.double(), truth) < 2.5 * _rel(ref.double(), truth) + 1e-4
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", ["default", "split3"])
+def test_linear_bias_and_strides(poisoned, dtype, config) -> None:
+    """A bias (added once, after the split-K sum) and a non-contiguous activation (a column slice)."""
+    h = _randn(3, 5, 90, dtype=dtype, seed=3)[..., :77]
+    w, bias = _weight(50, 77, dtype, seed=4), _randn(50, dtype=dtype, seed=5)
+    out, ref = tg.linear(h, w, "triton", bias=bias, config=SPLIT_CONFIGS[config]), tg.linear_ref(h, w, bias)
+    if dtype == torch.float32:
+        _check_f32(out, ref)
+    else:
+        _check_bf16(out, ref, F.linear(*_f64(h, w, bias)))
+
+
+@kernels
+def test_linear_split_k_reduces_partials(monkeypatch) -> None:
+    """split_k really splits: the partial buffer holds split_k float32 slices that sum to the result."""
+    seen = []
+    real = tg._empty
+
+    def spy(shape, dtype, device):
+        t = real(shape, dtype, device)
+        seen.append(t)
+        return t
+
+    monkeypatch.setattr(tg, "_empty", spy)
+    h, w = _randn(7, 96, seed=6), _weight(40, 96, torch.float32, seed=7)
+    out = tg.linear(h, w, "triton", config=tg.GemmConfig(16, 16, 16, split_k=3))
+    assert [tuple(t.shape) for t in seen] == [(7, 40), (3, 7, 40)]  # the output, then the partials
+    part = seen[1]
+    assert part.dtype == torch.float32
+    assert torch.allclose(part.sum(0), out, atol=1e-6)
+    assert (part[0] - part[1]).abs().max() > 1e-3  # different K ranges, not one sum three times
+
+
+# -- gate/up + GeGLU ------------------------------------------------------------------------------------
+GEGLU_SHAPES = [(1, 1, 64, 32), (1, 7, 100, 40), (1, 50, 96, 64), (2, 50, 48, 20)]  # (b, t, K, H)
+
+
+@kernels
+@pytest.mark.parametrize("shape", GEGLU_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [None, tg.GemmConfig(16, 16, 32), tg.GemmConfig(64, 32, 64)],
+                         ids=["default", "narrow", "wide"])
+def test_linear_geglu_kernel(poisoned, launches, shape, dtype, config) -> None:
+    b, t, k, hidden = shape
+    h, w = _randn(b, t, k, dtype=dtype, seed=8, scale=1.5), _weight(2 * hidden, k, dtype, seed=9)
+    out, ref = tg.linear_geglu(h, w, "triton", config=config), tg.linear_geglu_ref(h, w)
+    assert launches["_geglu_triton"] == 1 and out.shape == (b, t, hidden)
+    if dtype == torch.float32:
+        _check_f32(out, ref)
+    else:
+        _check_bf16(out, ref, tg.linear_geglu_ref(*_f64(h, w)))
+
+
+@kernels
+def test_linear_geglu_bias_and_halves(poisoned) -> None:
+    """The bias's gate and up halves land on the gate and up sums (a swap would be caught:
+    gelu(g) * u is not symmetric)."""
+    h, w = _randn(2, 7, 40, seed=10), _weight(2 * 24, 40, torch.float32, seed=11)
+    bias = _randn(48, seed=12)
+    _check_f32(tg.linear_geglu(h, w, "triton", bias=bias), tg.linear_geglu_ref(h, w, bias))
+    swapped = torch.cat([w[24:], w[:24]])
+    assert _rel(tg.linear_geglu(h, swapped, "triton"), tg.linear_geglu_ref(h, w)) > 0.1
+
+
+# -- QKV + RoPE ----------------------------------------------------------------------------------------
+QKV_CASES = [  # (batch, tokens, heads, kv heads, head dim, K), cos/sin per sample or shared
+    ((1, 50, 8, 1, 32, 64), "per-sample"),  # the expert's head layout, narrower
+    ((2, 7, 2, 1, 16, 32), "per-sample"),  # the tiny preset: half = 8 < the 16-column tile
+    ((2, 7, 2, 1, 16, 32), "shared"),  # one cos/sin table broadcast over the batch
+    ((2, 50, 3, 3, 24, 40), "per-sample"),  # half = 12: not a power of two
+    ((1, 100, 4, 2, 10, 48), "shared"),
+    ((1, 1, 2, 1, 64, 100), "per-sample"),  # one row; K not a multiple of the block
+]
+
+
+def _rope_inputs(b, t, d, dtype, layout):
+    positions = torch.arange(t)[None, :] + torch.tensor([[37], [5], [0]])[:b] * 3
+    if layout == "shared":
+        positions = positions[:1]
+    return rope_cos_sin(positions.to(DEVICE), d, 10000.0, dtype)
+
+
+@kernels
+@pytest.mark.parametrize(("shape", "layout"), QKV_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [None, tg.GemmConfig(16, 16, 32), tg.GemmConfig(32, 32, 64)],
+                         ids=["default", "narrow", "wide"])
+def test_linear_qkv_rope_kernel(poisoned, launches, shape, layout, dtype, config) -> None:
+    b, t, hq, hkv, d, k = shape
+    h, w = _randn(b, t, k, dtype=dtype, seed=13), _weight((hq + 2 * hkv) * d, k, dtype, seed=14)
+    cos, sin = _rope_inputs(b, t, d, dtype, layout)
+    out = tg.linear_qkv_rope(h, w, cos, sin, hq, hkv, d, "triton", config=config)
+    ref = tg.linear_qkv_rope_ref(h, w, cos, sin, hq, hkv, d)
+    assert launches["_qkv_rope_triton"] == 1
+    truth = tg.linear_qkv_rope_ref(*_f64(h, w, cos, sin), hq, hkv, d)
+    for got, want, exact in zip(out, ref, truth):
+        assert got.is_contiguous()
+        if dtype == torch.float32:
+            _check_f32(got, want)
+        else:
+            _check_bf16(got, want, exact)
+
+
+@kernels
+def test_linear_qkv_rope_bias(poisoned) -> None:
+    b, t, hq, hkv, d, k = 2, 7, 2, 1, 16, 24
+    h, w = _randn(b, t, k, seed=15), _weight((hq + 2 * hkv) * d, k, torch.float32, seed=16)
+    bias = _randn((hq + 2 * hkv) * d, seed=17)
+    cos, sin = _rope_inputs(b, t, d, torch.float32, "per-sample")
+    out = tg.linear_qkv_rope(h, w, cos, sin, hq, hkv, d, "triton", bias=bias)
+    for got, want in zip(out, tg.linear_qkv_rope_ref(h, w, cos, sin, hq, hkv, d, bias)):
+        _check_f32(got, want)
+
+
+# -- dispatch ------------------------------------------------------------------------------------------
+def test_takes_rule() -> None:
+    w = torch.zeros(64, 32, dtype=torch.bfloat16)
+    assert tg.takes(50, w) and tg.takes(tg.MAX_ROWS, w) and tg.takes(1, w.half())
+    assert not tg.takes(tg.MAX_ROWS + 1, w)  # compute-bound: cuBLAS
+    assert not tg.takes(0, w)
+    assert not tg.takes(50, w.float())  # float32 is not routed to the kernels
+    assert not tg.takes(50, w[None])  # not 2-D
+    lin = torch.nn.Linear(32, 64, bias=False).to(torch.bfloat16)
+    h = torch.zeros(2, 25, 32, dtype=torch.bfloat16)
+    assert tg.module_takes(lin, h)
+    assert not tg.module_takes(lin, h.float())  # dtypes differ: the module's forward decides
+    assert not tg.module_takes(lin, torch.zeros(2, tg.MAX_ROWS, 32, dtype=torch.bfloat16))
+    assert not tg.module_takes(None, h)
+    assert not tg.module_takes(torch.nn.Identity(), h)
+
+
+def test_module_takes_leaves_fp8_alone() -> None:
+    from phyai_edge.layers.fp8 import Fp8Linear
+
+    lin = torch.nn.Linear(32, 64, bias=False).to(torch.bfloat16)
+    fp8 = Fp8Linear(lin)
+    assert isinstance(fp8, torch.nn.Linear) and fp8.weight.dtype == torch.bfloat16  # would pass a naive check
+    assert not tg.module_takes(fp8, torch.zeros(1, 50, 32, dtype=torch.bfloat16))
+
+
+def test_shape_classes_have_configs() -> None:
+    assert tg.shape_class("linear", 50, 1024) == "linear/m64/narrow"  # o_proj / down at batch 1
+    assert tg.shape_class("linear", 400, 4096) == "linear/m1024/wide"
+    assert tg.shape_class("geglu", 1600, 4096) == "geglu/mbig"
+    assert tg.shape_class("qkv_rope", 1, 2560) == "qkv_rope/m16"
+    for op in tg.OPS:
+        for rows in (1, 16, 17, 64, 65, 256, 257, 1024, 1025):
+            for n in (1024, 4096):
+                assert isinstance(tg.default_config(op, rows, n), tg.GemmConfig)
+    with pytest.raises(ValueError, match="op"):
+        tg.shape_class("conv", 1, 1)
+    with pytest.raises(ValueError, match="power of two"):
+        tg.GemmConfig(24, 32, 32)
+    with pytest.raises(ValueError, match="split_k"):
+        tg.GemmConfig(16, 16, 16, split_k=0)
+
+
+@kernels
+@pytest.mark.parametrize("op", ["linear", "geglu", "qkv_rope"])
+def test_grad_inputs_take_the_reference(no_kernels, op) -> None:
+    """Exact RTC guidance differentiates through the step: the kernels have no backward."""
+    h = _randn(1, 7, 32, seed=18).requires_grad_(True)
+    cos, sin = _rope_inputs(1, 7, 16, torch.float32, "shared")
+    w = {"linear": _weight(24, 32, torch.float32, 19), "geglu": _weight(48, 32, torch.float32, 19),
+         "qkv_rope": _weight(64, 32, torch.float32, 19)}[op]
+    if op == "linear":
+        out = tg.linear(h, w, "triton")
+    elif op == "geglu":
+        out = tg.linear_geglu(h, w, "triton")
+    else:
+        out = tg.linear_qkv_rope(h, w, cos, sin, 2, 1, 16, "triton")[0]
+    out.sum().backward()
+    assert h.grad is not None and h.grad.abs().sum() > 0
+
+
+@kernels
+def test_unsupported_inputs_take_the_reference(no_kernels) -> None:
+    h64 = _randn(1, 7, 32, dtype=torch.float64, seed=20)
+    w64 = _randn(24, 32, dtype=torch.float64, seed=21)
+    assert torch.equal(tg.linear(h64, w64, "triton"), F.linear(h64, w64))  # float64: no kernel
+    h2 = _randn(7, 32, seed=22)
+    cos, sin = _rope_inputs(1, 7, 16, torch.float32, "shared")
+    w = _weight(64, 32, torch.float32, 23)
+    q = tg.linear_qkv_rope(h2[None], w, cos, sin, 2, 1, 16, "reference")[0]  # the default: reference
+    assert q.shape == (1, 2, 7, 16)
+    with pytest.raises(ValueError, match=r"h \(B, T, K\)"):  # no token axis for RoPE
+        tg.linear_qkv_rope(h2, w, cos, sin, 2, 1, 16, "triton")
+
+
+def test_argument_checks() -> None:
+    h, w = torch.zeros(1, 3, 32), torch.zeros(64, 32)
+    cos = sin = torch.zeros(1, 1, 3, 16)
+    with pytest.raises(ValueError, match="even head_dim"):
+        tg.linear_qkv_rope(h, torch.zeros(60, 32), cos, sin, 2, 1, 15)
+    with pytest.raises(ValueError, match="qkv weight rows"):
+        tg.linear_qkv_rope(h, torch.zeros(48, 32), cos, sin, 2, 1, 16)
+    with pytest.raises(ValueError, match="odd row count"):
+        tg.linear_geglu(h, torch.zeros(63, 32))
+    if KERNELS_RUN:
+        with pytest.raises(ValueError, match="split_k"):
+            tg.linear_geglu(h, w, "triton", config=tg.GemmConfig(16, 16, 16, split_k=2))
+        with pytest.raises(ValueError, match="split_k"):
+            tg.linear_qkv_rope(h, w, cos, sin, 2, 1, 16, "triton", config=tg.GemmConfig(16, 16, 16, split_k=2))
