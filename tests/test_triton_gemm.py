@@ -1,5 +1,5 @@
 """Small-M Triton GEMMs (`layers/triton_gemm.py`) against their plain-torch references, the
-dispatch rule.
+dispatch rule, and their use in the action expert's stack and the cudagraph engine.
 
 As in `test_triton_ops.py`: without a GPU the kernels run in Triton's CPU interpreter
 (`conftest.py` sets `TRITON_INTERPRET=1` before anything imports triton); kernel tests skip where
@@ -20,11 +20,17 @@ are judged against float64 on the same bf16 inputs: no further from it than the 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cudagraph import _rel
+from test_cudagraph import _inputs, _rel
+from test_triton_ops import _blocks, _stack_inputs, _stack_reference
 
+from phyai_edge.adapters.base import SolverSpec
+from phyai_edge.adapters.pi05 import builtin_adapter
+from phyai_edge.engines.cudagraph import CudaGraphEngine
 from phyai_edge.layers import triton_gemm as tg
 from phyai_edge.layers import triton_ops
 from phyai_edge.layers.rotary import rope_cos_sin
@@ -337,3 +343,159 @@ def test_argument_checks() -> None:
             tg.linear_geglu(h, w, "triton", config=tg.GemmConfig(16, 16, 16, split_k=2))
         with pytest.raises(ValueError, match="split_k"):
             tg.linear_qkv_rope(h, w, cos, sin, 2, 1, 16, "triton", config=tg.GemmConfig(16, 16, 16, split_k=2))
+
+
+# -- the expert's stack ----------------------------------------------------------------------------------
+@pytest.fixture
+def float32_routed(monkeypatch):
+    """Route float32 weights to the kernels too, for a tight check of the stack's wiring."""
+    monkeypatch.setattr(tg, "TAKES_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
+
+
+@kernels
+def test_block_stack_gemm_fp32(poisoned, launches, float32_routed) -> None:
+    blocks = _blocks(torch.float32)
+    args = _stack_inputs(blocks, torch.float32)
+    with torch.no_grad():
+        out = triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="triton", gemm_backend="triton")
+        ref = _stack_reference(blocks, *args)
+    n = len(blocks)
+    assert launches == {"_linear_triton": 2 * n, "_geglu_triton": n, "_qkv_rope_triton": n}
+    _check_f32(out, ref)
+
+
+@kernels
+def test_block_stack_gemm_bf16(poisoned, launches) -> None:
+    blocks = _blocks(torch.bfloat16)
+    args = _stack_inputs(blocks, torch.bfloat16)
+    with torch.no_grad():
+        out = triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="triton", gemm_backend="triton")
+        plain = triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="triton")
+        ref = _stack_reference(blocks, *args)
+    assert launches["_qkv_rope_triton"] == len(blocks) and launches["_linear_triton"] == 2 * len(blocks)
+    # bf16 through three blocks: judged against the same blocks in float32, as test_triton_ops does
+    truth_blocks = [copy.deepcopy(blk).float() for blk in blocks]
+    for blk in truth_blocks:
+        blk.self_attn.fuse()
+        blk.mlp.fuse()
+    with torch.no_grad():
+        truth = _stack_reference(truth_blocks, *[a.float() if a.is_floating_point() else a for a in args[:6]],
+                                 *args[6:])
+    assert torch.isfinite(out).all()
+    err, ref_err, plain_err = _rel(out.float(), truth), _rel(ref.float(), truth), _rel(plain.float(), truth)
+    assert err < 2e-2 and err < 1.5 * max(ref_err, plain_err), (err, ref_err, plain_err)
+
+
+def test_block_stack_gemm_reference_path() -> None:
+    """gemm_backend="reference" runs the same stack on F.linear + the reference ops (no triton needed)."""
+    blocks = _blocks(torch.bfloat16)
+    args = _stack_inputs(blocks, torch.bfloat16)
+    with torch.no_grad():
+        out = triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="reference", gemm_backend="reference")
+        ref = triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="reference")
+    assert torch.equal(out, ref)
+
+
+@kernels
+def test_block_stack_gemm_skips_unfused_and_fp8(launches) -> None:
+    """Unfused projections and fp8 linears keep their modules; only what module_takes runs the GEMMs."""
+    from phyai_edge.layers.fp8 import convert_fp8
+
+    blocks = _blocks(torch.bfloat16, fuse=False)
+    args = _stack_inputs(blocks, torch.bfloat16)
+    with torch.no_grad():
+        triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="triton", gemm_backend="triton")
+    # no fused QKV / gate-up: those (and an unfused MLP's down) keep the module path; o_proj takes the GEMM
+    assert launches == {"_linear_triton": len(blocks), "_geglu_triton": 0, "_qkv_rope_triton": 0}
+    fused = _blocks(torch.bfloat16)
+    holder = torch.nn.ModuleDict({"expert_layers": torch.nn.ModuleList(fused)})
+    assert convert_fp8(holder, "expert") > 0
+    launches.update(dict.fromkeys(launches, 0))
+    with torch.no_grad():
+        out = triton_ops.adaptive_block_stack(fused, *args, 1e-6, backend="triton", gemm_backend="triton")
+    assert launches == dict.fromkeys(LAUNCHERS, 0) and torch.isfinite(out).all()
+
+
+# -- the PI0.5 denoise stage and the engine ------------------------------------------------------------------
+def _tiny_model(dtype):
+    from phyai_edge.layers.fused import fuse_projections
+
+    model = copy.deepcopy(builtin_adapter("tiny", seed=4).module).to(DEVICE).set_precision(dtype)
+    model.eval().requires_grad_(False)
+    model.attend_keys_only = True
+    fuse_projections(model)
+    return model
+
+
+def _denoise_args(model, b=2, p=20):
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(41)
+    e = cfg.expert
+    x_t = torch.randn(b, cfg.chunk_size, cfg.max_action_dim, generator=g).to(DEVICE)
+    t = torch.full((b,), 0.7, device=DEVICE)
+    shape = (e.depth, b, e.num_kv_heads, p, e.head_dim)
+    k_cache = (torch.randn(*shape, generator=g) * 0.5).to(DEVICE, model.compute_dtype)
+    v_cache = torch.randn(*shape, generator=g).to(DEVICE, model.compute_dtype)
+    prefix_mask = torch.ones(b, p, dtype=torch.bool, device=DEVICE)
+    prefix_mask[-1, p - 6:] = False
+    return x_t, t, k_cache, v_cache, prefix_mask
+
+
+@kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_denoise_stage_tiny_preset(poisoned, launches, float32_routed, dtype) -> None:
+    """`PI05Model.triton_stages(gemm=True)["denoise_step"]` on the tiny preset (expert width 32,
+    2 + 1 heads of 16, MLP 64; 2 x 50 rows) against the model's own `denoise_step`."""
+    model = _tiny_model(dtype)
+    args = _denoise_args(model)
+    with torch.no_grad():
+        out = model.triton_stages("triton", gemm=True)["denoise_step"](*args)
+        ref = model.denoise_step(*args)
+    depth = model.cfg.expert.depth
+    assert launches == {"_linear_triton": 2 * depth, "_geglu_triton": depth, "_qkv_rope_triton": depth}
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    base = builtin_adapter("tiny", seed=3)
+    if KERNELS_RUN and not torch.cuda.is_available():
+        base.solver = SolverSpec(3)  # the interpreter runs each program in numpy: keep it short
+    return base
+
+
+@kernels
+def test_engine_triton_gemm_bf16(tiny, launches, monkeypatch) -> None:
+    """The engine option end to end (bf16: the dtype `takes` routes): the engine asks the model for
+    its Triton stages with `gemm=True`, and a chunk matches eager within the bf16 engine's bound.
+    Only the denoise stage is taken from `triton_stages` here: the vision and prefix Triton paths
+    (covered by test_triton_ops) take ~30 s under the interpreter and involve no GEMM kernel."""
+    from phyai_edge.adapters.pi05.model import PI05Model
+    from phyai_edge.engines.eager import EagerEngine
+
+    asked = []
+    real = PI05Model.triton_stages
+
+    def denoise_only(self, backend="auto", gemm=False):
+        asked.append((backend, gemm))
+        return {"denoise_step": real(self, backend, gemm=gemm)["denoise_step"]}
+
+    monkeypatch.setattr(PI05Model, "triton_stages", denoise_only)
+    fast = CudaGraphEngine(copy.deepcopy(tiny), device="cpu", dtype="bfloat16", triton_ops=True, triton_gemm=True)
+    assert fast.triton_gemm and asked == [("auto", True)]
+    inputs = _inputs(tiny, 1, 1, [20])
+    noise = torch.randn(1, tiny.chunk_size, tiny.model_action_dim, generator=torch.Generator().manual_seed(9))
+    out = fast.run(inputs, noise=noise)
+    calls = tiny.cfg.expert.depth * tiny.solver.num_steps
+    assert launches == {"_linear_triton": 2 * calls, "_geglu_triton": calls, "_qkv_rope_triton": calls}
+    eager = EagerEngine(copy.deepcopy(tiny), device="cpu", dtype="float32")
+    assert torch.isfinite(out).all()
+    assert _rel(out, eager.run(inputs, noise=noise)) < 3e-2  # test_cudagraph's bf16 bound
+
+
+def test_engine_triton_gemm_validation(tiny) -> None:
+    with pytest.raises(ValueError, match="triton_gemm"):
+        CudaGraphEngine(copy.deepcopy(tiny), device="cpu", dtype="bfloat16", triton_ops=False, triton_gemm=True)
+    eng = CudaGraphEngine(copy.deepcopy(tiny), device="cpu", dtype="float32", triton_ops=True)
+    assert eng.triton_gemm is False  # off by default

@@ -34,6 +34,9 @@ What makes the PI0.5 path fast (each is exact, or equal within rounding, to the 
   `layers.triton_ops`, `layers.triton_attention`), chosen around the model
   (`PI05Model.triton_stages`). On by default on a CUDA device with triton installed (and no fp8:
   measured slower together, benchmarks/RESULTS.md); `triton_ops=False` turns them off.
+  `triton_gemm=True` (off by default, not yet measured on a GPU) also runs the action expert's
+  projections in the denoise step on small-M Triton GEMMs with RoPE / GeGLU in their epilogues
+  (`layers.triton_gemm`); the prefix's compute-bound GEMMs stay on cuBLAS.
 - Optional `torch.compile` of the stage functions (inductor fuses norms, RoPE, GeGLU and
   residuals) underneath the same graphs.
 
@@ -168,6 +171,7 @@ class CudaGraphEngine(EngineBase):
         fp8_scales: Any = None,
         fp8_activations: str | None = None,
         triton_ops: bool | str | None = None,
+        triton_gemm: bool = False,
     ) -> None:
         super().__init__(adapter, device, seed)
         self.dtype = resolve_dtype(dtype)
@@ -201,6 +205,10 @@ class CudaGraphEngine(EngineBase):
             from phyai_edge.layers.triton_ops import resolve_backend
 
             self.triton_ops = resolve_backend(triton_backend, self.device)
+        if triton_gemm and triton_backend is None:
+            raise ValueError("triton_gemm=True runs inside the fused Triton path: it needs triton_ops on "
+                             "(True, 'auto' or 'triton'; the default turns it on only on CUDA without fp8)")
+        self.triton_gemm = bool(triton_gemm)
         self.take_module(module, self.dtype)
         module.to(self.device)
         if hasattr(module, "set_precision"):
@@ -240,8 +248,10 @@ class CudaGraphEngine(EngineBase):
             # (same contract). Fused projections and fp8 linears are called as they are.
             from phyai_edge.layers.triton_ops import triton_status
 
-            self._stages.update(module.triton_stages(triton_backend))
-            log.info("cudagraph: vision, prefix and action expert elementwise chains on the fused ops (%s)",
+            self._stages.update(module.triton_stages(triton_backend, gemm=True) if self.triton_gemm
+                                else module.triton_stages(triton_backend))
+            log.info("cudagraph: vision, prefix and action expert elementwise chains on the fused ops%s (%s)",
+                     " and the action expert's projections on the small-M Triton GEMMs" if self.triton_gemm else "",
                      triton_status(self.device)[1] if self.triton_ops == "triton"
                      else f"reference path: {triton_status(self.device)[1]}")
         if compile:

@@ -28,8 +28,11 @@ each chain in one launch, one program per row (a row of 1024 fits one block):
 normed input across block boundaries (the residual of block i is fused with the input norm of
 block i + 1, the last one with the final norm). The blocks' own linears (`qkv_proj`, `o_proj`,
 `gate_up`, `down_proj`: bf16, or fp8 after `layers.fp8.convert_fp8`) and attention are called as
-they are; only the elementwise glue changes. Models choose this path around themselves (an
-engine option, `CudaGraphEngine(triton_ops=True)`); the model's own code path is unchanged.
+they are; only the elementwise glue changes, unless `gemm_backend` is given: then the plain
+bf16 / fp16 projections run on `layers.triton_gemm`'s small-M GEMMs, with RoPE and GeGLU in the
+GEMMs' epilogues (`qkv_rope` and `geglu` above are then not launched). Models choose this path
+around themselves (engine options, `CudaGraphEngine(triton_ops=True, triton_gemm=...)`); the
+model's own code path is unchanged.
 `plain_block_stack` does the same for the prefix, and `siglip_block_stack` for the vision tower
 (each block's residual fused with the next block's first LayerNorm, the last with the tower's
 post-layernorm; attention is SDPA, handed no mask: SigLIP's is full).
@@ -51,7 +54,8 @@ kernels are simply absent (`triton_available()` is False).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -473,10 +477,54 @@ def _qkv_projection(attn: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     return torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
 
 
-def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str) -> torch.Tensor:
+def _qkv(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str,
+         gemm_backend: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v with RoPE: the fused QKV GEMM with RoPE in its epilogue where
+    `triton_gemm.module_takes` the projection, else the projection then `qkv_rope`."""
+    if gemm_backend is not None and attn.qkv_proj is not None:
+        from phyai_edge.layers import triton_gemm
+
+        if triton_gemm.module_takes(attn.qkv_proj, h):
+            return triton_gemm.linear_qkv_rope(h, attn.qkv_proj.weight, cos, sin, attn.num_heads, attn.num_kv_heads,
+                                               attn.head_dim, gemm_backend, bias=attn.qkv_proj.bias)
+    return qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim, backend)
+
+
+def _attend(attn: torch.nn.Module, q: torch.Tensor, k: Any, v: Any, mask: torch.Tensor,
+            attend: Callable[..., torch.Tensor], gemm_backend: str | None) -> torch.Tensor:
+    """`attn.attend(q, k, v, mask, attention_fn=attend)`, its o-projection on the small-M Triton
+    GEMM where that takes it."""
+    if gemm_backend is None:
+        return attn.attend(q, k, v, mask, attention_fn=attend)
+    out = attend(q, k, v, mask)
+    b, _, t, _ = out.shape
+    # The split kernel's output is a transposed view of a (B, T, H, D) buffer: this reshape is free.
+    out = out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)
+    return _project(attn.o_proj, out.to(attn.o_proj.weight.dtype), gemm_backend)
+
+
+def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str, gemm_backend: str | None = None) -> torch.Tensor:
     if mlp.gate_up is None:
         return mlp(h)
-    return mlp.down_proj(geglu(mlp.gate_up(h), backend))
+    if gemm_backend is None:
+        return mlp.down_proj(geglu(mlp.gate_up(h), backend))
+    from phyai_edge.layers import triton_gemm
+
+    if triton_gemm.module_takes(mlp.gate_up, h):
+        a = triton_gemm.linear_geglu(h, mlp.gate_up.weight, gemm_backend, bias=mlp.gate_up.bias)
+    else:
+        a = geglu(mlp.gate_up(h), backend)
+    return _project(mlp.down_proj, a, gemm_backend)
+
+
+def _project(linear: torch.nn.Module, h: torch.Tensor, gemm_backend: str | None) -> torch.Tensor:
+    """`linear(h)`, on the small-M Triton GEMM where `triton_gemm.module_takes` it."""
+    if gemm_backend is not None:
+        from phyai_edge.layers import triton_gemm
+
+        if triton_gemm.module_takes(linear, h):
+            return triton_gemm.linear(h, linear.weight, gemm_backend, bias=linear.bias)
+    return linear(h)
 
 
 def adaptive_block_stack(
@@ -491,6 +539,7 @@ def adaptive_block_stack(
     final: Modulation,
     final_eps: float,
     backend: str = "reference",
+    gemm_backend: str | None = None,
 ) -> torch.Tensor:
     """Adaptive `GemmaBlock`s over x (B, T, W), each attending to its cached prefix keys/values
     (`k_cache[i]`, `v_cache[i]`) and to itself, then the final adaptive norm (modulation `final`,
@@ -500,6 +549,12 @@ def adaptive_block_stack(
     `AdaRMSNorm`, with the elementwise chains fused: each gated residual is computed together
     with the norm that follows it (the block's post-attention norm, the next block's input norm,
     or the final norm). `modulations[i]` is block i's (input, post-attention) (scale, shift, gate).
+
+    `gemm_backend` (None: every linear is its module's own forward, cuBLAS on a GPU): the
+    projections on the small-M GEMMs of `layers.triton_gemm` with that backend, each where
+    `triton_gemm.module_takes` it (a plain bf16 / fp16 `nn.Linear`, few enough rows; an fp8
+    linear or an unfused projection keeps its module): QKV with RoPE in its epilogue, gate/up
+    with GeGLU in its epilogue, o_proj and down as plain GEMMs.
     """
     attend = stack_attention(mask, x.shape[0], backend)
     scale, shift, _ = modulations[0][0]
@@ -507,12 +562,11 @@ def adaptive_block_stack(
     for i, block in enumerate(blocks):
         attn = block.self_attn
         (_, _, gate_in), (scale2, shift2, gate_post) = modulations[i]
-        q, k, v = qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads,
-                           attn.head_dim, backend)
+        q, k, v = _qkv(attn, h, cos, sin, backend, gemm_backend)
         # The cached prefix and the step's own keys as two parts: no per-layer concatenation.
-        y = attn.attend(q, (k_cache[i], k), (v_cache[i], v), mask, attention_fn=attend)
+        y = _attend(attn, q, (k_cache[i], k), (v_cache[i], v), mask, attend, gemm_backend)
         x, h = residual_ada_rms_norm(x, y, gate_in, scale2, shift2, block.post_attention_layernorm.eps, backend)
-        y = _mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend)
+        y = _mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend, gemm_backend)
         if i + 1 < len(blocks):
             next_scale, next_shift, _ = modulations[i + 1][0]
             eps = blocks[i + 1].input_layernorm.eps

@@ -275,7 +275,7 @@ class PI05Model(nn.Module):
         """The final norm's output (B, H, width) -> velocity (B, H, D) float32."""
         return self.action_out_proj(normed.to(self.action_out_proj.weight.dtype)).float()
 
-    def triton_stages(self, backend: str = "auto") -> dict[str, Callable[..., torch.Tensor]]:
+    def triton_stages(self, backend: str = "auto", gemm: bool = False) -> dict[str, Callable[..., torch.Tensor]]:
         """Stage functions, same contracts as the model's own, with the elementwise chains (and
         where it pays, attention) as fused Triton kernels (`layers.triton_ops`,
         `layers.triton_attention`; `backend` as there):
@@ -284,10 +284,13 @@ class PI05Model(nn.Module):
           with the residual adds, GELU; SDPA without the all-true mask); patch embedding, position
           embedding and projector as in `embed_images` above.
         - `encode_prefix`: the Gemma prefix on `triton_ops.plain_block_stack` (key-only masks).
-        - `denoise_step`: the action expert on `triton_ops.adaptive_block_stack`.
+        - `denoise_step`: the action expert on `triton_ops.adaptive_block_stack`; with `gemm`, its
+          projections too, on the small-M GEMMs of `layers.triton_gemm` (RoPE and GeGLU in their
+          epilogues). Only the denoise step: its M is batch x 50 rows (memory-bound GEMMs), while
+          the prefix's ~batch x 816 rows are compute-bound and stay on cuBLAS.
 
-        An engine option chooses them (`CudaGraphEngine(triton_ops=True)`); the model's own stage
-        methods stay the reference."""
+        Engine options choose them (`CudaGraphEngine(triton_ops=True, triton_gemm=...)`); the
+        model's own stage methods stay the reference."""
         from phyai_edge.layers import triton_ops
 
         def embed_images(images):
@@ -301,7 +304,7 @@ class PI05Model(nn.Module):
             x, cos, sin, mask = self.expert_inputs(x_t, prefix_mask)
             out = triton_ops.adaptive_block_stack(
                 self.expert_layers, x, cos, sin, k_cache, v_cache, mask, per_layer, final_mod,
-                self.expert_norm.eps, backend,
+                self.expert_norm.eps, backend, gemm_backend=backend if gemm else None,
             )
             return self.expert_output(out)
 
