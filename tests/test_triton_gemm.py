@@ -268,6 +268,7 @@ def test_takes_rule() -> None:
     assert not tg.module_takes(lin, h.float())  # dtypes differ: the module's forward decides
     assert not tg.module_takes(lin, torch.zeros(2, tg.MAX_ROWS, 32, dtype=torch.bfloat16))
     assert not tg.module_takes(None, h)
+    assert not tg.module_takes(lin, torch.zeros(2, 3, 0, dtype=torch.bfloat16))
     assert not tg.module_takes(torch.nn.Identity(), h)
 
 

@@ -176,9 +176,9 @@ def takes(rows: int, weight: torch.Tensor) -> bool:
 def module_takes(module: nn.Module | None, h: torch.Tensor) -> bool:
     """`module` is a plain `nn.Linear` (exactly: `layers.fp8.Fp8Linear` subclasses it and must keep
     its own forward) whose weight `takes` h's rows, in h's dtype."""
-    if type(module) is not nn.Linear:
+    if type(module) is not nn.Linear or h.dim() == 0 or h.shape[-1] == 0:
         return False
-    rows = h.numel() // h.shape[-1] if h.dim() else 0
+    rows = h.numel() // h.shape[-1]
     return takes(rows, module.weight) and module.weight.dtype == h.dtype and h.shape[-1] == module.in_features
 
 
