@@ -1,0 +1,325 @@
+"""The action expert's GEMMs at batch 1, 8 and 32: cuBLAS (+ the separate Triton epilogue kernel)
+against the small-M Triton GEMMs of `layers/triton_gemm.py` over a small sweep of tile configs.
+
+One device call. For each expert shape (fused QKV + RoPE 2560 x 1024, o_proj 1024 x 2048, fused
+gate/up + GeGLU 8192 x 1024, down 1024 x 4096) at M = 50, 400, 1600 rows (batch 1, 8, 32 x 50
+tokens), bf16:
+
+1. correctness: every Triton config's output against the reference (`F.linear` + the reference
+   epilogue), max abs error, and both paths' max abs error against float32 math on the same
+   bf16 inputs;
+2. time: the cuBLAS path as the engine runs it today (`F.linear`, then `triton_ops.qkv_rope` /
+   `triton_ops.geglu` as their own kernels), `F.linear` alone, and each Triton config; median
+   microseconds per call, achieved TB/s of weight bytes (N x K x 2 / time), speed-up against the
+   cuBLAS path;
+3. the best config per shape, and the `triton_gemm.CONFIGS` entry it suggests.
+
+How a call is timed (GPU): several copies of the weight, together more than twice the L2 cache,
+are called in turn inside one captured CUDA graph (as the expert's 18 layers stream 620 MB of
+weights, a layer's weights are never in L2 when it starts); the graph is replayed 20 times, each
+replay timed with CUDA events; median replay / copies. In-graph time is what a denoise step pays,
+launch gaps between kernels included.
+
+    PYTHONPATH=$PWD python3 benchmarks/gemm_gpu.py --json $OUT/gemm.json       # H200, ~5 min
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/gemm_gpu.py --device cpu --tiny   # plumbing
+
+On a CPU (`--device cpu`, Triton's interpreter, which `--device cpu` turns on if it is not set)
+tiny shapes, two configs per op, perf_counter timings: a plumbing check only, the numbers mean
+nothing. Not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+T0 = time.perf_counter()
+TOKENS = 50  # the expert's rows per sample (the action chunk)
+
+
+def say(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+# -- shapes and sweeps -----------------------------------------------------------------------------------
+def expert_shapes(tiny: bool) -> list[dict[str, Any]]:
+    """The four projections of one expert layer (full size: PI0.5's action expert; tiny: the
+    tiny preset's). `n` is the weight's row count, `k` its column count."""
+    if tiny:
+        heads, kv_heads, head_dim, width, mlp = 2, 1, 16, 32, 64
+    else:
+        heads, kv_heads, head_dim, width, mlp = 8, 1, 256, 1024, 4096
+    return [
+        {"name": "qkv+rope", "op": "qkv_rope", "n": (heads + 2 * kv_heads) * head_dim, "k": width,
+         "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim},
+        {"name": "o_proj", "op": "linear", "n": width, "k": heads * head_dim},
+        {"name": "gate_up+geglu", "op": "geglu", "n": 2 * mlp, "k": width},
+        {"name": "down", "op": "linear", "n": width, "k": mlp},
+    ]
+
+
+def sweep(op: str, rows: int, n: int, tiny: bool) -> list[Any]:
+    """The default config for (op, rows, n) (`triton_gemm.default_config`; n as `shape_class`
+    reads it) first, then candidate tilings (block_m, block_n, block_k, warps, stages, split_k)
+    around it: a hand-picked few, not a grid (each config is a compile, ~1 s)."""
+    from phyai_edge.layers.triton_gemm import GemmConfig, default_config
+
+    if tiny:
+        picks = [(16, 16, 32, 4, 2, 2 if op == "linear" else 1)]
+    elif rows <= 64:
+        picks = {
+            "linear": [(64, 32, 128, 4, 4, 1), (64, 32, 128, 4, 4, 2), (64, 32, 128, 4, 4, 8), (64, 64, 128, 4, 4, 4),
+                       (64, 16, 128, 4, 4, 4), (64, 32, 256, 4, 3, 4), (64, 32, 64, 4, 5, 4), (32, 32, 128, 4, 4, 4),
+                       (16, 32, 128, 4, 4, 4), (64, 64, 64, 4, 4, 8), (64, 32, 128, 8, 4, 4)],
+            "geglu": [(64, 16, 128, 4, 4, 1), (64, 32, 64, 4, 4, 1), (64, 32, 256, 4, 3, 1), (64, 64, 128, 4, 3, 1),
+                      (64, 64, 64, 4, 4, 1), (32, 32, 128, 4, 4, 1), (16, 32, 128, 4, 4, 1), (64, 32, 128, 8, 3, 1),
+                      (16, 16, 256, 4, 4, 1)],
+            "qkv_rope": [(64, 16, 256, 4, 3, 1), (64, 16, 64, 4, 5, 1), (64, 32, 128, 4, 4, 1), (64, 32, 64, 4, 4, 1),
+                         (32, 16, 128, 4, 4, 1), (16, 16, 128, 4, 4, 1), (16, 16, 256, 4, 4, 1), (64, 64, 64, 4, 3, 1),
+                         (64, 16, 128, 8, 4, 1)],
+        }[op]
+    else:
+        picks = {
+            "linear": [(64, 64, 64, 4, 4, 1), (64, 128, 64, 4, 3, 1), (128, 64, 64, 4, 3, 1), (128, 128, 64, 8, 3, 1),
+                       (128, 128, 32, 4, 4, 1), (64, 64, 64, 4, 4, 2), (128, 64, 64, 8, 3, 2), (64, 256, 64, 8, 3, 1)],
+            "geglu": [(64, 64, 64, 4, 3, 1), (64, 32, 64, 4, 4, 1), (128, 64, 64, 8, 3, 1), (128, 32, 64, 4, 3, 1),
+                      (64, 128, 64, 8, 3, 1), (128, 64, 32, 4, 4, 1)],
+            "qkv_rope": [(64, 64, 64, 4, 3, 1), (64, 32, 64, 4, 4, 1), (128, 64, 64, 8, 3, 1), (128, 32, 64, 4, 3, 1),
+                         (64, 128, 64, 8, 3, 1), (128, 128, 64, 8, 3, 1)],
+        }[op]
+    out = [default_config(op, rows, n)]
+    for bm, bn, bk, w, s, split in picks:
+        cfg = GemmConfig(bm, bn, bk, w, s, split)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+# -- timing --------------------------------------------------------------------------------------------------
+def l2_bytes(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
+
+
+def time_calls(calls: list[Callable[[], Any]], device: str, replays: int = 20) -> float:
+    """Median microseconds per call: on a GPU, the calls (one per weight copy) captured in one
+    CUDA graph and replayed; on a CPU, perf_counter over each call."""
+    for c in calls:  # compiles / autotunes nothing inside the capture
+        c()
+    if not device.startswith("cuda"):
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for c in calls:
+                c()
+            ts.append((time.perf_counter() - t0) / len(calls))
+        return statistics.median(ts) * 1e6
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # a warm-up on the side stream, as torch's capture docs advise
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    for _ in range(3):
+        graph.replay()
+    ms = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ms.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(ms) * 1e3 / len(calls)
+
+
+def max_abs(a: Any, b: Any) -> float:
+    if isinstance(a, (tuple, list)):
+        return max(max_abs(x, y) for x, y in zip(a, b))
+    return float((a.float() - b.float()).abs().max())
+
+
+# -- one shape at one M ------------------------------------------------------------------------------------------
+def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadline: float) -> dict[str, Any]:
+    from phyai_edge.layers import triton_gemm as tg
+    from phyai_edge.layers import triton_ops
+    from phyai_edge.layers.rotary import rope_cos_sin
+
+    op, n, k = shape["op"], shape["n"], shape["k"]
+    batch = max(1, rows // TOKENS)
+    t = rows // batch
+    dt = torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(rows * 7 + n)
+    h = torch.randn(batch, t, k, generator=g).to(device, dt)
+    w0 = (torch.randn(n, k, generator=g) * k**-0.5).to(device, dt)
+    wbytes = n * k * w0.element_size()
+    copies = 1 if not device.startswith("cuda") else max(2, min(48, -(-2 * l2_bytes(device) // wbytes)))
+    weights = [w0] + [w0.clone() for _ in range(copies - 1)]
+    n_class = n // 2 if op == "geglu" else n  # what shape_class reads: geglu's H, the others' N
+    res: dict[str, Any] = {"shape": shape["name"], "op": op, "rows": rows, "n": n, "k": k, "weight_mb": wbytes / 1e6,
+                           "copies": copies, "class": tg.shape_class(op, rows, n_class)}
+    triton_epi = "triton" if triton_ops.triton_status(device)[0] else "reference"
+    if op == "qkv_rope":
+        hq, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+        positions = torch.arange(t, device=device)[None, :] + 800 + torch.arange(batch, device=device)[:, None]
+        cos, sin = rope_cos_sin(positions, d, 10000.0, dt)
+
+        def cublas(w: torch.Tensor) -> Any:
+            return triton_ops.qkv_rope(F.linear(h, w), cos, sin, hq, hkv, d, triton_epi)
+
+        def triton_fn(w: torch.Tensor, cfg: Any) -> Any:
+            return tg.linear_qkv_rope(h, w, cos, sin, hq, hkv, d, "triton", config=cfg)
+
+        ref = tg.linear_qkv_rope_ref(h, w0, cos, sin, hq, hkv, d)
+        exact = tg.linear_qkv_rope_ref(h.float(), w0.float(), cos.float(), sin.float(), hq, hkv, d)
+    elif op == "geglu":
+        def cublas(w: torch.Tensor) -> Any:
+            return triton_ops.geglu(F.linear(h, w), triton_epi)
+
+        def triton_fn(w: torch.Tensor, cfg: Any) -> Any:
+            return tg.linear_geglu(h, w, "triton", config=cfg)
+
+        ref = tg.linear_geglu_ref(h, w0)
+        exact = tg.linear_geglu_ref(h.float(), w0.float())
+    else:
+        def cublas(w: torch.Tensor) -> Any:
+            return F.linear(h, w)
+
+        def triton_fn(w: torch.Tensor, cfg: Any) -> Any:
+            return tg.linear(h, w, "triton", config=cfg)
+
+        ref = tg.linear_ref(h, w0)
+        exact = F.linear(h.float(), w0.float())
+    res["cublas_path_err_vs_fp32"] = max_abs(cublas(w0), exact)
+    res["variants"] = variants = []
+
+    def record(name: str, us: float, err: float | None = None, cfg: Any = None) -> None:
+        row = {"variant": name, "us": us, "tb_s": wbytes / (us * 1e-6) / 1e12, "max_abs_err_vs_ref": err}
+        if cfg is not None:
+            row["config"] = dataclasses.asdict(cfg)
+        variants.append(row)
+
+    record("cuBLAS path" + (" + epilogue kernel" if op != "linear" else ""),
+           time_calls([lambda w=w: cublas(w) for w in weights], device))
+    if op != "linear":
+        record("F.linear alone", time_calls([lambda w=w: F.linear(h, w) for w in weights], device))
+    for i, cfg in enumerate(sweep(op, rows, n_class, tiny)):
+        name = f"triton {cfg.label()}" + (" (default)" if i == 0 else "")
+        if time.perf_counter() > deadline:
+            variants.append({"variant": name, "skipped": "budget"})
+            continue
+        try:
+            out = triton_fn(w0, cfg)
+            err = max_abs(out, ref)
+            if i == 0:
+                res["triton_err_vs_fp32"] = max_abs(out, exact)
+            record(name, time_calls([lambda w=w, c=cfg: triton_fn(w, c) for w in weights], device), err, cfg)
+        except Exception as exc:  # a config the GPU refuses (shared memory, registers): record, go on
+            variants.append({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+    base = variants[0]["us"]
+    for v in variants:
+        if "us" in v:
+            v["speedup"] = base / v["us"]
+    timed = [v for v in variants if v["variant"].startswith("triton") and "us" in v]
+    if timed:
+        res["best"] = min(timed, key=lambda v: v["us"])
+    del weights
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return res
+
+
+def render(results: list[dict[str, Any]]) -> list[str]:
+    lines = ["| shape | M | variant | us | weight TB/s | vs cuBLAS path | max abs err vs ref |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        for v in r["variants"]:
+            if "us" not in v:
+                lines.append(f"| {r['shape']} | {r['rows']} | {v['variant']} | {v.get('error') or v.get('skipped')} "
+                             "| | | |")
+                continue
+            err = v["max_abs_err_vs_ref"]
+            lines.append(f"| {r['shape']} | {r['rows']} | {v['variant']} | {v['us']:.2f} | {v['tb_s']:.3g} | "
+                         f"{v['speedup']:.2f}x | {'' if err is None else f'{err:.3g}'} |")
+    lines += ["", "| shape | M | shape class | cuBLAS path us | best Triton | us | TB/s | speed-up | "
+              "err vs fp32: cuBLAS path / Triton |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        b = r.get("best")
+        if not b:
+            continue
+        lines.append(f"| {r['shape']} | {r['rows']} | {r['class']} | {r['variants'][0]['us']:.2f} | "
+                     f"{b['variant'].removeprefix('triton ')} | {b['us']:.2f} | {b['tb_s']:.3g} | {b['speedup']:.2f}x | "
+                     f"{r['cublas_path_err_vs_fp32']:.3g} / {r.get('triton_err_vs_fp32', float('nan')):.3g} |")
+    lines += ["", "Suggested `triton_gemm.CONFIGS` entries (best per shape class; the expert's shapes only):"]
+    seen: dict[str, dict[str, Any]] = {}
+    for r in results:
+        b = r.get("best")
+        if b and (r["class"] not in seen or b["us"] < seen[r["class"]]["us"]):
+            seen[r["class"]] = b
+    for cls, b in seen.items():
+        c = b["config"]
+        lines.append(f'    "{cls}": _cfg({c["block_m"]}, {c["block_n"]}, {c["block_k"]}, warps={c["num_warps"]}, '
+                     f'stages={c["num_stages"]}, split={c["split_k"]}),')
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny-preset shapes, two configs per op (plumbing check)")
+    ap.add_argument("--rows", default=None, help="comma-separated M values (default 50,400,1600; tiny 50,100)")
+    ap.add_argument("--json", type=Path, default=None, help="write every number here")
+    ap.add_argument("--budget-s", type=float, default=500.0, help="skip the remaining Triton configs past this")
+    args = ap.parse_args(argv)
+    dev = args.device
+    if not dev.startswith("cuda"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+    from phyai_edge.layers import triton_dispatch
+
+    ok, why = triton_dispatch.triton_status(dev)
+    if not ok:
+        print(f"Triton kernels cannot run on {dev}: {why}", file=sys.stderr)
+        return 2
+    import triton
+
+    rows_list = [int(s) for s in (args.rows or ("50,100" if args.tiny else "50,400,1600")).split(",")]
+    info = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev) if dev.startswith("cuda")
+            else "cpu (Triton interpreter)", "torch": torch.__version__, "triton": triton.__version__,
+            "command": " ".join(sys.argv), "l2_bytes": l2_bytes(dev), "tiny": args.tiny}
+    say(f"{info}")
+    deadline = T0 + args.budget_s
+    results = []
+    for rows in rows_list:
+        for shape in expert_shapes(args.tiny):
+            r = run_shape(shape, rows, dev, args.tiny, deadline)
+            results.append(r)
+            b = r.get("best", {})
+            say(f"{shape['name']} M={rows}: cuBLAS path {r['variants'][0]['us']:.2f} us, best Triton "
+                f"{b.get('variant', '-')} {b.get('us', float('nan')):.2f} us ({b.get('tb_s', float('nan')):.2f} TB/s), "
+                f"max abs err {b.get('max_abs_err_vs_ref')}")
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps({"info": info, "results": results}, indent=1, default=str))
+    print("\n".join(render(results)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
