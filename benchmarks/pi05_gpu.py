@@ -20,7 +20,8 @@ the bf16 baseline and the fp8 variants alone (a short device call).
 
 Fused Triton ops for the prefix and the action expert (`CudaGraphEngine(triton_ops=True)`, `layers/triton_ops.py`,
 `layers/triton_attention.py`; on by default on CUDA, so every other engine here sets `triton_ops=False`):
-an ablation at batch 1 and 32: graphs + Triton ops, + fp8 expert, + torch.compile, each beside the
+an ablation at batch 1 and 32: graphs + Triton ops, + the small-M Triton GEMMs for the action
+expert (`triton_gemm=True`, `layers/triton_gemm.py`), + fp8 expert, + torch.compile, each beside the
 bf16 engine and (with `--triton-only`) graphs + compile without them; accuracy vs eager fp32. Part of
 the full run (`--no-triton` skips it); `--triton-only` runs it on seeded full-size weights alone
 (combine with `--fp8-only` for both).
@@ -178,12 +179,14 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
                shapes: list[tuple[int, int]], budget_s: float, compile: bool = True,
                compile_baseline: bool = False, fp8: bool = True, rtc_modes: tuple[str, ...] = ()) -> None:
     """Fused Triton ops for the action expert (`CudaGraphEngine(triton_ops=True)`, `layers/triton_ops.py`)
-    under the graphs: alone, with fp8 expert linears, and under torch.compile, at each (batch, reps)
-    in `shapes`. `compile_baseline` adds graphs + compile without Triton ops (the number to beat;
+    under the graphs: alone, with the expert's projections on the small-M Triton GEMMs
+    (`triton_gemm=True`, `layers/triton_gemm.py`; the denoise step only), with fp8 expert linears,
+    and under torch.compile, at each (batch, reps) in `shapes`. `compile_baseline` adds graphs + compile without Triton ops (the number to beat;
     the full run has it in its ablation). Cheap variants first: compile ones are budget-guarded.
     Results under res["triton"]; the path actually taken ("triton" or "reference") in *_info."""
     variants: list[tuple[str, dict[str, Any], list[tuple[int, int]]]] = [
         ("triton", {"triton_ops": True}, shapes),
+        ("triton+gemm", {"triton_ops": True, "triton_gemm": True}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "fp8": "expert"}, shapes))
