@@ -136,14 +136,13 @@ def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device,
     timed = [r for r in rows if r["variant"] == "split" and "us" in r]
     best = min(timed, key=lambda r: r["us"]) if timed else None
     return {"shape": name, "batch": b, "rows_per_kv_head": hq * tq, "keys": n1 + n2,
-            "kernel_pays": ta.kernel_pays(hq * tq, b, sms), "rows": rows, "best": best}
+            "rows": rows, "best": best}
 
 
 def print_shape(res: dict[str, Any]) -> None:
     rows = res["rows"]
     sdpa = rows[0]["us"]
-    print(f"\n## {res['shape']}: {res['rows_per_kv_head']} query rows per KV head, {res['keys']} keys, "
-          f"kernel_pays={res['kernel_pays']}")
+    print(f"\n## {res['shape']}: {res['rows_per_kv_head']} query rows per KV head, {res['keys']} keys")
     print("| variant | tiling (bm, bn, warps, stages, min keys) | splits | us | vs SDPA | rel err |")
     print("|---|---|---|---|---|---|")
     shown = rows[:2] + sorted((r for r in rows[2:] if "us" in r), key=lambda r: r["us"])[:5]

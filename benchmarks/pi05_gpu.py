@@ -185,18 +185,20 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
     the full run has it in its ablation). Cheap variants first: compile ones are budget-guarded.
     Results under res["triton"]; the path actually taken ("triton" or "reference") in *_info."""
     variants: list[tuple[str, dict[str, Any], list[tuple[int, int]]]] = [
-        ("triton", {"triton_ops": True}, shapes),
+        # The engine's default turns the GEMMs on with the Triton ops on CUDA: pinned here, so the
+        # two rows are the ablation.
+        ("triton", {"triton_ops": True, "triton_gemm": False}, shapes),
         ("triton+gemm", {"triton_ops": True, "triton_gemm": True}, shapes),
     ]
     if fp8:
-        variants.append(("triton+fp8 expert", {"triton_ops": True, "fp8": "expert"}, shapes))
+        variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
     if compile:
         if compile_baseline:
             variants.append(("compile", {"compile": True, "triton_ops": False}, shapes[:1]))
-        variants.append(("triton+compile", {"triton_ops": True, "compile": True}, shapes[:1]))
+        variants.append(("triton+compile", {"triton_ops": True, "triton_gemm": False, "compile": True}, shapes[:1]))
         if compile_baseline:
             variants.append(("compile", {"compile": True, "triton_ops": False}, shapes[1:]))
-        variants.append(("triton+compile", {"triton_ops": True, "compile": True}, shapes[1:]))
+        variants.append(("triton+compile", {"triton_ops": True, "triton_gemm": False, "compile": True}, shapes[1:]))
     run_variants(res, "triton", variants, adapter, dev, inputs_for, noise_for, eager32, budget_s, rtc_modes)
 
 

@@ -151,33 +151,11 @@ def test_tilings_agree(poisoned, config):
     assert splits > 1, "the merge path is exercised"
 
 
-@pytest.mark.parametrize("rows,groups,pays", [
-    (400, 1, True),      # PI0.5 expert, batch 1: 7 query blocks on 132 SMs
-    (400, 32, True),     # batch 32: 224 blocks, measured 72 vs 97 us for SDPA + the key concatenation
-    (6528, 1, True),     # the prefix at batch 1: 102 blocks, 34 vs 63 us
-    (6528, 8, False),    # the prefix at batch 8: 816 blocks, more than 4 per SM: SDPA (not measured)
-])
-def test_kernel_pays(rows, groups, pays):
-    assert ta.kernel_pays(rows, groups, 132) is pays
-
-
 @pytest.mark.parametrize("rows,groups,tiling", [
     (400, 1, ta.FEW_BLOCKS), (400, 8, ta.MANY_BLOCKS), (400, 32, ta.MANY_BLOCKS), (6528, 1, ta.MANY_BLOCKS),
 ])
 def test_default_config_by_shape(rows, groups, tiling):
     assert ta.default_config(rows, groups, 132) == tiling
-
-
-def test_kernel_keeps_off_where_it_does_not_pay(monkeypatch):
-    """Beyond 4 one-pass blocks per SM the call is SDPA's, kernels available or not."""
-    q, k, v = _qkv(2, 4, 1, 40, 150, 32, torch.float32)
-    mask = _key_mask(2, 150)
-    monkeypatch.setattr(ta, "_sm_count", lambda device: 1)  # 2 x 3 query blocks > 4 per SM
-    monkeypatch.setattr(ta, "_use_triton", lambda *a: True)
-    called = []
-    monkeypatch.setattr(ta, "_split_attention_triton", lambda *a: called.append(1))
-    out = ta.attention_split(q, k, v, mask, backend="triton", only_where_it_pays=True)
-    assert not called and torch.equal(out, attention(q, k, v, mask))
 
 
 @kernels
@@ -186,7 +164,7 @@ def test_stack_attention_shares_one_key_mask(poisoned):
     q, k, v = _qkv(1, 4, 1, 10, 300, 32, torch.float32, seed=8)
     mask = _key_mask(1, 300, seed=9)
     attend = ta.stack_attention(mask, 1, "triton")
-    alone = ta.attention_split(q, k, v, mask, backend="triton", only_where_it_pays=True)
+    alone = ta.attention_split(q, k, v, mask, backend="triton")
     assert torch.equal(attend(q, k, v, mask), alone)
     other = _key_mask(1, 300, seed=10)  # a different mask object: computed from it, not the shared one
-    assert torch.equal(attend(q, k, v, other), ta.attention_split(q, k, v, other, backend="triton", only_where_it_pays=True))
+    assert torch.equal(attend(q, k, v, other), ta.attention_split(q, k, v, other, backend="triton"))

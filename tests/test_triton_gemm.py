@@ -443,17 +443,20 @@ def _denoise_args(model, b=2, p=20):
 
 
 @kernels
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_denoise_stage_tiny_preset(poisoned, launches, float32_routed, dtype) -> None:
+def test_denoise_stage_tiny_preset(poisoned, launches, float32_routed, dtype, batch) -> None:
     """`PI05Model.triton_stages(gemm=True)["denoise_step"]` on the tiny preset (expert width 32,
-    2 + 1 heads of 16, MLP 64; 2 x 50 rows) against the model's own `denoise_step`."""
+    2 + 1 heads of 16, MLP 64; batch x 50 rows) against the model's own `denoise_step`: batch 1's
+    50 rows take the kernels, batch 2's 100 rows (over MAX_ROWS) the modules."""
     model = _tiny_model(dtype)
-    args = _denoise_args(model)
+    args = _denoise_args(model, b=batch)
     with torch.no_grad():
         out = model.triton_stages("triton", gemm=True)["denoise_step"](*args)
         ref = model.denoise_step(*args)
     depth = model.cfg.expert.depth
-    assert launches == {"_linear_triton": 2 * depth, "_geglu_triton": depth, "_qkv_rope_triton": depth}
+    n = depth if batch * model.cfg.chunk_size <= tg.MAX_ROWS else 0
+    assert launches == {"_linear_triton": 2 * n, "_geglu_triton": n, "_qkv_rope_triton": n}
     assert out.shape == ref.shape and torch.isfinite(out).all()
     assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
@@ -499,4 +502,19 @@ def test_engine_triton_gemm_validation(tiny) -> None:
     with pytest.raises(ValueError, match="triton_gemm"):
         CudaGraphEngine(copy.deepcopy(tiny), device="cpu", dtype="bfloat16", triton_ops=False, triton_gemm=True)
     eng = CudaGraphEngine(copy.deepcopy(tiny), device="cpu", dtype="float32", triton_ops=True)
-    assert eng.triton_gemm is False  # off by default
+    assert eng.triton_gemm is False  # the default turns it on only on a CUDA device
+
+
+def test_bench_triton_gemm_option(capsys) -> None:
+    """`phyai-edge bench --triton-gemm` reaches the engine and is reported; it is refused where it
+    does not apply."""
+    import json
+
+    from phyai_edge.cli import main as cli
+
+    assert cli(["bench", "--backend", "cudagraph", "--dtype", "bfloat16", "--triton-ops", "--triton-gemm",
+                "--batch", "1", "--iters", "1", "--warmup", "0", "--steps", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["triton_gemm"] is True and res["triton_ops"] in ("triton", "reference")
+    with pytest.raises(SystemExit, match="--triton-gemm"):
+        cli(["bench", "--backend", "eager", "--triton-gemm", "--iters", "1"])

@@ -49,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cudagraph backend: norms, residuals, RoPE, GeGLU and attention of the prefix and the action "
                    "expert as fused Triton kernels (layers/triton_ops.py, layers/triton_attention.py); default: on "
                    "on a CUDA device with triton installed; --triton-ops on a CPU takes their reference path")
+    p.add_argument("--triton-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="cudagraph backend, with the Triton ops: the action expert's projections on small-M Triton "
+                   "GEMMs with RoPE / GeGLU fused in (layers/triton_gemm.py; calls of <= 64 rows, i.e. batch 1); "
+                   "default: on wherever the Triton ops run on a CUDA device")
     p.add_argument("--json", action="store_true", help="print one JSON object (input to `phyai-edge roofline`)")
 
 
@@ -89,6 +93,10 @@ def run_bench(args: argparse.Namespace) -> dict:
         if args.backend != "cudagraph":
             raise SystemExit(f"--triton-ops needs --backend cudagraph (got --backend {args.backend})")
         options["triton_ops"] = args.triton_ops
+    if getattr(args, "triton_gemm", None) is not None:
+        if args.engine or args.backend != "cudagraph":
+            raise SystemExit("--triton-gemm is a cudagraph engine option: it needs --backend cudagraph and no --engine")
+        options["triton_gemm"] = args.triton_gemm
     policy = load_policy(adapter=args.adapter, checkpoint=args.checkpoint, preset=args.preset, backend=args.backend,
                          device=args.device, dtype=args.dtype, bundle=args.engine, tokenizer=args.tokenizer,
                          engine_options=options)
@@ -145,6 +153,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "backend": getattr(policy.engine, "backend", args.backend), "device": args.device, "dtype": args.dtype,
         "fp8": getattr(policy.engine, "fp8", None), "fp8_linears": getattr(policy.engine, "fp8_linears", 0),
         "triton_ops": getattr(policy.engine, "triton_ops", None),
+        "triton_gemm": getattr(policy.engine, "triton_gemm", None),
         "batch": args.batch, "views": views, "steps": adapter.solver.num_steps, "prompt_tokens": n_valid,
         "iters": args.iters, "stages": stages,
         "samples_per_s": args.batch / (stages["engine"]["p50_ms"] / 1e3),
@@ -164,6 +173,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     fp8 = f", fp8 {result['fp8']} ({result['fp8_linears']} linears)" if result.get("fp8") else ""
     fp8 += f", Triton ops ({result['triton_ops']} path)" if result.get("triton_ops") else ""
+    fp8 += ", small-M Triton GEMMs" if result.get("triton_gemm") else ""
     print(f"{result['adapter']} {result['preset']} on {result['device']} ({result['backend']}, {result['dtype']}{fp8}), "
           f"batch {result['batch']}, {result['views']} views, {result['steps']} steps, "
           + (f"{result['prompt_tokens']} prompt tokens, " if result["prompt_tokens"] is not None else "")

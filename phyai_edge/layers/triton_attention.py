@@ -9,8 +9,10 @@ is 400 rows against one KV head: a flash-style kernel tiles it into ~7 programs,
 GPU: each program reduces its own key range to a partial output and log-sum-exp, and a second
 small kernel merges the partials. With one split the first kernel writes the output directly.
 Reading the keys as two parts also saves SDPA's concatenation, and folding the query heads reads
-each KV block once for all of them: on the H200 the kernel beat SDPA also where one pass fills
-the GPU (the expert at batch 32, the prefix at batch 1; `kernel_pays`, `default_config`).
+each KV block once for all of them: on the H200 the kernel beat SDPA (cuDNN's flash kernel plus
+the concatenation) at every PI0.5 shape timed, the expert at batch 1-32 and the prefix at batch
+1-32 (1.16-4.7x; `benchmarks/attention_gpu.py`), so the stacks call it wherever it takes the
+shape; the tiling is chosen by shape (`default_config`).
 
 `attention_split(q, k, v, mask)` has the contract of `layers.attention.attention` for key-only
 masks (B, 1, 1, Tk): grouped KV heads, boolean mask, a query row with no allowed key sees all keys.
@@ -85,15 +87,6 @@ def plan_splits(rows: int, keys: int, groups: int, sms: int, block_m: int, block
     splits = max(1, min(want, keys // max(min_keys, 1)))
     per = math.ceil(math.ceil(keys / splits) / block_n) * block_n
     return math.ceil(keys / per), per
-
-
-def kernel_pays(rows: int, groups: int, sms: int, block_m: int = ONE_PASS_BLOCK_M) -> bool:
-    """Whether the split kernel beats SDPA (cuDNN's one-pass flash kernel plus the concatenation
-    of the two key parts it needs): measured on an H200 wherever the one-pass kernel has at most
-    4 blocks per SM (the expert at batch 1-32, the prefix at batch 1: 102-224 blocks, 1.3-4.8x);
-    above that (the prefix at larger batches) SDPA keeps the call.
-    `rows` = query rows per KV head (grouped heads folded), `groups` = batch x KV heads."""
-    return math.ceil(rows / block_m) * groups <= 4 * sms
 
 
 def kernel_takes(q: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -283,7 +276,7 @@ def kernel_key_mask(mask: torch.Tensor, batch: int) -> torch.Tensor:
 
 def attention_split(
     q: torch.Tensor, k: KV, v: KV, mask: torch.Tensor, scale: float | None = None,
-    backend: str = "reference", splits: int | None = None, only_where_it_pays: bool = False,
+    backend: str = "reference", splits: int | None = None,
     key_mask: torch.Tensor | None = None, config: SplitConfig | None = None,
 ) -> torch.Tensor:
     """q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D), or each as two parts (cached, new) that together
@@ -293,14 +286,10 @@ def attention_split(
     The kernel's result is a transposed view of a contiguous (B, Tq, Hq, D) tensor, so
     `out.transpose(1, 2).reshape(B, Tq, Hq * D)` (what an output projection reads) copies nothing.
     `splits`: how many key ranges (None: enough to fill the GPU, see `plan_splits`).
-    `only_where_it_pays`: take the kernel only where it was measured to beat SDPA (`kernel_pays`:
-    up to 4 one-pass blocks per SM); elsewhere SDPA's own kernels (cuDNN's flash kernel on Hopper).
     `key_mask`: `kernel_key_mask(mask, B)` computed ahead (it depends on the mask alone).
     `config`: the kernel's tiling (None: `default_config` by shape)."""
     ks, vs = _parts(k), _parts(v)
     use = kernel_takes(q, mask) and _use_triton(backend, q, *ks, *vs)
-    if use and only_where_it_pays:
-        use = kernel_pays(q.shape[1] * q.shape[2], q.shape[0] * ks[0].shape[1], _sm_count(q.device))
     if not use:
         k_all = ks[0] if ks[1].shape[2] == 0 else torch.cat(ks, dim=2)
         v_all = vs[0] if vs[1].shape[2] == 0 else torch.cat(vs, dim=2)
@@ -319,13 +308,13 @@ def attention_split(
 
 def stack_attention(mask: torch.Tensor, batch: int, backend: str) -> Callable[..., torch.Tensor]:
     """The attention a stack of layers sharing `mask` calls (`GemmaAttention.attend(attention_fn=)`):
-    the split kernel where it pays (`kernel_pays`), else SDPA; the kernel's form of the mask made
-    once for the whole stack."""
+    the split kernel wherever it takes the shape, else SDPA; the kernel's form of the mask made once
+    for the whole stack."""
     key_only = mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
     key_mask = kernel_key_mask(mask, batch) if key_only and backend != "reference" else None
 
     def attend(q: torch.Tensor, k: KV, v: KV, m: torch.Tensor) -> torch.Tensor:
-        return attention_split(q, k, v, m, backend=backend, only_where_it_pays=True,
+        return attention_split(q, k, v, m, backend=backend,
                                key_mask=key_mask if m is mask else None)
 
     return attend

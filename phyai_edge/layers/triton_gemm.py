@@ -42,10 +42,12 @@ Under Triton's CPU interpreter (`TRITON_INTERPRET=1`) the tiles are upcast to fl
 notes) and its bf16 stores round toward zero, so CPU results sit within about one bf16 ulp of a
 GPU's.
 
-Status: tested against the references on CPU under the interpreter only
-(`tests/test_triton_gemm.py`). **None of this has run on a GPU yet**: the kernels have not been
-compiled for sm_90, the tile table holds unmeasured first guesses, and `MAX_ROWS` is a guess;
-`benchmarks/gemm_gpu.py` is the measurement that should replace them. Written against the
+Status: tested against the references on CPU under the interpreter (`tests/test_triton_gemm.py`)
+and on an H200 (`benchmarks/gemm_gpu.py`, each config checked against the reference, then timed
+inside CUDA graphs): at M = 50 QKV+RoPE 6.48 vs 6.98 us, o_proj 6.52 vs 7.38, gate/up+GeGLU 8.51
+vs 9.43, down 7.92 vs 8.14 (cuBLAS path); a batch-1 PI0.5 chunk 18.53 -> 17.52 ms. The M = 50
+tiles of the table are the sweep's winners; the wider ones are unused while `MAX_ROWS` is 64.
+Written against the
 Triton API present in both 3.6 (the GPU machine) and 3.9 (here): `tl.dot` with `acc` and
 `input_precision`, pointer-arithmetic loads and stores, `tl.program_id`, `tl.cdiv`.
 """
@@ -63,11 +65,10 @@ from torch import nn
 from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, triton
 from phyai_edge.layers.triton_ops import geglu_ref, qkv_rope_ref
 
-# Above this many rows a GEMM is no longer memory-bound at the expert's widths (M = 512 against
-# K = 1024 is ~1 TFLOP per GB of weights, past the H200's ~190 FLOP per byte balance point) and
-# cuBLAS's tuned compute-bound kernels are the safer choice. A first guess, to be set from
-# `benchmarks/gemm_gpu.py` (it times M = 50, 400 and 1600).
-MAX_ROWS = 512
+# Measured on an H200 (`benchmarks/gemm_gpu.py`, RESULTS.md): at M = 50 (batch 1) the kernels beat
+# cuBLAS (+ the separate RoPE / GeGLU kernel) on all four projections by 3-13%; at M = 400 and 1600
+# (batch 8, 32) cuBLAS won every shape but one (by 14-37%). So one 64-row tile is the limit.
+MAX_ROWS = 64
 # The weight dtypes `takes` sends to the kernels. float32 runs in the kernels too (the tests use
 # it for tight checks) but is not routed there: on a GPU it would be an IEEE-precision tl.dot
 # against cuBLAS's TF32 / SIMT paths, never measured.

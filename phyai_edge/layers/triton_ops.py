@@ -44,9 +44,9 @@ need a gradient (exact RTC guidance takes a vector-Jacobian product through the 
 reference: the kernels have no backward.
 
 Status: tested against the references on CPU under `TRITON_INTERPRET=1`
-(`tests/test_triton_ops.py`); the expert's and prefix's ops compiled and timed on an H200
-(`benchmarks/RESULTS.md`: with the split-KV attention, a batch-1 PI0.5 chunk 48.8 -> 23.6 ms under
-CUDA graphs). The SigLIP ops and `siglip_block_stack` have not yet run on a GPU.
+(`tests/test_triton_ops.py`); all of them compiled and timed on an H200 (`benchmarks/RESULTS.md`:
+with the split-KV attention a batch-1 PI0.5 chunk 48.4 -> 18.5 ms under CUDA graphs; the SigLIP
+stack took the vision stage 4.09 -> 2.31 ms at batch 1, 70.7 -> 38.9 ms at batch 32).
 
 This module imports without triton installed: the references and the dispatcher work, and the
 kernels are simply absent (`triton_available()` is False).
