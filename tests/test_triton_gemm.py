@@ -31,8 +31,8 @@ from test_triton_ops import _blocks, _stack_inputs, _stack_reference
 from phyai_edge.adapters.base import SolverSpec
 from phyai_edge.adapters.pi05 import builtin_adapter
 from phyai_edge.engines.cudagraph import CudaGraphEngine
+from phyai_edge.layers import fused_stacks, triton_ops
 from phyai_edge.layers import triton_gemm as tg
-from phyai_edge.layers import triton_ops
 from phyai_edge.layers.rotary import rope_cos_sin
 
 KERNELS_RUN, WHY_NOT = triton_ops.triton_status("cuda" if torch.cuda.is_available() else "cpu")
@@ -358,7 +358,7 @@ def test_block_stack_gemm_fp32(poisoned, launches, float32_routed) -> None:
     blocks = _blocks(torch.float32)
     args = _stack_inputs(blocks, torch.float32)
     with torch.no_grad():
-        out = triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="triton", gemm_backend="triton")
+        out = fused_stacks.adaptive_block_stack(blocks, *args, 1e-6, backend="triton", gemm_backend="triton")
         ref = _stack_reference(blocks, *args)
     n = len(blocks)
     assert launches == {"_linear_triton": 2 * n, "_geglu_triton": n, "_qkv_rope_triton": n}
@@ -370,8 +370,8 @@ def test_block_stack_gemm_bf16(poisoned, launches) -> None:
     blocks = _blocks(torch.bfloat16)
     args = _stack_inputs(blocks, torch.bfloat16)
     with torch.no_grad():
-        out = triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="triton", gemm_backend="triton")
-        plain = triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="triton")
+        out = fused_stacks.adaptive_block_stack(blocks, *args, 1e-6, backend="triton", gemm_backend="triton")
+        plain = fused_stacks.adaptive_block_stack(blocks, *args, 1e-6, backend="triton")
         ref = _stack_reference(blocks, *args)
     assert launches["_qkv_rope_triton"] == len(blocks) and launches["_linear_triton"] == 2 * len(blocks)
     # bf16 through three blocks: judged against the same blocks in float32, as test_triton_ops does
@@ -392,8 +392,8 @@ def test_block_stack_gemm_reference_path() -> None:
     blocks = _blocks(torch.bfloat16)
     args = _stack_inputs(blocks, torch.bfloat16)
     with torch.no_grad():
-        out = triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="reference", gemm_backend="reference")
-        ref = triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="reference")
+        out = fused_stacks.adaptive_block_stack(blocks, *args, 1e-6, backend="reference", gemm_backend="reference")
+        ref = fused_stacks.adaptive_block_stack(blocks, *args, 1e-6, backend="reference")
     assert torch.equal(out, ref)
 
 
@@ -405,7 +405,7 @@ def test_block_stack_gemm_skips_unfused_and_fp8(launches) -> None:
     blocks = _blocks(torch.bfloat16, fuse=False)
     args = _stack_inputs(blocks, torch.bfloat16)
     with torch.no_grad():
-        triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="triton", gemm_backend="triton")
+        fused_stacks.adaptive_block_stack(blocks, *args, 1e-6, backend="triton", gemm_backend="triton")
     # no fused QKV / gate-up: those (and an unfused MLP's down) keep the module path; o_proj takes the GEMM
     assert launches == {"_linear_triton": len(blocks), "_geglu_triton": 0, "_qkv_rope_triton": 0}
     fused = _blocks(torch.bfloat16)
@@ -413,7 +413,7 @@ def test_block_stack_gemm_skips_unfused_and_fp8(launches) -> None:
     assert convert_fp8(holder, "expert") > 0
     launches.update(dict.fromkeys(launches, 0))
     with torch.no_grad():
-        out = triton_ops.adaptive_block_stack(fused, *args, 1e-6, backend="triton", gemm_backend="triton")
+        out = fused_stacks.adaptive_block_stack(fused, *args, 1e-6, backend="triton", gemm_backend="triton")
     assert launches == dict.fromkeys(LAUNCHERS, 0) and torch.isfinite(out).all()
 
 

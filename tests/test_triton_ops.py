@@ -23,7 +23,7 @@ from phyai_edge.adapters.base import SolverSpec
 from phyai_edge.adapters.pi05 import builtin_adapter
 from phyai_edge.engines.cudagraph import CudaGraphEngine
 from phyai_edge.engines.eager import EagerEngine
-from phyai_edge.layers import triton_dispatch, triton_ops
+from phyai_edge.layers import fused_stacks, triton_dispatch, triton_ops
 from phyai_edge.layers.gemma import GemmaBlock
 from phyai_edge.layers.norm import ada_rms_norm_ref, layer_norm_ref
 from phyai_edge.layers.rotary import rope_cos_sin
@@ -183,7 +183,7 @@ def test_block_stack_reference_path(dtype, fuse) -> None:
     blocks = _blocks(dtype, fuse=fuse)
     args = _stack_inputs(blocks, dtype)
     with torch.no_grad():
-        out = triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="reference")
+        out = fused_stacks.adaptive_block_stack(blocks, *args, 1e-6, backend="reference")
         ref = _stack_reference(blocks, *args)
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
@@ -195,7 +195,7 @@ def test_block_stack_kernels(poisoned, dtype) -> None:
     blocks = _blocks(dtype)
     args = _stack_inputs(blocks, dtype)
     with torch.no_grad():
-        out = triton_ops.adaptive_block_stack(blocks, *args, 1e-6, backend="triton")
+        out = fused_stacks.adaptive_block_stack(blocks, *args, 1e-6, backend="triton")
         ref = _stack_reference(blocks, *args)
     if dtype == torch.float32:
         _check(out, ref, dtype)
@@ -245,7 +245,7 @@ def test_imports_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import phyai_edge.engines.cudagraph\n"
-        "from phyai_edge.layers import triton_ops as t\n"
+        "from phyai_edge.layers import fused_stacks, triton_gemm, triton_ops as t\n"
         "assert not t.triton_available() and t.resolve_backend('auto', 'cuda') == 'reference'\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -266,8 +266,8 @@ def test_engine_triton_ops_fp32(tiny, mode, monkeypatch) -> None:
     """fp32: the fused path (kernels under the interpreter, else the reference path) matches eager."""
     base, eager = tiny
     vision_calls = []
-    stack = triton_ops.siglip_block_stack
-    monkeypatch.setattr(triton_ops, "siglip_block_stack", lambda *a: vision_calls.append(a[-1]) or stack(*a))
+    stack = fused_stacks.siglip_block_stack
+    monkeypatch.setattr(fused_stacks, "siglip_block_stack", lambda *a: vision_calls.append(a[-1]) or stack(*a))
     fast = CudaGraphEngine(copy.deepcopy(base), device="cpu", dtype="float32", triton_ops=True)
     assert fast.triton_ops == ("triton" if KERNELS_RUN else "reference")
     inputs = _inputs(base, 2, 3, [9, 30], masked_view=True)
@@ -356,7 +356,7 @@ def test_plain_block_stack(backend, dtype) -> None:
     positions = torch.cumsum(mask.long(), 1) - 1
     cos, sin = rope_cos_sin(positions, attn.head_dim, 10000.0, dtype)
     with torch.no_grad():
-        k, v = triton_ops.plain_block_stack(blocks, x, cos, sin, mask[:, None, None, :], backend=backend)
+        k, v = fused_stacks.plain_block_stack(blocks, x, cos, sin, mask[:, None, None, :], backend=backend)
         rk, rv = _plain_reference(blocks, x, cos, sin, mask[:, None, None, :])
     assert k.shape == rk.shape and v.shape == rv.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -451,7 +451,7 @@ def _tower(dtype, fuse, cfg=(28, 7, 60, 3, 4, 100)):
 
 
 def _stack(tower, pixels, backend):
-    return triton_ops.siglip_block_stack(tower.encoder.layers, tower.embeddings(pixels), tower.post_layernorm,
+    return fused_stacks.siglip_block_stack(tower.encoder.layers, tower.embeddings(pixels), tower.post_layernorm,
                                          backend)
 
 

@@ -34,7 +34,7 @@ inputs need a gradient (exact RTC guidance takes a vector-Jacobian product) runs
 as does a dtype or layout the kernels do not take (`kernel_takes`). Where the kernels are worth
 it is a separate rule for callers, `takes(rows, weight)` / `module_takes(module, h)`: at most
 `MAX_ROWS` rows, a 2-D bf16 / fp16 weight of a plain `nn.Linear` (an fp8 linear from
-`layers.fp8`, or anything else, keeps its own forward). `triton_ops.adaptive_block_stack(...,
+`layers.fp8`, or anything else, keeps its own forward). `fused_stacks.adaptive_block_stack(...,
 gemm_backend=)` applies it layer by layer.
 
 Under Triton's CPU interpreter (`TRITON_INTERPRET=1`) the tiles are upcast to float32 before

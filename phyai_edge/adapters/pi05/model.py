@@ -280,29 +280,29 @@ class PI05Model(nn.Module):
         where it pays, attention) as fused Triton kernels (`layers.triton_ops`,
         `layers.triton_attention`; `backend` as there):
 
-        - `embed_images`: SigLIP's blocks on `triton_ops.siglip_block_stack` (LayerNorms fused
+        - `embed_images`: SigLIP's blocks on `fused_stacks.siglip_block_stack` (LayerNorms fused
           with the residual adds, GELU; SDPA without the all-true mask); patch embedding, position
           embedding and projector as in `embed_images` above.
-        - `encode_prefix`: the Gemma prefix on `triton_ops.plain_block_stack` (key-only masks).
-        - `denoise_step`: the action expert on `triton_ops.adaptive_block_stack`; with `gemm`, its
+        - `encode_prefix`: the Gemma prefix on `fused_stacks.plain_block_stack` (key-only masks).
+        - `denoise_step`: the action expert on `fused_stacks.adaptive_block_stack`; with `gemm`, its
           projections too, on the small-M GEMMs of `layers.triton_gemm` (RoPE and GeGLU in their
           epilogues). Only the denoise step: its M is batch x 50 rows (memory-bound GEMMs), while
           the prefix's ~batch x 816 rows are compute-bound and stay on cuBLAS.
 
         Engine options choose them (`CudaGraphEngine(triton_ops=True, triton_gemm=...)`); the
         model's own stage methods stay the reference."""
-        from phyai_edge.layers import triton_ops
+        from phyai_edge.layers import fused_stacks
 
         def embed_images(images):
             tower = self.vision
             x = tower.embeddings(images.flatten(0, 1))
-            feats = triton_ops.siglip_block_stack(tower.encoder.layers, x, tower.post_layernorm, backend)
+            feats = fused_stacks.siglip_block_stack(tower.encoder.layers, x, tower.post_layernorm, backend)
             return self.project_images(feats, images.shape[0], images.shape[1])
 
         def denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=None):
             per_layer, final_mod = modulation if modulation is not None else self.time_modulation(t)
             x, cos, sin, mask = self.expert_inputs(x_t, prefix_mask)
-            out = triton_ops.adaptive_block_stack(
+            out = fused_stacks.adaptive_block_stack(
                 self.expert_layers, x, cos, sin, k_cache, v_cache, mask, per_layer, final_mod,
                 self.expert_norm.eps, backend, gemm_backend=backend if gemm else None,
             )
@@ -315,7 +315,7 @@ class PI05Model(nn.Module):
             x, mask = self.embed_prefix(image_embeds, image_mask, tokens, token_mask)
             positions = torch.cumsum(mask.long(), dim=1) - 1
             cos, sin = rope_cos_sin(positions, p.head_dim, p.rope_theta, self.compute_dtype)
-            k, v = triton_ops.plain_block_stack(self.prefix_layers, x, cos, sin, mask[:, None, None, :], backend)
+            k, v = fused_stacks.plain_block_stack(self.prefix_layers, x, cos, sin, mask[:, None, None, :], backend)
             return k, v, mask
 
         return {"embed_images": embed_images, "denoise_step": denoise_step, "encode_prefix": encode_prefix}

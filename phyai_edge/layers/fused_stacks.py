@@ -1,0 +1,231 @@
+"""Stacks of transformer blocks run on the fused kernels: PI0.5's action expert
+(`adaptive_block_stack`), its Gemma prefix (`plain_block_stack`) and its SigLIP vision tower
+(`siglip_block_stack`). Each is the same function as running the blocks' own forward one after
+another; only how the work is launched changes.
+
+The kernels live below this module: the elementwise chains in `layers.triton_ops`, the split-KV
+attention in `layers.triton_attention`, the small-M GEMMs in `layers.triton_gemm`; each has a
+reference path, chosen by the same `backend` argument, so these stacks also run without triton.
+
+`adaptive_block_stack` carries the normed input across block boundaries (the residual of block i is
+fused with the input norm of block i + 1, the last one with the final norm). The blocks' own
+linears (`qkv_proj`, `o_proj`, `gate_up`, `down_proj`: bf16, or fp8 after
+`layers.fp8.convert_fp8`) and attention are called as they are; only the elementwise glue changes,
+unless `gemm_backend` is given: then the plain bf16 / fp16 projections that `triton_gemm` takes run
+on its small-M GEMMs, with RoPE and GeGLU in the GEMMs' epilogues (`qkv_rope` and `geglu` are then
+not launched). `plain_block_stack` does the same for the prefix (Gemma's RMSNorm `normed * (1 + w)`
+is the adaptive norm with scale w and no shift, its ungated residual the gated one with gate 1),
+and `siglip_block_stack` for the vision tower (each block's residual fused with the next block's
+first LayerNorm, the last with the tower's post-layernorm; attention is SDPA, handed no mask:
+SigLIP's is full).
+
+Models choose these stacks around themselves (`PI05Model.triton_stages`, an engine option:
+`CudaGraphEngine(triton_ops=..., triton_gemm=...)`); the model's own code path is unchanged.
+Tested against the per-block path in `tests/test_triton_ops.py` and `tests/test_triton_gemm.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from phyai_edge.layers import triton_gemm
+from phyai_edge.layers.norm import Modulation
+from phyai_edge.layers.triton_attention import stack_attention
+from phyai_edge.layers.triton_ops import (
+    ada_rms_norm,
+    bias_gelu,
+    geglu,
+    layer_norm,
+    qkv_rope,
+    residual_ada_rms_norm,
+    residual_layer_norm,
+)
+
+
+# -- a stack of adaptive Gemma blocks on the fused ops --------------------------------------------
+def _qkv_projection(attn: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The packed (B, T, (H + 2 Hkv) D) projection: the fused GEMM, or its parts concatenated."""
+    if attn.qkv_proj is not None:
+        return attn.qkv_proj(h)
+    return torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+
+
+def _qkv(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str,
+         gemm_backend: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v with RoPE: the fused QKV GEMM with RoPE in its epilogue where
+    `triton_gemm.module_takes` the projection, else the projection then `qkv_rope`."""
+    if gemm_backend is not None and attn.qkv_proj is not None and triton_gemm.module_takes(attn.qkv_proj, h):
+        return triton_gemm.linear_qkv_rope(h, attn.qkv_proj.weight, cos, sin, attn.num_heads, attn.num_kv_heads,
+                                           attn.head_dim, gemm_backend, bias=attn.qkv_proj.bias)
+    return qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim, backend)
+
+
+def _attend(attn: torch.nn.Module, q: torch.Tensor, k: Any, v: Any, mask: torch.Tensor,
+            attend: Callable[..., torch.Tensor], gemm_backend: str | None) -> torch.Tensor:
+    """`attn.attend(q, k, v, mask, attention_fn=attend)`, its o-projection on the small-M Triton
+    GEMM where that takes it."""
+    if gemm_backend is None:
+        return attn.attend(q, k, v, mask, attention_fn=attend)
+    out = attend(q, k, v, mask)
+    b, _, t, _ = out.shape
+    # The split kernel's output is a transposed view of a (B, T, H, D) buffer: this reshape is free.
+    out = out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)
+    return _project(attn.o_proj, out.to(attn.o_proj.weight.dtype), gemm_backend)
+
+
+def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str, gemm_backend: str | None = None) -> torch.Tensor:
+    if mlp.gate_up is None:
+        return mlp(h)
+    if gemm_backend is None:
+        return mlp.down_proj(geglu(mlp.gate_up(h), backend))
+    if triton_gemm.module_takes(mlp.gate_up, h):
+        a = triton_gemm.linear_geglu(h, mlp.gate_up.weight, gemm_backend, bias=mlp.gate_up.bias)
+    else:
+        a = geglu(mlp.gate_up(h), backend)
+    return _project(mlp.down_proj, a, gemm_backend)
+
+
+def _project(linear: torch.nn.Module, h: torch.Tensor, gemm_backend: str | None) -> torch.Tensor:
+    """`linear(h)`, on the small-M Triton GEMM where `triton_gemm.module_takes` it."""
+    if gemm_backend is not None and triton_gemm.module_takes(linear, h):
+        return triton_gemm.linear(h, linear.weight, gemm_backend, bias=linear.bias)
+    return linear(h)
+
+
+def adaptive_block_stack(
+    blocks: Sequence[torch.nn.Module],
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    mask: torch.Tensor,
+    modulations: Sequence[tuple[Modulation, Modulation]],
+    final: Modulation,
+    final_eps: float,
+    backend: str = "reference",
+    gemm_backend: str | None = None,
+) -> torch.Tensor:
+    """Adaptive `GemmaBlock`s over x (B, T, W), each attending to its cached prefix keys/values
+    (`k_cache[i]`, `v_cache[i]`) and to itself, then the final adaptive norm (modulation `final`,
+    `final_eps`): returns that norm's output, in x.dtype.
+
+    The same function as running `block.project_kv` / `block.finish` per block and then the final
+    `AdaRMSNorm`, with the elementwise chains fused: each gated residual is computed together
+    with the norm that follows it (the block's post-attention norm, the next block's input norm,
+    or the final norm). `modulations[i]` is block i's (input, post-attention) (scale, shift, gate).
+
+    `gemm_backend` (None: every linear is its module's own forward, cuBLAS on a GPU): the
+    projections on the small-M GEMMs of `layers.triton_gemm` with that backend, each where
+    `triton_gemm.module_takes` it (a plain bf16 / fp16 `nn.Linear`, few enough rows; an fp8
+    linear or an unfused projection keeps its module): QKV with RoPE in its epilogue, gate/up
+    with GeGLU in its epilogue, o_proj and down as plain GEMMs.
+    """
+    attend = stack_attention(mask, x.shape[0], backend)
+    scale, shift, _ = modulations[0][0]
+    h = ada_rms_norm(x, scale, shift, blocks[0].input_layernorm.eps, backend)
+    for i, block in enumerate(blocks):
+        attn = block.self_attn
+        (_, _, gate_in), (scale2, shift2, gate_post) = modulations[i]
+        q, k, v = _qkv(attn, h, cos, sin, backend, gemm_backend)
+        # The cached prefix and the step's own keys as two parts: no per-layer concatenation.
+        y = _attend(attn, q, (k_cache[i], k), (v_cache[i], v), mask, attend, gemm_backend)
+        x, h = residual_ada_rms_norm(x, y, gate_in, scale2, shift2, block.post_attention_layernorm.eps, backend)
+        y = _mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend, gemm_backend)
+        if i + 1 < len(blocks):
+            next_scale, next_shift, _ = modulations[i + 1][0]
+            eps = blocks[i + 1].input_layernorm.eps
+        else:
+            next_scale, next_shift, _ = final
+            eps = final_eps
+        x, h = residual_ada_rms_norm(x, y, gate_post, next_scale, next_shift, eps, backend)
+    return h
+
+
+def plain_block_stack(
+    blocks: Sequence[torch.nn.Module],
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    backend: str = "reference",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain (non-adaptive) `GemmaBlock`s over x (B, T, W), attending among themselves under a
+    key-only mask (B, 1, 1, T): returns every block's rotated keys and values, stacked
+    (blocks, B, Hkv, T, D). The last block's attention and MLP are skipped (only its K/V is read).
+
+    The same function as `project_kv` / `finish` per block (the PI0.5 prefix), on the kernels
+    above: Gemma's RMSNorm `normed * (1 + w)` is the adaptive norm with scale w and no shift,
+    and its ungated residual the gated one with gate 1 (both exact)."""
+    attend = stack_attention(mask, x.shape[0], backend)
+    width = x.shape[-1]
+    zero = torch.zeros(1, 1, width, dtype=torch.float32, device=x.device)
+    one = torch.ones(1, 1, width, dtype=x.dtype, device=x.device)
+
+    def weight(norm: torch.nn.Module) -> torch.Tensor:
+        return norm.weight.view(1, 1, width)
+
+    first = blocks[0].input_layernorm
+    h = ada_rms_norm(x, weight(first), zero, first.eps, backend)
+    ks, vs = [], []
+    last = len(blocks) - 1
+    for i, block in enumerate(blocks):
+        attn = block.self_attn
+        q, k, v = qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads,
+                           attn.head_dim, backend)
+        ks.append(k)
+        vs.append(v)
+        if i == last:
+            break
+        y = attn.attend(q, k, v, mask, attention_fn=attend)
+        post = block.post_attention_layernorm
+        x, h = residual_ada_rms_norm(x, y, one, weight(post), zero, post.eps, backend)
+        y = _mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend)
+        nxt = blocks[i + 1].input_layernorm
+        x, h = residual_ada_rms_norm(x, y, one, weight(nxt), zero, nxt.eps, backend)
+    return torch.stack(ks), torch.stack(vs)
+
+
+# -- the SigLIP encoder on the fused ops ------------------------------------------------------------
+def _siglip_attention(attn: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """`SiglipAttention` without its mask. The mask is all true (every patch sees every patch), so
+    SDPA is given none: the same function, minus the 4 kernels a layer that build the mask and
+    check it for empty rows, and minus the mask's reads inside the attention kernel."""
+    b, t, w = h.shape
+    nh = attn.num_heads
+    if attn.qkv_proj is not None:
+        q, k, v = attn.qkv_proj(h).reshape(b, t, 3, nh, w // nh).permute(2, 0, 3, 1, 4).unbind(0)
+    else:
+        q, k, v = (p(h).reshape(b, t, nh, w // nh).transpose(1, 2) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    out = F.scaled_dot_product_attention(q, k, v)
+    return attn.out_proj(out.transpose(1, 2).reshape(b, t, w))
+
+
+def siglip_block_stack(
+    blocks: Sequence[torch.nn.Module], x: torch.Tensor, final_norm: torch.nn.Module, backend: str = "reference"
+) -> torch.Tensor:
+    """`SiglipBlock`s over x (N, T, W) (the embeddings' output), then `final_norm` (the tower's
+    post-layernorm): the same function as `SiglipEncoder` followed by that norm, returned in
+    x.dtype.
+
+    Each residual add is computed together with the LayerNorm after it (the block's second norm,
+    the next block's first, or the final one); the first norm runs alone; fc1's GELU is
+    `bias_gelu` with no bias (the GEMM adds it). The blocks' linears (fused QKV or its parts, fp8
+    after `layers.fp8.convert_fp8`) are called as they are, and attention is SDPA's."""
+    norms = [block.layer_norm1 for block in blocks] + [final_norm]
+    # The embeddings' sum keeps the patch convolution's transposed layout; both the first norm and
+    # the first residual read it as rows, so copy once here rather than once in each.
+    x = x.contiguous()
+    h = layer_norm(x, norms[0].weight, norms[0].bias, norms[0].eps, backend)
+    for i, block in enumerate(blocks):
+        post = block.layer_norm2
+        x, h = residual_layer_norm(x, _siglip_attention(block.self_attn, h), post.weight, post.bias, post.eps,
+                                   backend)
+        y = block.mlp.fc2(bias_gelu(block.mlp.fc1(h), None, backend))
+        nxt = norms[i + 1]
+        x, h = residual_layer_norm(x, y, nxt.weight, nxt.bias, nxt.eps, backend)
+    return h
