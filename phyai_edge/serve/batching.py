@@ -16,6 +16,8 @@ riders.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +27,9 @@ import torch
 
 from phyai_edge.adapters.base import Observation
 from phyai_edge.engines.base import SOLVER_RTC_MODES, RTCRequest
-from phyai_edge.serve.scheduler import compatible
+from phyai_edge.serve.scheduler import compatible, pad_size  # pad_size: also imported from here
+
+log = logging.getLogger(__name__)
 
 # (mode, beta, delay, execution horizon, prefix length); None: no solver RTC. For an engine
 # with per-sample RTC the last three are -1 (requests group by mode and beta only).
@@ -52,6 +56,9 @@ class ItemResult:
     error: str = ""
     batch: int = 0  # observations in the engine call that produced it (after padding)
     stage_ms: dict[str, float] = field(default_factory=dict)
+    # Its group's engine call failed and it ran again alone: the batch cost one engine call per
+    # request on top of the failed one (the server counts these; it is easy to miss otherwise).
+    rerun: bool = False
 
 
 def group_key(rtc: Any, per_sample: bool = True) -> GroupKey:
@@ -90,17 +97,6 @@ def group_items(items: Sequence[BatchItem], per_sample: bool = True) -> list[lis
     elif loose:
         groups.append((None, loose))
     return [sorted(members) for _, members in groups]
-
-
-def pad_size(n: int, batch_sizes: Sequence[int] | None) -> int:
-    """Smallest captured batch size >= n (an engine with CUDA graphs or TensorRT profiles runs
-    only those); n itself when the engine takes any size."""
-    if not batch_sizes:
-        return n
-    fits = [b for b in sorted(batch_sizes) if b >= n]
-    if not fits:
-        raise ValueError(f"batch of {n} exceeds the largest captured batch size {max(batch_sizes)}")
-    return fits[0]
 
 
 def split_rtc(rtc: RTCRequest | None, k: int) -> list[RTCRequest | None]:
@@ -178,10 +174,14 @@ def run_items(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int
         for chunk in chunks:
             try:
                 got = run_group(policy, [items[i] for i in chunk], batch_sizes)
-            except Exception:
+            except Exception as exc:
                 # One malformed request (wrong state width, unknown camera) must not cost its
                 # batch neighbours their answers: rerun one by one so only it fails.
+                log.warning("engine call for %d requests failed (%s: %s); running them one by one",
+                            len(chunk), type(exc).__name__, exc)
                 got = [_run_alone(policy, items[i], batch_sizes) for i in chunk]
+                for r in got:
+                    r.rerun = True
             for i, r in zip(chunk, got):
                 results[i] = r
     return [r if r is not None else ItemResult(None, error="not run") for r in results]
@@ -192,3 +192,26 @@ def _run_alone(policy: Any, item: BatchItem, batch_sizes: Sequence[int] | None) 
         return run_group(policy, [item], batch_sizes)[0]
     except Exception as exc:
         return ItemResult(None, error=f"{type(exc).__name__}: {exc}")
+
+
+def warm_up(policy: Any, batch_sizes: Sequence[int], observations: Sequence[Observation],
+            rtc: RTCRequest | None = None, repeats: int = 2) -> dict[int, float]:
+    """Run every batch size once per observation before serving, so that no robot's request
+    pays for the engine's first call at a shape (a CUDA-graph capture: about a second at full
+    size). Give one observation per prompt-length class the robots will send: an engine that
+    trims the prompt (cudagraph) keeps one set of graphs per batch size and prompt bucket.
+    Returns the last run's seconds per batch size for the first observation (a first
+    estimate for the scheduler's latency rule)."""
+    if not observations:
+        raise ValueError("warm_up needs at least one observation")
+    times: dict[int, float] = {}
+    for b in sorted(set(batch_sizes)):
+        for i, obs in enumerate(observations):
+            for _ in range(repeats if i == 0 else 1):
+                t0 = time.perf_counter()
+                got = run_items(policy, [BatchItem([obs], rtc) for _ in range(b)], batch_sizes)
+                if got[0].actions is None:
+                    raise RuntimeError(f"warm-up at batch {b} failed: {got[0].error}")
+                if i == 0:
+                    times[b] = time.perf_counter() - t0
+    return times

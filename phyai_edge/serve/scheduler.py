@@ -6,29 +6,121 @@ Admission (`submit`), from the intake thread:
   make every robot late);
 - per-robot share: a robot with `per_robot` requests already queued is rejected with
   `robot_limit`, so one chatty or misbehaving robot cannot fill the queue.
+A request that is admitted is always run and answered, late if need be (the reply says so);
+the scheduler never drops one.
 
 Batch formation (`next_batch`), from an inference thread:
 - the window opens with the oldest queued request and closes after `window_s`, when enough
   observations are queued to fill `max_batch`, or earlier when waiting longer would make the
-  earliest deadline miss (deadline - estimated service time), whichever comes first;
-- requests are taken earliest deadline first, at most one per robot in the first pass (so a
-  robot with two queued requests cannot push another robot's only request to the next batch),
-  then further requests by deadline to fill the batch;
-- only requests that may share an engine call join (same solver RTC mode and guidance
-  weight, see `batching`).
+  earliest deadline miss (deadline - the expected service time of a batch of what is queued),
+  whichever comes first;
+- candidates are ordered earliest deadline first, at most one per robot in the first pass (so
+  a robot with two queued requests cannot push another robot's only request to the next
+  batch), then further requests by deadline; only requests that may share an engine call
+  join (same solver RTC mode and guidance weight, see `batching`);
+- the batch is a prefix of that order, at most `max_batch` observations, as long as the
+  latency rule below makes it.
+
+The latency rule. Every padded batch size has a service time learned online (`ServiceTimes`:
+one moving estimate per size the engine really runs, padding included), so a batch of the
+first k candidates is expected to finish at F(k) = now + T(pad(k)), and the candidates it
+leaves out, run next as one batch, at F(k) + T(pad(rest)). The batch takes the k with the
+fewest expected misses over the two (ties: the larger k). So a batch does not grow past the
+size at which its earliest deadline would miss when a smaller batch would keep it, unless the
+requests that smaller batch leaves behind would then miss more deadlines than it saves. A
+request that would miss even alone counts the same for every k and so holds nobody back; when
+every candidate is lost the batch is as large as allowed. Under overload that keeps batches
+large (the engine's throughput) while still giving each batch the urgent requests it can save;
+the server answers admitted requests late (flagged `late`) rather than dropping them, and
+refuses new ones only when the queue is full (back-pressure above).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from phyai_edge.serve.wire import ERR_OVERLOADED, ERR_ROBOT_LIMIT, ERR_SHUTDOWN
 
 Clock = Callable[[], float]
+
+# The captured batch sizes a serving engine pads to by default. The engine's time per chunk is
+# close to linear in the padded size (H200, full PI0.5, cudagraph bf16: 21 ms at 1, 76 at 8,
+# 268 at 32, 525 at 64: ~8 ms per sample above a small fixed part), so a padded row costs
+# about as much as a real one, and what padding wastes is padded rows, not a ratio. Powers of
+# two waste up to 15 rows (~120 ms) between 16 and 32, where a 500 ms budget puts the batches
+# that can still meet it (a request waits for the batch in flight and then its own, so a batch
+# must fit in about half the budget): steps of 4 there (at most 3 padded rows, ~25 ms), steps
+# of 8 above 32 (batches that large only drain an overload) and powers of two below 8 (small
+# batches: little to waste). Each size costs a capture at start-up (~1 s) and its graphs'
+# memory; 14 sizes instead of 7.
+DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64)
+
+
+def pad_size(n: int, batch_sizes: Sequence[int] | None) -> int:
+    """Smallest captured batch size >= n (an engine with CUDA graphs or TensorRT profiles runs
+    only those); n itself when the engine takes any size."""
+    if not batch_sizes:
+        return n
+    fits = [b for b in sorted(batch_sizes) if b >= n]
+    if not fits:
+        raise ValueError(f"batch of {n} exceeds the largest captured batch size {max(batch_sizes)}")
+    return fits[0]
+
+
+def serving_batch_sizes(max_batch: int, sizes: Iterable[int] = DEFAULT_BATCH_SIZES) -> list[int]:
+    """The sizes to capture for a server that runs at most `max_batch` observations per call:
+    those up to it, and `max_batch` itself (a batch of max_batch needs a size to pad to)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return sorted({b for b in sizes if b <= max_batch} | {max_batch})
+
+
+class ServiceTimes:
+    """Seconds per batch, learned per padded batch size, for the latency rule.
+
+    A size's estimate is a moving average that leans towards the slow side (a slow batch moves
+    it half way, a fast one a tenth of the way): closing a batch late costs a deadline, a batch
+    a little smaller than it could have been costs little. A size not yet measured is read off
+    its measured neighbours: linearly between the nearest below and above; above the largest,
+    that size's time per observation (the engine's time per observation falls as batches grow,
+    so this errs slow); below the smallest, the smallest's time (a smaller batch is not
+    slower); with nothing measured yet, `prior_s`."""
+
+    def __init__(self, prior_s: float = 0.05) -> None:
+        self.prior_s = prior_s
+        self._s: dict[int, float] = {}
+
+    def record(self, size: int, seconds: float) -> None:
+        old = self._s.get(size)
+        if old is None:
+            self._s[size] = seconds
+        elif seconds > old:
+            self._s[size] = 0.5 * old + 0.5 * seconds
+        else:
+            self._s[size] = 0.9 * old + 0.1 * seconds
+
+    def estimate(self, size: int) -> float:
+        if size in self._s:
+            return self._s[size]
+        if not self._s:
+            return self.prior_s
+        below = [b for b in self._s if b < size]
+        above = [b for b in self._s if b > size]
+        if below and above:
+            lo, hi = max(below), min(above)
+            f = (size - lo) / (hi - lo)
+            return self._s[lo] + f * (self._s[hi] - self._s[lo])
+        if below:
+            lo = max(below)
+            return self._s[lo] * size / lo
+        return self._s[min(above)]
+
+    def snapshot(self) -> dict[int, float]:
+        return dict(sorted(self._s.items()))
 
 
 @dataclass(eq=False)  # identity, not field equality: payloads hold numpy arrays
@@ -49,7 +141,10 @@ class SchedulerConfig:
     window_s: float = 0.005  # how long the first request of a batch waits for company
     capacity: int = 64  # queued requests, all robots together
     per_robot: int = 2  # queued requests per robot
-    service_estimate_s: float = 0.05  # first guess of one batch's service time, refined as batches run
+    service_estimate_s: float = 0.05  # first guess of any batch's service time, until one is measured
+    # The engine's captured batch sizes (None: it runs any size): the latency rule prices a
+    # batch at the size it is padded to.
+    batch_sizes: tuple[int, ...] | None = None
 
 
 def compatible(a: Any, b: Any) -> bool:
@@ -74,7 +169,11 @@ class Scheduler:
         self._cond = threading.Condition()
         self._closed = False
         self._seq = 0
-        self.service_s = self.cfg.service_estimate_s
+        self.times = ServiceTimes(self.cfg.service_estimate_s)
+        sizes = self.cfg.batch_sizes
+        self.batch_sizes: tuple[int, ...] | None = tuple(sorted(sizes)) if sizes else None
+        # A batch larger than the largest captured size could not be padded to one.
+        self.limit = min(self.cfg.max_batch, self.batch_sizes[-1]) if self.batch_sizes else self.cfg.max_batch
 
     # -- intake ----------------------------------------------------------------------------
     def submit(self, p: Pending) -> str | None:
@@ -86,7 +185,7 @@ class Scheduler:
                 return ERR_OVERLOADED
             if self._per_robot.get(p.robot, 0) >= self.cfg.per_robot:
                 return ERR_ROBOT_LIMIT
-            if p.size > self.cfg.max_batch:
+            if p.size > self.limit:
                 return ERR_OVERLOADED
             p.arrival = p.arrival or self.clock()
             p.seq = self._seq
@@ -117,40 +216,93 @@ class Scheduler:
             self._cond.notify_all()
             return left
 
-    def record_service(self, seconds: float) -> None:
-        """Measured time of one batch; a moving estimate that leans towards the slow side,
-        because closing a window late costs a deadline and closing it early costs little."""
+    # -- service times ---------------------------------------------------------------------
+    def padded(self, observations: int) -> int:
+        return pad_size(observations, self.batch_sizes)
+
+    def record_service(self, size: int, seconds: float) -> None:
+        """Measured time of one batch that the engine ran at `size` (padded) observations."""
         with self._cond:
-            if seconds > self.service_s:
-                self.service_s = 0.5 * self.service_s + 0.5 * seconds
-            else:
-                self.service_s = 0.9 * self.service_s + 0.1 * seconds
+            self.times.record(size, seconds)
+
+    def expected_service(self, observations: int) -> float:
+        """Expected seconds for a batch of this many observations (priced at its padded size)."""
+        with self._cond:
+            return self.times.estimate(self.padded(observations))
+
+    def service_estimates(self) -> dict[int, float]:
+        with self._cond:
+            return self.times.snapshot()
 
     # -- batch formation -------------------------------------------------------------------
     def _close_time(self) -> float:
         oldest = min(p.arrival for p in self._queue)
         earliest = min(p.deadline for p in self._queue)
-        return min(oldest + self.cfg.window_s, earliest - self.service_s)
+        queued = min(sum(p.size for p in self._queue), self.limit)
+        return min(oldest + self.cfg.window_s, earliest - self.times.estimate(self.padded(queued)))
 
-    def _select(self) -> list[Pending]:
+    def ready_at(self) -> float | None:
+        """When `next_batch` would hand out a batch if nothing else arrived (None: queue empty)."""
+        with self._cond:
+            if not self._queue:
+                return None
+            if sum(p.size for p in self._queue) >= self.limit:
+                return self.clock()
+            return self._close_time()
+
+    def _candidates(self) -> list[Pending]:
+        """Queued requests in the order a batch takes them: earliest deadline first, one per
+        robot before any robot's second, only those compatible with the most urgent one, at
+        most `limit` observations."""
         order = sorted(self._queue, key=lambda p: (p.deadline, p.seq))
         key = order[0].key  # the most urgent request decides which kind of batch this is
         chosen: list[Pending] = []
+        taken: set[int] = set()
         robots: set[str] = set()
         total = 0
         for first_pass in (True, False):
             for p in order:
-                if p in chosen or (first_pass and p.robot in robots):
+                if id(p) in taken or (first_pass and p.robot in robots):
                     continue
-                if not compatible(key, p.key) or total + p.size > self.cfg.max_batch:
+                if not compatible(key, p.key) or total + p.size > self.limit:
                     continue
                 if key is None and p.key is not None:
                     key = p.key  # an unguided head adopts the first guided request's kind
                 chosen.append(p)
+                taken.add(id(p))
                 robots.add(p.robot)
                 total += p.size
+        return chosen
+
+    def _take(self, candidates: list[Pending], now: float) -> int:
+        """How many candidates the batch takes: the latency rule (module docstring)."""
+        cost: dict[int, float] = {}
+
+        def seconds(observations: int) -> float:
+            size = self.padded(observations)
+            if size not in cost:
+                cost[size] = self.times.estimate(size)
+            return cost[size]
+
+        total = sum(p.size for p in candidates)
+        best_k, best_misses, n = len(candidates), len(candidates) + 1, 0
+        for k in range(1, len(candidates) + 1):
+            n += candidates[k - 1].size
+            first = now + seconds(n)
+            misses = sum(first > p.deadline for p in candidates[:k])
+            if k < len(candidates):
+                second = first + seconds(total - n)
+                misses += sum(second > p.deadline for p in candidates[k:])
+            if misses <= best_misses:  # ties go to the larger batch: more work done per call
+                best_k, best_misses = k, misses
+        return best_k
+
+    def _select(self) -> list[Pending]:
+        candidates = self._candidates()
+        chosen = candidates[:self._take(candidates, self.clock())]
+        ids = {id(p) for p in chosen}
+        self._queue = [p for p in self._queue if id(p) not in ids]
         for p in chosen:
-            self._queue.remove(p)
             left = self._per_robot.get(p.robot, 1) - 1
             if left:
                 self._per_robot[p.robot] = left
@@ -169,7 +321,7 @@ class Scheduler:
                 now = self.clock()
                 if self._queue:
                     queued = sum(p.size for p in self._queue)
-                    if queued >= self.cfg.max_batch or now >= self._close_time():
+                    if queued >= self.limit or now >= self._close_time():
                         return self._select()
                     wait = self._close_time() - now
                 else:

@@ -17,6 +17,7 @@ batch, and its stats show it idle.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -31,9 +32,9 @@ import zmq
 from phyai_edge.adapters.base import Observation
 from phyai_edge.engines.base import RTCRequest
 from phyai_edge.serve import wire
-from phyai_edge.serve.batching import BatchItem, ItemResult, group_key, run_items
+from phyai_edge.serve.batching import BatchItem, ItemResult, group_key, run_items, warm_up
 from phyai_edge.serve.scheduler import Pending, Scheduler, SchedulerConfig
-from phyai_edge.serve.stats import ServerStats, format_report
+from phyai_edge.serve.stats import BatchRecord, ServerStats, format_report
 
 log = logging.getLogger("phyai_edge.serve")
 
@@ -74,6 +75,14 @@ class LocalExecutor:
     def run(self, items: list[BatchItem]) -> list[ItemResult]:
         return run_items(self.policy, items, self.batch_sizes, self.max_batch)
 
+    def warm_up(self, observations: Sequence[Observation], rtc: RTCRequest | None = None) -> dict[int, float]:
+        """Every captured batch size once per observation (see `batching.warm_up`); nothing to
+        do for an engine that takes any size."""
+        if not self.batch_sizes:
+            return {}
+        sizes = [b for b in self.batch_sizes if self.max_batch is None or b <= self.max_batch]
+        return warm_up(self.policy, sizes, observations, rtc)
+
 
 def request_item(req: wire.Request, tag: Any = None) -> BatchItem:
     """Decoded wire request -> what the batcher runs. Images stay views of their ZeroMQ frames
@@ -107,7 +116,11 @@ class PolicyServer:
     ) -> None:
         self.executor = executor
         self.bind_endpoint = endpoint
-        self.sched = Scheduler(scheduler or SchedulerConfig())
+        cfg = scheduler or SchedulerConfig()
+        if cfg.batch_sizes is None and getattr(executor, "batch_sizes", None):
+            # The latency rule prices a batch at the size the executor pads it to.
+            cfg = dataclasses.replace(cfg, batch_sizes=tuple(executor.batch_sizes))
+        self.sched = Scheduler(cfg)
         self.default_budget_s = default_budget_ms / 1e3
         self.workers = max(1, workers)
         self.report_s = report_s
@@ -154,10 +167,20 @@ class PolicyServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def warm_up(self, observations: Sequence[Observation], rtc: RTCRequest | None = None) -> dict[int, float]:
+        """Before `start`: run the executor's batch sizes once (no capture lands on a robot's
+        request) and take their times as the latency rule's first estimates."""
+        fn = getattr(self.executor, "warm_up", None)
+        times: dict[int, float] = fn(observations, rtc) if fn is not None else {}
+        for size, seconds in times.items():
+            self.sched.record_service(size, seconds)
+        return times
+
     def report(self) -> dict[str, Any]:
         rep = self.stats.report()
         rep["queued"] = len(self.sched)
-        rep["service_estimate_ms"] = self.sched.service_s * 1e3
+        # The latency rule's learned service time per padded batch size.
+        rep["service_estimate_ms"] = {b: s * 1e3 for b, s in self.sched.service_estimates().items()}
         return rep
 
     def serve_forever(self) -> None:
@@ -259,6 +282,7 @@ class PolicyServer:
         key = group_key(item.rtc, bool(self._model.get("per_sample_rtc", True)))
         p = Pending(req.robot, req.req_id, item.size, arrival + budget, key, (ident, item), arrival)
         code = self.sched.submit(p)
+        self.stats.intake((time.monotonic() - arrival) * 1e3)
         if code is not None:
             self.stats.rejected(req.robot)
             self._reply_error(ident, req.req_id, code, _reject_message(code, self.sched.cfg))
@@ -287,8 +311,10 @@ class PolicyServer:
             log.exception("batch of %d failed", len(batch))
             results = [ItemResult(None, error=f"{type(exc).__name__}: {exc}") for _ in batch]
         done = time.monotonic()
-        self.sched.record_service(done - t0)
-        self.stats.batch(max((r.batch for r in results), default=len(batch)))
+        record = batch_record(batch, results, t0, done)
+        if record.calls == 1 and not record.reruns:
+            # Learn only from a batch that was one engine call: that is what the estimate prices.
+            self.sched.record_service(record.padded, done - t0)
         for p, r in zip(batch, results):
             ident = p.payload[0]
             latency_ms, queue_ms = (done - p.arrival) * 1e3, (t0 - p.arrival) * 1e3
@@ -300,6 +326,23 @@ class PolicyServer:
             info = {"stage_ms": r.stage_ms, "batch": r.batch, "queue_ms": queue_ms, "server_ms": latency_ms,
                     "late": missed}
             self._reply(ident, wire.Reply(p.req_id, True, np.asarray(r.actions, dtype=np.float32), info=info))
+        record.reply_ms = (time.monotonic() - done) * 1e3
+        self.stats.batch(max((r.batch for r in results), default=len(batch)), record)
+
+
+def batch_record(batch: list[Pending], results: list[ItemResult], t0: float, done: float) -> BatchRecord:
+    """Where one batch's time went, from the stage times its engine calls reported."""
+    calls = {id(r.stage_ms): r for r in results if r.actions is not None}  # one stage_ms dict per call
+    rec = BatchRecord(observations=sum(p.size for p in batch), padded=sum(r.batch for r in calls.values()),
+                      calls=len(calls), wait_ms=(t0 - min(p.arrival for p in batch)) * 1e3,
+                      service_ms=(done - t0) * 1e3, reruns=sum(r.rerun for r in results))
+    for r in calls.values():
+        ms = r.stage_ms
+        pre, post = ms.get("preprocess", 0.0), ms.get("postprocess", 0.0)
+        rec.preprocess_ms += pre
+        rec.postprocess_ms += post
+        rec.engine_ms += ms.get("total", pre + post) - pre - post
+    return rec
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

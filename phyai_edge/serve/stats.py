@@ -1,4 +1,5 @@
-"""Per-robot latency and outcome counters for the server's report (torch-free)."""
+"""Per-robot latency and outcome counters, and where each batch's time went, for the server's
+report (torch-free)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,36 @@ class RobotStats:
         }
 
 
+@dataclass
+class BatchRecord:
+    """One batch, by phase, as the inference thread saw it (ms). The phases inside the engine
+    call come from `Policy.infer`'s stage times, summed over the batch's engine calls."""
+
+    observations: int  # real observations in the batch
+    padded: int  # observations the engine ran (after padding; summed over calls)
+    calls: int  # engine calls (more than one: groups split, or a failed call rerun per request)
+    wait_ms: float  # the oldest request's arrival -> the batch formed (window and queue)
+    service_ms: float  # the executor, end to end: what the batch after it waits for
+    preprocess_ms: float = 0.0  # adapter.preprocess
+    engine_ms: float = 0.0  # RTC guidance and the engine (Policy.infer less pre- and postprocess)
+    postprocess_ms: float = 0.0
+    reply_ms: float = 0.0  # encoding and queueing the replies
+    reruns: int = 0  # requests run again alone after their group's call failed
+
+    @property
+    def batcher_ms(self) -> float:
+        """Service time outside `Policy.infer`: grouping, noise draws, RTC split, padding,
+        slicing the actions back (and, for a remote executor, the round trip)."""
+        return self.service_ms - self.preprocess_ms - self.engine_ms - self.postprocess_ms
+
+
+PHASES = ("wait_ms", "service_ms", "preprocess_ms", "engine_ms", "postprocess_ms", "batcher_ms", "reply_ms")
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
 class ServerStats:
     """Thread-safe: the intake thread counts arrivals and rejections, inference threads count
     answers."""
@@ -53,6 +84,10 @@ class ServerStats:
         self.robots: dict[str, RobotStats] = {}
         self.batches = 0
         self.batch_sizes: deque = deque(maxlen=2000)
+        self.records: deque = deque(maxlen=2000)  # BatchRecord, the recent ones
+        self.reruns = 0
+        self.intake_ms = 0.0  # decoding and admitting infer requests, on the intake thread
+        self.intake_n = 0
         self.started = time.monotonic()
 
     def _robot(self, name: str) -> RobotStats:
@@ -82,10 +117,32 @@ class ServerStats:
                 r.errors += 1
             r.deadline_misses += int(missed)
 
-    def batch(self, size: int) -> None:
+    def batch(self, size: int, record: BatchRecord | None = None) -> None:
+        """A batch the engine ran at `size` (padded) observations."""
         with self._lock:
             self.batches += 1
             self.batch_sizes.append(size)
+            if record is not None:
+                self.records.append(record)
+                self.reruns += record.reruns
+
+    def intake(self, ms: float) -> None:
+        with self._lock:
+            self.intake_ms += ms
+            self.intake_n += 1
+
+    def _by_size(self) -> dict[int, dict[str, Any]]:
+        groups: dict[int, list[BatchRecord]] = {}
+        for r in self.records:
+            groups.setdefault(r.padded, []).append(r)
+        out: dict[int, dict[str, Any]] = {}
+        for size, rs in sorted(groups.items()):
+            service = [r.service_ms for r in rs]
+            row: dict[str, Any] = {"batches": len(rs), "observations": _mean([r.observations for r in rs]),
+                                   "service_p50_ms": percentile(service, 50), "service_max_ms": max(service)}
+            row.update({k: _mean([getattr(r, k) for r in rs]) for k in PHASES})
+            out[size] = row
+        return out
 
     def report(self) -> dict[str, Any]:
         with self._lock:
@@ -93,20 +150,32 @@ class ServerStats:
             for name in [n for n, r in self.robots.items() if r.last_seen and now - r.last_seen > self.forget_s]:
                 del self.robots[name]
             sizes = list(self.batch_sizes)
+            real = [r.observations for r in self.records]
             return {
                 "uptime_s": round(time.monotonic() - self.started, 3),
                 "batches": self.batches,
+                # Padded: the sizes the engine ran. Real observations per batch beside it.
                 "batch_size": {"mean": sum(sizes) / len(sizes) if sizes else 0.0, "max": max(sizes, default=0)},
+                "observations_per_batch": {"mean": _mean(real), "max": max(real, default=0)},
+                "reruns": self.reruns,
+                "intake_ms_per_request": self.intake_ms / self.intake_n if self.intake_n else 0.0,
+                "by_size": self._by_size(),
                 "robots": {name: r.summary() for name, r in sorted(self.robots.items())},
             }
 
 
 def format_report(rep: dict[str, Any]) -> str:
-    """The report as a fixed-width table, one robot a line."""
-    lines = [f"serve: {rep['batches']} batches, mean batch {rep['batch_size']['mean']:.1f}, "
-             f"uptime {rep['uptime_s']:.0f} s",
-             f"{'robot':<20}{'req':>7}{'ok':>7}{'rej':>6}{'err':>6}{'miss':>6}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}"
-             f"{'idle s':>8}"]
+    """The report as fixed-width text: one line per padded batch size (where the time went),
+    then one line per robot."""
+    lines = [f"serve: {rep['batches']} batches, mean batch {rep['batch_size']['mean']:.1f} "
+             f"({rep.get('observations_per_batch', {}).get('mean', 0.0):.1f} real), reruns {rep.get('reruns', 0)}, "
+             f"uptime {rep['uptime_s']:.0f} s"]
+    for size, b in rep.get("by_size", {}).items():
+        lines.append(f"  batch {size:>3}: {b['batches']} runs, {b['observations']:.1f} real, service "
+                     f"{b['service_ms']:.1f} ms (pre {b['preprocess_ms']:.1f}, engine {b['engine_ms']:.1f}, "
+                     f"post {b['postprocess_ms']:.1f}, batcher {b['batcher_ms']:.1f}), waited {b['wait_ms']:.1f}")
+    lines.append(f"{'robot':<20}{'req':>7}{'ok':>7}{'rej':>6}{'err':>6}{'miss':>6}{'p50 ms':>9}{'p99 ms':>9}"
+                 f"{'max ms':>9}{'idle s':>8}")
     for name, r in rep["robots"].items():
         lat = r["latency_ms"]
         idle = "" if r["idle_s"] is None else f"{r['idle_s']:.1f}"

@@ -1,0 +1,121 @@
+"""Where a server batch's time goes (`BatchRecord`, `ServerStats.report()["by_size"]`), the
+start-up warm-up that seeds the latency rule, and the rerun after a failed engine call being
+counted rather than silent."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from phyai_edge.engines.base import RTCRequest
+from phyai_edge.serve.batching import BatchItem, ItemResult, run_items, warm_up
+from phyai_edge.serve.client import RemotePolicy
+from phyai_edge.serve.scheduler import Pending, SchedulerConfig
+from phyai_edge.serve.server import LocalExecutor, PolicyServer, batch_record
+from phyai_edge.serve.stats import BatchRecord, ServerStats, format_report
+
+
+def test_batch_record_sums_each_engine_call_once():
+    call_a = {"preprocess": 2.0, "embed_images": 5.0, "solver_loop": 20.0, "postprocess": 1.0, "total": 30.0}
+    call_b = {"preprocess": 1.0, "postprocess": 0.5, "total": 10.0}
+    results = [ItemResult(np.zeros((1, 2, 2)), batch=4, stage_ms=call_a),
+               ItemResult(np.zeros((2, 2, 2)), batch=4, stage_ms=call_a),
+               ItemResult(np.zeros((1, 2, 2)), batch=1, stage_ms=call_b, rerun=True),
+               ItemResult(None, error="bad", rerun=True)]
+    batch = [Pending(f"r{i}", i, n, 10.0, arrival=a) for i, (n, a) in enumerate([(1, 1.0), (2, 1.5), (1, 2.0), (1, 2.0)])]
+    rec = batch_record(batch, results, t0=2.5, done=2.55)
+    assert (rec.observations, rec.padded, rec.calls, rec.reruns) == (5, 5, 2, 2)
+    assert rec.wait_ms == pytest.approx(1500.0) and rec.service_ms == pytest.approx(50.0)
+    assert (rec.preprocess_ms, rec.postprocess_ms) == (3.0, 1.5)
+    assert rec.engine_ms == pytest.approx(27.0 + 8.5)
+    assert rec.batcher_ms == pytest.approx(50.0 - 3.0 - 35.5 - 1.5)
+
+
+def test_stats_group_batches_by_padded_size():
+    st = ServerStats()
+    st.batch(8, BatchRecord(observations=5, padded=8, calls=1, wait_ms=4.0, service_ms=90.0, preprocess_ms=6.0,
+                            engine_ms=80.0, postprocess_ms=0.5, reply_ms=0.2))
+    st.batch(8, BatchRecord(observations=7, padded=8, calls=1, wait_ms=6.0, service_ms=110.0, engine_ms=100.0))
+    st.batch(2, BatchRecord(observations=2, padded=2, calls=3, wait_ms=1.0, service_ms=40.0, reruns=2))
+    rep = st.report()
+    assert list(rep["by_size"]) == [2, 8]
+    eight = rep["by_size"][8]
+    assert eight["batches"] == 2 and eight["observations"] == 6.0 and eight["service_ms"] == 100.0
+    assert eight["engine_ms"] == 90.0 and eight["batcher_ms"] == pytest.approx((3.5 + 10.0) / 2)
+    assert rep["observations_per_batch"] == {"mean": pytest.approx(14 / 3), "max": 7} and rep["reruns"] == 2
+    assert "batch   8: 2 runs, 6.0 real" in format_report(rep)
+
+
+class CountingPolicy:
+    """The tiny policy, remembering the batch size of every engine call."""
+
+    def __init__(self, policy) -> None:
+        self._p, self.calls = policy, []
+
+    def __getattr__(self, name):
+        return getattr(self._p, name)
+
+    def infer(self, observations, rtc=None, noise=None):
+        self.calls.append(len(observations))
+        return self._p.infer(observations, rtc=rtc, noise=noise)
+
+
+def test_warm_up_runs_every_size_for_every_observation(tiny_policy, make_obs):
+    counted = CountingPolicy(tiny_policy)
+    obs = [make_obs(tiny_policy.adapter, seed=1, size=(8, 8)),
+           make_obs(tiny_policy.adapter, seed=2, size=(8, 8), prompt="a much longer prompt " * 4)]
+    rtc = RTCRequest("guided-approx", np.zeros((25, 14), np.float32), 10, 25)
+    times = warm_up(counted, [1, 2, 4], obs, rtc, repeats=2)
+    assert sorted(times) == [1, 2, 4] and all(t > 0 for t in times.values())
+    # Two runs per size for the first observation (the second is timed), one for the other.
+    assert counted.calls == [1, 1, 1, 2, 2, 2, 4, 4, 4]
+    with pytest.raises(ValueError, match="at least one observation"):
+        warm_up(counted, [1], [])
+
+
+def test_a_failed_call_reruns_alone_and_says_so(tiny_policy, make_obs, noise_for):
+    a = tiny_policy.adapter
+    good = [BatchItem([make_obs(a, seed=i, size=(8, 8))], noise=noise_for(a, 1, seed=i)) for i in range(3)]
+    bad = BatchItem([make_obs(a, seed=9, size=(8, 8), state=np.zeros(5, np.float32))], noise=noise_for(a, 1, seed=9))
+    got = run_items(tiny_policy, [good[0], bad, good[1], good[2]])
+    assert [r.rerun for r in got] == [True] * 4
+    assert got[1].actions is None and "state has 5 values" in got[1].error
+    for item, r in zip(good, [got[0], got[2], got[3]]):
+        np.testing.assert_array_equal(r.actions, run_items(tiny_policy, [item])[0].actions)
+    assert not any(r.rerun for r in run_items(tiny_policy, good))
+
+
+def test_server_reports_phases_and_learns_service_time_per_padded_size(tiny_policy, make_obs, noise_for):
+    a = tiny_policy.adapter
+    obs = make_obs(a, seed=3, size=(16, 16))
+    executor = LocalExecutor(tiny_policy, [1, 2, 4], max_batch=4)
+    srv = PolicyServer(executor, "tcp://127.0.0.1:*", SchedulerConfig(max_batch=4, window_s=0.05))
+    assert srv.sched.batch_sizes == (1, 2, 4)  # taken from the executor: batches are priced padded
+    seeded = srv.warm_up([obs])
+    assert sorted(seeded) == [1, 2, 4] and sorted(srv.sched.service_estimates()) == [1, 2, 4]
+    with srv:
+        clients = [RemotePolicy(srv.endpoint, robot=f"r{i}", timeout_s=60) for i in range(3)]
+        want = [tiny_policy.infer([obs], noise=noise_for(a, 1, seed=i)).actions for i in range(3)]
+        got: dict[int, np.ndarray] = {}
+
+        def call(i: int) -> None:
+            got[i] = clients[i].infer([obs], noise=noise_for(a, 1, seed=i)).actions
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        rep = srv.report()
+        for c in clients:
+            c.close()
+    for i in range(3):  # batched and padded, each robot still gets its own actions
+        np.testing.assert_allclose(got[i], want[i], rtol=1e-5, atol=1e-5)
+    assert sum(b["batches"] * b["observations"] for b in rep["by_size"].values()) == 3
+    for size, b in rep["by_size"].items():
+        assert size in (1, 2, 4) and b["preprocess_ms"] > 0 and b["engine_ms"] > 0
+        assert b["service_ms"] >= b["preprocess_ms"] + b["engine_ms"] + b["postprocess_ms"]
+    assert rep["intake_ms_per_request"] > 0 and rep["reruns"] == 0
+    assert set(rep["service_estimate_ms"]) == {1, 2, 4}
