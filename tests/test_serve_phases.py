@@ -5,11 +5,13 @@ counted rather than silent."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
-from phyai_edge.engines.base import RTCRequest
+from phyai_edge.engines.base import InferenceResult, RTCRequest
 from phyai_edge.serve.batching import BatchItem, ItemResult, run_items, warm_up
 from phyai_edge.serve.client import RemotePolicy
 from phyai_edge.serve.scheduler import Pending, SchedulerConfig
@@ -49,40 +51,42 @@ def test_stats_group_batches_by_padded_size():
 
 
 class CountingPolicy:
-    """The tiny policy, remembering the batch size of every engine call."""
+    """Stands in for a policy (the batcher's view of one), remembering each engine call's size."""
 
-    def __init__(self, policy) -> None:
-        self._p, self.calls = policy, []
+    chunk_size, action_dim, device, per_sample_rtc = 50, 14, "cpu", True
+    adapter = SimpleNamespace(chunk_size=50, model_action_dim=32)
 
-    def __getattr__(self, name):
-        return getattr(self._p, name)
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str]] = []
+        self.engine = SimpleNamespace(sample_noise=lambda n: torch.zeros(n, 50, 32))
 
     def infer(self, observations, rtc=None, noise=None):
-        self.calls.append(len(observations))
-        return self._p.infer(observations, rtc=rtc, noise=noise)
+        self.calls.append((len(observations), "none" if rtc is None else rtc[0].mode))
+        return InferenceResult(np.zeros((len(observations), 50, 14), np.float32), noise, {"total": 1.0})
 
 
-def test_warm_up_runs_every_size_for_every_observation(tiny_policy, make_obs):
-    counted = CountingPolicy(tiny_policy)
-    obs = [make_obs(tiny_policy.adapter, seed=1, size=(8, 8)),
-           make_obs(tiny_policy.adapter, seed=2, size=(8, 8), prompt="a much longer prompt " * 4)]
+def test_warm_up_runs_every_size_for_every_observation_and_rtc_mode(make_obs):
+    counted = CountingPolicy()
+    obs = [make_obs(None, seed=1, size=(8, 8)), make_obs(None, seed=2, size=(8, 8), prompt="a much longer prompt " * 4)]
     rtc = RTCRequest("guided-approx", np.zeros((25, 14), np.float32), 10, 25)
-    times = warm_up(counted, [1, 2, 4], obs, rtc, repeats=2)
+    times = warm_up(counted, [1, 2, 4], obs, [None, rtc], repeats=2)
     assert sorted(times) == [1, 2, 4] and all(t > 0 for t in times.values())
-    # Two runs per size for the first observation (the second is timed), one for the other.
-    assert counted.calls == [1, 1, 1, 2, 2, 2, 4, 4, 4]
+    # Per size: two runs per RTC request for the first observation (the second is timed), one
+    # per RTC request for the other.
+    per_size = ["none", "none", "guided-approx", "guided-approx", "none", "guided-approx"]
+    assert counted.calls == [(b, m) for b in (1, 2, 4) for m in per_size]
     with pytest.raises(ValueError, match="at least one observation"):
         warm_up(counted, [1], [])
 
 
 def test_a_failed_call_reruns_alone_and_says_so(tiny_policy, make_obs, noise_for):
     a = tiny_policy.adapter
-    good = [BatchItem([make_obs(a, seed=i, size=(8, 8))], noise=noise_for(a, 1, seed=i)) for i in range(3)]
+    good = [BatchItem([make_obs(a, seed=i, size=(8, 8))], noise=noise_for(a, 1, seed=i)) for i in range(2)]
     bad = BatchItem([make_obs(a, seed=9, size=(8, 8), state=np.zeros(5, np.float32))], noise=noise_for(a, 1, seed=9))
-    got = run_items(tiny_policy, [good[0], bad, good[1], good[2]])
-    assert [r.rerun for r in got] == [True] * 4
+    got = run_items(tiny_policy, [good[0], bad, good[1]])
+    assert [r.rerun for r in got] == [True] * 3
     assert got[1].actions is None and "state has 5 values" in got[1].error
-    for item, r in zip(good, [got[0], got[2], got[3]]):
+    for item, r in zip(good, [got[0], got[2]]):
         np.testing.assert_array_equal(r.actions, run_items(tiny_policy, [item])[0].actions)
     assert not any(r.rerun for r in run_items(tiny_policy, good))
 
@@ -119,3 +123,21 @@ def test_server_reports_phases_and_learns_service_time_per_padded_size(tiny_poli
         assert b["service_ms"] >= b["preprocess_ms"] + b["engine_ms"] + b["postprocess_ms"]
     assert rep["intake_ms_per_request"] > 0 and rep["reruns"] == 0
     assert set(rep["service_estimate_ms"]) == {1, 2, 4}
+
+
+def test_serve_command_batch_sizes_and_warm_inputs(tiny_policy):
+    from phyai_edge.commands.serve import batch_sizes_for, warm_inputs
+
+    assert batch_sizes_for("auto", "eager", tiny_policy.engine, 16) is None  # any size: padding would waste
+    assert batch_sizes_for("auto", "cudagraph", None, 16) == [1, 2, 4, 8, 12, 16]
+    assert batch_sizes_for("auto", "cudagraph", None, 64)[-4:] == [40, 48, 56, 64]
+    assert batch_sizes_for("auto", "tensorrt", SimpleNamespace(batch_sizes=[8, 1]), 16) == [1, 8]  # a bundle's own
+    assert batch_sizes_for("4,1,2", "cudagraph", None, 16) == [1, 2, 4]
+    assert batch_sizes_for("any", "cudagraph", None, 16) is None
+    with pytest.raises(SystemExit, match="--batch-sizes"):
+        batch_sizes_for("1,x", "eager", None, 16)
+    obs, rtcs = warm_inputs(tiny_policy, ["pick up the cube", "fold the towel"], "none,guided-approx")
+    assert [o.prompt for o in obs] == ["pick up the cube", "fold the towel"]
+    assert rtcs[0] is None and rtcs[1].mode == "guided-approx" and rtcs[1].prefix.shape == (25, 14)
+    with pytest.raises(SystemExit, match="--warm-rtc"):
+        warm_inputs(tiny_policy, None, "sideways")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
 import sys
 import threading
+import time
+from collections.abc import Sequence
 from typing import Any
 
 HELP = "one engine on one GPU serving many robot daemons over ZeroMQ"
@@ -16,12 +19,16 @@ DESCRIPTION = """Serve one policy to many robots. Robot daemons connect with a Z
 model.factory = "phyai_edge.serve.client:remote_policy") and use the server as their engine;
 their clocks, RTC queues and safety stay on the robot. Requests that arrive within the batching
 window run as one engine call, earliest deadline first, at most one per robot per batch before
-any robot gets a second; when the queue is full new requests are refused at once.
+any robot gets a second, and a batch stops growing where its expected service time (learned per
+padded batch size) would make its most urgent request late; when the queue is full new requests
+are refused at once. Engines with captured shapes (cudagraph, TensorRT, ONNX bundles) pad each
+batch to one of --batch-sizes and run every size once at start-up (--warm-prompt, --warm-rtc),
+so no robot's request waits for a capture.
 
 Examples:
   phyai-edge serve                                              # tiny built-in model on CPU, tcp://127.0.0.1:5570
-  phyai-edge serve --checkpoint ~/ckpt/pi05 --device cuda --dtype bfloat16 --bind tcp://*:5570 \\
-      --max-batch 32 --window-ms 4 --report-s 10
+  phyai-edge serve --checkpoint ~/ckpt/pi05 --device cuda --dtype bfloat16 --backend cudagraph \\
+      --bind tcp://*:5570 --max-batch 64 --warm-prompt "pick up the cube" --report-s 10
   phyai-edge serve --ray --replicas 4 --checkpoint ~/ckpt/pi05 --device cuda   # Ray Serve replicas behind one front
 """
 
@@ -37,7 +44,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's noise generator")
     p.add_argument("--max-batch", type=int, default=16, help="observations per engine call at most")
-    p.add_argument("--batch-sizes", help="the engine's captured batch sizes (pad up to one), e.g. 1,2,4,8,16")
+    p.add_argument("--batch-sizes", default="auto",
+                   help="batch sizes to pad to: a list (e.g. 1,2,4,8,16), 'any' (no padding), or 'auto': a "
+                        "bundle's exported sizes; for cudagraph 1,2,4,8,12,16,20,24,28,32,40,48,56,64 up to "
+                        "--max-batch; any size for eager")
+    p.add_argument("--no-warm", action="store_true",
+                   help="skip running every batch size at start-up (first calls then capture inside robots' requests)")
+    p.add_argument("--warm-prompt", action="append", default=None,
+                   help="a prompt the robots send (repeatable): the warm-up runs one observation per prompt, "
+                        "since the cudagraph engine keeps graphs per prompt-length bucket")
+    p.add_argument("--warm-rtc", default="none,guided-approx",
+                   help="RTC modes the robots send, warmed per batch size (comma list; 'none': no solver RTC)")
     p.add_argument("--window-ms", type=float, default=5.0, help="how long a batch waits for more requests")
     p.add_argument("--queue", type=int, default=128, help="queued requests at most (then refuse: back-pressure)")
     p.add_argument("--per-robot", type=int, default=2, help="queued requests per robot at most")
@@ -59,15 +76,16 @@ def main(args: argparse.Namespace) -> int:
     from phyai_edge.serve.server import LocalExecutor, PolicyServer
     from phyai_edge.serve.stats import format_report
 
-    sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else None
-    max_batch = min(args.max_batch, max(sizes)) if sizes else args.max_batch
     load_kwargs: dict[str, Any] = {"adapter": args.adapter, "checkpoint": args.checkpoint, "preset": args.preset,
                                    "backend": args.backend, "device": args.device, "dtype": args.dtype,
                                    "bundle": args.engine, "seed": args.seed}
     workers = args.workers
+    policy = None
     if args.ray:
         from phyai_edge.serve.ray_deployment import RayExecutor
 
+        sizes = batch_sizes_for(args.batch_sizes, args.backend if not args.engine else None, None, args.max_batch)
+        max_batch = min(args.max_batch, max(sizes)) if sizes else args.max_batch
         executor: Any = RayExecutor.deploy(load_kwargs, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
                                            batch_sizes=sizes, max_batch=max_batch, address=args.ray_address,
                                            threads=args.threads)
@@ -79,11 +97,21 @@ def main(args: argparse.Namespace) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        executor = LocalExecutor(load_policy(**load_kwargs), sizes, max_batch)
+        policy = load_policy(**load_kwargs)
+        sizes = batch_sizes_for(args.batch_sizes, getattr(policy.engine, "backend", ""), policy.engine, args.max_batch)
+        max_batch = min(args.max_batch, max(sizes)) if sizes else args.max_batch
+        executor = LocalExecutor(policy, sizes, max_batch)
     cfg = SchedulerConfig(max_batch=max_batch, window_s=args.window_ms / 1e3, capacity=args.queue,
-                          per_robot=args.per_robot)
+                          per_robot=args.per_robot, batch_sizes=tuple(sizes) if sizes else None)
     server = PolicyServer(executor, args.bind, cfg, default_budget_ms=args.budget_ms, workers=workers,
                           report_s=args.report_s)
+    if policy is not None and sizes and not args.no_warm:
+        obs, rtcs = warm_inputs(policy, args.warm_prompt, args.warm_rtc)
+        t0 = time.perf_counter()
+        times = server.warm_up(obs, rtcs)
+        logging.getLogger("phyai_edge.serve").info(
+            "warmed batch sizes %s with %d prompt(s) and RTC %s in %.1f s; service ms %s", sizes, len(obs),
+            args.warm_rtc, time.perf_counter() - t0, {b: round(t * 1e3, 1) for b, t in times.items()})
     done = threading.Event()
 
     def stop(signum: int, frame: Any) -> None:
@@ -104,3 +132,50 @@ def main(args: argparse.Namespace) -> int:
     rep = server.report()
     print(json.dumps(rep, indent=2) if args.json_report else format_report(rep), flush=True)
     return 0
+
+
+def batch_sizes_for(spec: str | None, backend: str | None, engine: Any, max_batch: int) -> list[int] | None:
+    """--batch-sizes -> the sizes the server pads to (None: any size). 'auto': an engine built
+    for fixed sizes (an ONNX or TensorRT bundle) keeps its own; cudagraph captures whatever it
+    meets, so it gets the serving default (each size captured once, at start-up); eager takes
+    any size and padding would only waste work."""
+    from phyai_edge.serve.scheduler import serving_batch_sizes
+
+    spec = (spec or "auto").strip().lower()
+    if spec == "any":
+        return None
+    if spec != "auto":
+        try:
+            sizes = sorted({int(x) for x in spec.split(",")})
+        except ValueError:
+            raise SystemExit(f"--batch-sizes: expected a comma list of integers, 'auto' or 'any', got {spec!r}") from None
+        if sizes[0] < 1:
+            raise SystemExit(f"--batch-sizes: sizes must be >= 1, got {sizes}")
+        return sizes
+    fixed = getattr(engine, "batch_sizes", None)
+    if fixed:
+        return sorted(fixed)
+    if backend == "cudagraph":
+        return serving_batch_sizes(max_batch)
+    return None
+
+
+def warm_inputs(policy: Any, prompts: Sequence[str] | None, modes: str) -> tuple[list[Any], list[Any]]:
+    """Warm-up observations (synthetic frames and state, one per prompt) and RTC requests
+    (one per mode; the prefix is the rest of a chunk after half of it ran)."""
+    import numpy as np
+
+    from phyai_edge.calibration.dataset import synthetic_observations
+    from phyai_edge.engines.base import RTCRequest
+    from phyai_edge.serve.server import RTC_MODES
+
+    base = synthetic_observations(policy.adapter, 1)[0]
+    obs = [base] if not prompts else [dataclasses.replace(base, prompt=p) for p in prompts]
+    h = int(policy.chunk_size)
+    rtcs: list[Any] = []
+    for mode in (m.strip() for m in modes.split(",") if m.strip()):
+        if mode not in RTC_MODES:
+            raise SystemExit(f"--warm-rtc: unknown mode {mode!r}; expected some of {RTC_MODES}")
+        rtcs.append(None if mode in ("none", "crossfade") else
+                    RTCRequest(mode, np.zeros((h - h // 2, policy.action_dim), np.float32), 0, h // 2))  # type: ignore[arg-type]
+    return obs, rtcs or [None]

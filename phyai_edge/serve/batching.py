@@ -195,23 +195,28 @@ def _run_alone(policy: Any, item: BatchItem, batch_sizes: Sequence[int] | None) 
 
 
 def warm_up(policy: Any, batch_sizes: Sequence[int], observations: Sequence[Observation],
-            rtc: RTCRequest | None = None, repeats: int = 2) -> dict[int, float]:
-    """Run every batch size once per observation before serving, so that no robot's request
-    pays for the engine's first call at a shape (a CUDA-graph capture: about a second at full
-    size). Give one observation per prompt-length class the robots will send: an engine that
-    trims the prompt (cudagraph) keeps one set of graphs per batch size and prompt bucket.
-    Returns the last run's seconds per batch size for the first observation (a first
-    estimate for the scheduler's latency rule)."""
+            rtcs: Sequence[RTCRequest | None] = (None,), repeats: int = 2) -> dict[int, float]:
+    """Run every batch size once per observation and RTC request before serving, so that no
+    robot's request pays for the engine's first call at a shape (a CUDA-graph capture: about a
+    second at full size). The cudagraph engine keeps graphs per batch size, prompt bucket (the
+    batch's longest prompt, rounded up) and RTC mode: give one observation per prompt-length
+    class and one request per RTC mode the robots will send (None: no solver RTC, as a robot's
+    first request, which has no executing chunk yet). Returns, per batch size, the slowest RTC
+    request's last run with the first observation: a first estimate for the latency rule."""
     if not observations:
         raise ValueError("warm_up needs at least one observation")
+    if not rtcs:
+        raise ValueError("warm_up needs at least one RTC request (None for none)")
     times: dict[int, float] = {}
     for b in sorted(set(batch_sizes)):
         for i, obs in enumerate(observations):
-            for _ in range(repeats if i == 0 else 1):
-                t0 = time.perf_counter()
-                got = run_items(policy, [BatchItem([obs], rtc) for _ in range(b)], batch_sizes)
-                if got[0].actions is None:
-                    raise RuntimeError(f"warm-up at batch {b} failed: {got[0].error}")
+            for rtc in rtcs:
+                for _ in range(repeats if i == 0 else 1):
+                    t0 = time.perf_counter()
+                    got = run_items(policy, [BatchItem([obs], rtc) for _ in range(b)], batch_sizes)
+                    if got[0].actions is None:
+                        raise RuntimeError(f"warm-up at batch {b} failed: {got[0].error}")
+                    took = time.perf_counter() - t0
                 if i == 0:
-                    times[b] = time.perf_counter() - t0
+                    times[b] = max(times.get(b, 0.0), took)
     return times

@@ -33,7 +33,7 @@ from phyai_edge.adapters.base import Observation
 from phyai_edge.engines.base import RTCRequest
 from phyai_edge.serve import wire
 from phyai_edge.serve.batching import BatchItem, ItemResult, group_key, run_items, warm_up
-from phyai_edge.serve.scheduler import Pending, Scheduler, SchedulerConfig
+from phyai_edge.serve.scheduler import Pending, Scheduler, SchedulerConfig, pad_size
 from phyai_edge.serve.stats import BatchRecord, ServerStats, format_report
 
 log = logging.getLogger("phyai_edge.serve")
@@ -75,13 +75,15 @@ class LocalExecutor:
     def run(self, items: list[BatchItem]) -> list[ItemResult]:
         return run_items(self.policy, items, self.batch_sizes, self.max_batch)
 
-    def warm_up(self, observations: Sequence[Observation], rtc: RTCRequest | None = None) -> dict[int, float]:
-        """Every captured batch size once per observation (see `batching.warm_up`); nothing to
-        do for an engine that takes any size."""
+    def warm_up(self, observations: Sequence[Observation],
+                rtcs: Sequence[RTCRequest | None] = (None,)) -> dict[int, float]:
+        """Every captured batch size once per observation and RTC request (see
+        `batching.warm_up`); nothing to do for an engine that takes any size."""
         if not self.batch_sizes:
             return {}
-        sizes = [b for b in self.batch_sizes if self.max_batch is None or b <= self.max_batch]
-        return warm_up(self.policy, sizes, observations, rtc)
+        # Every size a batch of up to max_batch observations can be padded to, and no larger.
+        top = pad_size(min(self.max_batch or max(self.batch_sizes), max(self.batch_sizes)), self.batch_sizes)
+        return warm_up(self.policy, [b for b in self.batch_sizes if b <= top], observations, rtcs)
 
 
 def request_item(req: wire.Request, tag: Any = None) -> BatchItem:
@@ -167,11 +169,12 @@ class PolicyServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def warm_up(self, observations: Sequence[Observation], rtc: RTCRequest | None = None) -> dict[int, float]:
+    def warm_up(self, observations: Sequence[Observation],
+                rtcs: Sequence[RTCRequest | None] = (None,)) -> dict[int, float]:
         """Before `start`: run the executor's batch sizes once (no capture lands on a robot's
         request) and take their times as the latency rule's first estimates."""
         fn = getattr(self.executor, "warm_up", None)
-        times: dict[int, float] = fn(observations, rtc) if fn is not None else {}
+        times: dict[int, float] = fn(observations, rtcs) if fn is not None else {}
         for size, seconds in times.items():
             self.sched.record_service(size, seconds)
         return times
