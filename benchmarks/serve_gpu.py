@@ -5,13 +5,19 @@ Every robot runs PI0.5 control at `--hz` (50) with chunks of H = 50 actions and 
 horizon s = 25: it asks for a new chunk every s ticks (0.5 s) and must have it before it runs out
 of usable actions, so its RTC budget is min(s, H - s) ticks (500 ms; `--budget-ms` overrides).
 A robot count passes when every robot's p99 chunk latency (request sent -> actions back, as the
-robot measures it) is within the budget and no request was refused or failed.
+robot measures it) is within the budget and no request was refused or failed. Requests sent in
+the first --warmup-s seconds are left out of the latency statistics (robots start at random
+phases, but the first batches still see start-up bursts); --seconds is the measured time after
+it. A robot sends 2 requests a second, so with fewer than ~100 measured requests its p99 is its
+worst request: the report gives the measured request count and the p99 pooled over all robots
+beside the per-robot worst.
 
     python benchmarks/serve_gpu.py robots --out runs/serve        # shared server, sweep robot counts
     python benchmarks/serve_gpu.py dedicated --out runs/serve     # one process (own engine) per robot
     python benchmarks/serve_gpu.py rollout --out runs/serve       # samples/s against batch size
     python benchmarks/serve_gpu.py all --out runs/serve           # the three, one report
     python benchmarks/serve_gpu.py all --tiny --device cpu --robots 2,4 --seconds 3   # plumbing check on a CPU
+    python benchmarks/serve_gpu.py robots --robots 32,48,64 --seconds 15 --out runs/serve   # the H200 re-run
 
 Model: --checkpoint DIR, or a full-size PI0.5 with seeded random weights made on the GPU (same
 compute as the real one; actions are meaningless). Backend: --backend cudagraph (default on
@@ -22,13 +28,22 @@ Robots are torch-free client threads (`phyai_edge.serve.loadgen`) in several pro
 the same host over TCP loopback; images are sent at --image-size (224: the model's size, so
 the server skips resizing; pass 480x640 to include resizing).
 
-Target (issue 7): >= 64 robots on one H200. Not run at the time of writing: see the report.
+Warm-up: every captured batch size runs, before any robot starts, once per prompt bucket the
+robots' states can reach (the cudagraph engine keeps graphs per batch size, prompt bucket and RTC
+mode; a shape first met while serving is a capture of ~1 s inside some robot's request). The
+report counts the captures logged while robots ran (`captures_while_serving`, expected 0) and
+gives the server's own per-batch phases by padded size (`by_size`: service, preprocess, RTC +
+engine, postprocess, batcher) beside the engine's time.
+
+Target (issue 7): >= 64 robots on one H200; see benchmarks/RESULTS.md for the runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import multiprocessing as mp
 import statistics
 import sys
@@ -37,6 +52,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from phyai_edge.serve.scheduler import DEFAULT_BATCH_SIZES
 
 
 def say(msg: str) -> None:
@@ -82,72 +99,109 @@ def batch_sizes(args: argparse.Namespace) -> list[int]:
 
 
 # -- shared server, many robots ---------------------------------------------------------------
-def run_robots(args: argparse.Namespace, n_robots: int, policy: Any) -> dict[str, Any]:
-    """One server, n robots for --seconds; per-robot p99 against the budget."""
+class CaptureCounter(logging.Handler):
+    """Counts the cudagraph engine's capture log lines: each is a shape met for the first time."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("cudagraph: captured"):
+            self.count += 1
+
+
+def run_robots(args: argparse.Namespace, n_robots: int, policy: Any, seeds: dict[int, float]) -> dict[str, Any]:
+    """One server, n robots for --warmup-s + --seconds; statistics over the requests sent after
+    the warm-up; per-robot p99 and pooled p99 against the budget."""
     from phyai_edge.serve.loadgen import robots_process
     from phyai_edge.serve.scheduler import SchedulerConfig
     from phyai_edge.serve.server import LocalExecutor, PolicyServer
 
     period = args.s / args.hz
     budget = budget_ms(args)
-    requests = max(4, int(args.seconds / period))
+    requests = max(4, math.ceil((args.warmup_s + args.seconds) / period))
     sizes = batch_sizes(args)
-    cfg = SchedulerConfig(max_batch=max(sizes), window_s=args.window_ms / 1e3, capacity=4 * n_robots + 16, per_robot=2)
+    cfg = SchedulerConfig(max_batch=max(sizes), window_s=args.window_ms / 1e3, capacity=4 * n_robots + 16, per_robot=2,
+                          batch_sizes=tuple(sizes))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     per_proc = max(1, args.robots_per_process)
     names = [f"robot-{i:03d}" for i in range(n_robots)]
     # Every robot sends its executing chunk's unexecuted rest (H - s actions) and one fixed d.
     rtc = None if args.rtc_mode == "none" else (args.rtc_mode, args.horizon - args.s, args.rtc_delay, args.s)
-    with PolicyServer(LocalExecutor(policy, sizes, max(sizes)), "tcp://127.0.0.1:*", cfg, default_budget_ms=budget) as srv:
-        start_at = time.time() + 5.0 + 0.05 * n_robots  # every robot connected before anyone starts
-        procs = []
-        for k in range(0, n_robots, per_proc):
-            group = names[k:k + per_proc]
-            procs.append(ctx.Process(target=robots_process, args=(srv.endpoint, group, requests, period, budget,
-                                                                  args.image_hw, k, {}, start_at, out, rtc),
-                                     daemon=True))
-            procs[-1].start()
-        results: dict[str, dict] = {}
-        deadline = time.time() + args.seconds * 3 + 60 + 0.1 * n_robots
-        while len(results) < n_robots and time.time() < deadline:
-            try:
-                kind, name, payload = out.get(timeout=1.0)
-            except Exception:
-                continue
-            if kind == "done":
-                results[name] = payload
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-        report = srv.report()
-    p99 = {n: percentile(r["latency_s"], 99) * 1e3 for n, r in results.items()}
+    captures = CaptureCounter()
+    logging.getLogger("phyai_edge.engines.cudagraph").addHandler(captures)
+    try:
+        with PolicyServer(LocalExecutor(policy, sizes, max(sizes)), "tcp://127.0.0.1:*", cfg,
+                          default_budget_ms=budget) as srv:
+            for size, sec in seeds.items():  # the warm-up's times: the latency rule's first estimates
+                srv.sched.record_service(size, sec)
+            start_at = time.time() + 5.0 + 0.05 * n_robots  # every robot connected before anyone starts
+            procs = []
+            for k in range(0, n_robots, per_proc):
+                group = names[k:k + per_proc]
+                procs.append(ctx.Process(target=robots_process, args=(srv.endpoint, group, requests, period, budget,
+                                                                      args.image_hw, k, {}, start_at, out, rtc),
+                                         daemon=True))
+                procs[-1].start()
+            results: dict[str, dict] = {}
+            deadline = time.time() + (args.warmup_s + args.seconds) * 3 + 60 + 0.1 * n_robots
+            while len(results) < n_robots and time.time() < deadline:
+                try:
+                    kind, name, payload = out.get(timeout=1.0)
+                except Exception:
+                    continue
+                if kind == "done":
+                    results[name] = payload
+            for p in procs:
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+            report = srv.report()
+    finally:
+        logging.getLogger("phyai_edge.engines.cudagraph").removeHandler(captures)
+    measured_from = start_at + args.warmup_s
+    lat = {n: [x * 1e3 for x, t in zip(r["latency_s"], r["sent_at"]) if t >= measured_from] for n, r in results.items()}
+    p99 = {n: percentile(v, 99) for n, v in lat.items() if v}
     worst = max(p99.values(), default=float("nan"))
+    pooled = [x for v in lat.values() for x in v]
     errors = sum(len(r["errors"]) for r in results.values())
     refused = sum(r["refused"] for r in results.values())
     ok = len(results) == n_robots and errors == 0 and refused == 0 and worst <= budget
-    all_lat = [x * 1e3 for r in results.values() for x in r["latency_s"]]
+    by_size = report["by_size"]
+    batches = sum(b["batches"] for b in by_size.values())
     return {
         "robots": n_robots, "pass": ok, "budget_ms": budget, "worst_robot_p99_ms": worst,
         "median_robot_p99_ms": statistics.median(p99.values()) if p99 else float("nan"),
-        "p50_ms": percentile(all_lat, 50), "requests_per_robot": requests, "errors": errors, "refused": refused,
-        "missing_robots": n_robots - len(results), "mean_batch": report["batch_size"]["mean"],
-        "max_batch": report["batch_size"]["max"], "batches": report["batches"],
-        "server_service_ms": report["service_estimate_ms"],
+        "pooled_p99_ms": percentile(pooled, 99), "p50_ms": percentile(pooled, 50), "max_ms": max(pooled, default=float("nan")),
+        "late": sum(x > budget for x in pooled), "measured_requests": len(pooled),
+        "measured_per_robot": min((len(v) for v in lat.values()), default=0), "requests_per_robot": requests,
+        "warmup_s": args.warmup_s, "errors": errors, "refused": refused, "missing_robots": n_robots - len(results),
+        "mean_batch": report["batch_size"]["mean"], "max_batch": report["batch_size"]["max"],
+        "mean_observations": report["observations_per_batch"]["mean"], "batches": report["batches"],
+        "mean_service_ms": sum(b["service_ms"] * b["batches"] for b in by_size.values()) / batches if batches else 0.0,
+        "reruns": report["reruns"], "captures_while_serving": captures.count,
+        "by_size": by_size, "service_estimate_ms": report["service_estimate_ms"],
     }
 
 
 def sweep_robots(args: argparse.Namespace) -> dict[str, Any]:
     policy = build_policy(args)
-    warm(policy, args)
+    seeds = warm(policy, args)
     rows = []
     for n in [int(x) for x in args.robots.split(",")]:
-        say(f"shared server: {n} robots for {args.seconds:.0f} s")
-        row = run_robots(args, n, policy)
-        say(f"  worst p99 {row['worst_robot_p99_ms']:.1f} ms (budget {row['budget_ms']:.0f}), mean batch "
-            f"{row['mean_batch']:.1f}, errors {row['errors']}, refused {row['refused']} -> "
-            f"{'PASS' if row['pass'] else 'FAIL'}")
+        say(f"shared server: {n} robots for {args.warmup_s:.0f} + {args.seconds:.0f} s")
+        row = run_robots(args, n, policy, seeds)
+        say(f"  {row['measured_requests']} requests measured: worst robot p99 {row['worst_robot_p99_ms']:.1f} ms, "
+            f"pooled p99 {row['pooled_p99_ms']:.1f}, p50 {row['p50_ms']:.1f} (budget {row['budget_ms']:.0f}), "
+            f"{row['late']} late; mean batch {row['mean_observations']:.1f} padded to {row['mean_batch']:.1f}, "
+            f"{row['mean_service_ms']:.1f} ms; captures while serving {row['captures_while_serving']}, "
+            f"errors {row['errors']}, refused {row['refused']} -> {'PASS' if row['pass'] else 'FAIL'}")
+        for size, b in row["by_size"].items():
+            say(f"    batch {size:>3}: {b['batches']:>4} runs, {b['observations']:.1f} real, service {b['service_ms']:.1f} ms "
+                f"(pre {b['preprocess_ms']:.1f}, rtc+engine {b['engine_ms']:.1f}, post {b['postprocess_ms']:.1f}, "
+                f"batcher {b['batcher_ms']:.1f}), waited {b['wait_ms']:.1f}")
         rows.append(row)
         if not row["pass"] and args.stop_on_fail:
             break
@@ -155,25 +209,52 @@ def sweep_robots(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "max_robots_within_budget": max(passing, default=0)}
 
 
-def warm(policy: Any, args: argparse.Namespace) -> None:
-    """Capture / compile every batch size once before timing (the first call of a shape
-    captures CUDA graphs and would otherwise land in some robot's p99)."""
+def prompt_classes(policy: Any, hw: tuple[int, int], draws: int = 4096, seed: int = 123) -> list[Any]:
+    """Robot-like observations (loadgen's: random frames, states uniform in [-1, 1], its
+    prompt), one per prompt bucket their batches can be trimmed to: the engine trims a batch to
+    its longest valid prompt rounded up to `token_bucket`, so with prompts of 51-65 tokens a
+    batch runs at 64 or, when one robot's state tokenises long, 80 positions, each its own
+    graphs. The first returned is the most common class."""
     from phyai_edge.adapters.base import Observation
-    from phyai_edge.engines.base import RTCRequest
-    from phyai_edge.serve.batching import BatchItem, run_items
 
-    rng = np.random.default_rng(0)
-    h, w = args.image_hw
-    obs = Observation({c: rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for c in policy.camera_names},
-                      rng.uniform(-1, 1, policy.state_dim).astype(np.float32), "pick up the cube")
+    rng = np.random.default_rng(seed)
+    images = {c: rng.integers(0, 256, (*hw, 3), dtype=np.uint8) for c in policy.camera_names}
+    obs = [Observation(images, rng.uniform(-1, 1, policy.state_dim).astype(np.float32), "pick up the cube")
+           for _ in range(draws)]
+    a, e = policy.adapter, policy.engine
+    bucket = int(getattr(e, "token_bucket", 0) or 0) if getattr(e, "trim_prompt", False) else 0
+    if not hasattr(a, "prompt_tokens") or bucket <= 0:
+        return obs[:1]  # the engine's shapes do not depend on the prompt's length
+    _, mask = a.prompt_tokens(obs)
+    valid = np.asarray(mask).sum(axis=1)
+    classes: dict[int, list[int]] = {}
+    for i, v in enumerate(valid):
+        classes.setdefault(math.ceil(int(v) / bucket), []).append(i)
+    ordered = sorted(classes.values(), key=len, reverse=True)
+    return [obs[max(members, key=lambda i: valid[i])] for members in ordered]
+
+
+def warm(policy: Any, args: argparse.Namespace) -> dict[int, float]:
+    """Capture / compile every batch size for every prompt bucket the robots reach before
+    timing (a first call at a shape captures CUDA graphs and would otherwise land in some
+    robot's p99); returns the seconds per batch size (the scheduler's first estimates)."""
+    from phyai_edge.engines.base import RTCRequest
+    from phyai_edge.serve.batching import warm_up
+
+    obs = prompt_classes(policy, args.image_hw)
     rtc = None
     if args.rtc_mode != "none":
         rtc = RTCRequest(args.rtc_mode, np.zeros((args.horizon - args.s, policy.action_dim), np.float32),
                          args.rtc_delay, args.s)
-    for b in batch_sizes(args):
-        say(f"warming batch {b}")
-        for _ in range(2):
-            run_items(policy, [BatchItem([obs], rtc)] * b, batch_sizes(args))
+    # The eager engine captures nothing: one size primes its first-call costs; the latency
+    # rule learns the others' times as it runs them.
+    sizes = batch_sizes(args) if args.backend != "eager" else batch_sizes(args)[:1]
+    say(f"warming batch sizes {sizes} x {len(obs)} prompt bucket(s)")
+    t0 = time.perf_counter()
+    seeds = warm_up(policy, sizes, obs, [rtc])
+    say(f"  warm in {time.perf_counter() - t0:.1f} s; ms per batch: "
+        + ", ".join(f"{b}: {t * 1e3:.1f}" for b, t in seeds.items()))
+    return seeds
 
 
 # -- one process per robot -------------------------------------------------------------------
@@ -286,7 +367,18 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res['config']['dtype']})", "",
              f"50 Hz control analogue: {res['config']['hz']} Hz, H = {res['config']['horizon']}, "
              f"s = {res['config']['s']}, budget {res['config']['budget_ms']:.0f} ms per chunk (p99, every robot).", ""]
-    for key, title in (("robots", "Shared server"), ("dedicated", "One process per robot")):
+    if "robots" in res:
+        lines += [f"## Shared server: max {res['robots']['max_robots_within_budget']} robots within budget", "",
+                  f"Statistics over requests sent after the first {res['config']['warmup_s']:.0f} s.", "",
+                  "| robots | requests | worst robot p99 ms | median robot p99 ms | pooled p99 ms | p50 ms | late "
+                  "| mean batch (padded) | service ms | captures | pass |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|"]
+        lines += [f"| {r['robots']} | {r['measured_requests']} | {r['worst_robot_p99_ms']:.1f} | "
+                  f"{r['median_robot_p99_ms']:.1f} | {r['pooled_p99_ms']:.1f} | {r['p50_ms']:.1f} | {r['late']} | "
+                  f"{r['mean_observations']:.1f} ({r['mean_batch']:.1f}) | {r['mean_service_ms']:.1f} | "
+                  f"{r['captures_while_serving']} | {'yes' if r['pass'] else 'no'} |" for r in res["robots"]["rows"]]
+        lines.append("")
+    for key, title in (("dedicated", "One process per robot"),):
         if key in res:
             lines += [f"## {title}: max {res[key]['max_robots_within_budget']} robots within budget", "",
                       "| robots | worst robot p99 ms | pass |", "|---:|---:|:--:|"]
@@ -318,9 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--robots", default="16,32,48,64,80,96,128")
     p.add_argument("--dedicated", default="1,2,4,8,12,16")
     p.add_argument("--robots-per-process", type=int, default=16)
-    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="captured batch sizes the server pads to")
+    p.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
+                   help="captured batch sizes the server pads to (default: the server's)")
     p.add_argument("--window-ms", type=float, default=5.0)
-    p.add_argument("--seconds", type=float, default=30.0, help="measured time per robot count")
+    p.add_argument("--seconds", type=float, default=30.0, help="measured time per robot count (after --warmup-s)")
+    p.add_argument("--warmup-s", type=float, default=2.0,
+                   help="requests sent in the first seconds of each robot count are left out of the statistics")
     p.add_argument("--load-s", type=float, default=30.0, help="expected model load time per dedicated process")
     p.add_argument("--image-size", default="224x224", help="HxW of the images robots send")
     p.add_argument("--rollout-batches", default="1,2,4,8,16,32,64,128")
@@ -338,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": args.backend, "dtype": args.dtype, "hz": args.hz, "horizon": args.horizon, "s": args.s,
         "budget_ms": budget_ms(args), "rtc_mode": args.rtc_mode, "rtc_delay": args.rtc_delay,
         "image_size": args.image_size, "batch_sizes": args.batch_sizes, "window_ms": args.window_ms,
+        "warmup_s": args.warmup_s, "seconds": args.seconds,
     }}
     if cuda:
         import torch

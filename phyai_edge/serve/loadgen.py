@@ -27,6 +27,7 @@ class RobotRun:
     refused: int = 0
     errors: list[str] = field(default_factory=list)
     latency_s: list[float] = field(default_factory=list)
+    sent_at: list[float] = field(default_factory=list)  # wall-clock send time of each answered request
     late: int = 0  # answers that arrived after the robot's budget
 
     def as_dict(self) -> dict[str, Any]:
@@ -63,7 +64,7 @@ def robot_loop(endpoint: str, name: str, requests: int, period_s: float, budget_
         if rtc is not None:
             mode, n, d, s = rtc
             req_rtc = wire.WireRTC(mode, rng.uniform(-1, 1, (n, remote.action_dim)).astype(np.float32), d, s)
-        t0 = time.perf_counter()
+        t0, sent = time.perf_counter(), time.time()
         try:
             res = remote.infer(obs, rtc=req_rtc)
             if res.actions.shape != (1, remote.chunk_size, remote.action_dim) or not np.isfinite(res.actions).all():
@@ -71,6 +72,7 @@ def robot_loop(endpoint: str, name: str, requests: int, period_s: float, budget_
             dt = time.perf_counter() - t0
             run.answered += 1
             run.latency_s.append(dt)
+            run.sent_at.append(sent)
             run.late += int(dt * 1e3 > budget_ms)
         except Exception as exc:
             if getattr(exc, "code", "") in (wire.ERR_OVERLOADED, wire.ERR_ROBOT_LIMIT):
