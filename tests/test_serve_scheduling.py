@@ -1,15 +1,13 @@
 """The scheduler's latency rule and batch-size policy, on a fake clock with a fake engine whose
 time per batch size is known: no sockets, no threads, no timing of real code.
 
-`simulate` drives one `Scheduler` the way the server's single inference thread does, with
+`serve.simulate` drives one `Scheduler` the way the server's single inference thread does, with
 robots that behave like `serve.loadgen` (a request every period; the next one only after the
 answer; a refused request is skipped until the next period)."""
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -24,6 +22,8 @@ from phyai_edge.serve.scheduler import (
     pad_size,
     serving_batch_sizes,
 )
+from phyai_edge.serve.simulate import SimResult, TakeAllScheduler
+from phyai_edge.serve.simulate import simulate as _simulate
 
 POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64)
 
@@ -46,16 +46,9 @@ def _p(robot: str, deadline: float, arrival: float, size: int = 1) -> Pending:
     return Pending(robot, 0, size, deadline, None, robot, arrival)
 
 
-class TakeAll(Scheduler):
-    """The rule before the latency rule: a batch takes every compatible request up to max_batch."""
-
-    def _take(self, candidates: list[Pending], now: float) -> int:
-        return len(candidates)
-
-
 def _seeded(clock: FakeClock, sizes: Sequence[int], engine: Callable[[int], float] = h200_like,
-            rule: type[Scheduler] = Scheduler, **cfg: object) -> Scheduler:
-    s = rule(SchedulerConfig(batch_sizes=tuple(sizes), **cfg), clock)  # type: ignore[arg-type]
+            **cfg: object) -> Scheduler:
+    s = Scheduler(SchedulerConfig(batch_sizes=tuple(sizes), **cfg), clock)  # type: ignore[arg-type]
     for b in sizes:
         s.record_service(b, engine(b))
     return s
@@ -150,75 +143,8 @@ def test_window_closes_early_by_the_expected_time_of_what_is_queued():
 
 
 # -- a simulated server ------------------------------------------------------------------------
-@dataclass
-class SimResult:
-    sent: int = 0
-    answered: int = 0
-    refused: int = 0
-    late: int = 0
-    answers: list[tuple[float, float]] = field(default_factory=list)  # (arrival, latency) per answer
-    batches: list[int] = field(default_factory=list)  # observations per batch
-
-
-def simulate(robots: int, sizes: Sequence[int], seconds: float = 20.0, period_s: float = 0.5,
-             budget_s: float = 0.5, engine: Callable[[int], float] = h200_like, capacity: int | None = None,
-             window_s: float = 0.005, seed: int = 0, stall: tuple[float, float] | None = None,
-             rule: type[Scheduler] = Scheduler) -> SimResult:
-    """One inference thread, `robots` loadgen-like robots at random phases, for `seconds` of
-    sends; the engine takes engine(padded size) per batch (plus stall[1] for the first batch
-    that starts after stall[0], e.g. a CUDA-graph capture). The scheduler starts knowing the
-    engine's times (the server's warm-up measures them)."""
-    rng = np.random.default_rng(seed)
-    clock = FakeClock(0.0)
-    cap = capacity if capacity is not None else 4 * robots + 16
-    s = _seeded(clock, sizes, engine, rule, max_batch=max(sizes), window_s=window_s, capacity=cap, per_robot=2)
-    res = SimResult()
-    sends: list[tuple[float, int]] = []  # (time, robot) of each robot's next request
-    next_tick = [float(rng.uniform(0, period_s)) for _ in range(robots)]
-    for r in range(robots):
-        heapq.heappush(sends, (next_tick[r], r))
-    busy_until, stalled = 0.0, stall is None
-
-    def send_due(upto: float) -> None:
-        while sends and sends[0][0] <= upto:
-            t, r = heapq.heappop(sends)
-            res.sent += 1
-            next_tick[r] += period_s
-            p = Pending(f"r{r}", res.sent, 1, t + budget_s, None, r, t)
-            if s.submit(p) is not None:
-                res.refused += 1
-                if next_tick[r] < seconds:
-                    heapq.heappush(sends, (next_tick[r], r))
-
-    while True:
-        send_due(clock.t)
-        batch = s.next_batch(0)
-        if batch:
-            service = engine(s.padded(sum(p.size for p in batch)))
-            if not stalled and clock.t >= stall[0]:  # type: ignore[index]
-                service += stall[1]  # type: ignore[index]
-                stalled = True
-            done = clock.t + service
-            s.record_service(s.padded(len(batch)), service)
-            res.batches.append(len(batch))
-            for p in batch:
-                res.answered += 1
-                res.late += done > p.deadline
-                res.answers.append((p.arrival, done - p.arrival))
-                r = p.payload
-                if next_tick[r] < seconds:  # the robot's next request: at its tick, or now if overdue
-                    heapq.heappush(sends, (max(next_tick[r], done), r))
-            busy_until = clock.t = done
-            continue
-        ready = s.ready_at()
-        nxt = min([t for t in (ready, sends[0][0] if sends else None) if t is not None], default=None)
-        if nxt is None:
-            return res
-        clock.t = max(nxt, busy_until, clock.t)
-
-
-def _rate(res: SimResult) -> float:
-    return res.answered / max(arrival + lat for arrival, lat in res.answers)
+def simulate(robots: int, sizes: Sequence[int], **kw: object) -> SimResult:
+    return _simulate(robots, h200_like, sizes, **kw)  # type: ignore[arg-type]
 
 
 def test_a_load_the_engine_carries_meets_every_deadline():
@@ -233,7 +159,7 @@ def test_take_all_with_powers_of_two_fails_48_robots_and_the_rule_does_not():
     # The scheduler before the rule took every queued request: with sizes 1, 2, 4, ..., 64 at 48
     # robots its batches settle around 26-33 requests padded to 32 or 64, and a request waits
     # for the batch in flight and then its own (the H200 run: p50 535 ms, nearly all late).
-    before = simulate(48, POWERS_OF_TWO, rule=TakeAll)
+    before = simulate(48, POWERS_OF_TWO, rule=TakeAllScheduler)
     assert before.late > before.sent // 2
     assert np.median([lat for _, lat in before.answers]) > 0.5
     after = simulate(48, POWERS_OF_TWO)
@@ -248,7 +174,7 @@ def test_after_a_stall_the_backlog_clears_without_new_misses():
     res = simulate(48, DEFAULT_BATCH_SIZES, stall=stall)
     assert res.late > 0
     assert all(lat <= 0.5 for arrival, lat in res.answers if arrival > clear)
-    before = simulate(48, DEFAULT_BATCH_SIZES, stall=stall, rule=TakeAll)
+    before = simulate(48, DEFAULT_BATCH_SIZES, stall=stall, rule=TakeAllScheduler)
     assert any(lat > 0.5 for arrival, lat in before.answers if arrival > clear)
 
 
@@ -257,13 +183,25 @@ def test_overload_answers_every_admitted_request_at_the_engines_throughput():
     # (one request in flight each), so nothing is refused with a queue this large; every request
     # is answered, some late, and batches stay large enough to keep the engine's throughput.
     res = simulate(80, DEFAULT_BATCH_SIZES)
-    take_all = simulate(80, DEFAULT_BATCH_SIZES, rule=TakeAll)
+    take_all = simulate(80, DEFAULT_BATCH_SIZES, rule=TakeAllScheduler)
     assert res.answered == res.sent and res.refused == 0
     assert 0 < res.late < take_all.late
-    assert _rate(res) > 0.95 * _rate(take_all)
-    assert _rate(res) > 0.95 * 64 / h200_like(64)
+    assert res.rate() > 0.95 * take_all.rate()
+    assert res.rate() > 0.95 * 64 / h200_like(64)
 
 
 def test_overload_with_a_small_queue_refuses_at_once():
     res = simulate(80, DEFAULT_BATCH_SIZES, capacity=32)
     assert res.refused > 0 and res.answered + res.refused == res.sent
+
+
+def test_engine_from_measured_points_and_the_planning_table(capsys):
+    from phyai_edge.serve.simulate import engine_from_points, main
+
+    engine = engine_from_points({1: 0.0214, 8: 0.0758, 32: 0.2676, 64: 0.5249})
+    assert engine(8) == pytest.approx(0.0758) and engine(16) == pytest.approx(0.0758 + (0.2676 - 0.0758) / 3)
+    assert engine(128) == pytest.approx(2 * 0.5249)
+    assert main(["--robots", "32", "--sizes", "1,2,4,8,16,32,64;any", "--rules", "latency", "--seconds", "5"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| latency")]
+    assert [r.split("|")[1].strip() for r in rows] == ["latency, 7 sizes", "latency, any"]
+    assert all(r.split("|")[4].strip() == "0" for r in rows)  # 32 robots: nobody late
