@@ -203,6 +203,8 @@ def sweep_robots(args: argparse.Namespace) -> dict[str, Any]:
                 f"(pre {b['preprocess_ms']:.1f}, rtc+engine {b['engine_ms']:.1f}, post {b['postprocess_ms']:.1f}, "
                 f"batcher {b['batcher_ms']:.1f}), waited {b['wait_ms']:.1f}")
         rows.append(row)
+        # Each count as it finishes: a run cut short by a device time limit keeps what it measured.
+        (Path(args.out) / "robots_partial.json").write_text(json.dumps(rows, indent=2, default=float))
         if not row["pass"] and args.stop_on_fail:
             break
     passing = [r["robots"] for r in rows if r["pass"]]

@@ -225,11 +225,6 @@ class Scheduler:
         with self._cond:
             self.times.record(size, seconds)
 
-    def expected_service(self, observations: int) -> float:
-        """Expected seconds for a batch of this many observations (priced at its padded size)."""
-        with self._cond:
-            return self.times.estimate(self.padded(observations))
-
     def service_estimates(self) -> dict[int, float]:
         with self._cond:
             return self.times.snapshot()
