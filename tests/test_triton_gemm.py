@@ -173,6 +173,47 @@ def test_linear_split_k_reduces_partials(monkeypatch) -> None:
     assert (part[0] - part[1]).abs().max() > 1e-3  # different K ranges, not one sum three times
 
 
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_deferred_split_sums_fold_into_the_residual_norm(poisoned, dtype) -> None:
+    """`linear(defer_sum=True)` hands back the unreduced partials; `residual_ada_rms_norm` adds them
+    in its own kernel and gives the same bits as the reducing kernel followed by the norm, on the
+    kernel path and on the reference path. Without a split (or with a bias) it is the tensor."""
+    b, t, k, n = 2, 5, 96, 40
+    h, w = _randn(b, t, k, dtype=dtype, seed=21), _weight(n, k, dtype, seed=22)
+    split = tg.GemmConfig(16, 16, 16, split_k=3)
+    deferred = tg.linear(h, w, "triton", config=split, defer_sum=True)
+    assert isinstance(deferred, triton_ops.SplitSums) and deferred.parts.shape == (3, b * t, n)
+    reduced = tg.linear(h, w, "triton", config=split)
+    # torch rounds to nearest; the interpreter's bf16 store truncates (a GPU's rounds): one ulp apart.
+    assert torch.allclose(deferred.total().float(), reduced.float(), rtol=2**-7 if dtype == torch.bfloat16 else 0,
+                          atol=0)
+    x = _randn(b, t, n, dtype=dtype, seed=23)
+    gate, scale, shift = (_randn(b, 1, n, dtype=dtype, seed=s) for s in (24, 25, 26))
+    got = triton_ops.residual_ada_rms_norm(x, deferred, gate, scale, shift, 1e-6, "triton")
+    want = triton_ops.residual_ada_rms_norm(x, reduced, gate, scale, shift, 1e-6, "triton")
+    assert all(torch.equal(g, w_) for g, w_ in zip(got, want, strict=True))  # the same rounding, in-kernel
+    got = triton_ops.residual_ada_rms_norm(x, deferred, gate, scale, shift, 1e-6, "reference")
+    want = triton_ops.residual_ada_rms_norm_ref(x, deferred.total(), gate, scale, shift, 1e-6)
+    assert all(torch.equal(g, w_) for g, w_ in zip(got, want, strict=True))
+    plain = tg.linear(h, w, "triton", config=tg.GemmConfig(16, 16, 16), defer_sum=True)
+    assert isinstance(plain, torch.Tensor) and torch.equal(plain, tg.linear(h, w, "triton", config=tg.GemmConfig(16, 16, 16)))
+    biased = tg.linear(h, w, "triton", bias=_randn(n, dtype=dtype, seed=27), config=split, defer_sum=True)
+    assert isinstance(biased, torch.Tensor)
+
+
+def test_split_sums_of_another_dtype_are_added_first() -> None:
+    """A residual in another dtype than the GEMM's output: the sums are rounded to the GEMM's dtype
+    first (`total`), as the unfused path would, never to the residual's."""
+    parts = torch.randn(3, 4, 8)
+    sums = triton_ops.SplitSums(parts, (1, 4, 8), torch.bfloat16)
+    x = torch.randn(1, 4, 8)
+    g, sc, sh = torch.rand(1, 1, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8)
+    got = triton_ops.residual_ada_rms_norm(x, sums, g, sc, sh, 1e-6, "reference")
+    want = triton_ops.residual_ada_rms_norm(x, sums.total(), g, sc, sh, 1e-6, "reference")
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 # -- gate/up + GeGLU ------------------------------------------------------------------------------------
 GEGLU_SHAPES = [(1, 1, 64, 32), (1, 7, 100, 40), (1, 50, 96, 64), (2, 50, 48, 20)]  # (b, t, K, H)
 

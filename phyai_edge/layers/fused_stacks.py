@@ -36,6 +36,7 @@ from phyai_edge.layers import triton_gemm
 from phyai_edge.layers.norm import Modulation
 from phyai_edge.layers.triton_attention import stack_attention
 from phyai_edge.layers.triton_ops import (
+    SplitSums,
     ada_rms_norm,
     bias_gelu,
     geglu,
@@ -65,7 +66,7 @@ def _qkv(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 
 def _attend(attn: torch.nn.Module, q: torch.Tensor, k: Any, v: Any, mask: torch.Tensor,
-            attend: Callable[..., torch.Tensor], gemm_backend: str | None) -> torch.Tensor:
+            attend: Callable[..., torch.Tensor], gemm_backend: str | None) -> torch.Tensor | SplitSums:
     """`attn.attend(q, k, v, mask, attention_fn=attend)`, its o-projection on the small-M Triton
     GEMM where that takes it."""
     if gemm_backend is None:
@@ -74,10 +75,11 @@ def _attend(attn: torch.nn.Module, q: torch.Tensor, k: Any, v: Any, mask: torch.
     b, _, t, _ = out.shape
     # The split kernel's output is a transposed view of a (B, T, H, D) buffer: this reshape is free.
     out = out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)
-    return _project(attn.o_proj, out.to(attn.o_proj.weight.dtype), gemm_backend)
+    return _project(attn.o_proj, out.to(attn.o_proj.weight.dtype), gemm_backend, defer_sum=True)
 
 
-def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str, gemm_backend: str | None = None) -> torch.Tensor:
+def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str,
+         gemm_backend: str | None = None) -> torch.Tensor | SplitSums:
     if mlp.gate_up is None:
         return mlp(h)
     if gemm_backend is None:
@@ -86,13 +88,16 @@ def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str, gemm_backend: str 
         a = triton_gemm.linear_geglu(h, mlp.gate_up.weight, gemm_backend, bias=mlp.gate_up.bias)
     else:
         a = geglu(mlp.gate_up(h), backend)
-    return _project(mlp.down_proj, a, gemm_backend)
+    return _project(mlp.down_proj, a, gemm_backend, defer_sum=True)
 
 
-def _project(linear: torch.nn.Module, h: torch.Tensor, gemm_backend: str | None) -> torch.Tensor:
-    """`linear(h)`, on the small-M Triton GEMM where `triton_gemm.module_takes` it."""
+def _project(linear: torch.nn.Module, h: torch.Tensor, gemm_backend: str | None,
+             defer_sum: bool = False) -> torch.Tensor | SplitSums:
+    """`linear(h)`, on the small-M Triton GEMM where `triton_gemm.module_takes` it. `defer_sum`:
+    the caller hands the result to `residual_ada_rms_norm`, which adds a split-K GEMM's partial
+    sums itself (one reducing kernel fewer)."""
     if gemm_backend is not None and triton_gemm.module_takes(linear, h):
-        return triton_gemm.linear(h, linear.weight, gemm_backend, bias=linear.bias)
+        return triton_gemm.linear(h, linear.weight, gemm_backend, bias=linear.bias, defer_sum=defer_sum)
     return linear(h)
 
 

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, triton
-from phyai_edge.layers.triton_ops import geglu_ref, qkv_rope_ref
+from phyai_edge.layers.triton_ops import SplitSums, geglu_ref, qkv_rope_ref
 
 # Measured on an H200 (`benchmarks/gemm_gpu.py`, RESULTS.md): at M = 50 (batch 1) the kernels beat
 # cuBLAS (+ the separate RoPE / GeGLU kernel) on all four projections by 3-13%; at M = 400 and 1600
@@ -420,7 +420,7 @@ def _flags(a: torch.Tensor, k: int, cfg: GemmConfig) -> dict[str, object]:
 
 
 def _linear_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   cfg: GemmConfig | None) -> torch.Tensor:
+                   cfg: GemmConfig | None, defer_sum: bool = False) -> torch.Tensor | SplitSums:
     n, k = weight.shape
     a = _rows(h, k)
     m = a.shape[0]
@@ -442,6 +442,8 @@ def _linear_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _linear_kernel[grid](a, weight, bias_arg, part, m, n, k, per,
                          a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), part.stride(0), part.stride(1),
                          HAS_BIAS=False, PARTIAL=True, **flags)
+    if defer_sum and bias is None:
+        return SplitSums(part, tuple(out.shape), h.dtype)
     rb_m, rb_n = 16, 128
     _split_k_reduce_kernel[(triton.cdiv(n, rb_n), triton.cdiv(m, rb_m))](
         part, bias_arg, out2, m, n, part.stride(0), part.stride(1), out2.stride(0),
@@ -510,12 +512,16 @@ def _present(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
 
 
 def linear(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
-           bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, config: GemmConfig | None = None,
+           defer_sum: bool = False) -> torch.Tensor | SplitSums:
     """h (..., K) @ weight (N, K)^T (+ bias) -> (..., N) in h.dtype, as `F.linear`. `config`: the
-    tiling (None: `CONFIGS` by shape class); its `split_k` > 1 adds a second, reducing kernel."""
+    tiling (None: `CONFIGS` by shape class); its `split_k` > 1 adds a second, reducing kernel.
+    `defer_sum`: where the kernels split K (and there is no bias), return the unreduced
+    `triton_ops.SplitSums` instead, for a consumer that adds them itself
+    (`triton_ops.residual_ada_rms_norm`); elsewhere the tensor as usual."""
     if not (_use_triton(backend, h, weight, *_present(bias)) and kernel_takes(h, weight, bias)):
         return linear_ref(h, weight, bias)
-    return _linear_triton(h, weight, bias, config)
+    return _linear_triton(h, weight, bias, config, defer_sum)
 
 
 def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,

@@ -45,6 +45,7 @@ kernels are simply absent (`triton_available()` is False).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -80,6 +81,24 @@ def _per_batch(m: torch.Tensor, batch: int, width: int) -> tuple[torch.Tensor, i
 def _empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     """Every kernel output is allocated here (the tests poison it to check it is fully written)."""
     return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
+
+
+@dataclass(frozen=True)
+class SplitSums:
+    """A split-K GEMM's float32 partial sums (splits, rows, N), not yet added (`triton_gemm.linear(
+    ..., defer_sum=True)`). A consumer adds them in split order and rounds to `dtype`, exactly as
+    the GEMM's own reducing kernel would (`total`); `residual_ada_rms_norm` does it inside its
+    kernel, which saves the reducing kernel's launch (one a projection, two a layer)."""
+
+    parts: torch.Tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def total(self) -> torch.Tensor:
+        acc = self.parts[0].clone()
+        for s in range(1, self.parts.shape[0]):  # split order, as the reducing kernel adds
+            acc += self.parts[s]
+        return acc.to(self.dtype).view(self.shape)
 
 
 def _block(n: int) -> int:
@@ -155,8 +174,8 @@ if triton is not None:
         x_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, res_ptr, out_ptr,
         n_cols, rows_per_batch, eps,
         stride_x, stride_y, stride_res, stride_out,
-        stride_gate_b, stride_scale_b, stride_shift_b,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        stride_gate_b, stride_scale_b, stride_shift_b, stride_y_split,
+        HAS_RESIDUAL: tl.constexpr, Y_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
         b = row // rows_per_batch
@@ -164,7 +183,13 @@ if triton is not None:
         m = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            y = tl.load(y_ptr + row * stride_y + cols, mask=m, other=0.0).to(tl.float32)
+            if Y_SPLITS > 0:  # y as a split-K GEMM's float32 partials: add, round as its reduce would
+                y = tl.zeros([BLOCK], tl.float32)
+                for s in tl.static_range(Y_SPLITS):
+                    y += tl.load(y_ptr + s * stride_y_split + row * stride_y + cols, mask=m, other=0.0)
+                y = y.to(res_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                y = tl.load(y_ptr + row * stride_y + cols, mask=m, other=0.0).to(tl.float32)
             g = tl.load(gate_ptr + b * stride_gate_b + cols, mask=m, other=0.0).to(tl.float32)
             r = (x + y * g).to(res_ptr.dtype.element_ty)
             tl.store(res_ptr + row * stride_res + cols, r, mask=m)
@@ -274,8 +299,15 @@ def _residual_ada_norm_triton(x, y, gate, scale, shift, eps):
     out2 = out.view(-1, n)
     sc, s_sc = _per_batch(scale, b, n)
     sh, s_sh = _per_batch(shift, b, n)
+    splits, s_split = 0, 0
+    if isinstance(y, SplitSums):
+        y2 = y.parts
+        if y2.shape[1:] != x2.shape or y2.stride(-1) != 1:
+            raise ValueError(f"split sums of shape {tuple(y2.shape)} for a residual of {tuple(x2.shape)}")
+        splits, s_split = y2.shape[0], y2.stride(0)
+        y2 = y2[0]  # row stride below; the kernel steps through the splits by s_split
     if y is not None:
-        y2 = _rows(y, n)
+        y2 = y2 if splits else _rows(y, n)
         g, s_g = _per_batch(gate, b, n)
         res = _empty(x.shape, x)
         res2 = res.view(-1, n)
@@ -286,8 +318,8 @@ def _residual_ada_norm_triton(x, y, gate, scale, shift, eps):
         x2, y2, g, sc, sh, res2, out2,
         n, rows_per_batch, float(eps),
         x2.stride(0), sy, sres, out2.stride(0),
-        s_g, s_sc, s_sh,
-        HAS_RESIDUAL=y is not None, BLOCK=_block(n),
+        s_g, s_sc, s_sh, s_split,
+        HAS_RESIDUAL=y is not None, Y_SPLITS=splits, BLOCK=_block(n),
     )
     return res, out
 
@@ -337,7 +369,7 @@ def ada_rms_norm(
 
 def residual_ada_rms_norm(
     x: torch.Tensor,
-    y: torch.Tensor,
+    y: torch.Tensor | SplitSums,
     gate: torch.Tensor,
     scale: torch.Tensor,
     shift: torch.Tensor,
@@ -345,9 +377,13 @@ def residual_ada_rms_norm(
     backend: str = "reference",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """r = x + y * gate (the gated residual, in x.dtype), then ada_rms_norm(r, scale, shift):
-    returns (r, normed r). x, y (B, T, N); gate, scale, shift (B or 1, 1, N)."""
-    if not _use_triton(backend, x, y, gate, scale, shift):
-        return residual_ada_rms_norm_ref(x, y, gate, scale, shift, eps)
+    returns (r, normed r). x, y (B, T, N); gate, scale, shift (B or 1, 1, N). y may be a split-K
+    GEMM's unreduced `SplitSums`: added here as its reducing kernel would (same result)."""
+    if isinstance(y, SplitSums) and y.dtype != x.dtype:  # the kernel rounds the sum to x's dtype
+        y = y.total()
+    yt = y.parts if isinstance(y, SplitSums) else y
+    if not _use_triton(backend, x, yt, gate, scale, shift):
+        return residual_ada_rms_norm_ref(x, y.total() if isinstance(y, SplitSums) else y, gate, scale, shift, eps)
     return _residual_ada_norm_triton(x, y, gate, scale, shift, eps)
 
 
