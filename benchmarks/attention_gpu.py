@@ -21,16 +21,15 @@ import argparse
 import itertools
 import json
 import math
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from graph_timing import time_calls  # benchmarks/ is on sys.path when this runs as a script
 
 from phyai_edge.layers import triton_attention as ta
 from phyai_edge.layers.attention import attention, attention_ref
@@ -44,6 +43,7 @@ FULL_SHAPES = [
     ("prefix b8", 8, 8, 816, 816, 0),
     ("prefix b32", 32, 8, 816, 816, 0),
 ]
+CALLS = 20  # calls per captured graph
 TINY_SHAPES = [("expert b1", 1, 4, 5, 60, 5), ("expert b2", 2, 4, 5, 60, 5)]
 
 
@@ -54,39 +54,6 @@ def sweep_configs(tiny: bool) -> list[ta.SplitConfig]:
     for bm, bn, warps, stages, min_keys in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2), (64, 128)):
         out.append(ta.SplitConfig(bm, bn, warps, stages, min_keys))
     return out
-
-
-def graph_time_us(fn: Callable[[], Any], device: torch.device, calls: int = 20, replays: int = 15) -> float:
-    """Median time of one call, measured as a CUDA graph of `calls` calls replayed (CPU: wall)."""
-    if device.type != "cuda":
-        fn()
-        t = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            t.append(time.perf_counter() - t0)
-        return statistics.median(t) * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -115,7 +82,7 @@ def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device,
         return float((out.float() - ref).norm() / ref.norm())
 
     out = sdpa()
-    rows.append({"variant": "sdpa (model path)", "us": graph_time_us(sdpa, device), "rel_err": rel(out)})
+    rows.append({"variant": "sdpa (model path)", "us": time_calls([sdpa] * CALLS, device.type, replays=15), "rel_err": rel(out)})
     default = ta.default_config(hq * tq, b, sms)
     for label, cfg in [("split, default", default)] + [(None, c) for c in configs]:
         splits, _ = ta.plan_splits(hq * tq, n1 + n2, b, sms, cfg.block_m, cfg.block_n, cfg.min_keys)
@@ -129,7 +96,7 @@ def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device,
             if not math.isfinite(row["rel_err"]) or row["rel_err"] > 2e-2:
                 row["error"] = f"wrong result: relative error {row['rel_err']:.2e}"
             else:
-                row["us"] = graph_time_us(call, device)
+                row["us"] = time_calls([call] * CALLS, device.type, replays=15)
         except Exception as exc:  # a tiling the GPU cannot run (shared memory, registers): recorded, skipped
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         rows.append(row)

@@ -34,15 +34,14 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from graph_timing import time_calls  # benchmarks/ is on sys.path when this runs as a script
 
 T0 = time.perf_counter()
 TOKENS = 50  # the expert's rows per sample (the action chunk)
@@ -111,44 +110,6 @@ def l2_bytes(device: str) -> int:
     if not device.startswith("cuda"):
         return 0
     return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
-
-
-def time_calls(calls: list[Callable[[], Any]], device: str, replays: int = 20) -> float:
-    """Median microseconds per call: on a GPU, the calls (one per weight copy) captured in one
-    CUDA graph and replayed; on a CPU, perf_counter over each call."""
-    for c in calls:  # compiles / autotunes nothing inside the capture
-        c()
-    if not device.startswith("cuda"):
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for c in calls:
-                c()
-            ts.append((time.perf_counter() - t0) / len(calls))
-        return statistics.median(ts) * 1e6
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # a warm-up on the side stream, as torch's capture docs advise
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    for _ in range(3):
-        graph.replay()
-    ms = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
-    del graph
-    return statistics.median(ms) * 1e3 / len(calls)
 
 
 def max_abs(a: Any, b: Any) -> float:

@@ -1,0 +1,51 @@
+"""One way to time GPU work for the kernel benchmarks: the calls captured in one CUDA graph and
+replayed, so the numbers are kernel time as the engine runs them (no Python launch gaps).
+Used by `gemm_gpu.py` and `attention_gpu.py`."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def time_calls(calls: list[Callable[[], Any]], device: str, replays: int = 20) -> float:
+    """Median microseconds per call: on a GPU, the calls captured in one CUDA graph and replayed
+    (`calls` may repeat one call, or cycle through copies of its inputs larger than the L2); on a
+    CPU, perf_counter over the calls."""
+    for c in calls:  # compiles / autotunes nothing inside the capture
+        c()
+    if not device.startswith("cuda"):
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for c in calls:
+                c()
+            ts.append((time.perf_counter() - t0) / len(calls))
+        return statistics.median(ts) * 1e6
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # a warm-up on the side stream, as torch's capture docs advise
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    for _ in range(3):
+        graph.replay()
+    ms = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ms.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(ms) * 1e3 / len(calls)
