@@ -111,6 +111,23 @@ class CaptureCounter(logging.Handler):
             self.count += 1
 
 
+def collect(out: Any, want: int, deadline: float) -> tuple[dict[Any, Any], list[Any]]:
+    """Read the worker processes' ("done" | "error", key, payload) messages from `out` until `want`
+    have reported or `deadline` (time.time()) passes: the done payloads by key, and the errors."""
+    done: dict[Any, Any] = {}
+    errors: list[Any] = []
+    while len(done) + len(errors) < want and time.time() < deadline:
+        try:
+            kind, key, payload = out.get(timeout=1.0)
+        except Exception:  # queue.Empty: nothing this second; look at the clock again
+            continue
+        if kind == "done":
+            done[key] = payload
+        elif kind == "error":
+            errors.append(payload)
+    return done, errors
+
+
 def run_robots(args: argparse.Namespace, n_robots: int, policy: Any, seeds: dict[int, float]) -> dict[str, Any]:
     """One server, n robots for --warmup-s + --seconds; statistics over the requests sent after
     the warm-up; per-robot p99 and pooled p99 against the budget."""
@@ -145,15 +162,7 @@ def run_robots(args: argparse.Namespace, n_robots: int, policy: Any, seeds: dict
                                                                       args.image_hw, k, {}, start_at, out, rtc),
                                          daemon=True))
                 procs[-1].start()
-            results: dict[str, dict] = {}
-            deadline = time.time() + (args.warmup_s + args.seconds) * 3 + 60 + 0.1 * n_robots
-            while len(results) < n_robots and time.time() < deadline:
-                try:
-                    kind, name, payload = out.get(timeout=1.0)
-                except Exception:
-                    continue
-                if kind == "done":
-                    results[name] = payload
+            results, _ = collect(out, n_robots, time.time() + (args.warmup_s + args.seconds) * 3 + 60 + 0.1 * n_robots)
             for p in procs:
                 p.join(5)
                 if p.is_alive():
@@ -302,18 +311,7 @@ def sweep_dedicated(args: argparse.Namespace) -> dict[str, Any]:
                  for i in range(n)]
         for p in procs:
             p.start()
-        lat: dict[int, list[float]] = {}
-        errors: list[str] = []
-        deadline = start_at + args.seconds * 3 + 60
-        while len(lat) + len(errors) < n and time.time() < deadline:
-            try:
-                kind, i, payload = out.get(timeout=1.0)
-            except Exception:
-                continue
-            if kind == "done":
-                lat[i] = payload
-            elif kind == "error":
-                errors.append(payload)
+        lat, errors = collect(out, n, start_at + args.seconds * 3 + 60)
         for p in procs:
             p.join(5)
             if p.is_alive():

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from serve_gpu import prompt_classes  # benchmarks/ is on sys.path when this runs as a script
+from serve_gpu import collect, prompt_classes  # benchmarks/ is on sys.path when this runs as a script
 
 from phyai_edge.adapters.base import Observation
 from phyai_edge.engines.base import RTCRequest
@@ -118,15 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                              daemon=True) for k in range(0, args.robots, 16)]
         for proc in procs:
             proc.start()
-        done: dict[str, dict] = {}
-        deadline = time.time() + args.seconds * 4 + 60
-        while len(done) < args.robots and time.time() < deadline:
-            try:
-                kind, name, payload = out.get(timeout=1.0)
-            except Exception:
-                continue
-            if kind == "done":
-                done[name] = payload
+        done, _ = collect(out, args.robots, time.time() + args.seconds * 4 + 60)
         for proc in procs:
             proc.join(5)
         report = srv.report()
