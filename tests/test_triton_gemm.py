@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_cudagraph import _inputs, _rel
-from test_triton_ops import _blocks, _stack_inputs, _stack_reference
+from test_triton_ops import _blocks, _float32_truth, _stack_inputs, _stack_reference
 
 from phyai_edge.adapters.base import SolverSpec
 from phyai_edge.adapters.pi05 import builtin_adapter
@@ -416,13 +416,7 @@ def test_block_stack_gemm_bf16(poisoned, launches) -> None:
         ref = _stack_reference(blocks, *args)
     assert launches["_qkv_rope_triton"] == len(blocks) and launches["_linear_triton"] == 2 * len(blocks)
     # bf16 through three blocks: judged against the same blocks in float32, as test_triton_ops does
-    truth_blocks = [copy.deepcopy(blk).float() for blk in blocks]
-    for blk in truth_blocks:
-        blk.self_attn.fuse()
-        blk.mlp.fuse()
-    with torch.no_grad():
-        truth = _stack_reference(truth_blocks, *[a.float() if a.is_floating_point() else a for a in args[:6]],
-                                 *args[6:])
+    truth = _float32_truth(blocks, args)
     assert torch.isfinite(out).all()
     err, ref_err, plain_err = _rel(out.float(), truth), _rel(ref.float(), truth), _rel(plain.float(), truth)
     assert err < 2e-2 and err < 1.5 * max(ref_err, plain_err), (err, ref_err, plain_err)

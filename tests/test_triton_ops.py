@@ -177,6 +177,18 @@ def _stack_reference(blocks, x, cos, sin, k_cache, v_cache, mask, mods, final):
     return ada_rms_norm_ref(x, final[0], final[1], 1e-6)
 
 
+def _float32_truth(blocks, args):
+    """The stack's reference output with the same blocks and inputs in float32 (fused projections,
+    as the kernels' path uses): what a bf16 run is judged against."""
+    truth_blocks = [copy.deepcopy(blk).float() for blk in blocks]
+    for blk in truth_blocks:
+        blk.self_attn.fuse()
+        blk.mlp.fuse()
+    with torch.no_grad():
+        return _stack_reference(truth_blocks, *[a.float() if a.is_floating_point() else a for a in args[:6]],
+                                *args[6:])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fuse", [True, False])
 def test_block_stack_reference_path(dtype, fuse) -> None:
@@ -202,13 +214,7 @@ def test_block_stack_kernels(poisoned, dtype) -> None:
         return
     # bf16 through three blocks: the kernels round once per chain, the reference after every op,
     # so judge both against the same blocks in float32 and hold the kernels to the reference's error.
-    truth_blocks = [copy.deepcopy(blk).float() for blk in blocks]
-    for blk in truth_blocks:
-        blk.self_attn.fuse()
-        blk.mlp.fuse()
-    with torch.no_grad():
-        truth = _stack_reference(truth_blocks, *[a.float() if a.is_floating_point() else a for a in args[:6]],
-                                 *args[6:])
+    truth = _float32_truth(blocks, args)
     assert torch.isfinite(out).all()
     err, ref_err = _rel(out.float(), truth), _rel(ref.float(), truth)
     assert err < 2e-2 and err < 1.5 * ref_err, (err, ref_err)

@@ -301,13 +301,13 @@ def _residual_ada_norm_triton(x, y, gate, scale, shift, eps):
     sh, s_sh = _per_batch(shift, b, n)
     splits, s_split = 0, 0
     if isinstance(y, SplitSums):
-        y2 = y.parts
-        if y2.shape[1:] != x2.shape or y2.stride(-1) != 1:
-            raise ValueError(f"split sums of shape {tuple(y2.shape)} for a residual of {tuple(x2.shape)}")
-        splits, s_split = y2.shape[0], y2.stride(0)
-        y2 = y2[0]  # row stride below; the kernel steps through the splits by s_split
+        if y.parts.shape[1:] != x2.shape or y.parts.stride(-1) != 1:
+            raise ValueError(f"split sums of shape {tuple(y.parts.shape)} for a residual of {tuple(x2.shape)}")
+        splits, s_split = y.parts.shape[0], y.parts.stride(0)
+        y2 = y.parts[0]  # the first split's rows; the kernel steps to the others by s_split
+    elif y is not None:
+        y2 = _rows(y, n)
     if y is not None:
-        y2 = y2 if splits else _rows(y, n)
         g, s_g = _per_batch(gate, b, n)
         res = _empty(x.shape, x)
         res2 = res.view(-1, n)
