@@ -276,9 +276,9 @@ class PI05Model(nn.Module):
         return self.action_out_proj(normed.to(self.action_out_proj.weight.dtype)).float()
 
     def triton_stages(self, backend: str = "auto", gemm: bool = False) -> dict[str, Callable[..., torch.Tensor]]:
-        """Stage functions, same contracts as the model's own, with the elementwise chains (and
-        where it pays, attention) as fused Triton kernels (`layers.triton_ops`,
-        `layers.triton_attention`; `backend` as there):
+        """Stage functions, same contracts as the model's own, with the elementwise chains and
+        attention as fused Triton kernels (`layers.triton_ops`, `layers.triton_attention`, run by
+        the stacks of `layers.fused_stacks`; `backend` as there):
 
         - `embed_images`: SigLIP's blocks on `fused_stacks.siglip_block_stack` (LayerNorms fused
           with the residual adds, GELU; SDPA without the all-true mask); patch embedding, position
