@@ -47,13 +47,16 @@ CALLS = 20  # calls per captured graph
 TINY_SHAPES = [("expert b1", 1, 4, 5, 60, 5), ("expert b2", 2, 4, 5, 60, 5)]
 
 
-def sweep_configs(tiny: bool) -> list[ta.SplitConfig]:
+def sweep_configs(tiny: bool, big_blocks: bool = False) -> list[ta.SplitConfig]:
+    """The first sweep: 16-64 query rows per block. `big_blocks`: 64- and 128-row blocks only (two
+    warpgroups of wgmma for 128 rows), for the shapes with many query blocks (batch 8 and 32)."""
     if tiny:
         return [ta.SplitConfig(16, 16, 2, 1, 16), ta.SplitConfig(32, 32, 4, 2, 32)]
-    out = []
-    for bm, bn, warps, stages, min_keys in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2), (64, 128)):
-        out.append(ta.SplitConfig(bm, bn, warps, stages, min_keys))
-    return out
+    if big_blocks:
+        grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2), (64,))
+    else:
+        grid = itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2), (64, 128))
+    return [ta.SplitConfig(bm, bn, warps, stages, min_keys) for bm, bn, warps, stages, min_keys in grid]
 
 
 def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -133,11 +136,19 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="small shapes and two tilings: plumbing check")
     p.add_argument("--json", type=Path, help="write every timing here")
     p.add_argument("--default-only", action="store_true", help="SDPA against the default tiling alone (no sweep)")
+    p.add_argument("--big-blocks", action="store_true", help="sweep 64- and 128-row blocks instead of 16-64")
+    p.add_argument("--shapes", default=None, help="comma-separated shape names to run (e.g. 'expert b32,prefix b32')")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = TINY_SHAPES if args.tiny else FULL_SHAPES
-    configs = [] if args.default_only else sweep_configs(args.tiny)
+    if args.shapes:
+        wanted = [x.strip() for x in args.shapes.split(",")]
+        unknown = sorted(set(wanted) - {sh[0] for sh in shapes})
+        if unknown:
+            p.error(f"--shapes: unknown {unknown}; choose from {[sh[0] for sh in shapes]}")
+        shapes = [sh for sh in shapes if sh[0] in wanted]
+    configs = [] if args.default_only else sweep_configs(args.tiny, args.big_blocks)
     t0 = time.perf_counter()
     results = []
     for shape in shapes:

@@ -52,11 +52,22 @@ def say(msg: str) -> None:
 
 
 # -- shapes and sweeps -----------------------------------------------------------------------------------
-def expert_shapes(tiny: bool) -> list[dict[str, Any]]:
-    """The four projections of one expert layer (full size: PI0.5's action expert; tiny: the
-    tiny preset's). `n` is the weight's row count, `k` its column count."""
+PARTS = ("expert", "prefix", "vision")
+# rows per sample of each part: the action chunk; 3 x 256 image tokens + 48 prompt tokens; 3 images
+PART_TOKENS = {"expert": TOKENS, "prefix": 816, "vision": 768}
+
+
+def expert_shapes(tiny: bool, part: str = "expert") -> list[dict[str, Any]]:
+    """One layer's projections (full size: PI0.5's; tiny: the tiny preset's). `n` is the weight's
+    row count, `k` its column count. expert / prefix: the Gemma layers (fused QKV + RoPE, o_proj,
+    fused gate/up + GeGLU, down); vision: SigLIP's fc1 with its bias and GELU."""
+    if part == "vision":
+        width, mlp = (32, 64) if tiny else (1152, 4304)
+        return [{"name": "fc1+gelu", "op": "gelu", "n": mlp, "k": width, "bias": True}]
     if tiny:
         heads, kv_heads, head_dim, width, mlp = 2, 1, 16, 32, 64
+    elif part == "prefix":
+        heads, kv_heads, head_dim, width, mlp = 8, 1, 256, 2048, 16384
     else:
         heads, kv_heads, head_dim, width, mlp = 8, 1, 256, 1024, 4096
     return [
@@ -88,8 +99,22 @@ def sweep(op: str, rows: int, n: int, tiny: bool) -> list[Any]:
                          (32, 16, 128, 4, 4, 1), (16, 16, 128, 4, 4, 1), (16, 16, 256, 4, 4, 1), (64, 64, 64, 4, 3, 1),
                          (64, 16, 128, 8, 4, 1)],
         }[op]
+    elif rows > 2048:  # compute-bound: Hopper-sized tiles, grouped for L2 reuse (the 7th field)
+        picks = {
+            "linear": [(128, 256, 64, 8, 3, 1, 8), (128, 128, 64, 8, 4, 1, 8), (128, 128, 64, 4, 4, 1, 8),
+                       (256, 128, 64, 8, 3, 1, 8), (128, 256, 64, 8, 4, 1, 8)],
+            "gelu": [(128, 256, 64, 8, 3, 1, 8), (128, 128, 64, 8, 4, 1, 8), (128, 128, 64, 4, 4, 1, 8),
+                     (256, 128, 64, 8, 3, 1, 8), (128, 64, 64, 4, 4, 1, 8)],
+            "geglu": [(128, 128, 64, 8, 3, 1, 8), (128, 128, 64, 8, 4, 1, 8), (128, 64, 64, 4, 4, 1, 8),
+                      (128, 64, 64, 8, 4, 1, 8), (256, 64, 64, 8, 3, 1, 8), (64, 128, 64, 4, 4, 1, 8),
+                      (128, 128, 32, 8, 5, 1, 8), (128, 128, 64, 8, 3, 1, 16)],
+            "qkv_rope": [(128, 128, 64, 8, 3, 1, 8), (128, 64, 64, 4, 4, 1, 8), (128, 64, 64, 8, 4, 1, 8),
+                         (256, 64, 64, 8, 3, 1, 8), (64, 128, 64, 4, 4, 1, 8)],
+        }[op]
     else:
         picks = {
+            "gelu": [(64, 64, 64, 4, 4, 1), (64, 128, 64, 4, 3, 1), (128, 64, 64, 4, 3, 1), (128, 128, 64, 8, 3, 1, 4),
+                     (128, 256, 64, 8, 3, 1, 4)],
             "linear": [(64, 64, 64, 4, 4, 1), (64, 128, 64, 4, 3, 1), (128, 64, 64, 4, 3, 1), (128, 128, 64, 8, 3, 1),
                        (128, 128, 32, 4, 4, 1), (64, 64, 64, 4, 4, 2), (128, 64, 64, 8, 3, 2), (64, 256, 64, 8, 3, 1)],
             "geglu": [(64, 64, 64, 4, 3, 1), (64, 32, 64, 4, 4, 1), (128, 64, 64, 8, 3, 1), (128, 32, 64, 4, 3, 1),
@@ -98,8 +123,8 @@ def sweep(op: str, rows: int, n: int, tiny: bool) -> list[Any]:
                          (64, 128, 64, 8, 3, 1), (128, 128, 64, 8, 3, 1)],
         }[op]
     out = [default_config(op, rows, n)]
-    for bm, bn, bk, w, s, split in picks:
-        cfg = GemmConfig(bm, bn, bk, w, s, split)
+    for pick in picks:
+        cfg = GemmConfig(*pick)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -125,7 +150,7 @@ def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadlin
     from phyai_edge.layers.rotary import rope_cos_sin
 
     op, n, k = shape["op"], shape["n"], shape["k"]
-    batch = max(1, rows // TOKENS)
+    batch = max(1, rows // shape.get("tokens", TOKENS))
     t = rows // batch
     dt = torch.bfloat16
     g = torch.Generator(device="cpu").manual_seed(rows * 7 + n)
@@ -151,6 +176,17 @@ def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadlin
 
         ref = tg.linear_qkv_rope_ref(h, w0, cos, sin, hq, hkv, d)
         exact = tg.linear_qkv_rope_ref(h.float(), w0.float(), cos.float(), sin.float(), hq, hkv, d)
+    elif op == "gelu":
+        bias = (torch.randn(n, generator=g) * 0.1).to(device, dt) if shape.get("bias") else None
+
+        def cublas(w: torch.Tensor) -> Any:  # SigLIP's path: the GEMM adds the bias, then the GELU kernel
+            return triton_ops.bias_gelu(F.linear(h, w, bias), None, triton_epi)
+
+        def triton_fn(w: torch.Tensor, cfg: Any) -> Any:
+            return tg.linear_gelu(h, w, "triton", bias=bias, config=cfg)
+
+        ref = tg.linear_gelu_ref(h, w0, bias)
+        exact = tg.linear_gelu_ref(h.float(), w0.float(), None if bias is None else bias.float())
     elif op == "geglu":
         def cublas(w: torch.Tensor) -> Any:
             return triton_ops.geglu(F.linear(h, w), triton_epi)
@@ -173,7 +209,8 @@ def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadlin
     res["variants"] = variants = []
 
     def record(name: str, us: float, err: float | None = None, cfg: Any = None) -> None:
-        row = {"variant": name, "us": us, "tb_s": wbytes / (us * 1e-6) / 1e12, "max_abs_err_vs_ref": err}
+        row = {"variant": name, "us": us, "tb_s": wbytes / (us * 1e-6) / 1e12,
+               "tflop_s": 2 * h.numel() // k * n * k / (us * 1e-6) / 1e12, "max_abs_err_vs_ref": err}
         if cfg is not None:
             row["config"] = dataclasses.asdict(cfg)
         variants.append(row)
@@ -182,6 +219,18 @@ def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadlin
            time_calls([lambda w=w: cublas(w) for w in weights], device))
     if op != "linear":
         record("F.linear alone", time_calls([lambda w=w: F.linear(h, w) for w in weights], device))
+    if op == "gelu" and device.startswith("cuda") and bias is not None:
+        # cuBLASLt's GELU epilogue (tanh form on CUDA): one kernel, no Triton
+        h2 = h.reshape(-1, k)
+
+        def lt(w: torch.Tensor) -> Any:
+            return torch._addmm_activation(bias, h2, w.t(), use_gelu=True)
+
+        try:
+            record("cuBLASLt bias+GELU epilogue", time_calls([lambda w=w: lt(w) for w in weights], device),
+                   max_abs(lt(w0).view_as(ref), ref))
+        except Exception as exc:  # a torch build without the Lt path
+            variants.append({"variant": "cuBLASLt bias+GELU epilogue", "error": f"{type(exc).__name__}: {exc}"[:160]})
     for i, cfg in enumerate(sweep(op, rows, n_class, tiny)):
         name = f"triton {cfg.label()}" + (" (default)" if i == 0 else "")
         if time.perf_counter() > deadline:
@@ -209,16 +258,17 @@ def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadlin
 
 
 def render(results: list[dict[str, Any]]) -> list[str]:
-    lines = ["| shape | M | variant | us | weight TB/s | vs cuBLAS path | max abs err vs ref |", "|---|---|---|---|---|---|---|"]
+    lines = ["| shape | M | variant | us | weight TB/s | TFLOP/s | vs cuBLAS path | max abs err vs ref |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         for v in r["variants"]:
             if "us" not in v:
                 lines.append(f"| {r['shape']} | {r['rows']} | {v['variant']} | {v.get('error') or v.get('skipped')} "
-                             "| | | |")
+                             "| | | | |")
                 continue
             err = v["max_abs_err_vs_ref"]
             lines.append(f"| {r['shape']} | {r['rows']} | {v['variant']} | {v['us']:.2f} | {v['tb_s']:.3g} | "
-                         f"{v['speedup']:.2f}x | {'' if err is None else f'{err:.3g}'} |")
+                         f"{v['tflop_s']:.0f} | {v['speedup']:.2f}x | {'' if err is None else f'{err:.3g}'} |")
     lines += ["", "| shape | M | shape class | cuBLAS path us | best Triton | us | TB/s | speed-up | "
               "err vs fp32: cuBLAS path / Triton |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -237,7 +287,7 @@ def render(results: list[dict[str, Any]]) -> list[str]:
     for cls, b in seen.items():
         c = b["config"]
         lines.append(f'    "{cls}": _cfg({c["block_m"]}, {c["block_n"]}, {c["block_k"]}, warps={c["num_warps"]}, '
-                     f'stages={c["num_stages"]}, split={c["split_k"]}),')
+                     f'stages={c["num_stages"]}, split={c["split_k"]}, group={c["group_m"]}),')
     return lines
 
 
@@ -248,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default=None, help="comma-separated M values (default 50,400,1600; tiny 50,100)")
     ap.add_argument("--json", type=Path, default=None, help="write every number here")
     ap.add_argument("--budget-s", type=float, default=500.0, help="skip the remaining Triton configs past this")
+    ap.add_argument("--part", choices=PARTS, default="expert",
+                    help="whose layer: the action expert (rows = batch x 50), the prefix (batch x 816: Gemma 2B "
+                         "over 3 x 256 image + 48 prompt tokens) or SigLIP (batch x 768: fc1 + GELU)")
+    ap.add_argument("--ops", default=None, help="comma-separated ops to run (linear, gelu, geglu, qkv_rope; default all)")
     args = ap.parse_args(argv)
     dev = args.device
     if not dev.startswith("cuda"):
@@ -261,14 +315,17 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     rows_list = [int(s) for s in (args.rows or ("50,100" if args.tiny else "50,400,1600")).split(",")]
-    info = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev) if dev.startswith("cuda")
+    info = {"date": time.strftime("%Y-%m-%d"), "part": args.part, "device": torch.cuda.get_device_name(dev) if dev.startswith("cuda")
             else "cpu (Triton interpreter)", "torch": torch.__version__, "triton": triton.__version__,
             "command": " ".join(sys.argv), "l2_bytes": l2_bytes(dev), "tiny": args.tiny}
     say(f"{info}")
     deadline = T0 + args.budget_s
     results = []
     for rows in rows_list:
-        for shape in expert_shapes(args.tiny):
+        for shape in expert_shapes(args.tiny, args.part):
+            if args.ops and shape["op"] not in args.ops.split(","):
+                continue
+            shape = {**shape, "tokens": PART_TOKENS[args.part] if not args.tiny else TOKENS}
             r = run_shape(shape, rows, dev, args.tiny, deadline)
             results.append(r)
             b = r.get("best", {})

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, triton
-from phyai_edge.layers.triton_ops import SplitSums, geglu_ref, qkv_rope_ref
+from phyai_edge.layers.triton_ops import SplitSums, bias_gelu_ref, geglu_ref, qkv_rope_ref
 
 # Measured on an H200 (`benchmarks/gemm_gpu.py`, RESULTS.md): at M = 50 (batch 1) the kernels beat
 # cuBLAS (+ the separate RoPE / GeGLU kernel) on all four projections by 3-13%; at M = 400 and 1600
@@ -74,7 +74,7 @@ MAX_ROWS = 64
 # against cuBLAS's TF32 / SIMT paths, never measured.
 TAKES_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-OPS = ("linear", "geglu", "qkv_rope")
+OPS = ("linear", "gelu", "geglu", "qkv_rope")
 
 
 # -- tile configs ----------------------------------------------------------------------------------
@@ -91,18 +91,19 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    group_m: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GemmConfig.{name}={v}: tl.dot needs a power of two >= 16")
-        if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"GemmConfig {self}: split_k, num_warps and num_stages must be >= 1")
+        if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1 or self.group_m < 1:
+            raise ValueError(f"GemmConfig {self}: split_k, num_warps, num_stages and group_m must be >= 1")
 
     def label(self) -> str:
         s = f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.num_warps} s{self.num_stages}"
-        return s + (f" split{self.split_k}" if self.split_k > 1 else "")
+        return s + (f" split{self.split_k}" if self.split_k > 1 else "") + (f" g{self.group_m}" if self.group_m > 1 else "")
 
 
 def _m_class(rows: int) -> str:
@@ -125,8 +126,8 @@ def shape_class(op: str, rows: int, n: int) -> str:
     return key
 
 
-def _cfg(bm: int, bn: int, bk: int, warps: int = 4, stages: int = 3, split: int = 1) -> GemmConfig:
-    return GemmConfig(bm, bn, bk, warps, stages, split)
+def _cfg(bm: int, bn: int, bk: int, warps: int = 4, stages: int = 3, split: int = 1, group: int = 1) -> GemmConfig:
+    return GemmConfig(bm, bn, bk, warps, stages, split, group)
 
 
 # First guesses, not measurements (nothing here has run on a GPU). The reasoning, for the H200:
@@ -144,22 +145,27 @@ CONFIGS: dict[str, GemmConfig] = {
     "linear/m64/narrow": _cfg(64, 32, 128, stages=4, split=4),
     "linear/m256/narrow": _cfg(64, 64, 64, stages=4, split=2),
     "linear/m1024/narrow": _cfg(64, 64, 64, stages=4),
-    "linear/mbig/narrow": _cfg(128, 128, 64, warps=8),
+    "linear/mbig/narrow": _cfg(128, 128, 64, warps=8, group=8),
     "linear/m16/wide": _cfg(16, 64, 128, stages=4),
     "linear/m64/wide": _cfg(64, 64, 128, stages=4),
     "linear/m256/wide": _cfg(64, 64, 64, stages=4),
     "linear/m1024/wide": _cfg(64, 128, 64),
-    "linear/mbig/wide": _cfg(128, 128, 64, warps=8),
+    "linear/mbig/wide": _cfg(128, 128, 64, warps=8, group=8),
+    "gelu/m16": _cfg(16, 64, 128, stages=4),
+    "gelu/m64": _cfg(64, 64, 128, stages=4),
+    "gelu/m256": _cfg(64, 64, 64, stages=4),
+    "gelu/m1024": _cfg(64, 128, 64),
+    "gelu/mbig": _cfg(128, 128, 64, warps=8, group=8),
     "geglu/m16": _cfg(16, 32, 128, stages=4),
     "geglu/m64": _cfg(64, 32, 128),
     "geglu/m256": _cfg(64, 64, 64),
     "geglu/m1024": _cfg(64, 64, 64),
-    "geglu/mbig": _cfg(128, 64, 64, warps=8),
+    "geglu/mbig": _cfg(128, 64, 64, warps=8, group=8),
     "qkv_rope/m16": _cfg(16, 16, 128, stages=4),
     "qkv_rope/m64": _cfg(64, 16, 128, stages=4),
     "qkv_rope/m256": _cfg(64, 32, 64, stages=4),
     "qkv_rope/m1024": _cfg(64, 64, 64),
-    "qkv_rope/mbig": _cfg(128, 64, 64, warps=8),
+    "qkv_rope/mbig": _cfg(128, 64, 64, warps=8, group=8),
 }
 
 
@@ -198,6 +204,11 @@ def linear_ref(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return F.linear(h, weight, bias)
 
 
+def linear_gelu_ref(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`GeluMLP`'s fc1 and activation: (..., K) -> (..., N)."""
+    return bias_gelu_ref(F.linear(h, weight, bias))
+
+
 def linear_geglu_ref(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`GatedMLP`'s fused gate/up projection and activation: (..., K) -> (..., H)."""
     return geglu_ref(F.linear(h, weight, bias))
@@ -229,19 +240,32 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """(row tile, column tile) of program `pid`. GROUP_M = 1: column tiles vary fastest, so
+        programs running together share one row tile of the activations and stream disjoint
+        weight rows (the small-M case: one row tile). GROUP_M > 1: programs walk GROUP_M row
+        tiles down one column tile before moving right, so a wave of programs touches GROUP_M
+        row tiles and few column tiles, and both stay in L2 (the large-M case, where a whole row
+        of column tiles would stream the entire weight through L2 once per row tile)."""
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
+        local = pid % per_group
+        return first_m + local % rows_here, local // rows_here
+
+    @triton.jit
     def _linear_kernel(
         a_ptr, w_ptr, bias_ptr, out_ptr,
         M, N, K, k_per_split,
         s_am, s_ak, s_wn, s_wk, s_os, s_om,
-        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, GELU: tl.constexpr, EVEN_K: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        # Column tiles vary fastest: programs running together share one row tile of the
-        # activations (from L2) and stream disjoint weight rows from HBM.
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        split = tl.program_id(2)
+        pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        split = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -269,6 +293,8 @@ if triton is not None:
         else:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if GELU:
+                acc = _gelu_tanh(acc)
             tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
@@ -293,10 +319,9 @@ if triton is not None:
         M, H, K,
         s_am, s_ak, s_wn, s_wk, s_om,
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+        pid_m, pid_n = _tile(tl.program_id(0), M, H, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; the matching up rows are H + rn
         rk = tl.arange(0, BLOCK_K)
@@ -333,12 +358,13 @@ if triton is not None:
         s_am, s_ak, s_wn, s_wk, s_cb, s_ct, s_sb, s_st,
         HALF: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         # Program (head, j) owns columns j*BLOCK_N.. of both halves of one head of the fused
         # output (q heads, then k heads, then v heads), so rotate-half's partner is in registers.
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+        # Column tile pid_n counts (head, j) pairs: tiles_per_half * BLOCK_N columns per head.
+        pid_m, pid_n = _tile(tl.program_id(0), M, (num_heads + 2 * num_kv_heads) * tiles_per_half * BLOCK_N,
+                             BLOCK_M, BLOCK_N, GROUP_M)
         head = pid_n // tiles_per_half
         d = (pid_n % tiles_per_half) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -415,16 +441,16 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 def _flags(a: torch.Tensor, k: int, cfg: GemmConfig) -> dict[str, object]:
     return {"EVEN_K": k % cfg.block_k == 0, "UPCAST": interpret_mode(), "IEEE": a.dtype == torch.float32,
-            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
 def _linear_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   cfg: GemmConfig | None, defer_sum: bool = False) -> torch.Tensor | SplitSums:
+                   cfg: GemmConfig | None, defer_sum: bool = False, gelu: bool = False) -> torch.Tensor | SplitSums:
     n, k = weight.shape
     a = _rows(h, k)
     m = a.shape[0]
-    cfg = cfg or default_config("linear", m, n)
+    cfg = cfg or default_config("gelu" if gelu else "linear", m, n)
     out = _empty((*h.shape[:-1], n), h.dtype, h.device)
     out2 = out.view(m, n)
     # Each split a whole number of K blocks; a split_k larger than K's blocks gives fewer splits.
@@ -432,16 +458,18 @@ def _linear_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     splits = math.ceil(k / per)
     bias_arg = bias if bias is not None else a  # unused pointer: anything valid
     flags = _flags(a, k, cfg)
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
+    grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), splits)
     if splits == 1:
         _linear_kernel[grid](a, weight, bias_arg, out2, m, n, k, per,
                              a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), 0, out2.stride(0),
-                             HAS_BIAS=bias is not None, PARTIAL=False, **flags)
+                             HAS_BIAS=bias is not None, PARTIAL=False, GELU=gelu, **flags)
         return out
+    if gelu:
+        raise ValueError("linear: a GELU epilogue needs the whole sums (split_k 1)")
     part = _empty((splits, m, n), torch.float32, h.device)
     _linear_kernel[grid](a, weight, bias_arg, part, m, n, k, per,
                          a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), part.stride(0), part.stride(1),
-                         HAS_BIAS=False, PARTIAL=True, **flags)
+                         HAS_BIAS=False, PARTIAL=True, GELU=False, **flags)
     if defer_sum and bias is None:
         return SplitSums(part, tuple(out.shape), h.dtype)
     rb_m, rb_n = 16, 128
@@ -461,7 +489,7 @@ def _geglu_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     cfg = cfg or default_config("geglu", m, hidden)
     out = _empty((*h.shape[:-1], hidden), h.dtype, h.device)
     out2 = out.view(m, hidden)
-    grid = (triton.cdiv(hidden, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    grid = (triton.cdiv(hidden, cfg.block_n) * triton.cdiv(m, cfg.block_m),)
     _linear_geglu_kernel[grid](
         a, weight, bias if bias is not None else a, out2, m, hidden, k,
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out2.stride(0),
@@ -496,7 +524,7 @@ def _qkv_rope_triton(h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
     v = _empty((b, num_kv_heads, t, head_dim), h.dtype, h.device)
     half = head_dim // 2
     tiles = triton.cdiv(half, cfg.block_n)
-    grid = ((num_heads + 2 * num_kv_heads) * tiles, triton.cdiv(m, cfg.block_m))
+    grid = ((num_heads + 2 * num_kv_heads) * tiles * triton.cdiv(m, cfg.block_m),)
     _linear_qkv_rope_kernel[grid](
         a, weight, bias if bias is not None else a, cos3, sin3, q, kk, v,
         m, k, t, num_heads, num_kv_heads, tiles,
@@ -522,6 +550,17 @@ def linear(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
     if not (_use_triton(backend, h, weight, *_present(bias)) and kernel_takes(h, weight, bias)):
         return linear_ref(h, weight, bias)
     return _linear_triton(h, weight, bias, config, defer_sum)
+
+
+def linear_gelu(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
+                bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """gelu_tanh(h @ weight^T + bias) -> (..., N) in h.dtype (`GeluMLP`'s fc1 and activation, as
+    SigLIP runs them); one kernel, the activation applied to the float32 sums."""
+    if not (_use_triton(backend, h, weight, *_present(bias)) and kernel_takes(h, weight, bias)):
+        return linear_gelu_ref(h, weight, bias)
+    if config is not None and config.split_k > 1:
+        raise ValueError("linear_gelu: split_k > 1 is not supported (GELU needs the whole sums)")
+    return _linear_triton(h, weight, bias, config, gelu=True)
 
 
 def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
