@@ -177,7 +177,8 @@ def run_fp8(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_
 
 def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_for: Any, eager32: Any,
                shapes: list[tuple[int, int]], budget_s: float, compile: bool = True,
-               compile_baseline: bool = False, fp8: bool = True, rtc_modes: tuple[str, ...] = ()) -> None:
+               compile_baseline: bool = False, fp8: bool = True, rtc_modes: tuple[str, ...] = (),
+               fp8_scales: dict[str, dict[str, float]] | None = None) -> None:
     """Fused Triton ops for the action expert (`CudaGraphEngine(triton_ops=True)`, `layers/triton_ops.py`)
     under the graphs: alone, with the expert's projections on the small-M Triton GEMMs
     (`triton_gemm=True`, `layers/triton_gemm.py`; the denoise step only), with fp8 expert linears,
@@ -192,6 +193,10 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
+    for scope in ("prefix", "all") if fp8_scales else ():
+        # static activation scales from a calibration pass (`calibrate_fp8`): no amax pass per call
+        variants.append((f"triton+fp8 {scope} static", {"triton_ops": True, "fp8": scope, "fp8_scales": fp8_scales,
+                                                        "fp8_activations": "static"}, shapes))
     if compile:
         if compile_baseline:
             variants.append(("compile", {"compile": True, "triton_ops": False}, shapes[:1]))
@@ -200,6 +205,17 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
             variants.append(("compile", {"compile": True, "triton_ops": False}, shapes[1:]))
         variants.append(("triton+compile", {"triton_ops": True, "triton_gemm": False, "compile": True}, shapes[1:]))
     run_variants(res, "triton", variants, adapter, dev, inputs_for, noise_for, eager32, budget_s, rtc_modes)
+
+
+def calibrate_fp8(adapter: Any, eager32: Any, inputs_for: Any, noise_for: Any, batch: int = 4,
+                  seed: int = 11) -> dict[str, dict[str, float]]:
+    """Static fp8 scales (`calibration.fp8`): every linear's input and weight amax over one eager
+    fp32 chunk of `batch` synthetic observations drawn with their own seed (the accuracy inputs use
+    seed 6: the scales are not fitted to what they are judged on)."""
+    from phyai_edge.calibration.fp8 import collect_amax, scales_from_amax
+
+    x, n = par.model_inputs(inputs_for(batch, 3, seed=seed)), noise_for(batch)
+    return scales_from_amax(collect_amax(adapter.module, lambda: eager32.run(x, noise=n)))
 
 
 def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, dict[str, Any], list[tuple[int, int]]]],
@@ -372,9 +388,14 @@ def main_seeded(args: argparse.Namespace) -> int:
                 compile_b1=not args.no_compile)
         dump()
     if args.triton_only:
+        scales = calibrate_fp8(adapter, eager32, inputs_for, noise_for) if args.fp8_static else None
+        if scales:  # for serve_gpu.py --fp8-scales: the same seeded weights
+            from phyai_edge.calibration.fp8 import save_scales
+
+            save_scales(args.out / "fp8_scales.json", scales, {"source": "pi05_gpu.py --fp8-static", "seed": 0})
         run_triton(res, adapter, dev, inputs_for, noise_for, eager32, [(1, reps1), (32, reps32)], args.budget_s,
                    compile=not args.no_compile, compile_baseline=not args.no_compile_baseline, fp8=not args.no_fp8,
-                   rtc_modes=("guided-approx", "guided"))
+                   rtc_modes=() if args.no_rtc else ("guided-approx", "guided"), fp8_scales=scales)
         dump()
     c = res["ceilings"]
     lines = [f"device: {res['device']}, torch {res['torch']} ({only}-only run, seeded random weights, {'tiny' if args.tiny else 'full size'})",
@@ -402,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=470.0, help="skip optional parts past this many seconds")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 variants")
+    ap.add_argument("--fp8-static", action="store_true",
+                    help="with --triton-only: also the prefix / all-projection fp8 engines with static activation "
+                         "scales calibrated on one eager chunk")
+    ap.add_argument("--no-rtc", action="store_true", help="with --triton-only: skip the RTC-mode timings")
     ap.add_argument("--fp8-only", action="store_true",
                     help="only the bf16 engine and its fp8 variants, on seeded weights (no LeRobot)")
     ap.add_argument("--no-triton", action="store_true", help="skip the fused Triton ops variants")

@@ -85,7 +85,11 @@ def build_policy(args: argparse.Namespace, seed: int = 0) -> Any:
     shell = builtin_adapter(args.random_preset if args.random_preset != "full" else "full")  # tokenizer, robot I/O
     cfg = preset(args.random_preset)
     adapter = PI05Adapter(cfg, seeded_model_on(args.device, cfg, seed), shell.tokenizer, shell.io)
-    return Policy(adapter, make_engine(args.backend, adapter, device=args.device, dtype=args.dtype, seed=seed))
+    opts: dict[str, Any] = {}
+    if args.fp8:  # static scales from a calibration file; the fused Triton ops stay on
+        opts = {"fp8": args.fp8, "fp8_scales": args.fp8_scales, "fp8_activations": "static" if args.fp8_scales
+                else None, "triton_ops": True}
+    return Policy(adapter, make_engine(args.backend, adapter, device=args.device, dtype=args.dtype, seed=seed, **opts))
 
 
 def budget_ms(args: argparse.Namespace) -> float:
@@ -401,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default=None, help="cudagraph (default on CUDA) or eager")
     p.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) or float32")
+    p.add_argument("--fp8", choices=["expert", "prefix", "all"], default=None,
+                   help="the cudagraph engine's fp8 scope (seeded full-size model only)")
+    p.add_argument("--fp8-scales", default=None,
+                   help="static activation scales (a calibration JSON, e.g. pi05_gpu.py --fp8-static's fp8_scales.json)")
     p.add_argument("--hz", type=float, default=50.0)
     p.add_argument("--horizon", type=int, default=50, help="H (the model's chunk length)")
     p.add_argument("--s", type=int, default=25, help="execution horizon: ticks between inferences")

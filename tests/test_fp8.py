@@ -414,3 +414,35 @@ def test_fp8_graphs_on_gpu(base, scope: str) -> None:
     g = _guidance(base, 2, "guided")
     g_ref = EagerEngine(copy.deepcopy(base), device="cuda", dtype="float32").run(x, noise=noise.cuda(), rtc=g)
     assert _rel(eng.run(x, noise=noise.cuda(), rtc=g), g_ref) < 3e-2
+
+
+# -- the one-pass activation quantiser ------------------------------------------------------------------
+def test_quantize_kernel_saturates_like_the_reference() -> None:
+    """`quantize_kernel`'s value before the E4M3 cast (float32 out: Triton's CPU interpreter casts
+    to fp8 wrongly, so the cast itself is checked on the GPU below) is the reference's x / scale
+    clamped to +-448, bit for bit, including values far past the range; odd sizes cross block
+    edges. On a CPU `quantize_fast` is the reference."""
+    from phyai_edge.layers import fp8 as fp8_mod
+    from phyai_edge.layers.triton_dispatch import triton_status
+
+    x = torch.randn(3, 4099, dtype=torch.bfloat16) * 300
+    scale = torch.tensor(0.37)
+    assert torch.equal(fp8_mod.quantize_fast(x, scale).view(torch.uint8),
+                       fp8_mod.quantize(x, scale).view(torch.uint8))
+    ok, why = triton_status("cpu")
+    if not ok:
+        pytest.skip(f"Triton kernels cannot run here: {why}")
+    out = fp8_mod.quantize_kernel(x, scale, torch.float32)
+    want = (x.float() / scale).clamp(-448.0, 448.0)
+    assert out.shape == x.shape and torch.equal(out, want)
+    assert float(out.abs().max()) == 448.0  # some inputs saturated
+
+
+@pytest.mark.skipif(not GPU_FP8, reason="needs a CUDA GPU with fp8 (compute capability >= 8.9)")
+def test_quantize_kernel_matches_torch_on_gpu() -> None:
+    from phyai_edge.layers import fp8 as fp8_mod
+
+    x = torch.randn(257, 1000, device="cuda", dtype=torch.bfloat16) * 300
+    scale = torch.tensor(0.37, device="cuda")
+    assert torch.equal(fp8_mod.quantize_kernel(x, scale).view(torch.uint8),
+                       fp8_mod.quantize(x, scale).view(torch.uint8))

@@ -68,9 +68,9 @@ def launches(monkeypatch):
     for name in LAUNCHERS:
         real = getattr(tg, name)
 
-        def counted(*args, _name=name, _real=real):
+        def counted(*args, _name=name, _real=real, **kwargs):
             counts[_name] += 1
-            return _real(*args)
+            return _real(*args, **kwargs)
 
         monkeypatch.setattr(tg, name, counted)
     return counts
@@ -553,3 +553,46 @@ def test_bench_triton_gemm_option(capsys) -> None:
     assert res["triton_gemm"] is True and res["triton_ops"] in ("triton", "reference")
     with pytest.raises(SystemExit, match="--triton-gemm"):
         cli(["bench", "--backend", "eager", "--triton-gemm", "--iters", "1"])
+
+
+# -- large-M tile order and the GELU epilogue -------------------------------------------------------------
+@kernels
+@pytest.mark.parametrize("op", ["linear", "geglu", "qkv_rope", "gelu"])
+def test_grouped_tile_order_covers_every_tile(poisoned, op) -> None:
+    """group_m > 1 walks row tiles in groups (the last group partial: 5 row tiles in groups of 2)
+    across several column tiles; every output element is still written once, with its own row's
+    and column's sums (float32: tight against the reference)."""
+    cfg = tg.GemmConfig(16, 16, 32, group_m=2)
+    b, t, k = 2, 40, 48  # 80 rows: 5 tiles of 16
+    h = _randn(b, t, k, seed=31)
+    if op == "qkv_rope":
+        hq, hkv, d = 2, 1, 32  # 4 heads x 1 tile of the 16-column half
+        w = _weight((hq + 2 * hkv) * d, k, torch.float32, seed=32)
+        cos, sin = _rope_inputs(b, t, d, torch.float32, "per-sample")
+        out = tg.linear_qkv_rope(h, w, cos, sin, hq, hkv, d, "triton", config=cfg)
+        for got, want in zip(out, tg.linear_qkv_rope_ref(h, w, cos, sin, hq, hkv, d)):
+            _check_f32(got, want)
+        return
+    n = 72 if op != "geglu" else 2 * 40  # 5 column tiles (the last ragged)
+    w, bias = _weight(n, k, torch.float32, seed=33), _randn(n, seed=34)
+    fn, ref = {"linear": (tg.linear, tg.linear_ref), "geglu": (tg.linear_geglu, tg.linear_geglu_ref),
+               "gelu": (tg.linear_gelu, tg.linear_gelu_ref)}[op]
+    _check_f32(fn(h, w, "triton", bias=bias, config=cfg), ref(h, w, bias))
+
+
+@kernels
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_gelu_kernel(poisoned, launches, shape, dtype) -> None:
+    """SigLIP's fc1 + GELU (tanh) in one kernel, with its bias, against the GEMM then `bias_gelu`."""
+    b, t, k, n = shape
+    h, w = _randn(b, t, k, dtype=dtype, seed=35, scale=1.5), _weight(n, k, dtype, seed=36)
+    bias = _randn(n, dtype=dtype, seed=37, scale=0.5)
+    out, ref = tg.linear_gelu(h, w, "triton", bias=bias), tg.linear_gelu_ref(h, w, bias)
+    assert launches["_linear_triton"] == 1 and out.shape == (b, t, n)
+    if dtype == torch.float32:
+        _check_f32(out, ref)
+    else:
+        _check_bf16(out, ref, tg.linear_gelu_ref(*_f64(h, w, bias)))
+    with pytest.raises(ValueError, match="split_k"):
+        tg.linear_gelu(h, w, "triton", bias=bias, config=tg.GemmConfig(16, 16, 16, split_k=2))
