@@ -392,7 +392,7 @@ def main_seeded(args: argparse.Namespace) -> int:
         if scales:  # for serve_gpu.py --fp8-scales: the same seeded weights
             from phyai_edge.calibration.fp8 import save_scales
 
-            save_scales(args.out / "fp8_scales.json", scales, {"source": "pi05_gpu.py --fp8-static", "seed": 0})
+            save_scales(args.out / "fp8_scales.safetensors", scales, {"source": "pi05_gpu.py --fp8-static", "seed": 0})
         run_triton(res, adapter, dev, inputs_for, noise_for, eager32, [(1, reps1), (32, reps32)], args.budget_s,
                    compile=not args.no_compile, compile_baseline=not args.no_compile_baseline, fp8=not args.no_fp8,
                    rtc_modes=() if args.no_rtc else ("guided-approx", "guided"), fp8_scales=scales)

@@ -367,8 +367,9 @@ def sweep_rollout(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(res: dict[str, Any]) -> str:
+    fp8 = f", fp8 {res['config']['fp8']}" if res["config"].get("fp8") else ""
     lines = [f"# serve_gpu: {res['config']['model']} on {res['config']['device']} ({res['config']['backend']}, "
-             f"{res['config']['dtype']})", "",
+             f"{res['config']['dtype']}{fp8})", "",
              f"50 Hz control analogue: {res['config']['hz']} Hz, H = {res['config']['horizon']}, "
              f"s = {res['config']['s']}, budget {res['config']['budget_ms']:.0f} ms per chunk (p99, every robot).", ""]
     if "robots" in res:
@@ -408,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp8", choices=["expert", "prefix", "all"], default=None,
                    help="the cudagraph engine's fp8 scope (seeded full-size model only)")
     p.add_argument("--fp8-scales", default=None,
-                   help="static activation scales (a calibration JSON, e.g. pi05_gpu.py --fp8-static's fp8_scales.json)")
+                   help="static activation scales (a calibration JSON, e.g. pi05_gpu.py --fp8-static)")
     p.add_argument("--hz", type=float, default=50.0)
     p.add_argument("--horizon", type=int, default=50, help="H (the model's chunk length)")
     p.add_argument("--s", type=int, default=25, help="execution horizon: ticks between inferences")
@@ -438,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"config": {
         "model": args.checkpoint or ("tiny" if args.tiny else "full (seeded random weights)"), "device": args.device,
-        "backend": args.backend, "dtype": args.dtype, "hz": args.hz, "horizon": args.horizon, "s": args.s,
+        "backend": args.backend, "dtype": args.dtype, "fp8": args.fp8, "fp8_scales": args.fp8_scales, "hz": args.hz, "horizon": args.horizon, "s": args.s,
         "budget_ms": budget_ms(args), "rtc_mode": args.rtc_mode, "rtc_delay": args.rtc_delay,
         "image_size": args.image_size, "batch_sizes": args.batch_sizes, "window_ms": args.window_ms,
         "warmup_s": args.warmup_s, "seconds": args.seconds,

@@ -121,6 +121,13 @@ def test_fp8_scales_round_trip_and_fake_quantisation(adapter, tmp_path):
     loaded = load_scales(path)
     assert loaded.keys() == scales.keys()
     assert json.loads(path.with_suffix(".json").read_text())["fp8_max"] == 448.0
+    twin = load_scales(path.with_suffix(".json"))  # the readable twin loads to the same numbers
+    assert twin.keys() == loaded.keys()
+    assert all(abs(twin[n][k] - loaded[n][k]) <= 1e-7 * abs(loaded[n][k]) for n in loaded for k in loaded[n])
+    bad = tmp_path / "not_scales.json"
+    bad.write_text(json.dumps({"format": "something else", "scales": {}}))
+    with pytest.raises(ValueError, match="not an fp8 scales file"):
+        load_scales(bad)
     w = adapter.module.action_out_proj.weight.clone()
     x = adapter.preprocess(obs[:1])
     from phyai_edge.engines.eager import EagerEngine

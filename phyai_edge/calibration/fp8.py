@@ -75,8 +75,14 @@ def save_scales(path: str | Path, scales: dict[str, dict[str, float]], meta: dic
 
 
 def load_scales(path: str | Path) -> dict[str, dict[str, float]]:
+    """The scales `save_scales` wrote: the .safetensors file, or its .json twin."""
     from safetensors.torch import load_file
 
+    if Path(path).suffix == ".json":
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != SCALES_FORMAT or not isinstance(data.get("scales"), dict):
+            raise ValueError(f"{path}: not an fp8 scales file (format {data.get('format')!r}, want {SCALES_FORMAT!r})")
+        return {n: {k: float(v) for k, v in s.items()} for n, s in data["scales"].items()}
     out: dict[str, dict[str, float]] = {}
     for key, t in load_file(str(path)).items():
         name, kind = key.rsplit(".", 1)

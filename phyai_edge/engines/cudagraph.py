@@ -32,8 +32,10 @@ What makes the PI0.5 path fast (each is exact, or equal within rounding, to the 
   chains and attention (`triton_ops`: norm + modulation, residual + the next norm, RoPE out of the
   fused QKV, GeGLU, SigLIP's LayerNorm / residual + LayerNorm / GELU, split-KV attention;
   `layers.triton_ops`, `layers.triton_attention`), chosen around the model
-  (`PI05Model.triton_stages`). On by default on a CUDA device with triton installed (and no fp8:
-  measured slower together, benchmarks/RESULTS.md); `triton_ops=False` turns them off.
+  (`PI05Model.triton_stages`). On by default on a CUDA device with triton installed, with or
+  without fp8 (the stacks call the fp8 linears as they are; H200, batch 32: fp8 prefix with static
+  scales and the Triton ops 165.8 samples/s, bf16 with them 127.4, benchmarks/RESULTS.md);
+  `triton_ops=False` turns them off.
   `triton_gemm` also runs the action expert's projections in the denoise step on small-M Triton
   GEMMs with RoPE / GeGLU in their epilogues (`layers.triton_gemm`), where a call has at most 64
   rows (batch 1): on by default with the Triton ops on CUDA (H200: 18.5 -> 17.5 ms a batch-1
@@ -194,8 +196,7 @@ class CudaGraphEngine(EngineBase):
         if triton_ops is None:  # the default: the kernels where they can run on a GPU, else the model's own stages
             from phyai_edge.layers.triton_ops import triton_available
 
-            triton_ops = (self.device.type == "cuda" and triton_available() and hasattr(module, "triton_stages")
-                          and fp8 is None)
+            triton_ops = self.device.type == "cuda" and triton_available() and hasattr(module, "triton_stages")
         triton_backend = {False: None, True: "auto"}.get(triton_ops, triton_ops)  # type: ignore[call-overload]
         if triton_backend not in (None, "auto", "triton", "reference"):
             raise ValueError(f"triton_ops={triton_ops!r}: choose True, False, 'auto', 'triton' or 'reference'")
@@ -208,7 +209,7 @@ class CudaGraphEngine(EngineBase):
             self.triton_ops = resolve_backend(triton_backend, self.device)
         if triton_gemm and triton_backend is None:
             raise ValueError("triton_gemm=True runs inside the fused Triton path: it needs triton_ops on "
-                             "(True, 'auto' or 'triton'; the default turns it on only on CUDA without fp8)")
+                             "(True, 'auto' or 'triton'; the default turns it on only on CUDA)")
         if triton_gemm is None:  # the default: with the Triton path on a GPU (measured faster at batch 1)
             triton_gemm = self.triton_ops == "triton" and self.device.type == "cuda"
         self.triton_gemm = bool(triton_gemm)
