@@ -58,7 +58,8 @@ def child(bundle: str, device: str, checkpoint: str | None) -> None:
            "first_chunk_s": t_first - T_PROCESS, "first_infer_s": t_first - t_loaded,
            "load_breakdown": getattr(policy, "load_timings", {}),
            "weight_dtype": policy.manifest["checkpoint"].get("weight_dtype"),
-           "warm_total_ms": sorted(warm)[len(warm) // 2], "stage_ms": result.stage_ms}
+           "warm_total_ms": sorted(warm)[len(warm) // 2], "stage_ms": result.stage_ms,
+           "engine": {k: getattr(policy.engine, k, None) for k in ("fp8", "fp8_linears", "triton_ops", "triton_gemm")}}
     if checkpoint:
         from phyai_edge.engines.policy import load_policy
 
@@ -93,6 +94,9 @@ def main() -> int:
     p.add_argument("--checkpoint", type=Path)
     p.add_argument("--backends", default="cudagraph,onnx")
     p.add_argument("--precision", default="bf16", help="cudagraph precision (onnx uses fp16 on CUDA, else fp32)")
+    p.add_argument("--fp8-scope", default="expert", help="with --precision fp8: expert, prefix or all")
+    p.add_argument("--calibration-samples", type=int, default=8,
+                   help="with --precision fp8: synthetic calibration observations (random weights: no data)")
     p.add_argument("--out", type=Path, default=Path("engines"))
     p.add_argument("--results", type=Path, default=Path("benchmarks/RESULTS.md"))
     p.add_argument("--device", default="cuda")
@@ -114,8 +118,10 @@ def main() -> int:
         precision = args.precision if backend == "cudagraph" else ("fp16" if cuda_ort else "fp32")
         device = args.device if backend != "onnx" or cuda_ort else "cpu"
         t0 = time.perf_counter()
+        fp8 = {"calibration": "synthetic", "calibration_samples": args.calibration_samples,
+               "fp8_scope": args.fp8_scope} if precision == "fp8" else {}
         manifest = export_bundle(ExportRequest(out=out, backend=backend, precision=precision, checkpoint=ckpt,
-                                               device=device, overwrite=True, holdout=1))
+                                               device=device, overwrite=True, holdout=1, **fp8))
         export_s = time.perf_counter() - t0
         t_spawn = time.perf_counter()
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(out), str(ckpt), "--device", device],
