@@ -190,6 +190,10 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # two rows are the ablation.
         ("triton", {"triton_ops": True, "triton_gemm": False}, shapes),
         ("triton+gemm", {"triton_ops": True, "triton_gemm": True}, shapes),
+        # programmatic dependent launch off (`triton_dispatch.set_pdl`): the same kernels in the
+        # same order, so the chunk must be bit-identical to the row above; only the time differs
+        ("triton+gemm, no PDL", {"triton_ops": True, "triton_gemm": True, "_pdl": False,
+                                 "_same_as": "triton+gemm"}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -227,19 +231,24 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
     p50 and its overhead over the same engine's unguided chunk."""
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.layers.fp8 import fp8_linears
+    from phyai_edge.layers.triton_dispatch import set_pdl
 
     out = res.setdefault(section, {})
     refs: dict[int, Any] = {}
+    chunks: dict[tuple[str, int], Any] = {}
     for name, kw, shapes in variants:
         if not shapes:
             continue
+        kw = dict(kw)
+        pdl, same_as = kw.pop("_pdl", True), kw.pop("_same_as", None)
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
             continue
+        pdl_before = set_pdl(pdl)  # the kernels are launched and captured with this setting
         try:
             t0 = time.perf_counter()
             eng = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", **kw)
-            info = {"options": kw, "build_s": time.perf_counter() - t0, "triton_path": eng.triton_ops,
+            info = {"options": kw, "pdl": pdl, "build_s": time.perf_counter() - t0, "triton_path": eng.triton_ops,
                     "fp8_linears": eng.fp8_linears,
                     "fp8_paths": sorted({m.backend for m in fp8_linears(eng.module)})}
             out[f"{name}_info"] = info
@@ -257,7 +266,11 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
                 xa, na = par.model_inputs(inputs_for(b, 3, seed=6)), noise_for(b)
                 if b not in refs:
                     refs[b] = eager32.run(xa, noise=na)
-                r["vs_eager_fp32"] = par.err(eng.run(xa, noise=na), refs[b])
+                got = eng.run(xa, noise=na)
+                r["vs_eager_fp32"] = par.err(got, refs[b])
+                chunks[(name, b)] = got.detach().cpu()
+                if same_as and (same_as, b) in chunks:  # expected 0.0: same kernels, same order
+                    r[f"max_abs_diff_vs_{same_as}"] = float((chunks[(same_as, b)] - chunks[(name, b)]).abs().max())
                 base = res.get("ours", {}).get(f"b{b}_v3")
                 if base:
                     r["speedup_vs_bf16"] = base["p50"] / r["p50"]
@@ -279,6 +292,8 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         except Exception as exc:  # report, keep the rest of the run
             out[name] = f"failed: {type(exc).__name__}: {exc}"
             say(f"{section} {name} failed: {exc}")
+        finally:
+            set_pdl(pdl_before)
         sync(dev)
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -307,6 +322,10 @@ def render_variants(res: dict[str, Any], section: str, title: str) -> list[str]:
                    f"{r.get('speedup_vs_bf16', float('nan')):.2f}x | {st.get('embed_images', float('nan')):.2f} / "
                    f"{st.get('encode_prefix', float('nan')):.2f} / {st.get('denoise_step', float('nan')):.3f} | "
                    f"{e['max_abs_over_scale']:.2e} | {e['rel_l2']:.2e} |")
+    same = [f"{k}: {r[d]:.3g}" for k, r in f.items() if isinstance(r, dict)
+            for d in r if d.startswith("max_abs_diff_vs_")]
+    if same:
+        out += ["", "Chunk difference against the variant it must reproduce (max abs): " + ", ".join(same)]
     for key, r in f.items():
         if isinstance(r, dict) and r.get("rtc"):
             out += [f"| {key.rsplit('_b', 1)[0]} + RTC {mode} | {key.rsplit('_b', 1)[1]} | {rr['p50']:.2f} | | "

@@ -528,3 +528,18 @@ def test_siglip_stack_fp8_linears() -> None:
         out = model.triton_stages("reference")["embed_images"](images)
         ref = model.embed_images(images)
     assert _rel(out.float(), ref.float()) < 1e-2
+
+
+def test_programmatic_dependent_launch_options() -> None:
+    """PDL is asked for only on a CUDA device (never on the CPU or in the interpreter), and
+    `set_pdl` switches it, returning the previous setting."""
+    from phyai_edge.layers import triton_dispatch as td
+
+    cpu = torch.zeros(2)
+    assert td.launch_options(cpu) == {"PDL": False}
+    before = td.set_pdl(False)
+    try:
+        assert td.set_pdl(True) is False
+        assert td.launch_options(cpu) == {"PDL": False}
+    finally:
+        td.set_pdl(before)

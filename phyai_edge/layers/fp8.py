@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phyai_edge.layers.triton_dispatch import interpret_mode, tl, triton
+from phyai_edge.layers.triton_dispatch import interpret_mode, launch_options, tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 value
@@ -123,13 +123,15 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
 
 
 if triton is not None:
+    from phyai_edge.layers.triton_dispatch import pdl_enter
     FP8_MAX_TL = tl.constexpr(FP8_MAX)
 
     @triton.jit
-    def _quantize_kernel(x_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _quantize_kernel(x_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """out = saturate(x / scale) in out's dtype: E4M3 on a GPU (Triton's float32 -> fp8e4nv
         cast rounds to nearest even, as torch's does), float32 in the CPU test (the interpreter's
         fp8 cast is wrong: it turned 124.3 into 64)."""
+        pdl_enter(PDL)
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = i < n
         x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)
@@ -147,7 +149,8 @@ def quantize_kernel(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
     src = x.contiguous()
     out = torch.empty(src.shape, dtype=out_dtype, device=x.device)
     block = 4096
-    _quantize_kernel[(triton.cdiv(src.numel(), block),)](src, scale.reshape(1), out, src.numel(), BLOCK=block)
+    _quantize_kernel[(triton.cdiv(src.numel(), block),)](src, scale.reshape(1), out, src.numel(), BLOCK=block,
+                                                         **launch_options(src))
     return out
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from phyai_edge.layers.attention import _full_rows, attention
-from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, triton
+from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, launch_options, tl, triton
 
 _SM_COUNT: dict[int, int] = {}
 MIN_KEYS_PER_SPLIT = 128  # below this a split's merge traffic costs more than its parallelism buys
@@ -96,6 +96,7 @@ def kernel_takes(q: torch.Tensor, mask: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from phyai_edge.layers.triton_dispatch import pdl_enter
 
     @triton.jit
     def _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
@@ -125,8 +126,9 @@ if triton is not None:
         sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
         so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        FINAL: tl.constexpr, UPCAST: tl.constexpr,
+        FINAL: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         pid_m = tl.program_id(0)
         split = tl.program_id(1)
         bh = tl.program_id(2)
@@ -177,8 +179,9 @@ if triton is not None:
     def _merge_kernel(
         p_ptr, lse_ptr, out_ptr, rows, splits, tq,
         sp_s, sp_b, sp_h, sp_m, sl_s, sl_bh, so_b, so_h, so_g, so_t,
-        HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+        HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // HKV
@@ -246,14 +249,14 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         v2.stride(0), v2.stride(1), v2.stride(2), mask_u8.stride(0),
         *ps, lse.stride(0), lse.stride(1),
         HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, UPCAST=interpret_mode(),
-        num_warps=cfg.warps, num_stages=cfg.stages,
+        num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(q),
     )
     if not final:
         mb = 32
         _merge_kernel[(triton.cdiv(rows, mb), b * hkv)](
             part, lse, out, rows, splits, tq,
             part.stride(0), part.stride(1), part.stride(2), part.stride(3), lse.stride(0), lse.stride(1), *os_,
-            HKV=hkv, D=d, BLOCK_M=mb, num_warps=4,
+            HKV=hkv, D=d, BLOCK_M=mb, num_warps=4, **launch_options(q),
         )
     return out
 

@@ -16,6 +16,13 @@ except ImportError:  # pragma: no cover - exercised where triton is absent (CI)
     triton = None
     tl = None
 
+try:  # programmatic dependent launch (Hopper and later): present in triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - older triton, or none
+    HAS_GDC = False
+
 BACKENDS = ("reference", "triton", "auto")
 
 
@@ -67,3 +74,46 @@ def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False  # autograd (exact RTC guidance): the kernels have no backward
     return resolve_backend(backend, tensors[0].device) == "triton"
+
+
+# -- programmatic dependent launch ------------------------------------------------------------------
+# A CUDA-graph replay of a batch-1 denoise step is ~150 small dependent kernels, each 3-10 us, and
+# each waits for its predecessor to finish completely before it is even launched. With PDL (sm_90+)
+# a kernel is launched while its predecessor still runs; its programs wait at `griddepcontrol.wait`
+# (all of the predecessor's writes then visible) before touching memory, and release their own
+# successor at once. Every kernel here calls `pdl_enter(PDL)` as its first statement, before any
+# load or store, so reads after writes and writes after reads keep stream order; a kernel that is
+# not ours (cuBLAS, torch) is ordered as usual. PHYAI_EDGE_PDL=0 turns it off.
+PDL_ENV = "PHYAI_EDGE_PDL"
+_PDL_ON = os.environ.get(PDL_ENV, "1").lower() not in ("0", "false", "off")
+_PDL_CAPABLE: dict[int, bool] = {}
+
+
+def set_pdl(on: bool) -> bool:
+    """Turn programmatic dependent launch on or off for kernels launched (or captured) from now
+    on; returns the previous setting (benchmarks time both)."""
+    global _PDL_ON
+    before, _PDL_ON = _PDL_ON, bool(on)
+    return before
+
+
+def launch_options(t: torch.Tensor) -> dict[str, bool]:
+    """Keyword arguments for a kernel launch on t's device: PDL on a CUDA device of compute
+    capability >= 9.0 (griddepcontrol is an sm_90 instruction) with PDL on; else off (CPU, the
+    interpreter, Ampere / Ada / Orin)."""
+    if not (_PDL_ON and HAS_GDC and t.is_cuda and not _INTERPRET):
+        return {"PDL": False}
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL_CAPABLE:
+        _PDL_CAPABLE[idx] = torch.cuda.get_device_capability(idx) >= (9, 0)
+    return {"PDL": True, "launch_pdl": True} if _PDL_CAPABLE[idx] else {"PDL": False}
+
+
+if triton is not None:
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):  # noqa: N803  (a Triton compile-time constant)
+        """Wait for the preceding kernel's writes, then let the next kernel launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, triton
+from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, launch_options, tl, triton
 from phyai_edge.layers.triton_ops import SplitSums, bias_gelu_ref, geglu_ref, qkv_rope_ref
 
 # Measured on an H200 (`benchmarks/gemm_gpu.py`, RESULTS.md): at M = 50 (batch 1) the kernels beat
@@ -224,6 +224,7 @@ def linear_qkv_rope_ref(
 
 # -- kernels ---------------------------------------------------------------------------------------------
 if triton is not None:
+    from phyai_edge.layers.triton_dispatch import pdl_enter
     from phyai_edge.layers.triton_ops import _gelu_tanh
 
     @triton.jit
@@ -262,8 +263,9 @@ if triton is not None:
         s_am, s_ak, s_wn, s_wk, s_os, s_om,
         HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, GELU: tl.constexpr, EVEN_K: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         split = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -300,8 +302,9 @@ if triton is not None:
     @triton.jit
     def _split_k_reduce_kernel(
         part_ptr, bias_ptr, out_ptr, M, N, s_ps, s_pm, s_om,
-        SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = (rm[:, None] < M) & (rn[None, :] < N)
@@ -319,8 +322,9 @@ if triton is not None:
         M, H, K,
         s_am, s_ak, s_wn, s_wk, s_om,
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         pid_m, pid_n = _tile(tl.program_id(0), M, H, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; the matching up rows are H + rn
@@ -358,8 +362,9 @@ if triton is not None:
         s_am, s_ak, s_wn, s_wk, s_cb, s_ct, s_sb, s_st,
         HALF: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         # Program (head, j) owns columns j*BLOCK_N.. of both halves of one head of the fused
         # output (q heads, then k heads, then v heads), so rotate-half's partner is in registers.
         # Column tile pid_n counts (head, j) pairs: tiles_per_half * BLOCK_N columns per head.
@@ -442,7 +447,7 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 def _flags(a: torch.Tensor, k: int, cfg: GemmConfig) -> dict[str, object]:
     return {"EVEN_K": k % cfg.block_k == 0, "UPCAST": interpret_mode(), "IEEE": a.dtype == torch.float32,
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
-            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch_options(a)}
 
 
 def _linear_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -475,7 +480,7 @@ def _linear_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rb_m, rb_n = 16, 128
     _split_k_reduce_kernel[(triton.cdiv(n, rb_n), triton.cdiv(m, rb_m))](
         part, bias_arg, out2, m, n, part.stride(0), part.stride(1), out2.stride(0),
-        SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=rb_m, BLOCK_N=rb_n, num_warps=4,
+        SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=rb_m, BLOCK_N=rb_n, num_warps=4, **launch_options(part),
     )
     return out
 

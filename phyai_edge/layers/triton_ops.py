@@ -56,6 +56,7 @@ from phyai_edge.layers.triton_dispatch import (  # noqa: F401  (re-exported: the
     BACKENDS,
     _use_triton,
     interpret_mode,
+    launch_options,
     resolve_backend,
     tl,
     triton,
@@ -160,6 +161,7 @@ def bias_gelu_ref(y: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Te
 
 # -- kernels --------------------------------------------------------------------------------------
 if triton is not None:
+    from phyai_edge.layers.triton_dispatch import pdl_enter
 
     @triton.jit
     def _gelu_tanh(g):
@@ -175,8 +177,9 @@ if triton is not None:
         n_cols, rows_per_batch, eps,
         stride_x, stride_y, stride_res, stride_out,
         stride_gate_b, stride_scale_b, stride_shift_b, stride_y_split,
-        HAS_RESIDUAL: tl.constexpr, Y_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, Y_SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         row = tl.program_id(0)
         b = row // rows_per_batch
         cols = tl.arange(0, BLOCK)
@@ -206,8 +209,9 @@ if triton is not None:
         qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr,
         seq_len, num_heads, num_kv_heads,
         stride_qkv_b, stride_qkv_t, stride_cs_b, stride_cs_t, stride_sn_b, stride_sn_t,
-        HALF: tl.constexpr, BLOCK: tl.constexpr,
+        HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         # one program per (batch * token, head) over the q heads then the k heads
         bt = tl.program_id(0)
         head = tl.program_id(1)
@@ -239,7 +243,8 @@ if triton is not None:
         tl.store(dst_k + HALF + cols, o2.to(k_ptr.dtype.element_ty), mask=is_k)
 
     @triton.jit
-    def _geglu_kernel(gu_ptr, out_ptr, hidden, stride_in, stride_out, BLOCK: tl.constexpr):
+    def _geglu_kernel(gu_ptr, out_ptr, hidden, stride_in, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < hidden
@@ -254,8 +259,9 @@ if triton is not None:
         n_rows, n_cols, eps,
         stride_x, stride_y, stride_res, stride_out,
         HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         # ROWS rows per program, each whole in registers; int64: rows * stride passes 2**31 elements
         # at large batches.
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
@@ -281,7 +287,8 @@ if triton is not None:
         tl.store(out_ptr + rows * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _bias_gelu_kernel(y_ptr, b_ptr, out_ptr, total, n_cols, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    def _bias_gelu_kernel(y_ptr, b_ptr, out_ptr, total, n_cols, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         # over the flat (contiguous) tensor: no row boundary to respect but the bias's column
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < total
@@ -319,7 +326,7 @@ def _residual_ada_norm_triton(x, y, gate, scale, shift, eps):
         n, rows_per_batch, float(eps),
         x2.stride(0), sy, sres, out2.stride(0),
         s_g, s_sc, s_sh, s_split,
-        HAS_RESIDUAL=y is not None, Y_SPLITS=splits, BLOCK=_block(n),
+        HAS_RESIDUAL=y is not None, Y_SPLITS=splits, BLOCK=_block(n), **launch_options(x2),
     )
     return res, out
 
@@ -352,7 +359,7 @@ def _layer_norm_triton(x, y, weight, bias, eps):
         x2.shape[0], n, float(eps),
         x2.stride(0), y2.stride(0), res2.stride(0), out2.stride(0),
         HAS_RESIDUAL=y is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        ROWS=rows, BLOCK=block, num_warps=_row_warps(rows * block),
+        ROWS=rows, BLOCK=block, num_warps=_row_warps(rows * block), **launch_options(x2),
     )
     return res, out
 
@@ -424,7 +431,7 @@ def qkv_rope(
         qkv.stride(0), qkv.stride(1),
         cos3.stride(0) if cos3.shape[0] > 1 else 0, cos3.stride(1),
         sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1),
-        HALF=half, BLOCK=_block(half),
+        HALF=half, BLOCK=_block(half), **launch_options(qkv),
     )
     v = qkv[..., nq + nkv :].reshape(b, t, num_kv_heads, head_dim).transpose(1, 2)
     return q, k, v
@@ -440,7 +447,7 @@ def geglu(gate_up: torch.Tensor, backend: str = "reference") -> torch.Tensor:
     out2 = out.view(-1, hidden)
     block = min(1024, _block(hidden))
     _geglu_kernel[(gu.shape[0], triton.cdiv(hidden, block))](
-        gu, out2, hidden, gu.stride(0), out2.stride(0), BLOCK=block
+        gu, out2, hidden, gu.stride(0), out2.stride(0), BLOCK=block, **launch_options(gu)
     )
     return out
 
@@ -487,6 +494,6 @@ def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None = None, backend: str = 
     block = 1024
     _bias_gelu_kernel[(triton.cdiv(src.numel(), block),)](
         src, bias.contiguous() if bias is not None else src, out, src.numel(), n,
-        HAS_BIAS=bias is not None, BLOCK=block,
+        HAS_BIAS=bias is not None, BLOCK=block, **launch_options(src),
     )
     return out
