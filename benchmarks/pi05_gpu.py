@@ -190,10 +190,10 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # two rows are the ablation.
         ("triton", {"triton_ops": True, "triton_gemm": False}, shapes),
         ("triton+gemm", {"triton_ops": True, "triton_gemm": True}, shapes),
-        # programmatic dependent launch off (`triton_dispatch.set_pdl`): the same kernels in the
+        # programmatic dependent launch on (`triton_dispatch.set_pdl`): the same kernels in the
         # same order, so the chunk must be bit-identical to the row above; only the time differs
-        ("triton+gemm, no PDL", {"triton_ops": True, "triton_gemm": True, "_pdl": False,
-                                 "_same_as": "triton+gemm"}, shapes),
+        ("triton+gemm+PDL", {"triton_ops": True, "triton_gemm": True, "_pdl": True,
+                             "_same_as": "triton+gemm"}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -240,7 +240,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         if not shapes:
             continue
         kw = dict(kw)
-        pdl, same_as = kw.pop("_pdl", True), kw.pop("_same_as", None)
+        pdl, same_as = kw.pop("_pdl", False), kw.pop("_same_as", None)
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
             continue

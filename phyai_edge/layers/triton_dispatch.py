@@ -83,9 +83,10 @@ def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
 # (all of the predecessor's writes then visible) before touching memory, and release their own
 # successor at once. Every kernel here calls `pdl_enter(PDL)` as its first statement, before any
 # load or store, so reads after writes and writes after reads keep stream order; a kernel that is
-# not ours (cuBLAS, torch) is ordered as usual. PHYAI_EDGE_PDL=0 turns it off.
+# not ours (cuBLAS, torch) is ordered as usual. Off unless PHYAI_EDGE_PDL=1 (or `set_pdl(True)`):
+# it has not yet been run on a GPU (see docs/gpu.md), and a default must be measured first.
 PDL_ENV = "PHYAI_EDGE_PDL"
-_PDL_ON = os.environ.get(PDL_ENV, "1").lower() not in ("0", "false", "off")
+_PDL_ON = os.environ.get(PDL_ENV, "0").lower() in ("1", "true", "on")
 _PDL_CAPABLE: dict[int, bool] = {}
 
 
