@@ -151,11 +151,6 @@ CONFIGS: dict[str, GemmConfig] = {
     "linear/m256/wide": _cfg(64, 64, 64, stages=4),
     "linear/m1024/wide": _cfg(64, 128, 64),
     "linear/mbig/wide": _cfg(128, 128, 64, warps=8, group=8),
-    "gelu/m16": _cfg(16, 64, 128, stages=4),
-    "gelu/m64": _cfg(64, 64, 128, stages=4),
-    "gelu/m256": _cfg(64, 64, 64, stages=4),
-    "gelu/m1024": _cfg(64, 128, 64),
-    "gelu/mbig": _cfg(128, 128, 64, warps=8, group=8),
     "geglu/m16": _cfg(16, 32, 128, stages=4),
     "geglu/m64": _cfg(64, 32, 128),
     "geglu/m256": _cfg(64, 64, 64),
@@ -167,6 +162,8 @@ CONFIGS: dict[str, GemmConfig] = {
     "qkv_rope/m1024": _cfg(64, 64, 64),
     "qkv_rope/mbig": _cfg(128, 64, 64, warps=8, group=8),
 }
+# The GELU epilogue needs the whole sums (no split K): the wide plain-linear tiles, which never split.
+CONFIGS.update({f"gelu/{m}": CONFIGS[f"linear/{m}/wide"] for m in ("m16", "m64", "m256", "m1024", "mbig")})
 
 
 def default_config(op: str, rows: int, n: int) -> GemmConfig:
