@@ -23,6 +23,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from graph_timing import time_calls  # benchmarks/ is on sys.path when this runs
 
 from phyai_edge.layers import triton_attention as ta
 from phyai_edge.layers.attention import attention, attention_ref
+from phyai_edge.layers.triton_dispatch import set_pdl
 
 # (name, batch, query heads, query tokens, keys in the cached part, keys in the own part)
 FULL_SHAPES = [
@@ -87,13 +89,19 @@ def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device,
     out = sdpa()
     rows.append({"variant": "sdpa (model path)", "us": time_calls([sdpa] * CALLS, device.type, replays=15), "rel_err": rel(out)})
     default = ta.default_config(hq * tq, b, sms)
-    for label, cfg in [("split, default", default)] + [(None, c) for c in configs]:
+    # The default tiling three ways: splits merged in the split kernel (the default), by a second
+    # kernel, and with programmatic dependent launch (keys prefetched before the wait); then the sweep.
+    labelled = [("split, default", default, False),
+                ("split, default, merge kernel", replace(default, inline_merge=False), False),
+                ("split, default, PDL", default, True)]
+    for label, cfg, pdl in labelled + [(None, c, False) for c in configs]:
         splits, _ = ta.plan_splits(hq * tq, n1 + n2, b, sms, cfg.block_m, cfg.block_n, cfg.min_keys)
 
         def call(cfg: ta.SplitConfig = cfg) -> torch.Tensor:
             return ta.attention_split(q, kp, vp, mask, backend="triton", key_mask=key_mask, config=cfg)
 
         row: dict[str, Any] = {"variant": label or "split", "config": cfg.__dict__, "splits": splits}
+        before = set_pdl(pdl)
         try:
             row["rel_err"] = rel(call())
             if not math.isfinite(row["rel_err"]) or row["rel_err"] > 2e-2:
@@ -102,6 +110,8 @@ def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device,
                 row["us"] = time_calls([call] * CALLS, device.type, replays=15)
         except Exception as exc:  # a tiling the GPU cannot run (shared memory, registers): recorded, skipped
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        finally:
+            set_pdl(before)
         rows.append(row)
     timed = [r for r in rows if r["variant"] == "split" and "us" in r]
     best = min(timed, key=lambda r: r["us"]) if timed else None
@@ -115,7 +125,8 @@ def print_shape(res: dict[str, Any]) -> None:
     print(f"\n## {res['shape']}: {res['rows_per_kv_head']} query rows per KV head, {res['keys']} keys")
     print("| variant | tiling (bm, bn, warps, stages, min keys) | splits | us | vs SDPA | rel err |")
     print("|---|---|---|---|---|---|")
-    shown = rows[:2] + sorted((r for r in rows[2:] if "us" in r), key=lambda r: r["us"])[:5]
+    fixed = [r for r in rows if r["variant"] != "split"]  # SDPA and the default tiling's rows
+    shown = fixed + sorted((r for r in rows if r["variant"] == "split" and "us" in r), key=lambda r: r["us"])[:5]
     if "us" not in rows[1]:
         print(f"(default tiling failed: {rows[1].get('error')})")
     for r in shown:

@@ -190,8 +190,13 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # two rows are the ablation.
         ("triton", {"triton_ops": True, "triton_gemm": False}, shapes),
         ("triton+gemm", {"triton_ops": True, "triton_gemm": True}, shapes),
-        # programmatic dependent launch on (`triton_dispatch.set_pdl`): the same kernels in the
-        # same order, so the chunk must be bit-identical to the row above; only the time differs
+        # attention splits merged by a second kernel instead of inside the split kernel (the
+        # default, `triton_attention.set_inline_merge`): the same sums in the same order
+        ("triton+gemm, merge kernel", {"triton_ops": True, "triton_gemm": True, "_inline_merge": False,
+                                       "_same_as": "triton+gemm"}, shapes),
+        # programmatic dependent launch on (`triton_dispatch.set_pdl`; weights and cached keys
+        # prefetched to L2 before each kernel's wait): the same kernels in the same order, so the
+        # chunk must be bit-identical to "triton+gemm"; only the time differs
         ("triton+gemm+PDL", {"triton_ops": True, "triton_gemm": True, "_pdl": True,
                              "_same_as": "triton+gemm"}, shapes),
     ]
@@ -231,6 +236,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
     p50 and its overhead over the same engine's unguided chunk."""
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.layers.fp8 import fp8_linears
+    from phyai_edge.layers.triton_attention import set_inline_merge
     from phyai_edge.layers.triton_dispatch import set_pdl
 
     out = res.setdefault(section, {})
@@ -240,15 +246,16 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         if not shapes:
             continue
         kw = dict(kw)
-        pdl, same_as = kw.pop("_pdl", False), kw.pop("_same_as", None)
+        pdl, same_as, inline = kw.pop("_pdl", False), kw.pop("_same_as", None), kw.pop("_inline_merge", True)
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
             continue
-        pdl_before = set_pdl(pdl)  # the kernels are launched and captured with this setting
+        pdl_before = set_pdl(pdl)  # the kernels are launched and captured with these settings
+        merge_before = set_inline_merge(inline)
         try:
             t0 = time.perf_counter()
             eng = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", **kw)
-            info = {"options": kw, "pdl": pdl, "build_s": time.perf_counter() - t0, "triton_path": eng.triton_ops,
+            info = {"options": kw, "pdl": pdl, "inline_merge": inline, "build_s": time.perf_counter() - t0, "triton_path": eng.triton_ops,
                     "fp8_linears": eng.fp8_linears,
                     "fp8_paths": sorted({m.backend for m in fp8_linears(eng.module)})}
             out[f"{name}_info"] = info
@@ -294,6 +301,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
             say(f"{section} {name} failed: {exc}")
         finally:
             set_pdl(pdl_before)
+            set_inline_merge(merge_before)
         sync(dev)
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -7,6 +7,8 @@ fallbacks are tested everywhere.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -168,3 +170,46 @@ def test_stack_attention_shares_one_key_mask(poisoned):
     assert torch.equal(attend(q, k, v, mask), alone)
     other = _key_mask(1, 300, seed=10)  # a different mask object: computed from it, not the shared one
     assert torch.equal(attend(q, k, v, other), ta.attention_split(q, k, v, other, backend="triton"))
+
+
+@kernels
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("shape", [(1, 8, 1, 5, 290, 64), (3, 4, 2, 7, 203, 32)])
+def test_inline_merge_equals_merge_kernel(poisoned, shape, splits):
+    """The split kernel merging its own splits (the last program of a query block to finish) gives
+    the same bits as the separate merge kernel (the same sums in the same order), and every
+    ticket it drew is back at zero afterwards."""
+    b, hq, hkv, tq, tk, d = shape
+    q, k, v = _qkv(b, hq, hkv, tq, tk, d, torch.bfloat16, seed=21)
+    mask = _key_mask(b, tk, seed=22)
+    mask[0, ..., : tk // 2] = False  # whole splits without an allowed key
+    cut = 120
+    kp, vp = (k[:, :, :cut], k[:, :, cut:]), (v[:, :, :cut], v[:, :, cut:])
+    base = ta.SplitConfig(block_m=16, block_n=32, warps=4, stages=1, min_keys=16)
+    tickets = ta.Tickets(q.device)
+    inline = ta.attention_split(q, kp, vp, mask, backend="triton", splits=splits, config=base, tickets=tickets)
+    second = replace(base, inline_merge=False)
+    separate = ta.attention_split(q, kp, vp, mask, backend="triton", splits=splits, config=second)
+    assert torch.isfinite(inline).all()
+    assert torch.equal(inline, separate)
+    assert tickets._used > 0 and int(tickets._buf.abs().sum()) == 0
+    assert _rel(inline, attention_ref(q.float(), k.float(), v.float(), mask)) < 2e-2
+
+
+def test_tickets_hand_out_disjoint_zeroed_slices():
+    t = ta.Tickets(torch.device("cpu"))
+    a, b = t.take(10), t.take(20)
+    assert a.data_ptr() != b.data_ptr() and a.numel() == 10 and b.numel() == 20
+    assert int(a.sum()) == 0 and int(b.sum()) == 0
+    big = t.take(ta.Tickets.CHUNK + 1)  # larger than a chunk: its own buffer
+    assert big.numel() == ta.Tickets.CHUNK + 1 and int(big.sum()) == 0
+
+
+def test_set_inline_merge_switches_the_default_tiling():
+    before = ta.set_inline_merge(False)
+    try:
+        assert ta.default_config(400, 1, 132).inline_merge is False
+        assert ta.set_inline_merge(True) is False
+        assert ta.default_config(400, 1, 132) == ta.FEW_BLOCKS
+    finally:
+        ta.set_inline_merge(before)

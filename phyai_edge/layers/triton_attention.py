@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,6 +59,9 @@ class SplitConfig:
     warps: int = 4
     stages: int = 2
     min_keys: int = MIN_KEYS_PER_SPLIT
+    # Merge the splits in the split kernel itself (the last program to finish a query block
+    # merges it) rather than in a second kernel; see `_split_attn_kernel`.
+    inline_merge: bool = True
 
 
 # Measured on an H200 (benchmarks/attention_gpu.py, RESULTS.md), PI0.5's head size 256: with few
@@ -69,13 +72,23 @@ FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=8, stages=2, min_keys=128
 MANY_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=1, min_keys=64)
 
 
+_INLINE_MERGE = True
+
+
+def set_inline_merge(on: bool) -> bool:
+    """Whether `default_config` merges the splits inside the split kernel (True, the default) or
+    in a second kernel (False); returns the previous setting (benchmarks time both)."""
+    global _INLINE_MERGE
+    before, _INLINE_MERGE = _INLINE_MERGE, bool(on)
+    return before
+
+
 def default_config(rows: int, groups: int, sms: int) -> SplitConfig:
     """The tiling for `rows` query rows per KV head (grouped heads folded) in `groups` = batch x
     KV heads on `sms` SMs: small tiles where 64-row tiles would leave most SMs idle even after
     splitting the keys."""
-    if math.ceil(rows / ONE_PASS_BLOCK_M) * groups < max(sms // 8, 1):
-        return FEW_BLOCKS
-    return MANY_BLOCKS
+    cfg = FEW_BLOCKS if math.ceil(rows / ONE_PASS_BLOCK_M) * groups < max(sms // 8, 1) else MANY_BLOCKS
+    return cfg if cfg.inline_merge == _INLINE_MERGE else replace(cfg, inline_merge=_INLINE_MERGE)
 
 
 def plan_splits(rows: int, keys: int, groups: int, sms: int, block_m: int, block_n: int,
@@ -96,7 +109,7 @@ def kernel_takes(q: torch.Tensor, mask: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    from phyai_edge.layers.triton_dispatch import pdl_enter
+    from phyai_edge.layers.triton_dispatch import pdl_enter, prefetch_rows
 
     @triton.jit
     def _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
@@ -120,15 +133,18 @@ if triton is not None:
 
     @triton.jit
     def _split_attn_kernel(
-        q_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, o_ptr, lse_ptr,
-        rows, keys, keys1, keys_per_split, scale_log2, tq,
+        q_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, o_ptr, lse_ptr, out_ptr, ticket_ptr,
+        rows, keys, keys1, keys_per_split, scale_log2, tq, splits,
         sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
         sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
-        so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh,
+        so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        FINAL: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+        FINAL: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
     ):
-        pdl_enter(PDL)
+        """One (query block, key split, batch x KV head) program. FINAL (one split): the output
+        goes straight to out. Else a float32 partial and its log-sum-exp (base 2) go to o / lse;
+        with MERGE the last program of a query block to finish (its ticket counts the splits done)
+        merges all splits of that block into out, so no second kernel runs."""
         pid_m = tl.program_id(0)
         split = tl.program_id(1)
         bh = tl.program_id(2)
@@ -136,6 +152,15 @@ if triton is not None:
         h = bh % HKV
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)
+        start = split * keys_per_split
+        end = tl.minimum(start + keys_per_split, keys)
+        end1 = tl.minimum(end, keys1)
+        if PDL:  # the cached part was written stages ago: fetch it toward L2 while we wait
+            for n0 in range(start, end1, BLOCK_N):
+                c = n0 + tl.arange(0, BLOCK_N)
+                prefetch_rows(k_ptr + b * sk_b + h * sk_h, c, c < end1, sk_n, 1, 0, D, PDL)
+                prefetch_rows(v_ptr + b * sv_b + h * sv_h, c, c < end1, sv_n, 1, 0, D, PDL)
+        pdl_enter(PDL)
         q = tl.load(q_ptr + b * sq_b + h * sq_h + r[:, None] * sq_m + d[None, :], mask=r[:, None] < rows, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
@@ -143,12 +168,9 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        start = split * keys_per_split
-        end = tl.minimum(start + keys_per_split, keys)
         # Keys 0..keys1-1 come from the first part (the cached prefix), the rest from the second
         # (the step's own keys): the two are never concatenated in memory. One loop per part, so
         # each block issues one load per operand rather than two masked ones.
-        end1 = tl.minimum(end, keys1)
         for n0 in range(start, end1, BLOCK_N):
             c = n0 + tl.arange(0, BLOCK_N)
             inb = c < end1
@@ -174,36 +196,57 @@ if triton is not None:
         if not FINAL:
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
             tl.store(lse_ptr + split * sl_s + bh * sl_bh + r, lse, mask=r < rows)
+            if MERGE:
+                # Every thread's stores are issued (the barrier), then one release-acquire ticket
+                # per program: the program that draws the last ticket sees every split's writes
+                # and merges; it also puts the ticket back to 0 for the next call.
+                tl.debug_barrier()
+                ticket = ticket_ptr + bh * tl.num_programs(0) + pid_m
+                if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                    tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+                    _merge_rows(o_ptr, lse_ptr, out_ptr, b, h, bh, r, rows, splits, tq,
+                                so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t, D, BLOCK_M)
 
     @triton.jit
-    def _merge_kernel(
-        p_ptr, lse_ptr, out_ptr, rows, splits, tq,
-        sp_s, sp_b, sp_h, sp_m, sl_s, sl_bh, so_b, so_h, so_g, so_t,
-        HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
-    ):
-        pdl_enter(PDL)
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // HKV
-        h = bh % HKV
-        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    def _merge_rows(p_ptr, lse_ptr, out_ptr, b, h, bh, r, rows, splits, tq,
+                    sp_s, sp_b, sp_h, sp_g, sp_t, sl_s, sl_bh, so_b, so_h, so_g, so_t,
+                    D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Merge the float32 partials of query rows r (each split's output weighted by its share
+        of the softmax mass, 2^(lse - max)) into out. The partials are read through L2 (".cg"):
+        other programs wrote them during this kernel."""
         d = tl.arange(0, D)
         live = r < rows
+        # row r of the folded query is (group r // tq, token r % tq)
+        prow = (r // tq) * sp_g + (r % tq) * sp_t
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         for s in range(0, splits):
-            top = tl.maximum(top, tl.load(lse_ptr + s * sl_s + bh * sl_bh + r, mask=live, other=float("-inf")))
+            lse = tl.load(lse_ptr + s * sl_s + bh * sl_bh + r, mask=live, other=float("-inf"), cache_modifier=".cg")
+            top = tl.maximum(top, lse)
         top = tl.where(top == float("-inf"), 0.0, top)  # rows past the end: keep them finite
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         wsum = tl.zeros([BLOCK_M], tl.float32)
         for s in range(0, splits):
-            w = tl.exp2(tl.load(lse_ptr + s * sl_s + bh * sl_bh + r, mask=live, other=float("-inf")) - top)
-            part = tl.load(p_ptr + s * sp_s + b * sp_b + h * sp_h + r[:, None] * sp_m + d[None, :],
-                           mask=live[:, None], other=0.0)
+            lse = tl.load(lse_ptr + s * sl_s + bh * sl_bh + r, mask=live, other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp2(lse - top)
+            part = tl.load(p_ptr + s * sp_s + b * sp_b + h * sp_h + prow[:, None] + d[None, :],
+                           mask=live[:, None], other=0.0, cache_modifier=".cg")
             acc += w[:, None] * part
             wsum += w
         out = acc / tl.maximum(wsum, 1e-30)[:, None]
         dst = out_ptr + b * so_b + h * so_h + ((r // tq) * so_g + (r % tq) * so_t)[:, None] + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _merge_kernel(
+        p_ptr, lse_ptr, out_ptr, rows, splits, tq,
+        sp_s, sp_b, sp_h, sp_g, sp_t, sl_s, sl_bh, so_b, so_h, so_g, so_t,
+        HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    ):
+        pdl_enter(PDL)
+        bh = tl.program_id(1)
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        _merge_rows(p_ptr, lse_ptr, out_ptr, bh // HKV, bh % HKV, bh, r, rows, splits, tq,
+                    sp_s, sp_b, sp_h, sp_g, sp_t, sl_s, sl_bh, so_b, so_h, so_g, so_t, D, BLOCK_M)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -211,10 +254,33 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+class Tickets:
+    """Zeroed int32 counters for the in-kernel merge, handed out in slices. A kernel leaves its
+    slice at zero again, but each call still takes a fresh slice: two calls never share one, so
+    graphs replayed on different streams cannot race on a ticket. One zero-fill per `CHUNK`
+    tickets: a stack of layers shares one `Tickets` (`stack_attention`), so a CUDA graph of a
+    whole denoise step holds one or two fills, not one per layer."""
+
+    CHUNK = 8192
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buf: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        if self._buf is None or self._used + n > self._buf.numel():
+            self._buf = torch.zeros(max(self.CHUNK, n), dtype=torch.int32, device=self.device)
+            self._used = 0
+        out = self._buf[self._used:self._used + n]
+        self._used += n
+        return out
+
+
 def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tensor],
                             vs: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor,
                             scale: float, splits: int | None, tq: int,
-                            config: SplitConfig | None = None) -> torch.Tensor:
+                            config: SplitConfig | None = None, tickets: Tickets | None = None) -> torch.Tensor:
     """q (B, Hkv, G * Tq, D) (the G query heads of each KV head folded into the rows), keys and
     values in two parts (B, Hkv, N1 / N2, D), key_mask (B, N1 + N2) uint8 (`kernel_key_mask`)
     -> (B, Tq, Hkv * G, D)."""
@@ -235,6 +301,7 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
     os_ = (out.stride(0), groups * out.stride(2), out.stride(2), out.stride(1))
     mask_u8 = key_mask
     final = splits == 1
+    merge = cfg.inline_merge and not final
     lse = _empty((splits, b * hkv, rows), torch.float32, q.device)
     if final:
         part, ps = out, (0, *os_)
@@ -242,20 +309,22 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         part = _empty((splits, b, hkv, rows, d), torch.float32, q.device)
         ps = (part.stride(0), part.stride(1), part.stride(2), tq * part.stride(3), part.stride(3))
     grid = (triton.cdiv(rows, bm), splits, b * hkv)
+    # one ticket per (query block, batch x KV head), zero on entry and left at zero on exit
+    tickets = (tickets if tickets is not None else Tickets(q.device)).take(grid[0] * grid[2]) if merge else lse
     _split_attn_kernel[grid](
-        q, k, v, k2, v2, mask_u8, part, lse, rows, keys, keys1, per, scale * 1.4426950408889634, tq,
+        q, k, v, k2, v2, mask_u8, part, lse, out, tickets,
+        rows, keys, keys1, per, scale * 1.4426950408889634, tq, splits,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
         v2.stride(0), v2.stride(1), v2.stride(2), mask_u8.stride(0),
-        *ps, lse.stride(0), lse.stride(1),
-        HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, UPCAST=interpret_mode(),
+        *ps, lse.stride(0), lse.stride(1), *os_,
+        HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, MERGE=merge, UPCAST=interpret_mode(),
         num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(q),
     )
-    if not final:
+    if not final and not merge:
         mb = 32
         _merge_kernel[(triton.cdiv(rows, mb), b * hkv)](
-            part, lse, out, rows, splits, tq,
-            part.stride(0), part.stride(1), part.stride(2), part.stride(3), lse.stride(0), lse.stride(1), *os_,
+            part, lse, out, rows, splits, tq, *ps, lse.stride(0), lse.stride(1), *os_,
             HKV=hkv, D=d, BLOCK_M=mb, num_warps=4, **launch_options(q),
         )
     return out
@@ -281,6 +350,7 @@ def attention_split(
     q: torch.Tensor, k: KV, v: KV, mask: torch.Tensor, scale: float | None = None,
     backend: str = "reference", splits: int | None = None,
     key_mask: torch.Tensor | None = None, config: SplitConfig | None = None,
+    tickets: Tickets | None = None,
 ) -> torch.Tensor:
     """q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D), or each as two parts (cached, new) that together
     make Tk keys (attended as if concatenated, without the copy); mask bool (B, 1, 1, Tk)
@@ -290,7 +360,8 @@ def attention_split(
     `out.transpose(1, 2).reshape(B, Tq, Hq * D)` (what an output projection reads) copies nothing.
     `splits`: how many key ranges (None: enough to fill the GPU, see `plan_splits`).
     `key_mask`: `kernel_key_mask(mask, B)` computed ahead (it depends on the mask alone).
-    `config`: the kernel's tiling (None: `default_config` by shape)."""
+    `config`: the kernel's tiling (None: `default_config` by shape).
+    `tickets`: where the in-kernel merge takes its counters (None: a fresh zeroed buffer)."""
     ks, vs = _parts(k), _parts(v)
     use = kernel_takes(q, mask) and _use_triton(backend, q, *ks, *vs)
     if not use:
@@ -305,19 +376,20 @@ def attention_split(
     # contiguous q), so K and V are read once per KV head.
     qf = q.reshape(b, hkv, (hq // hkv) * tq, d)
     out = _split_attention_triton(qf, ks, vs, key_mask, scale if scale is not None else 1.0 / math.sqrt(d), splits, tq,
-                                  config)
+                                  config, tickets)
     return out.transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
 
 
 def stack_attention(mask: torch.Tensor, batch: int, backend: str) -> Callable[..., torch.Tensor]:
     """The attention a stack of layers sharing `mask` calls (`GemmaAttention.attend(attention_fn=)`):
-    the split kernel wherever it takes the shape, else SDPA; the kernel's form of the mask made once
-    for the whole stack."""
+    the split kernel wherever it takes the shape, else SDPA; the kernel's form of the mask and the
+    merge tickets made once for the whole stack."""
     key_only = mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1
     key_mask = kernel_key_mask(mask, batch) if key_only and backend != "reference" else None
+    tickets = Tickets(mask.device)  # allocates nothing until a call merges in-kernel
 
     def attend(q: torch.Tensor, k: KV, v: KV, m: torch.Tensor) -> torch.Tensor:
         return attention_split(q, k, v, m, backend=backend,
-                               key_mask=key_mask if m is mask else None)
+                               key_mask=key_mask if m is mask else None, tickets=tickets)
 
     return attend
