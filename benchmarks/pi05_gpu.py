@@ -190,8 +190,8 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # two rows are the ablation.
         ("triton", {"triton_ops": True, "triton_gemm": False}, shapes),
         ("triton+gemm", {"triton_ops": True, "triton_gemm": True}, shapes),
-        # attention splits merged by a second kernel instead of inside the split kernel (the
-        # default, `triton_attention.set_inline_merge`): the same sums in the same order
+        # attention splits always merged by a second kernel, also where the default tiling merges
+        # inside the split kernel (`triton_attention.set_inline_merge`): the same sums, same order
         ("triton+gemm, merge kernel", {"triton_ops": True, "triton_gemm": True, "_inline_merge": False,
                                        "_same_as": "triton+gemm"}, shapes),
         # programmatic dependent launch on (`triton_dispatch.set_pdl`; weights and cached keys
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.engines.eager import EagerEngine
 
-    res: dict[str, Any] = {"date": "2026-12-02", "device": torch.cuda.get_device_name() if dev.startswith("cuda")
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if dev.startswith("cuda")
                            else "cpu", "torch": torch.__version__, "command": " ".join(sys.argv)}
     try:
         import transformers
@@ -523,8 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
 
-    # Our engine, bf16
-    fast = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", triton_ops=False)
+    # Our engine, bf16, as `phyai-edge run` builds it: the defaults (on CUDA: graphs, fused layers,
+    # the Triton ops and the small-M Triton GEMMs); what each part buys is in the ablation below
+    fast = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16")
+    res["ours_info"] = {"triton_path": fast.triton_ops}
     res["ours"] = {}
     shapes = [(1, 3, reps1), (1, 2, reps1), (1, 1, reps1), (8, 3, reps8), (32, 3, reps32)]
     for b, v, reps in shapes:
@@ -581,13 +583,15 @@ def main(argv: list[str] | None = None) -> int:
     res["ablation"] = {}
     plain = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", triton_ops=False, fuse=False, trim_prompt=False,
                             modulation_tables=False)
+    no_triton = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", triton_ops=False)
     for b, reps in ((1, reps1), (32, reps32)):
         x, n = par.model_inputs(inputs_for(b, 3)), noise_for(b)
-        plain.warmup(b, 3, VALID_TOKENS)
-        r = time_engine(plain, x, n, None, dev, 3, reps)
-        res["ablation"][f"b{b}_graphs_only"] = r
-        say(f"graphs only (no trim, no tables, no fusion) batch {b}: p50 {r['p50']:.2f} ms, {r['stages_p50']}")
-    del plain
+        for label, eng in (("graphs_only", plain), ("graphs_fused_no_triton", no_triton)):
+            eng.warmup(b, 3, VALID_TOKENS)
+            r = time_engine(eng, x, n, None, dev, 3, reps)
+            res["ablation"][f"b{b}_{label}"] = r
+            say(f"{label} batch {b}: p50 {r['p50']:.2f} ms, {r['stages_p50']}")
+    del plain, no_triton
     eager16 = EagerEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16")
     x, n = par.model_inputs(inputs_for(1, 3)), noise_for(1)
     res["ablation"]["b1_ours_eager_bf16"] = r = time_engine(eager16, x, n, None, dev, 2, 10 if full else 2)

@@ -68,16 +68,21 @@ class SplitConfig:
 # query blocks (the expert at batch 1: 7) 16-row blocks and 8 warps win (13.6 vs 18.3 us for the
 # 64-row, 8-warp tiling); with more, 64-row blocks on 4 warps, one stage (expert batch 8 / 32 and
 # the prefix at batch 1: 29-31 / 72 / 34 us, where 8 warps took 44 / 140 / 61 us).
-FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=8, stages=2, min_keys=128)
-MANY_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=1, min_keys=64)
+# Where the splits are merged (same call, 2026-12-03): in the split kernel for the 16-row tiling
+# (expert batch 1: 13.5 vs 14.0 us, a chunk 0.33 ms faster), by the second kernel for the 64-row one
+# (expert batch 8 / 32: 32.5 / 77.8 us merged apart vs 43.8 / 90.7 inline; prefix batch 1 36.0 vs
+# 44.5): there one program merging 64 rows of every split is a long serial tail.
+FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=8, stages=2, min_keys=128, inline_merge=True)
+MANY_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=1, min_keys=64, inline_merge=False)
 
 
 _INLINE_MERGE = True
 
 
 def set_inline_merge(on: bool) -> bool:
-    """Whether `default_config` merges the splits inside the split kernel (True, the default) or
-    in a second kernel (False); returns the previous setting (benchmarks time both)."""
+    """Whether `default_config` may merge the splits inside the split kernel (True, the default:
+    where its tiling says so) or always in a second kernel (False); returns the previous setting
+    (benchmarks time both)."""
     global _INLINE_MERGE
     before, _INLINE_MERGE = _INLINE_MERGE, bool(on)
     return before
@@ -88,7 +93,7 @@ def default_config(rows: int, groups: int, sms: int) -> SplitConfig:
     KV heads on `sms` SMs: small tiles where 64-row tiles would leave most SMs idle even after
     splitting the keys."""
     cfg = FEW_BLOCKS if math.ceil(rows / ONE_PASS_BLOCK_M) * groups < max(sms // 8, 1) else MANY_BLOCKS
-    return cfg if cfg.inline_merge == _INLINE_MERGE else replace(cfg, inline_merge=_INLINE_MERGE)
+    return cfg if _INLINE_MERGE or not cfg.inline_merge else replace(cfg, inline_merge=False)
 
 
 def plan_splits(rows: int, keys: int, groups: int, sms: int, block_m: int, block_n: int,
@@ -109,7 +114,7 @@ def kernel_takes(q: torch.Tensor, mask: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    from phyai_edge.layers.triton_dispatch import pdl_enter, prefetch_rows
+    from phyai_edge.layers.triton_dispatch import pdl_enter
 
     @triton.jit
     def _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
@@ -155,11 +160,6 @@ if triton is not None:
         start = split * keys_per_split
         end = tl.minimum(start + keys_per_split, keys)
         end1 = tl.minimum(end, keys1)
-        if PDL:  # the cached part was written stages ago: fetch it toward L2 while we wait
-            for n0 in range(start, end1, BLOCK_N):
-                c = n0 + tl.arange(0, BLOCK_N)
-                prefetch_rows(k_ptr + b * sk_b + h * sk_h, c, c < end1, sk_n, 1, 0, D, PDL)
-                prefetch_rows(v_ptr + b * sv_b + h * sv_h, c, c < end1, sv_n, 1, 0, D, PDL)
         pdl_enter(PDL)
         q = tl.load(q_ptr + b * sq_b + h * sq_h + r[:, None] * sq_m + d[None, :], mask=r[:, None] < rows, other=0.0)
         if UPCAST:

@@ -82,10 +82,10 @@ def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
 # a kernel is launched while its predecessor still runs; its programs wait at `griddepcontrol.wait`
 # (all of the predecessor's writes then visible) before any load or store, and release their own
 # successor at once, so reads after writes and writes after reads keep stream order; a kernel that
-# is not ours (cuBLAS, torch) is ordered as usual. Before the wait the weight GEMMs and the
-# attention only ask L2 for their weights / cached keys (`prefetch_rows`), the part of their input
-# no predecessor writes. Off unless PHYAI_EDGE_PDL=1 (or `set_pdl(True)`): without the prefetch it
-# gave bit-identical chunks but a slower one on the H200 (batch 1 17.47 vs 17.01 ms; docs/gpu.md).
+# is not ours (cuBLAS, torch) is ordered as usual. Off unless PHYAI_EDGE_PDL=1 (or `set_pdl(True)`):
+# on the H200 it gave bit-identical chunks but slower ones (batch 1 17.47 vs 17.01 ms), and slower
+# still with each GEMM / attention program asking L2 for its weights / cached keys before the wait
+# (18.90 vs 16.68 ms, 2026-12-03; docs/gpu.md).
 PDL_ENV = "PHYAI_EDGE_PDL"
 _PDL_ON = os.environ.get(PDL_ENV, "0").lower() in ("1", "true", "on")
 _PDL_CAPABLE: dict[int, bool] = {}
@@ -119,20 +119,3 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-
-    @triton.jit
-    def prefetch_rows(base, rows, row_ok, row_stride, col_stride, k0, k1, PDL: tl.constexpr):  # noqa: N803
-        """With PDL, before `pdl_enter`: ask L2 for elements [k0, k1) of the given rows of a
-        row-major 2-byte tensor (a weight, or a KV cache that an earlier stage wrote), one
-        `prefetch.global.L2` per 128-byte line (for unit `col_stride`; any stride stays in bounds,
-        only less useful). A prefetch reads nothing into registers, so it is
-        safe while the preceding kernel still runs; it only moves this kernel's largest operand
-        toward the SM while that kernel finishes. Without PDL it is compiled out."""
-        if PDL:
-            lines = tl.arange(0, 8) * 64  # 64 two-byte elements: one 128-byte line
-            for k in range(k0, k1, 512):
-                kk = k + lines
-                ok = row_ok[:, None] & (kk < k1)[None, :]
-                ptrs = tl.where(ok, base + rows[:, None] * row_stride + kk[None, :] * col_stride, base)
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                          dtype=tl.int32, is_pure=False, pack=1)

@@ -221,7 +221,7 @@ def linear_qkv_rope_ref(
 
 # -- kernels ---------------------------------------------------------------------------------------------
 if triton is not None:
-    from phyai_edge.layers.triton_dispatch import pdl_enter, prefetch_rows
+    from phyai_edge.layers.triton_dispatch import pdl_enter
     from phyai_edge.layers.triton_ops import _gelu_tanh
 
     @triton.jit
@@ -271,7 +271,6 @@ if triton is not None:
         n_ok = rn < N
         k0 = split * k_per_split
         k_end = tl.minimum(k0 + k_per_split, K)
-        prefetch_rows(w_ptr, rn, n_ok, s_wn, s_wk, k0, k_end, PDL)
         pdl_enter(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in range(k0, k_end, BLOCK_K):
@@ -328,8 +327,6 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < H
-        prefetch_rows(w_ptr, rn, n_ok, s_wn, s_wk, 0, K, PDL)
-        prefetch_rows(w_ptr, rn + H, n_ok, s_wn, s_wk, 0, K, PDL)
         pdl_enter(PDL)
         wg_ptr = w_ptr + rn[None, :] * s_wn
         wu_ptr = w_ptr + (rn + H)[None, :] * s_wn
@@ -376,8 +373,6 @@ if triton is not None:
         m_ok = rm < M
         d_ok = d < HALF
         row1 = head * (2 * HALF) + d  # weight rows of the first half's columns
-        prefetch_rows(w_ptr, row1, d_ok, s_wn, s_wk, 0, K, PDL)
-        prefetch_rows(w_ptr, row1 + HALF, d_ok, s_wn, s_wk, 0, K, PDL)
         pdl_enter(PDL)
         w1_ptr = w_ptr + row1[None, :] * s_wn
         w2_ptr = w_ptr + (row1 + HALF)[None, :] * s_wn
