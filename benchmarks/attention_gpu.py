@@ -58,7 +58,21 @@ def sweep_configs(tiny: bool, big_blocks: bool = False) -> list[ta.SplitConfig]:
         grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2), (64,))
     else:
         grid = itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2), (64, 128))
-    return [ta.SplitConfig(bm, bn, warps, stages, min_keys) for bm, bn, warps, stages, min_keys in grid]
+    # splits merged in the split kernel only for 16-row blocks, as the default tilings do
+    return [ta.SplitConfig(bm, bn, warps, stages, min_keys, inline_merge=bm <= 16)
+            for bm, bn, warps, stages, min_keys in grid]
+
+
+def parse_configs(spec: str) -> list[ta.SplitConfig]:
+    """'bm,bn,warps,stages,min_keys[,inline];...' -> tilings (inline: 1 merges in the split kernel;
+    a min_keys above the key count forces one split, so no merge at all)."""
+    out = []
+    for part in filter(None, (x.strip() for x in spec.split(";"))):
+        v = [int(x) for x in part.split(",")]
+        if len(v) not in (5, 6):
+            raise ValueError(f"--configs entry {part!r}: want bm,bn,warps,stages,min_keys[,inline]")
+        out.append(ta.SplitConfig(*v[:5], inline_merge=bool(v[5]) if len(v) == 6 else v[0] <= 16))
+    return out
 
 
 def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -149,6 +163,8 @@ def main() -> None:
     p.add_argument("--default-only", action="store_true", help="SDPA against the default tiling alone (no sweep)")
     p.add_argument("--big-blocks", action="store_true", help="sweep 64- and 128-row blocks instead of 16-64")
     p.add_argument("--shapes", default=None, help="comma-separated shape names to run (e.g. 'expert b32,prefix b32')")
+    p.add_argument("--configs", default=None,
+                   help="time these tilings instead of a sweep: 'bm,bn,warps,stages,min_keys[,inline];...'")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -159,7 +175,10 @@ def main() -> None:
         if unknown:
             p.error(f"--shapes: unknown {unknown}; choose from {[sh[0] for sh in shapes]}")
         shapes = [sh for sh in shapes if sh[0] in wanted]
-    configs = [] if args.default_only else sweep_configs(args.tiny, args.big_blocks)
+    if args.configs:
+        configs = parse_configs(args.configs)
+    else:
+        configs = [] if args.default_only else sweep_configs(args.tiny, args.big_blocks)
     t0 = time.perf_counter()
     results = []
     for shape in shapes:

@@ -137,6 +137,7 @@ def test_two_part_keys_equal_concatenation(poisoned, split_at, splits):
     ta.SplitConfig(block_m=16, block_n=16, warps=2, stages=1, min_keys=32),
     ta.SplitConfig(block_m=32, block_n=64, warps=4, stages=3, min_keys=64),
     ta.SplitConfig(block_m=64, block_n=32, warps=8, stages=2, min_keys=16),
+    ta.SplitConfig(block_m=128, block_n=32, warps=8, stages=2, min_keys=16),
 ])
 def test_tilings_agree(poisoned, config):
     """Every tiling the GPU sweep may choose gives the reference's result, with the two key parts
@@ -154,7 +155,8 @@ def test_tilings_agree(poisoned, config):
 
 
 @pytest.mark.parametrize("rows,groups,tiling", [
-    (400, 1, ta.FEW_BLOCKS), (400, 8, ta.MANY_BLOCKS), (400, 32, ta.MANY_BLOCKS), (6528, 1, ta.MANY_BLOCKS),
+    (400, 1, ta.FEW_BLOCKS), (400, 8, ta.MANY_BLOCKS), (400, 16, ta.MANY_BLOCKS), (400, 32, ta.BIG_BLOCKS),
+    (400, 64, ta.BIG_BLOCKS), (6528, 1, ta.MANY_BLOCKS), (6528, 8, ta.BIG_BLOCKS),
 ])
 def test_default_config_by_shape(rows, groups, tiling):
     assert ta.default_config(rows, groups, 132) == tiling
@@ -213,3 +215,18 @@ def test_set_inline_merge_switches_the_default_tiling():
         assert ta.default_config(400, 1, 132) == ta.FEW_BLOCKS
     finally:
         ta.set_inline_merge(before)
+
+
+@kernels
+def test_big_blocks_never_split(poisoned):
+    """The 128-row tiling takes every key in one program (no partials, no merge) and matches the
+    reference, with a query row count no 128-row block divides."""
+    assert ta.plan_splits(400, 866, 32, 132, 128, 64, ta.BIG_BLOCKS.min_keys)[0] == 1
+    b, hq, hkv, tq, tk, d = 2, 8, 1, 21, 203, 32
+    q, k, v = _qkv(b, hq, hkv, tq, tk, d, torch.float32, seed=31)
+    mask = _key_mask(b, tk, seed=32)
+    cfg = replace(ta.BIG_BLOCKS, block_n=32)
+    out = ta.attention_split(q, (k[:, :, :150], k[:, :, 150:]), (v[:, :, :150], v[:, :, 150:]), mask,
+                             backend="triton", config=cfg)
+    assert torch.isfinite(out).all()
+    assert _rel(out, attention_ref(q, k, v, mask)) < 2e-5

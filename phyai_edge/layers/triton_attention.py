@@ -74,6 +74,14 @@ class SplitConfig:
 # 44.5): there one program merging 64 rows of every split is a long serial tail.
 FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=8, stages=2, min_keys=128, inline_merge=True)
 MANY_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=1, min_keys=64, inline_merge=False)
+# Where 128-row blocks alone about fill the GPU (expert batch 32: 4 blocks x 32 = 128 programs on
+# 132 SMs; the prefix from batch 8): 128-row blocks on two warpgroups, two stages, and never a split.
+# Each program then reads its sample's keys once per 128 folded query rows instead of once per 64
+# (the kernel was bound by those L2 reads), and nothing is left to merge: expert batch 32 42.4 us
+# against 78.8 for the 64-row tiling with two splits and the merge; prefix batch 8 / 32 171.1 / 553.9
+# against 172.7 / 568.6 (H200, 2026-12-03, benchmarks/attention_gpu.py --configs).
+BIG_BLOCKS = SplitConfig(block_m=128, block_n=64, warps=8, stages=2, min_keys=1 << 30, inline_merge=False)
+BIG_BLOCK_M = 128
 
 
 _INLINE_MERGE = True
@@ -91,7 +99,9 @@ def set_inline_merge(on: bool) -> bool:
 def default_config(rows: int, groups: int, sms: int) -> SplitConfig:
     """The tiling for `rows` query rows per KV head (grouped heads folded) in `groups` = batch x
     KV heads on `sms` SMs: small tiles where 64-row tiles would leave most SMs idle even after
-    splitting the keys."""
+    splitting the keys, 128-row tiles without splits where those alone fill the GPU."""
+    if math.ceil(rows / BIG_BLOCK_M) * groups >= 0.9 * sms:
+        return BIG_BLOCKS
     cfg = FEW_BLOCKS if math.ceil(rows / ONE_PASS_BLOCK_M) * groups < max(sms // 8, 1) else MANY_BLOCKS
     return cfg if _INLINE_MERGE or not cfg.inline_merge else replace(cfg, inline_merge=False)
 
