@@ -77,40 +77,19 @@ def measure_ceilings(device: str) -> dict[str, float]:
 
 def stage_floors(cfg: Any, batch: int, views: int, valid_tokens: int, steps: int,
                  tflops: float, gbps: float) -> dict[str, dict[str, float]]:
-    """FLOPs and the fewest bytes each stage must move (bf16 weights read once, activations
-    in and out once), over the measured ceilings. Padding tokens count for nothing."""
-    v, p, e = cfg.vision, cfg.prefix, cfg.expert
-    tok_img = v.tokens_per_image
-    # vision: SigLIP + projector
-    n_v = batch * views * tok_img
-    lin_v = v.depth * (4 * v.width**2 + 2 * v.width * v.mlp_dim) + 3 * v.patch_size**2 * v.width
-    lin_v += v.width * p.width
-    fl_v = 2 * n_v * lin_v + v.depth * 4 * batch * views * tok_img**2 * v.width
-    by_v = 2 * lin_v + 4 * batch * views * 3 * v.image_size**2 + 2 * n_v * p.width
-    # prefix: 17 full layers + the last layer's K/V (the expert reads nothing else of it)
-    t = views * tok_img + valid_tokens
-    qo = 2 * p.width * p.num_heads * p.head_dim
-    kv = 2 * p.width * p.num_kv_heads * p.head_dim
-    full = qo + kv + 3 * p.width * p.mlp_dim
-    lin_p = (p.depth - 1) * full + kv
-    fl_p = 2 * batch * t * lin_p + (p.depth - 1) * 4 * batch * t * t * p.num_heads * p.head_dim
-    kv_bytes = p.depth * 2 * batch * t * p.num_kv_heads * p.head_dim * 2
-    by_p = 2 * lin_p + kv_bytes + 2 * batch * t * p.width
-    # one denoise step of the action expert (modulation tables precomputed)
-    h = cfg.chunk_size
-    lin_e = e.depth * (2 * e.width * e.num_heads * e.head_dim + 2 * e.width * e.num_kv_heads * e.head_dim
-                       + 3 * e.width * e.mlp_dim) + 2 * cfg.max_action_dim * e.width
-    fl_s = 2 * batch * h * lin_e + e.depth * 4 * batch * h * (t + h) * e.num_heads * e.head_dim
-    by_s = 2 * lin_e + kv_bytes + 2 * 4 * batch * h * cfg.max_action_dim
-    out = {}
-    for name, fl, by in (("embed_images", fl_v, by_v), ("encode_prefix", fl_p, by_p), ("denoise_step", fl_s, by_s)):
-        tc, tm = fl / (tflops * 1e12) * 1e3, by / (gbps * 1e9) * 1e3
-        out[name] = {"gflop": fl / 1e9, "mbytes": by / 1e6, "compute_ms": tc, "memory_ms": tm,
-                     "floor_ms": max(tc, tm), "bound": "compute" if tc >= tm else "memory"}
-    s = out["denoise_step"]
-    out["solver_loop"] = {k: (v * steps if isinstance(v, float) else v) for k, v in s.items()}
-    out["total"] = {"floor_ms": out["embed_images"]["floor_ms"] + out["encode_prefix"]["floor_ms"]
-                    + out["solver_loop"]["floor_ms"]}
+    """Each stage's floor from the package's own FLOP and byte count (`roofline.costs`, the count
+    `phyai-edge bench` prints floors with) over the ceilings measured in this run. Padding tokens
+    count for nothing (the engine trims them)."""
+    from phyai_edge.roofline.costs import stage_costs
+    from phyai_edge.roofline.devices import measured_device
+    from phyai_edge.roofline.predict import stage_floors as floors
+
+    costs = stage_costs("pi05", cfg, batch=batch, views=views, prompt_tokens=valid_tokens, steps=steps)
+    out: dict[str, dict[str, Any]] = {}
+    for name, f in floors(costs, measured_device("measured", tflops, gbps), "bf16").items():
+        out[name] = {"gflop": f.cost.flops / 1e9, "mbytes": f.cost.bytes / 1e6, "compute_ms": f.compute_s * 1e3,
+                     "memory_ms": f.memory_s * 1e3, "floor_ms": f.time_s * 1e3, "bound": f.bound}
+    out["total"] = {"floor_ms": sum(out[k]["floor_ms"] for k in ("embed_images", "encode_prefix", "solver_loop"))}
     return out
 
 

@@ -166,3 +166,45 @@ def test_without_matplotlib_the_table_still_prints(tmp_path: Path, capsys: pytes
     assert not (tmp_path / "roofline.png").exists()
     with pytest.raises(SystemExit, match=r"--plot needs matplotlib"):
         run(["--device", "orin", "--plot", str(tmp_path / "x.png")], capsys)
+
+
+def test_bench_prints_each_stage_floor(capsys: pytest.CaptureFixture[str]) -> None:
+    """`phyai-edge bench --floor-device` puts each model stage's floor (the adapter's FLOP / byte
+    count at the device's peaks) beside the measured time, in the table and in the JSON."""
+    pytest.importorskip("torch")
+    from phyai_edge.adapters.pi05.config import preset
+    from phyai_edge.roofline.costs import stage_costs
+    from phyai_edge.roofline.devices import find_device
+    from phyai_edge.roofline.predict import stage_floors
+
+    args = ["bench", "--preset", "tiny", "--dtype", "bfloat16", "--iters", "1", "--warmup", "0", "--floor-device", "h200"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["floor_device"] == "H200 SXM"
+    want = stage_floors(stage_costs("pi05", preset("tiny"), batch=1, views=report["views"], prompt_tokens=48, steps=10),
+                        find_device("h200"), "bf16")
+    assert set(report["floors"]) == {"embed_images", "encode_prefix", "denoise_step", "solver_loop"}
+    for stage, f in report["floors"].items():
+        assert f["floor_ms"] == pytest.approx(want[stage].time_s * 1e3) and f["bound"] == want[stage].bound
+    assert report["floors"]["solver_loop"]["floor_ms"] == pytest.approx(10 * report["floors"]["denoise_step"]["floor_ms"])
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "floor ms" in out and "floor/p50" in out and "floors on H200 SXM: peaks from the device table" in out
+    row = next(line for line in out.splitlines() if line.startswith("denoise_step"))
+    assert row.split()[-2] == want["denoise_step"].bound
+
+
+def test_bench_floors_say_why_not(capsys: pytest.CaptureFixture[str]) -> None:
+    """No floors where the table has no peak for the precision, or the device is unknown: the
+    reason is printed, the timings are not affected; on a CPU run nothing is asked for."""
+    pytest.importorskip("torch")
+    base = ["bench", "--preset", "tiny", "--iters", "1", "--warmup", "0"]
+    assert main([*base, "--floor-device", "orin"]) == 0  # float32
+    out = capsys.readouterr().out
+    assert "floor ms" not in out and "the table has no float32 peak" in out
+    assert main([*base, "--floor-device", "no-such-gpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["floors"] == {} and "unknown device" in report["floor_note"]
+    assert main([*base, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["floor_device"] is None and report["floors"] == {}

@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cudagraph backend, with the Triton ops: the action expert's projections on small-M Triton "
                    "GEMMs with RoPE / GeGLU fused in (layers/triton_gemm.py; calls of <= 64 rows, i.e. batch 1); "
                    "default: on wherever the Triton ops run on a CUDA device")
+    p.add_argument("--floor-device", default=None, metavar="NAME",
+                   help="print each model stage's floor on this device (its peak FLOPs and bandwidth from the "
+                   "roofline's device table, e.g. h200, orin, rtx-4090) beside the measured time; default: the "
+                   "GPU the run is on, when the table knows it; 'none': no floors")
     p.add_argument("--json", action="store_true", help="print one JSON object (input to `phyai-edge roofline`)")
 
 
@@ -148,6 +152,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     from phyai_edge.commands.info import collect
 
     info = collect()
+    gpu = info["gpus"][0]["name"] if info["gpus"] and args.device != "cpu" else None
+    floor_device, floors, floor_note = _floors(args, adapter, views, n_valid, gpu, getattr(policy.engine, "fp8", None))
     return {
         "adapter": args.adapter, "preset": args.preset if not args.checkpoint else "checkpoint",
         "backend": getattr(policy.engine, "backend", args.backend), "device": args.device, "dtype": args.dtype,
@@ -157,8 +163,43 @@ def run_bench(args: argparse.Namespace) -> dict:
         "batch": args.batch, "views": views, "steps": adapter.solver.num_steps, "prompt_tokens": n_valid,
         "iters": args.iters, "stages": stages,
         "samples_per_s": args.batch / (stages["engine"]["p50_ms"] / 1e3),
-        "torch": info["torch"], "gpu": info["gpus"][0]["name"] if info["gpus"] and args.device != "cpu" else None,
+        "torch": info["torch"], "gpu": gpu,
+        "floor_device": floor_device, "floors": floors, "floor_note": floor_note,
     }
+
+
+PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def _floors(args: argparse.Namespace, adapter, views: int, prompt_tokens: int | None, gpu: str | None,
+            fp8: str | None) -> tuple[str | None, dict[str, dict[str, float | str]], str]:
+    """(device name, {stage: floor_ms, bound}, note): each model stage's floor from the adapter's
+    FLOP / byte count (`roofline.costs`) at the device's peaks; empty, with the reason, where there
+    is no floor to print (no device, no cost model, a precision the table has no peak for)."""
+    from phyai_edge.roofline.costs import stage_costs
+    from phyai_edge.roofline.devices import find_device
+    from phyai_edge.roofline.predict import stage_floors
+
+    name = args.floor_device or gpu
+    if name is None or name.lower() == "none":
+        return None, {}, "no floor device (a CUDA run uses its GPU; or --floor-device NAME)"
+    try:
+        device = find_device(name)
+    except ValueError as exc:
+        return name, {}, str(exc)
+    precision = PRECISION_OF_DTYPE.get(args.dtype)
+    if precision is None or fp8:
+        why = f"fp8 {fp8} mixes precisions" if fp8 else f"the table has no {args.dtype} peak"
+        return device.name, {}, f"no floors: {why}"
+    try:
+        costs = stage_costs(args.adapter, adapter.cfg, batch=args.batch, views=views, prompt_tokens=prompt_tokens,
+                            steps=adapter.solver.num_steps, precision=precision)
+        floors = stage_floors(costs, device, precision)
+    except (ValueError, AttributeError) as exc:  # no cost model for this adapter, or no peak for it
+        return device.name, {}, f"no floors: {exc}"
+    return device.name, {s: {"floor_ms": f.time_s * 1e3, "bound": f.bound} for s, f in floors.items()}, (
+        f"peaks from the device table: {device.peak_flops(precision) / 1e12:.0f} TFLOP/s {precision}, "
+        f"{device.bandwidth_gbs:.0f} GB/s")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -178,13 +219,21 @@ def main(args: argparse.Namespace) -> int:
           f"batch {result['batch']}, {result['views']} views, {result['steps']} steps, "
           + (f"{result['prompt_tokens']} prompt tokens, " if result["prompt_tokens"] is not None else "")
           + f"{result['iters']} iterations")
-    print(f"{'stage':<16}{'p50 ms':>10}{'p90 ms':>10}")
+    floors = result.get("floors") or {}
+    head = f"{'stage':<16}{'p50 ms':>10}{'p90 ms':>10}"
+    print(head + (f"{'floor ms':>11}{'bound':>9}{'floor/p50':>11}" if floors else ""))
     # PI0.5's stages in their order; another model's stages (its own names) after them.
     others = [n for n in result["stages"] if n not in STAGE_ORDER and n not in ("engine", "total")]
     for name in [*STAGE_ORDER[:-1], *others, "engine", "total"]:
         if name in result["stages"]:
             s = result["stages"][name]
-            print(f"{name:<16}{s['p50_ms']:>10.2f}{s['p90_ms']:>10.2f}")
+            line = f"{name:<16}{s['p50_ms']:>10.2f}{s['p90_ms']:>10.2f}"
+            if name in floors:
+                f = floors[name]
+                line += f"{f['floor_ms']:>11.3f}{f['bound']:>9}{f['floor_ms'] / s['p50_ms']:>11.0%}"
+            print(line)
     print(f"samples/s (engine p50): {result['samples_per_s']:.1f}")
+    if result.get("floor_device"):  # the peaks used, or why there are no floors
+        print(f"floors on {result['floor_device']}: {result['floor_note']}")
     sys.stdout.flush()
     return 0

@@ -259,6 +259,14 @@ _ALIASES: dict[str, str] = {
 }
 
 
+def measured_device(name: str, tflops_16bit: float, bandwidth_gbs: float) -> Device:
+    """A device whose bf16 / fp16 peak and bandwidth are ceilings measured on it (a large matmul, a
+    large copy) rather than datasheet figures: floors against what the part actually reaches."""
+    peak = Peak(tflops_16bit, tflops_16bit, False, "bf16", note="measured")
+    return Device(key="measured", name=name, bandwidth_gbs=bandwidth_gbs, memory_gb=0.0,
+                  peaks={"bf16": peak, "fp16": peak}, source="measured")
+
+
 def _norm(name: str) -> str:
     n = name.strip().lower().replace("_", "-").replace(" ", "-")
     for junk in ("nvidia-", "-workstation-edition", "-server-edition", "-max-q", "-tensor-core-gpu"):

@@ -92,6 +92,18 @@ def predict_stages(
     return {s: predict_stage(s, costs[s], device, precision, eff) for s in MODEL_STAGES if s in costs}
 
 
+# The device's peaks themselves: what a stage cannot beat.
+AT_PEAK = Efficiency(1.0, 1.0, "the device's peak FLOPs and bandwidth (a floor)")
+
+
+def stage_floors(costs: Mapping[str, StageCost], device: Device, precision: str) -> dict[str, StagePrediction]:
+    """The least time each model stage (and the whole solver loop) can take on `device`: its FLOPs
+    at the peak rate or its bytes at the peak bandwidth, whichever is longer. `phyai-edge bench`
+    and `benchmarks/pi05_gpu.py` print measured times against these."""
+    stages = (*MODEL_STAGES, "solver_loop")
+    return {s: predict_stage(s, costs[s], device, precision, AT_PEAK) for s in stages if s in costs}
+
+
 @dataclass(frozen=True)
 class Overheads:
     """Times the FLOP model cannot see: give measured values (defaults are zero: an upper bound)."""
