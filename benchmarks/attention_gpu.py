@@ -45,6 +45,14 @@ FULL_SHAPES = [
     ("prefix b8", 8, 8, 816, 816, 0),
     ("prefix b32", 32, 8, 816, 816, 0),
 ]
+# Batch sizes a multi-robot server runs between those (only with --shapes).
+EXTRA_SHAPES = [
+    ("expert b16", 16, 8, 50, 816, 50),
+    ("expert b24", 24, 8, 50, 816, 50),
+    ("expert b64", 64, 8, 50, 816, 50),
+    ("prefix b2", 2, 8, 816, 816, 0),
+    ("prefix b4", 4, 8, 816, 816, 0),
+]
 CALLS = 20  # calls per captured graph
 TINY_SHAPES = [("expert b1", 1, 4, 5, 60, 5), ("expert b2", 2, 4, 5, 60, 5)]
 
@@ -170,11 +178,12 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = TINY_SHAPES if args.tiny else FULL_SHAPES
     if args.shapes:
+        known = shapes if args.tiny else shapes + EXTRA_SHAPES
         wanted = [x.strip() for x in args.shapes.split(",")]
-        unknown = sorted(set(wanted) - {sh[0] for sh in shapes})
+        unknown = sorted(set(wanted) - {sh[0] for sh in known})
         if unknown:
-            p.error(f"--shapes: unknown {unknown}; choose from {[sh[0] for sh in shapes]}")
-        shapes = [sh for sh in shapes if sh[0] in wanted]
+            p.error(f"--shapes: unknown {unknown}; choose from {[sh[0] for sh in known]}")
+        shapes = [sh for sh in known if sh[0] in wanted]
     if args.configs:
         configs = parse_configs(args.configs)
     else:
