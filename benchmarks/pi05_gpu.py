@@ -399,7 +399,8 @@ def main_seeded(args: argparse.Namespace) -> int:
             from phyai_edge.calibration.fp8 import save_scales
 
             save_scales(args.out / "fp8_scales.safetensors", scales, {"source": "pi05_gpu.py --fp8-static", "seed": 0})
-        run_triton(res, adapter, dev, inputs_for, noise_for, eager32, [(1, reps1), (32, reps32)], args.budget_s,
+        shapes = [(b, reps1 if b == 1 else max(reps32, 320 // b) if full else reps32) for b in args.batches]
+        run_triton(res, adapter, dev, inputs_for, noise_for, eager32, shapes, args.budget_s,
                    compile=not args.no_compile, compile_baseline=not args.no_compile_baseline, fp8=not args.no_fp8,
                    rtc_modes=() if args.no_rtc else ("guided-approx", "guided"), fp8_scales=scales)
         dump()
@@ -438,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-triton", action="store_true", help="skip the fused Triton ops variants")
     ap.add_argument("--no-compile-baseline", action="store_true",
                     help="--triton-only: skip graphs + compile without the Triton ops (a number an earlier run has)")
+    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 32],
+                    help="with --triton-only: the batch sizes of the Triton variants (default 1,32)")
     ap.add_argument("--triton-only", action="store_true",
                     help="only the bf16 engine and its Triton-ops variants, on seeded weights (no LeRobot)")
     args = ap.parse_args(argv)

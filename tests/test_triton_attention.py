@@ -155,8 +155,9 @@ def test_tilings_agree(poisoned, config):
 
 
 @pytest.mark.parametrize("rows,groups,tiling", [
-    (400, 1, ta.FEW_BLOCKS), (400, 8, ta.MANY_BLOCKS), (400, 16, ta.MANY_BLOCKS), (400, 32, ta.BIG_BLOCKS),
-    (400, 64, ta.BIG_BLOCKS), (6528, 1, ta.MANY_BLOCKS), (6528, 8, ta.BIG_BLOCKS),
+    (400, 1, ta.FEW_BLOCKS), (400, 2, ta.FEW_BLOCKS), (400, 4, ta.MANY_BLOCKS), (400, 8, ta.MID_BLOCKS),
+    (400, 16, ta.MID_BLOCKS), (400, 24, ta.BIG_BLOCKS), (400, 32, ta.BIG_BLOCKS), (400, 64, ta.BIG_BLOCKS),
+    (6528, 1, ta.MID_BLOCKS), (6528, 2, ta.BIG_BLOCKS), (6528, 8, ta.BIG_BLOCKS),
 ])
 def test_default_config_by_shape(rows, groups, tiling):
     assert ta.default_config(rows, groups, 132) == tiling
@@ -211,6 +212,7 @@ def test_set_inline_merge_switches_the_default_tiling():
     before = ta.set_inline_merge(False)
     try:
         assert ta.default_config(400, 1, 132).inline_merge is False
+        assert ta.default_config(400, 8, 132) == ta.MID_BLOCKS  # no merge there anyway
         assert ta.set_inline_merge(True) is False
         assert ta.default_config(400, 1, 132) == ta.FEW_BLOCKS
     finally:
@@ -221,7 +223,8 @@ def test_set_inline_merge_switches_the_default_tiling():
 def test_big_blocks_never_split(poisoned):
     """The 128-row tiling takes every key in one program (no partials, no merge) and matches the
     reference, with a query row count no 128-row block divides."""
-    assert ta.plan_splits(400, 866, 32, 132, 128, 64, ta.BIG_BLOCKS.min_keys)[0] == 1
+    for cfg in (ta.BIG_BLOCKS, ta.MID_BLOCKS):
+        assert ta.plan_splits(400, 866, 32, 132, cfg.block_m, cfg.block_n, cfg.min_keys)[0] == 1
     b, hq, hkv, tq, tk, d = 2, 8, 1, 21, 203, 32
     q, k, v = _qkv(b, hq, hkv, tq, tk, d, torch.float32, seed=31)
     mask = _key_mask(b, tk, seed=32)

@@ -64,23 +64,21 @@ class SplitConfig:
     inline_merge: bool = True
 
 
-# Measured on an H200 (benchmarks/attention_gpu.py, RESULTS.md), PI0.5's head size 256: with few
-# query blocks (the expert at batch 1: 7) 16-row blocks and 8 warps win (13.6 vs 18.3 us for the
-# 64-row, 8-warp tiling); with more, 64-row blocks on 4 warps, one stage (expert batch 8 / 32 and
-# the prefix at batch 1: 29-31 / 72 / 34 us, where 8 warps took 44 / 140 / 61 us).
-# Where the splits are merged (same call, 2026-12-03): in the split kernel for the 16-row tiling
-# (expert batch 1: 13.5 vs 14.0 us, a chunk 0.33 ms faster), by the second kernel for the 64-row one
-# (expert batch 8 / 32: 32.5 / 77.8 us merged apart vs 43.8 / 90.7 inline; prefix batch 1 36.0 vs
-# 44.5): there one program merging 64 rows of every split is a long serial tail.
+# Measured on an H200 (benchmarks/attention_gpu.py, RESULTS.md 2026-12-03), PI0.5's head size 256.
+# Splitting the keys pays only where even 16-row blocks leave most SMs idle (the expert at batch
+# 1-2): there 16-row blocks on 8 warps, split keys, and the last program of a query block merges it
+# (13.5 us; a second merge kernel 14.0). Everywhere else one program takes all of its block's keys:
+# a split costs float32 partials and their merge, and each block of folded query rows re-reads its
+# sample's keys from L2, so the kernel is bound by those reads and bigger blocks win once they
+# alone about fill the GPU. One split, in us against the earlier 64-row tiling with 2-5 splits and
+# a merge kernel: expert b8 29.8 vs 32.8, b16 30.6 vs 52.8 (64-row blocks); expert b24 39.0 vs
+# 72.3, b32 42.4 vs 78.8, prefix b2 41.6 vs 63.0 (128-row blocks, two warpgroups); prefix b1 26.9
+# vs 36.7 (64-row). Between the classes (expert b3-b4) the split 64-row tiling stays.
 FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=8, stages=2, min_keys=128, inline_merge=True)
 MANY_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=1, min_keys=64, inline_merge=False)
-# Where 128-row blocks alone about fill the GPU (expert batch 32: 4 blocks x 32 = 128 programs on
-# 132 SMs; the prefix from batch 8): 128-row blocks on two warpgroups, two stages, and never a split.
-# Each program then reads its sample's keys once per 128 folded query rows instead of once per 64
-# (the kernel was bound by those L2 reads), and nothing is left to merge: expert batch 32 42.4 us
-# against 78.8 for the 64-row tiling with two splits and the merge; prefix batch 8 / 32 171.1 / 553.9
-# against 172.7 / 568.6 (H200, 2026-12-03, benchmarks/attention_gpu.py --configs).
-BIG_BLOCKS = SplitConfig(block_m=128, block_n=64, warps=8, stages=2, min_keys=1 << 30, inline_merge=False)
+NO_SPLIT = 1 << 30  # min_keys no key range reaches: one split
+MID_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=2, min_keys=NO_SPLIT, inline_merge=False)
+BIG_BLOCKS = SplitConfig(block_m=128, block_n=64, warps=8, stages=2, min_keys=NO_SPLIT, inline_merge=False)
 BIG_BLOCK_M = 128
 
 
@@ -98,11 +96,15 @@ def set_inline_merge(on: bool) -> bool:
 
 def default_config(rows: int, groups: int, sms: int) -> SplitConfig:
     """The tiling for `rows` query rows per KV head (grouped heads folded) in `groups` = batch x
-    KV heads on `sms` SMs: small tiles where 64-row tiles would leave most SMs idle even after
-    splitting the keys, 128-row tiles without splits where those alone fill the GPU."""
-    if math.ceil(rows / BIG_BLOCK_M) * groups >= 0.9 * sms:
+    KV heads on `sms` SMs: 16-row tiles and split keys where 64-row tiles would leave most SMs idle
+    even after splitting the keys; one split with 64-row tiles where those give a quarter of the
+    SMs work, with 128-row tiles where those give ~70%; split 64-row tiles in between."""
+    blocks64 = math.ceil(rows / ONE_PASS_BLOCK_M) * groups
+    if math.ceil(rows / BIG_BLOCK_M) * groups >= 0.7 * sms:  # expert from batch 24, prefix from 2
         return BIG_BLOCKS
-    cfg = FEW_BLOCKS if math.ceil(rows / ONE_PASS_BLOCK_M) * groups < max(sms // 8, 1) else MANY_BLOCKS
+    if blocks64 >= sms / 4:  # expert batch 8-16, prefix batch 1
+        return MID_BLOCKS
+    cfg = FEW_BLOCKS if blocks64 < max(sms // 8, 1) else MANY_BLOCKS
     return cfg if _INLINE_MERGE or not cfg.inline_merge else replace(cfg, inline_merge=False)
 
 
