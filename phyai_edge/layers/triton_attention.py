@@ -6,13 +6,15 @@ prefix and themselves) through 8 query heads sharing one KV head. Folded into th
 is 400 rows against one KV head: a flash-style kernel tiles it into ~7 programs, so one call uses
 7 of the H200's 132 SMs and took ~51 us (55% of a compiled step at batch 1, measured with
 `benchmarks/pi05_profile.py`). Splitting the keys across programs (flash-decoding) fills the
-GPU: each program reduces its own key range to a partial output and log-sum-exp, and a second
-small kernel merges the partials. With one split the first kernel writes the output directly.
-Reading the keys as two parts also saves SDPA's concatenation, and folding the query heads reads
-each KV block once for all of them: on the H200 the kernel beat SDPA (cuDNN's flash kernel plus
-the concatenation) at every PI0.5 shape timed, the expert at batch 1-32 and the prefix at batch
-1-32 (1.16-4.7x; `benchmarks/attention_gpu.py`), so the stacks call it wherever it takes the
-shape; the tiling is chosen by shape (`default_config`).
+GPU: each program reduces its own key range to a partial output and log-sum-exp, and the last
+program of a query block to finish merges the partials (or, per tiling, a second small kernel
+does). With one split the kernel writes the output directly, which is what every shape but the
+expert's batch 1-2 uses: there are enough query blocks, and each extra split re-reads keys and
+writes partials (`default_config` has the measurements). Reading the keys as two parts also saves
+SDPA's concatenation, and folding the query heads reads each KV block once for all of them: on
+the H200 the kernel beat SDPA (cuDNN's flash kernel plus the concatenation) at every PI0.5 shape
+timed, the expert at batch 1-64 and the prefix at batch 1-32 (1.2-4.8x;
+`benchmarks/attention_gpu.py`), so the stacks call it wherever it takes the shape.
 
 `attention_split(q, k, v, mask)` has the contract of `layers.attention.attention` for key-only
 masks (B, 1, 1, Tk): grouped KV heads, boolean mask, a query row with no allowed key sees all keys.
