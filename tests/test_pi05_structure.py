@@ -314,3 +314,25 @@ def test_full_builtin_adapter_does_not_allocate():
     assert specs["denoise_step"].inputs["x_t"][0] == (1, 50, 32)
     assert ad.solver.num_steps == 10 and ad.solver.times()[0] == 1.0
     assert np.isclose(ad.solver.dt, -0.1)
+
+
+def test_full_preset_on_a_real_device_draws_seeded_weights(monkeypatch):
+    """Without a checkpoint the full preset is meta for structure (default, device="meta") and
+    seeded random weights drawn on a real device (what `phyai-edge bench --preset full --device
+    cuda` times); the tiny preset is the CPU draw whatever the device. The full config is swapped
+    for the tiny one here so the test allocates megabytes, not 13 GB."""
+    from phyai_edge.adapters import load_adapter
+    from phyai_edge.adapters.pi05 import builtin
+    from phyai_edge.adapters.pi05.config import preset
+
+    tiny = preset("tiny")
+    monkeypatch.setattr(builtin, "preset", lambda name: tiny)
+    assert all(p.is_meta for p in builtin.builtin_adapter("full", device="meta").module.parameters())
+    assert all(p.is_meta for p in load_adapter("pi05", preset_name="full", device="meta").module.parameters())
+    drawn = load_adapter("pi05", preset_name="full", device="cpu", seed=3).module
+    again = builtin.builtin_adapter("full", device="cpu", seed=3).module
+    assert not any(p.is_meta for p in drawn.parameters())
+    for (name, a), b in zip(drawn.named_parameters(), again.parameters()):
+        assert torch.equal(a, b) and torch.isfinite(a).all(), name
+    other = builtin.builtin_adapter("full", device="cpu", seed=4).module
+    assert not torch.equal(next(drawn.parameters()), next(other.parameters()))

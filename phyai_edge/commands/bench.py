@@ -10,7 +10,9 @@ import time
 
 HELP = "time a model's stages on a backend and device"
 DESCRIPTION = """Time each stage of a model (preprocess, vision, prefix, one denoise step, the whole
-solver loop, postprocess) on synthetic inputs and print median and p90 latency and samples/s.
+solver loop, postprocess) on synthetic inputs and print median and p90 latency and samples/s,
+with each model stage's floor on the GPU (its peak FLOPs and bandwidth) beside it. A preset without
+--checkpoint times seeded random weights (the full one drawn on the device: timing only).
 
 Examples:
   phyai-edge bench --preset tiny --device cpu
@@ -78,7 +80,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     if args.device == "meta":
         from phyai_edge.adapters import load_adapter
 
-        adapter = load_adapter(args.adapter, checkpoint=None, preset_name=args.preset)
+        adapter = load_adapter(args.adapter, checkpoint=None, preset_name=args.preset, device="meta")
         n = sum(p.numel() for p in adapter.module.parameters())
         parts = {name: sum(p.numel() for p in m.parameters()) for name, m in adapter.module.named_children()}
         return {"adapter": args.adapter, "preset": args.preset, "device": "meta", "params": n, "params_by_part": parts}

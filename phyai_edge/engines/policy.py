@@ -176,7 +176,10 @@ def load_policy(
     `engine_options`: extra keyword arguments for the engine (e.g. cudagraph's `fp8="expert"`)."""
     if bundle is not None:
         return load_bundle_policy(Path(bundle), device=device, seed=seed, **(engine_options or {}))
-    ad = load_adapter(adapter, checkpoint=checkpoint, preset_name=preset, device="cpu", tokenizer=tokenizer,
+    # A checkpoint loads on the CPU and the engine moves it; a preset without one is drawn where it
+    # runs (a full-size preset has no weights to load: random ones, drawn on the GPU in seconds).
+    ad = load_adapter(adapter, checkpoint=checkpoint, preset_name=preset,
+                      device="cpu" if checkpoint is not None else device, tokenizer=tokenizer,
                       camera_names=camera_names, seed=seed)
     engine = make_engine(backend, ad, device=device, dtype=dtype, seed=seed, **(engine_options or {}))
     return Policy(ad, engine)

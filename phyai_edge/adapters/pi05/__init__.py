@@ -9,12 +9,14 @@ from phyai_edge.adapters.pi05.model import PI05Model
 
 def load_adapter(checkpoint=None, preset_name: str = "tiny", device="cpu", tokenizer=None, camera_names=None,
                  seed: int = 0, structure=None) -> PI05Adapter:
-    """A checkpoint folder if given, else the built-in seeded preset. `structure` (a preset name
-    or PI05Config) sizes LeRobot/openpi checkpoints, which do not record it (default: full)."""
+    """A checkpoint folder if given, else the built-in seeded preset (the full one with random
+    weights drawn on `device`, or on the meta device for `device="meta"`: `builtin_adapter`).
+    `structure` (a preset name or PI05Config) sizes LeRobot/openpi checkpoints, which do not
+    record it (default: full)."""
     if checkpoint is not None:
         return load_pi05(checkpoint, device=device, tokenizer=tokenizer, camera_names=camera_names,
                          structure=structure)
-    return builtin_adapter(preset_name, seed=seed, camera_names=camera_names)
+    return builtin_adapter(preset_name, seed=seed, camera_names=camera_names, device=device)
 
 
 def save_bundle_checkpoint(adapter: PI05Adapter, folder, with_weights: bool, weight_dtype=None) -> None:

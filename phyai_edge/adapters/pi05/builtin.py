@@ -4,6 +4,7 @@ It makes `phyai-edge run` work on a fresh machine; it is not a trained policy.""
 
 from __future__ import annotations
 
+import logging
 from importlib import resources
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from phyai_edge.adapters.pi05.adapter import PI05Adapter, RobotIO
 from phyai_edge.adapters.pi05.config import PI05Config, preset
 from phyai_edge.adapters.pi05.model import PI05Model
 from phyai_edge.adapters.tokenizer import PromptTokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CAMERAS = ["top", "left_wrist", "right_wrist"]
 DEFAULT_DIM = 14
@@ -65,11 +68,21 @@ def builtin_adapter(
     state_dim: int = DEFAULT_DIM,
     action_dim: int = DEFAULT_DIM,
     prompt: str = "pick up the cube",
+    device: str | torch.device | None = None,
 ) -> PI05Adapter:
+    """The tiny preset: seeded weights drawn on the CPU (the same values on every machine). The
+    full preset has no weights to ship: on the meta device (structure and parameter counts) unless
+    `device` names a real one, where seeded random weights are drawn directly (`seeded_model_on`:
+    for timing a full-size engine without a checkpoint; not a trained policy)."""
     cfg = preset(preset_name)
     if preset_name == "full":
-        with torch.device("meta"):
-            model = PI05Model(cfg)
+        if device is None or torch.device(device).type == "meta":
+            with torch.device("meta"):
+                model = PI05Model(cfg)
+        else:
+            log.info("pi05 preset 'full' without a checkpoint: seeded random weights on %s (timing only, "
+                     "not a trained policy)", device)
+            model = seeded_model_on(device, cfg, seed)
     else:
         model = seeded_model(cfg, seed)
     lo, hi = -np.ones(action_dim, np.float32), np.ones(action_dim, np.float32)
