@@ -138,6 +138,7 @@ def test_two_part_keys_equal_concatenation(poisoned, split_at, splits):
     ta.SplitConfig(block_m=32, block_n=64, warps=4, stages=3, min_keys=64),
     ta.SplitConfig(block_m=64, block_n=32, warps=8, stages=2, min_keys=16),
     ta.SplitConfig(block_m=128, block_n=32, warps=8, stages=2, min_keys=16),
+    ta.SplitConfig(block_m=64, block_n=32, warps=4, stages=2, min_keys=16, inline_merge=True),
 ])
 def test_tilings_agree(poisoned, config):
     """Every tiling the GPU sweep may choose gives the reference's result, with the two key parts
@@ -188,7 +189,7 @@ def test_inline_merge_equals_merge_kernel(poisoned, shape, splits):
     mask[0, ..., : tk // 2] = False  # whole splits without an allowed key
     cut = 120
     kp, vp = (k[:, :, :cut], k[:, :, cut:]), (v[:, :, :cut], v[:, :, cut:])
-    base = ta.SplitConfig(block_m=16, block_n=32, warps=4, stages=1, min_keys=16)
+    base = ta.SplitConfig(block_m=16, block_n=32, warps=4, stages=1, min_keys=16, inline_merge=True)
     tickets = ta.Tickets(q.device)
     inline = ta.attention_split(q, kp, vp, mask, backend="triton", splits=splits, config=base, tickets=tickets)
     second = replace(base, inline_merge=False)

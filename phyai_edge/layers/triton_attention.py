@@ -62,8 +62,9 @@ class SplitConfig:
     stages: int = 2
     min_keys: int = MIN_KEYS_PER_SPLIT
     # Merge the splits in the split kernel itself (the last program to finish a query block
-    # merges it) rather than in a second kernel; see `_split_attn_kernel`.
-    inline_merge: bool = True
+    # merges it) rather than in a second kernel; see `_split_attn_kernel`. Measured faster only
+    # for 16-row blocks (`FEW_BLOCKS`).
+    inline_merge: bool = False
 
 
 # Measured on an H200 (benchmarks/attention_gpu.py, RESULTS.md 2026-12-03), PI0.5's head size 256.
