@@ -324,10 +324,13 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         part = _empty((splits, b, hkv, rows, d), torch.float32, q.device)
         ps = (part.stride(0), part.stride(1), part.stride(2), tq * part.stride(3), part.stride(3))
     grid = (triton.cdiv(rows, bm), splits, b * hkv)
-    # one ticket per (query block, batch x KV head), zero on entry and left at zero on exit
-    tickets = (tickets if tickets is not None else Tickets(q.device)).take(grid[0] * grid[2]) if merge else lse
+    # one ticket per (query block, batch x KV head), zero on entry and left at zero on exit;
+    # without the in-kernel merge the kernel never reads the argument (any tensor will do)
+    ticket_buf = lse
+    if merge:
+        ticket_buf = (tickets if tickets is not None else Tickets(q.device)).take(grid[0] * grid[2])
     _split_attn_kernel[grid](
-        q, k, v, k2, v2, mask_u8, part, lse, out, tickets,
+        q, k, v, k2, v2, mask_u8, part, lse, out, ticket_buf,
         rows, keys, keys1, per, scale * 1.4426950408889634, tq, splits,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
