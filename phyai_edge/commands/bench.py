@@ -7,6 +7,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 HELP = "time a model's stages on a backend and device"
 DESCRIPTION = """Time each stage of a model (preprocess, vision, prefix, one denoise step, the whole
@@ -173,7 +174,7 @@ def run_bench(args: argparse.Namespace) -> dict:
 PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
 
 
-def _floors(args: argparse.Namespace, adapter, views: int, prompt_tokens: int | None, gpu: str | None,
+def _floors(args: argparse.Namespace, adapter: Any, views: int, prompt_tokens: int | None, gpu: str | None,
             fp8: str | None) -> tuple[str | None, dict[str, dict[str, float | str]], str]:
     """(device name, {stage: floor_ms, bound}, note): each model stage's floor from the adapter's
     FLOP / byte count (`roofline.costs`) at the device's peaks; empty, with the reason, where there
