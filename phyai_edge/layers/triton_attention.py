@@ -165,6 +165,7 @@ if triton is not None:
         goes straight to out. Else a float32 partial and its log-sum-exp (base 2) go to o / lse;
         with MERGE the last program of a query block to finish (its ticket counts the splits done)
         merges all splits of that block into out, so no second kernel runs."""
+        pdl_enter(PDL)
         pid_m = tl.program_id(0)
         split = tl.program_id(1)
         bh = tl.program_id(2)
@@ -172,10 +173,6 @@ if triton is not None:
         h = bh % HKV
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)
-        start = split * keys_per_split
-        end = tl.minimum(start + keys_per_split, keys)
-        end1 = tl.minimum(end, keys1)
-        pdl_enter(PDL)
         q = tl.load(q_ptr + b * sq_b + h * sq_h + r[:, None] * sq_m + d[None, :], mask=r[:, None] < rows, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
@@ -183,9 +180,12 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
+        start = split * keys_per_split
+        end = tl.minimum(start + keys_per_split, keys)
         # Keys 0..keys1-1 come from the first part (the cached prefix), the rest from the second
         # (the step's own keys): the two are never concatenated in memory. One loop per part, so
         # each block issues one load per operand rather than two masked ones.
+        end1 = tl.minimum(end, keys1)
         for n0 in range(start, end1, BLOCK_N):
             c = n0 + tl.arange(0, BLOCK_N)
             inb = c < end1

@@ -262,6 +262,7 @@ if triton is not None:
         UPCAST: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         split = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -271,7 +272,6 @@ if triton is not None:
         n_ok = rn < N
         k0 = split * k_per_split
         k_end = tl.minimum(k0 + k_per_split, K)
-        pdl_enter(PDL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in range(k0, k_end, BLOCK_K):
             kk = k + rk
@@ -321,13 +321,13 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         pid_m, pid_n = _tile(tl.program_id(0), M, H, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; the matching up rows are H + rn
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < H
-        pdl_enter(PDL)
         wg_ptr = w_ptr + rn[None, :] * s_wn
         wu_ptr = w_ptr + (rn + H)[None, :] * s_wn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -361,6 +361,7 @@ if triton is not None:
         UPCAST: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl_enter(PDL)
         # Program (head, j) owns columns j*BLOCK_N.. of both halves of one head of the fused
         # output (q heads, then k heads, then v heads), so rotate-half's partner is in registers.
         # Column tile pid_n counts (head, j) pairs: tiles_per_half * BLOCK_N columns per head.
@@ -373,7 +374,6 @@ if triton is not None:
         m_ok = rm < M
         d_ok = d < HALF
         row1 = head * (2 * HALF) + d  # weight rows of the first half's columns
-        pdl_enter(PDL)
         w1_ptr = w_ptr + row1[None, :] * s_wn
         w2_ptr = w_ptr + (row1 + HALF)[None, :] * s_wn
         acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
