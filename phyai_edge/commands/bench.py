@@ -171,9 +171,6 @@ def run_bench(args: argparse.Namespace) -> dict:
     }
 
 
-PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
-
-
 def _floors(args: argparse.Namespace, adapter: Any, views: int, prompt_tokens: int | None, gpu: str | None,
             fp8: str | None) -> tuple[str | None, dict[str, dict[str, float | str]], str]:
     """(device name, {stage: floor_ms, bound}, note): each model stage's floor from the adapter's
@@ -182,6 +179,7 @@ def _floors(args: argparse.Namespace, adapter: Any, views: int, prompt_tokens: i
     from phyai_edge.roofline.costs import stage_costs
     from phyai_edge.roofline.devices import find_device
     from phyai_edge.roofline.predict import stage_floors
+    from phyai_edge.roofline.sources import DTYPE_PRECISIONS
 
     name = args.floor_device or gpu
     if name is None or name.lower() == "none":
@@ -190,7 +188,7 @@ def _floors(args: argparse.Namespace, adapter: Any, views: int, prompt_tokens: i
         device = find_device(name)
     except ValueError as exc:
         return name, {}, str(exc)
-    precision = PRECISION_OF_DTYPE.get(args.dtype)
+    precision = DTYPE_PRECISIONS.get(args.dtype)
     if precision is None or fp8:
         why = f"fp8 {fp8} mixes precisions" if fp8 else f"the table has no {args.dtype} peak"
         return device.name, {}, f"no floors: {why}"

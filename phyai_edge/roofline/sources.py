@@ -191,7 +191,8 @@ def _int_or_none(v: Any) -> int | None:
 
 
 _GENERIC_DEVICES = ("cpu", "cuda", "meta", "gpu", "mps")
-_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float8_e4m3fn": "fp8", "int8": "int8"}
+# torch dtype names as the roofline's precisions (bench JSON, `phyai-edge bench` floors)
+DTYPE_PRECISIONS = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float8_e4m3fn": "fp8", "int8": "int8"}
 
 
 def _fill_run_info(m: Measurement, run: Mapping[str, Any]) -> None:
@@ -211,7 +212,7 @@ def _fill_run_info(m: Measurement, run: Mapping[str, Any]) -> None:
     m.prompt_tokens = _int_or_none(run.get("prompt_tokens"))
     prec = run.get("precision") or run.get("dtype")
     if isinstance(prec, str):
-        prec = _DTYPES.get(prec.lower().removeprefix("torch."), prec.lower())
+        prec = DTYPE_PRECISIONS.get(prec.lower().removeprefix("torch."), prec.lower())
         if prec not in ("bf16", "fp16", "fp8", "int8"):
             m.notes.append(
                 f"precision {prec!r} is not modelled (bf16, fp16, fp8, int8): not used to calibrate"
