@@ -111,8 +111,8 @@ def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device,
     out = sdpa()
     rows.append({"variant": "sdpa (model path)", "us": time_calls([sdpa] * CALLS, device.type, replays=15), "rel_err": rel(out)})
     default = ta.default_config(hq * tq, b, sms)
-    # The default tiling three ways: splits merged in the split kernel (the default), by a second
-    # kernel, and with programmatic dependent launch (keys prefetched before the wait); then the sweep.
+    # The default tiling three ways: as it is, with any splits always merged by a second kernel,
+    # and with programmatic dependent launch; then the sweep.
     labelled = [("split, default", default, False),
                 ("split, default, merge kernel", replace(default, inline_merge=False), False),
                 ("split, default, PDL", default, True)]

@@ -173,9 +173,8 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # inside the split kernel (`triton_attention.set_inline_merge`): the same sums, same order
         ("triton+gemm, merge kernel", {"triton_ops": True, "triton_gemm": True, "_inline_merge": False,
                                        "_same_as": "triton+gemm"}, shapes),
-        # programmatic dependent launch on (`triton_dispatch.set_pdl`; weights and cached keys
-        # prefetched to L2 before each kernel's wait): the same kernels in the same order, so the
-        # chunk must be bit-identical to "triton+gemm"; only the time differs
+        # programmatic dependent launch on (`triton_dispatch.set_pdl`): the same kernels in the
+        # same order, so the chunk must be bit-identical to "triton+gemm"; only the time differs
         ("triton+gemm+PDL", {"triton_ops": True, "triton_gemm": True, "_pdl": True,
                              "_same_as": "triton+gemm"}, shapes),
     ]
