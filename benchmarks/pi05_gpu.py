@@ -157,7 +157,7 @@ def run_fp8(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_
 def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_for: Any, eager32: Any,
                shapes: list[tuple[int, int]], budget_s: float, compile: bool = True,
                compile_baseline: bool = False, fp8: bool = True, rtc_modes: tuple[str, ...] = (),
-               fp8_scales: dict[str, dict[str, float]] | None = None) -> None:
+               fp8_scales: dict[str, dict[str, float]] | None = None, only: list[str] | None = None) -> None:
     """Fused Triton ops for the action expert (`CudaGraphEngine(triton_ops=True)`, `layers/triton_ops.py`)
     under the graphs: alone, with the expert's projections on the small-M Triton GEMMs
     (`triton_gemm=True`, `layers/triton_gemm.py`; the denoise step only), with fp8 expert linears,
@@ -177,6 +177,8 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # same order, so the chunk must be bit-identical to "triton+gemm"; only the time differs
         ("triton+gemm+PDL", {"triton_ops": True, "triton_gemm": True, "_pdl": True,
                              "_same_as": "triton+gemm"}, shapes),
+        # the prefix's gate/up + GeGLU as one TMA GEMM at >= 4096 rows (`triton_gemm_tma.set_prefix_geglu`)
+        ("triton+gemm+TMA GeGLU", {"triton_ops": True, "triton_gemm": True, "_tma_geglu": True}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -191,6 +193,11 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         if compile_baseline:
             variants.append(("compile", {"compile": True, "triton_ops": False}, shapes[1:]))
         variants.append(("triton+compile", {"triton_ops": True, "triton_gemm": False, "compile": True}, shapes[1:]))
+    if only:
+        unknown = set(only) - {name for name, _, _ in variants}
+        if unknown:
+            raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {[n for n, _, _ in variants]}")
+        variants = [v for v in variants if v[0] in only]
     run_variants(res, "triton", variants, adapter, dev, inputs_for, noise_for, eager32, budget_s, rtc_modes)
 
 
@@ -216,6 +223,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
     from phyai_edge.layers.fp8 import fp8_linears
     from phyai_edge.layers.triton_attention import set_inline_merge
     from phyai_edge.layers.triton_dispatch import set_pdl
+    from phyai_edge.layers.triton_gemm_tma import set_prefix_geglu
 
     out = res.setdefault(section, {})
     refs: dict[int, Any] = {}
@@ -225,15 +233,17 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
             continue
         kw = dict(kw)
         pdl, same_as, inline = kw.pop("_pdl", False), kw.pop("_same_as", None), kw.pop("_inline_merge", True)
+        tma_geglu = kw.pop("_tma_geglu", False)
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
             continue
         pdl_before = set_pdl(pdl)  # the kernels are launched and captured with these settings
         merge_before = set_inline_merge(inline)
+        tma_before = set_prefix_geglu(tma_geglu)
         try:
             t0 = time.perf_counter()
             eng = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", **kw)
-            info = {"options": kw, "pdl": pdl, "inline_merge": inline, "build_s": time.perf_counter() - t0, "triton_path": eng.triton_ops,
+            info = {"options": kw, "pdl": pdl, "inline_merge": inline, "tma_geglu": tma_geglu, "build_s": time.perf_counter() - t0, "triton_path": eng.triton_ops,
                     "fp8_linears": eng.fp8_linears,
                     "fp8_paths": sorted({m.backend for m in fp8_linears(eng.module)})}
             out[f"{name}_info"] = info
@@ -280,6 +290,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         finally:
             set_pdl(pdl_before)
             set_inline_merge(merge_before)
+            set_prefix_geglu(tma_before)
         sync(dev)
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -401,7 +412,8 @@ def main_seeded(args: argparse.Namespace) -> int:
         shapes = [(b, reps1 if b == 1 else max(reps32, 320 // b) if full else reps32) for b in args.batches]
         run_triton(res, adapter, dev, inputs_for, noise_for, eager32, shapes, args.budget_s,
                    compile=not args.no_compile, compile_baseline=not args.no_compile_baseline, fp8=not args.no_fp8,
-                   rtc_modes=() if args.no_rtc else ("guided-approx", "guided"), fp8_scales=scales)
+                   rtc_modes=() if args.no_rtc else ("guided-approx", "guided"), fp8_scales=scales,
+                   only=args.variants.split(",") if args.variants else None)
         dump()
     c = res["ceilings"]
     lines = [f"device: {res['device']}, torch {res['torch']} ({only}-only run, seeded random weights, {'tiny' if args.tiny else 'full size'})",
@@ -440,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="--triton-only: skip graphs + compile without the Triton ops (a number an earlier run has)")
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 32],
                     help="with --triton-only: the batch sizes of the Triton variants (default 1,32)")
+    ap.add_argument("--variants", default=None,
+                    help="with --triton-only: comma-separated Triton variant names to run (default: all)")
     ap.add_argument("--triton-only", action="store_true",
                     help="only the bf16 engine and its Triton-ops variants, on seeded weights (no LeRobot)")
     args = ap.parse_args(argv)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from phyai_edge.layers import triton_gemm
+from phyai_edge.layers import triton_gemm, triton_gemm_tma
 from phyai_edge.layers.norm import Modulation
 from phyai_edge.layers.triton_attention import stack_attention
 from phyai_edge.layers.triton_dispatch import resolve_backend
@@ -90,6 +90,15 @@ def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str,
     else:
         a = geglu(mlp.gate_up(h), backend)
     return _project(mlp.down_proj, a, gemm_backend, defer_sum=True)
+
+
+def _prefix_mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str) -> torch.Tensor:
+    """The prefix's MLP: gate/up with GeGLU in one TMA GEMM where `triton_gemm_tma.takes` it (large
+    batches on Hopper, when switched on), else `_mlp`."""
+    if mlp.gate_up is not None and resolve_backend(backend, h.device) == "triton" and \
+            triton_gemm_tma.takes(mlp.gate_up, h):
+        return mlp.down_proj(triton_gemm_tma.linear_geglu(h, mlp.gate_up.weight, "triton"))
+    return _mlp(mlp, h, backend)
 
 
 def _project(linear: torch.nn.Module, h: torch.Tensor, gemm_backend: str | None,
@@ -190,7 +199,7 @@ def plain_block_stack(
         y = attn.attend(q, k, v, mask, attention_fn=attend)
         post = block.post_attention_layernorm
         x, h = residual_ada_rms_norm(x, y, one, weight(post), zero, post.eps, backend)
-        y = _mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend)
+        y = _prefix_mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend)
         nxt = blocks[i + 1].input_layernorm
         x, h = residual_ada_rms_norm(x, y, one, weight(nxt), zero, nxt.eps, backend)
     return torch.stack(ks), torch.stack(vs)

@@ -1,0 +1,198 @@
+"""Large-M GEMMs on Hopper's tensor-memory accelerator (TMA), for the prefix's fused gate/up
+projection with GeGLU in the epilogue, beside the plain GEMM they are measured against.
+
+Why: at batch 32 the PI0.5 prefix runs its gate/up GEMM (26112 x 2048 @ 2048 x 32768) on cuBLAS at
+~700 TFLOP/s, then a GeGLU pass that reads the (M, 2 H) product and writes (M, H): 2.6 GB a layer,
+0.62 ms at the memory bandwidth, 10.5 ms of a ~240 ms chunk (`benchmarks/RESULTS.md`). The
+pointer-based Triton GEMM with the epilogue inside (`triton_gemm.linear_geglu`) reached ~560
+TFLOP/s there, 11% slower than cuBLAS plus the pass. Here the operand tiles arrive by TMA
+(`TensorDescriptor` loads: one descriptor per operand, the copy engine fills shared memory
+asynchronously, no address arithmetic in the loop), the form in which Triton's Hopper GEMMs
+approach cuBLAS.
+
+- `linear_geglu(h, weight)`: h (..., K) @ weight (2 H, K).T, gate rows first; each program
+  accumulates a (BLOCK_M, BLOCK_N) tile of the gate and the matching tile of the up projection
+  (weight rows n and H + n), and stores gelu_tanh(gate) * up: (..., H). Same contract as
+  `triton_gemm.linear_geglu_ref`.
+- `linear(h, weight)`: the plain GEMM on the same loop (for the side-by-side measurement).
+
+Programs are persistent (`programs` of them walk the tiles in grouped order) or one per tile
+(`programs=None`). Inputs: bf16 / fp16, contiguous rows, K a multiple of 8 (TMA needs 16-byte
+aligned row strides), no bias (PI0.5's Gemma linears have none). Everything else raises.
+
+Dispatch (`backend`) as in `layers.triton_ops`. Under the CPU interpreter (`TRITON_INTERPRET=1`)
+tiles are upcast to float32 before `tl.dot` (the interpreter's bf16 `tl.dot` is wrong, see
+`triton_gemm`).
+
+Status: tested against the references on CPU under the interpreter
+(`tests/test_triton_gemm_tma.py`); timed on the H200 with `benchmarks/gemm_gpu.py --tma`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, triton
+from phyai_edge.layers.triton_gemm import linear_geglu_ref, linear_ref
+
+try:  # triton >= 3.4 (the GPU machine has 3.6)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton, or none
+    TensorDescriptor = None
+
+
+@dataclass(frozen=True)
+class TmaConfig:
+    """One tiling. `block_n` counts output columns (for `linear_geglu`: H columns, so a program
+    holds two (block_m, block_n) accumulators). `programs`: persistent programs (None: one per
+    tile)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    warps: int = 8
+    stages: int = 3
+    group_m: int = 8
+    programs: int | None = None
+
+    def label(self) -> str:
+        p = "tiles" if self.programs is None else f"p{self.programs}"
+        return f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.warps} s{self.stages} g{self.group_m} {p}"
+
+
+GEGLU_DEFAULT = TmaConfig(128, 128, 64, 8, 3, 8)
+LINEAR_DEFAULT = TmaConfig(128, 256, 64, 8, 3, 8)
+
+
+# Where `takes` routes the prefix's gate/up + GeGLU here. Off until measured faster than cuBLAS plus
+# the GeGLU pass end to end (`benchmarks/pi05_gpu.py`, variant "triton+gemm+TMA GeGLU").
+_PREFIX_GEGLU = False
+MIN_ROWS = 4096  # below this the prefix's GEMMs leave SMs idle at 128-row tiles; cuBLAS picks better
+
+
+def available() -> bool:
+    return triton is not None and TensorDescriptor is not None
+
+
+def set_prefix_geglu(on: bool) -> bool:
+    """Route large-M gate/up + GeGLU projections here (`takes`); returns the previous setting."""
+    global _PREFIX_GEGLU
+    before, _PREFIX_GEGLU = _PREFIX_GEGLU, bool(on)
+    return before
+
+
+def takes(linear: torch.nn.Module, h: torch.Tensor) -> bool:
+    """The rule callers use: on, a Hopper-or-newer CUDA device, at least `MIN_ROWS` rows, a plain
+    bias-free bf16 / fp16 `nn.Linear` of h's dtype (an fp8 linear keeps its own forward), no
+    gradient wanted (exact RTC guidance runs the reference)."""
+    if not (_PREFIX_GEGLU and available() and h.is_cuda and type(linear) is torch.nn.Linear):
+        return False
+    w = linear.weight
+    if linear.bias is not None or w.dtype not in (torch.bfloat16, torch.float16) or h.dtype != w.dtype:
+        return False
+    if h.numel() // h.shape[-1] < MIN_ROWS or w.shape[1] % 8 or (torch.is_grad_enabled() and h.requires_grad):
+        return False
+    return torch.cuda.get_device_capability(h.device) >= (9, 0)
+
+
+if triton is not None:
+    from phyai_edge.layers.triton_ops import _gelu_tanh
+
+    @triton.jit
+    def _tile_of(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+        # grouped order: GROUP_M row tiles share each weight column tile while it is in L2
+        per_group = GROUP_M * tiles_n
+        first_m = (tile // per_group) * GROUP_M
+        rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % rows_in_group
+        pid_n = (tile % per_group) // rows_in_group
+        return pid_m, pid_n
+
+    @triton.jit
+    def _tma_gemm_kernel(
+        a_desc, w_desc, out_desc, M, N, K, up_offset,
+        GEGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        for tile in range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS):
+            pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(k_tiles):
+                off_k = kk * BLOCK_K
+                a = a_desc.load([off_m, off_k])
+                w = w_desc.load([off_n, off_k])
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    w = w.to(tl.float32)
+                acc = tl.dot(a, w.T, acc)
+                if GEGLU:
+                    # a gate tile past H reads up rows; its output columns are past H and the
+                    # store's bounds drop them
+                    wu = w_desc.load([up_offset + off_n, off_k])
+                    if UPCAST:
+                        wu = wu.to(tl.float32)
+                    acc_up = tl.dot(a, wu.T, acc_up)
+            if GEGLU:
+                acc = _gelu_tanh(acc) * acc_up
+            out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+
+
+def _check(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if TensorDescriptor is None:
+        raise RuntimeError("TMA GEMMs need triton >= 3.4 (triton.tools.tensor_descriptor)")
+    if bias is not None:
+        raise ValueError("TMA GEMMs take no bias")
+    if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float16) or h.dtype != weight.dtype:
+        raise ValueError(f"TMA GEMMs need a 2-D bf16 / fp16 weight and h of its dtype, got {h.dtype} / "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if h.shape[-1] != weight.shape[1] or weight.shape[1] % 8:
+        raise ValueError(f"h (..., {h.shape[-1]}) against weight {tuple(weight.shape)}: K must match and be a "
+                         "multiple of 8")
+
+
+def _run(h: torch.Tensor, weight: torch.Tensor, n: int, geglu: bool, cfg: TmaConfig) -> torch.Tensor:
+    a = h.reshape(-1, h.shape[-1])
+    if not a.is_contiguous():
+        a = a.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    m, k = a.shape
+    out = torch.empty((m, n), dtype=h.dtype, device=h.device)
+    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
+    out_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = tiles if cfg.programs is None else min(cfg.programs, tiles)
+    _tma_gemm_kernel[(programs,)](
+        a_desc, w_desc, out_desc, m, n, k, n,
+        GEGLU=geglu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        PROGRAMS=programs, UPCAST=interpret_mode(), num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+    return out.view(*h.shape[:-1], n)
+
+
+def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
+                 bias: torch.Tensor | None = None, config: TmaConfig | None = None) -> torch.Tensor:
+    """gelu_tanh(h @ gate.T) * (h @ up.T) for weight = cat([gate, up]) (2 H, K): (..., H)."""
+    if not _use_triton(backend, h, weight):
+        return linear_geglu_ref(h, weight, bias)
+    _check(h, weight, bias)
+    if weight.shape[0] % 2:
+        raise ValueError(f"gate/up weight needs an even row count, got {weight.shape[0]}")
+    return _run(h, weight, weight.shape[0] // 2, True, config or GEGLU_DEFAULT)
+
+
+def linear(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
+           bias: torch.Tensor | None = None, config: TmaConfig | None = None) -> torch.Tensor:
+    """h @ weight.T on the TMA loop (no epilogue)."""
+    if not _use_triton(backend, h, weight):
+        return linear_ref(h, weight, bias)
+    _check(h, weight, bias)
+    return _run(h, weight, weight.shape[0], False, config or LINEAR_DEFAULT)

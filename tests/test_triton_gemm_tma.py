@@ -1,0 +1,124 @@
+"""TMA GEMMs (`layers/triton_gemm_tma.py`) against their references, under Triton's CPU
+interpreter here (`conftest.py` sets `TRITON_INTERPRET=1`) and compiled on a Hopper GPU.
+
+Shapes are small and chosen to hit every bound the descriptors clip: rows and columns that are
+not multiples of the tiles, an H that is not a multiple of block_n (the gate tile past H reads up
+rows, whose columns the store must drop), fewer persistent programs than tiles. bf16 / fp16 are
+judged as `test_triton_gemm._check_bf16` judges the pointer-based kernels: against float64 on the
+same inputs, no further from it than the reference (with the interpreter's truncating stores).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_gemm import DEVICE, _check_bf16, _randn, _weight
+
+from phyai_edge.layers import triton_gemm_tma as tma
+from phyai_edge.layers import triton_ops
+from phyai_edge.layers.mlp import gelu_tanh
+from phyai_edge.layers.triton_gemm import linear_geglu_ref, linear_ref
+
+KERNELS_RUN, WHY_NOT = triton_ops.triton_status(DEVICE)
+kernels = pytest.mark.skipif(not (KERNELS_RUN and tma.available()), reason=f"TMA kernels cannot run here: {WHY_NOT}")
+DTYPES = [torch.bfloat16, torch.float16]
+CONFIGS = {
+    "tiles": tma.TmaConfig(16, 16, 16, 4, 2, 2),  # one program a tile
+    "persistent": tma.TmaConfig(16, 32, 16, 4, 2, 3, programs=3),  # 3 programs walk all tiles
+}
+# (rows, H or N, K): ragged rows and columns, K over 2-4 blocks with a ragged last one
+SHAPES = [(37, 24, 40), (16, 32, 16), (50, 40, 72)]
+
+
+def _truth_geglu(h, w):
+    g, u = (h.double() @ w.double().T).chunk(2, dim=-1)
+    return gelu_tanh(g) * u
+
+
+@kernels
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_geglu(shape, dtype, config) -> None:
+    m, hidden, k = shape
+    h = _randn(m, k, dtype=dtype, seed=1)
+    w = _weight(2 * hidden, k, dtype, seed=2)
+    out = tma.linear_geglu(h, w, "triton", config=CONFIGS[config])
+    _check_bf16(out, linear_geglu_ref(h, w), _truth_geglu(h, w))
+
+
+@kernels
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear(shape, dtype, config) -> None:
+    m, n, k = shape
+    h = _randn(2, m, k, dtype=dtype, seed=3)  # (B, T, K): the leading dims come back
+    w = _weight(n, k, dtype, seed=4)
+    out = tma.linear(h, w, "triton", config=CONFIGS[config])
+    assert out.shape == (2, m, n)
+    _check_bf16(out, linear_ref(h, w), h.double() @ w.double().T)
+
+
+def test_reference_backend_is_the_reference() -> None:
+    h = _randn(5, 16, dtype=torch.bfloat16, seed=5)
+    w = _weight(32, 16, torch.bfloat16, seed=6)
+    assert torch.equal(tma.linear_geglu(h, w), linear_geglu_ref(h, w))
+
+
+@kernels
+@pytest.mark.parametrize(
+    ("h_shape", "w_shape", "dtype", "bias", "match"),
+    [
+        ((4, 12), (16, 12), torch.bfloat16, False, "multiple of 8"),
+        ((4, 16), (16, 24), torch.bfloat16, False, "K must match"),
+        ((4, 16), (16, 16), torch.float32, False, "bf16 / fp16"),
+        ((4, 16), (16, 16), torch.bfloat16, True, "no bias"),
+        ((4, 16), (15, 16), torch.bfloat16, False, "even row count"),
+    ],
+)
+def test_rejects_what_it_cannot_run(h_shape, w_shape, dtype, bias, match) -> None:
+    h = _randn(*h_shape, dtype=dtype, seed=7)
+    w = _weight(*w_shape, dtype, seed=8)
+    b = torch.zeros(w_shape[0], dtype=dtype, device=DEVICE) if bias else None
+    with pytest.raises(ValueError, match=match):
+        tma.linear_geglu(h, w, "triton", bias=b)
+
+
+@kernels
+def test_prefix_stack_with_tma_geglu(monkeypatch) -> None:
+    """The prefix stack with its MLPs' gate/up + GeGLU on the TMA GEMM (forced: `takes` needs a
+    Hopper GPU and 4096 rows) gives the per-block path's K/V cache, and the TMA GEMM was called."""
+    from test_triton_ops import _plain_blocks, _plain_reference
+
+    from phyai_edge.layers import fused_stacks
+    from phyai_edge.layers.rotary import rope_cos_sin
+
+    calls = []
+    real = tma.linear_geglu
+    monkeypatch.setattr(tma, "takes", lambda linear, h: True)
+    monkeypatch.setattr(tma, "linear_geglu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    blocks = _plain_blocks(torch.bfloat16)
+    b, t = 2, 40
+    x = _randn(b, t, 48, dtype=torch.bfloat16, seed=21)
+    mask = torch.ones(b, t, dtype=torch.bool, device=DEVICE)
+    positions = torch.cumsum(mask.long(), 1) - 1
+    cos, sin = rope_cos_sin(positions, blocks[0].self_attn.head_dim, 10000.0, torch.bfloat16)
+    with torch.no_grad():
+        k, v = fused_stacks.plain_block_stack(blocks, x, cos, sin, mask[:, None, None, :], backend="triton")
+        rk, rv = _plain_reference(blocks, x, cos, sin, mask[:, None, None, :])
+    assert len(calls) == len(blocks) - 1  # every block's MLP but the last (skipped: only its K/V is read)
+    for got, want in ((k, rk), (v, rv)):
+        assert torch.isfinite(got).all()
+        assert (got.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
+def test_takes_is_off_by_default_and_on_cpu() -> None:
+    lin = torch.nn.Linear(16, 32, bias=False).to(torch.bfloat16)
+    h = torch.zeros(tma.MIN_ROWS, 16, dtype=torch.bfloat16)
+    assert not tma.takes(lin, h)
+    before = tma.set_prefix_geglu(True)
+    try:
+        assert not tma.takes(lin, h)  # a CPU tensor: never
+    finally:
+        tma.set_prefix_geglu(before)
