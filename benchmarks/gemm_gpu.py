@@ -139,11 +139,11 @@ def tma_sweep(op: str, rows: int) -> list[Any]:
     if not torch.cuda.is_available():
         return [TmaConfig(16, 16, 16, 4, 2, 2), TmaConfig(16, 16, 16, 4, 2, 2, programs=sms)]
     picks = {
-        "geglu": [(128, 128, 64, 8, 3, 8, None), (128, 128, 64, 8, 4, 8, None), (128, 128, 64, 8, 3, 8, sms),
-                  (128, 64, 64, 4, 4, 8, None), (128, 64, 64, 8, 4, 8, None), (64, 128, 64, 4, 3, 8, None),
-                  (128, 128, 32, 8, 5, 8, None), (128, 128, 64, 8, 3, 16, None)],
-        "linear": [(128, 256, 64, 8, 3, 8, None), (128, 256, 64, 8, 4, 8, None), (128, 256, 64, 8, 3, 8, sms),
-                   (128, 128, 64, 8, 4, 8, None), (128, 128, 64, 4, 4, 8, None), (256, 128, 64, 8, 3, 8, None)],
+        "geglu": [(128, 128, 64, 8, 3, 8, sms), (128, 128, 64, 8, 3, 16, sms), (128, 128, 64, 8, 3, 4, sms),
+                  (128, 128, 128, 8, 2, 8, sms), (256, 64, 64, 8, 3, 8, sms), (128, 128, 64, 8, 3, 8, None)],
+        "linear": [(128, 128, 64, 4, 4, 8, None), (128, 128, 64, 8, 4, 8, None), (64, 128, 64, 4, 4, 8, None),
+                   (128, 64, 64, 4, 4, 8, None), (128, 128, 64, 4, 4, 8, sms), (128, 128, 128, 4, 2, 8, None),
+                   (128, 256, 64, 8, 3, 8, sms)],
     }[op]
     return [TmaConfig(*p) for p in picks]
 
@@ -163,7 +163,7 @@ def max_abs(a: Any, b: Any) -> float:
 
 # -- one shape at one M ------------------------------------------------------------------------------------------
 def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadline: float, tma: bool = False,
-              rope_tokens: list[int] | None = None, no_sweep: bool = False) -> dict[str, Any]:
+              no_sweep: bool = False) -> dict[str, Any]:
     from phyai_edge.layers import triton_gemm as tg
     from phyai_edge.layers import triton_ops
     from phyai_edge.layers.rotary import rope_cos_sin
@@ -250,14 +250,6 @@ def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadlin
                    max_abs(lt(w0).view_as(ref), ref))
         except Exception as exc:  # a torch build without the Lt path
             variants.append({"variant": "cuBLASLt bias+GELU epilogue", "error": f"{type(exc).__name__}: {exc}"[:160]})
-    if op == "qkv_rope" and rope_tokens:  # the separate RoPE kernel at several tokens a program
-        try:
-            for tokens in rope_tokens:
-                triton_ops.set_rope_tokens(tokens, min_rows=0)
-                record(f"cuBLAS + RoPE kernel, {tokens} tokens/program",
-                       time_calls([lambda w=w: cublas(w) for w in weights], device), max_abs(cublas(w0), ref))
-        finally:
-            triton_ops.set_rope_tokens(4, min_rows=4096)  # the module's defaults
     if tma and op in ("geglu", "linear"):
         from phyai_edge.layers import triton_gemm_tma as tma_mod
 
@@ -345,8 +337,6 @@ def main(argv: list[str] | None = None) -> int:
                          "over 3 x 256 image + 48 prompt tokens) or SigLIP (batch x 768: fc1 + GELU)")
     ap.add_argument("--tma", action="store_true",
                     help="also time the TMA GEMMs (layers/triton_gemm_tma.py) for geglu and linear")
-    ap.add_argument("--rope-tokens", default=None,
-                    help="comma-separated tokens per program to time the separate RoPE kernel at (qkv_rope)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the pointer-based Triton GEMM sweep")
     ap.add_argument("--ops", default=None, help="comma-separated ops to run (linear, gelu, geglu, qkv_rope; default all)")
     args = ap.parse_args(argv)
@@ -373,9 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.ops and shape["op"] not in args.ops.split(","):
                 continue
             shape = {**shape, "tokens": PART_TOKENS[args.part] if not args.tiny else TOKENS}
-            r = run_shape(shape, rows, dev, args.tiny, deadline, args.tma,
-                          [int(x) for x in args.rope_tokens.split(",")] if args.rope_tokens else None,
-                          args.no_sweep)
+            r = run_shape(shape, rows, dev, args.tiny, deadline, args.tma, args.no_sweep)
             results.append(r)
             b = r.get("best", {})
             say(f"{shape['name']} M={rows}: cuBLAS path {r['variants'][0]['us']:.2f} us, best Triton "

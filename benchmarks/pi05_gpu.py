@@ -177,8 +177,11 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # same order, so the chunk must be bit-identical to "triton+gemm"; only the time differs
         ("triton+gemm+PDL", {"triton_ops": True, "triton_gemm": True, "_pdl": True,
                              "_same_as": "triton+gemm"}, shapes),
-        # the prefix's gate/up + GeGLU as one TMA GEMM at >= 4096 rows (`triton_gemm_tma.set_prefix_geglu`)
-        ("triton+gemm+TMA GeGLU", {"triton_ops": True, "triton_gemm": True, "_tma_geglu": True}, shapes),
+        # TMA GEMMs (`triton_gemm_tma.set_route`): the prefix's gate/up + GeGLU at >= 4096 rows,
+        # the expert's o_proj / down at 1024-4095 rows
+        ("triton+gemm+TMA GeGLU", {"triton_ops": True, "triton_gemm": True, "_tma": ("geglu",)}, shapes),
+        ("triton+gemm+TMA GeGLU+linear", {"triton_ops": True, "triton_gemm": True, "_tma": ("geglu", "linear")},
+         shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -223,7 +226,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
     from phyai_edge.layers.fp8 import fp8_linears
     from phyai_edge.layers.triton_attention import set_inline_merge
     from phyai_edge.layers.triton_dispatch import set_pdl
-    from phyai_edge.layers.triton_gemm_tma import set_prefix_geglu
+    from phyai_edge.layers.triton_gemm_tma import set_route
 
     out = res.setdefault(section, {})
     refs: dict[int, Any] = {}
@@ -233,17 +236,17 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
             continue
         kw = dict(kw)
         pdl, same_as, inline = kw.pop("_pdl", False), kw.pop("_same_as", None), kw.pop("_inline_merge", True)
-        tma_geglu = kw.pop("_tma_geglu", False)
+        tma_routes = kw.pop("_tma", ())
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
             continue
         pdl_before = set_pdl(pdl)  # the kernels are launched and captured with these settings
         merge_before = set_inline_merge(inline)
-        tma_before = set_prefix_geglu(tma_geglu)
+        tma_before = {op: set_route(op, op in tma_routes) for op in ("geglu", "linear")}
         try:
             t0 = time.perf_counter()
             eng = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", **kw)
-            info = {"options": kw, "pdl": pdl, "inline_merge": inline, "tma_geglu": tma_geglu, "build_s": time.perf_counter() - t0, "triton_path": eng.triton_ops,
+            info = {"options": kw, "pdl": pdl, "inline_merge": inline, "tma_routes": list(tma_routes), "build_s": time.perf_counter() - t0, "triton_path": eng.triton_ops,
                     "fp8_linears": eng.fp8_linears,
                     "fp8_paths": sorted({m.backend for m in fp8_linears(eng.module)})}
             out[f"{name}_info"] = info
@@ -290,7 +293,8 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         finally:
             set_pdl(pdl_before)
             set_inline_merge(merge_before)
-            set_prefix_geglu(tma_before)
+            for op, on in tma_before.items():
+                set_route(op, on)
         sync(dev)
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -94,9 +94,8 @@ def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str,
 
 def _prefix_mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str) -> torch.Tensor:
     """The prefix's MLP: gate/up with GeGLU in one TMA GEMM where `triton_gemm_tma.takes` it (large
-    batches on Hopper, when switched on), else `_mlp`."""
-    if mlp.gate_up is not None and resolve_backend(backend, h.device) == "triton" and \
-            triton_gemm_tma.takes(mlp.gate_up, h):
+    batches on Hopper), else `_mlp`."""
+    if resolve_backend(backend, h.device) == "triton" and triton_gemm_tma.takes("geglu", mlp.gate_up, h):
         return mlp.down_proj(triton_gemm_tma.linear_geglu(h, mlp.gate_up.weight, "triton"))
     return _mlp(mlp, h, backend)
 
@@ -108,6 +107,8 @@ def _project(linear: torch.nn.Module, h: torch.Tensor, gemm_backend: str | None,
     sums itself (one reducing kernel fewer)."""
     if gemm_backend is not None and triton_gemm.module_takes(linear, h):
         return triton_gemm.linear(h, linear.weight, gemm_backend, bias=linear.bias, defer_sum=defer_sum)
+    if gemm_backend is not None and triton_gemm_tma.takes("linear", linear, h):
+        return triton_gemm_tma.linear(h, linear.weight, "triton")
     return linear(h)
 
 

@@ -30,6 +30,7 @@ Status: tested against the references on CPU under the interpreter
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -62,39 +63,56 @@ class TmaConfig:
         return f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.warps} s{self.stages} g{self.group_m} {p}"
 
 
+# Tilings measured on the H200 (`benchmarks/gemm_gpu.py --tma`, RESULTS.md 2026-12-03 third session).
+# gate/up + GeGLU: two (128, 128) accumulators (a 128 x 256 tile of the product), persistent:
+# one program per SM when `GEGLU_PERSISTENT` (the default config's `programs=None` is then filled in).
 GEGLU_DEFAULT = TmaConfig(128, 128, 64, 8, 3, 8)
-LINEAR_DEFAULT = TmaConfig(128, 256, 64, 8, 3, 8)
+GEGLU_PERSISTENT = True
+LINEAR_DEFAULT = TmaConfig(128, 128, 64, 4, 4, 8)
 
-
-# Where `takes` routes the prefix's gate/up + GeGLU here. Off until measured faster than cuBLAS plus
-# the GeGLU pass end to end (`benchmarks/pi05_gpu.py`, variant "triton+gemm+TMA GeGLU").
-_PREFIX_GEGLU = False
-MIN_ROWS = 4096  # below this the prefix's GEMMs leave SMs idle at 128-row tiles; cuBLAS picks better
+# Where `takes` routes calls here, per op: [on, min rows, max rows (None: no limit)]. The callers:
+# the prefix's MLP (`fused_stacks.plain_block_stack`, "geglu") and the action expert's o_proj /
+# down (`fused_stacks._project`, "linear").
+_ROUTES: dict[str, list] = {
+    "geglu": [False, 4096, None],
+    "linear": [False, 1024, 4096],
+}
 
 
 def available() -> bool:
     return triton is not None and TensorDescriptor is not None
 
 
-def set_prefix_geglu(on: bool) -> bool:
-    """Route large-M gate/up + GeGLU projections here (`takes`); returns the previous setting."""
-    global _PREFIX_GEGLU
-    before, _PREFIX_GEGLU = _PREFIX_GEGLU, bool(on)
+def set_route(op: str, on: bool) -> bool:
+    """Route `op` ("geglu" | "linear") calls that `takes` accepts here; returns the previous setting."""
+    if op not in _ROUTES:
+        raise ValueError(f"unknown TMA route {op!r}: one of {sorted(_ROUTES)}")
+    before = _ROUTES[op][0]
+    _ROUTES[op][0] = bool(on)
     return before
 
 
-def takes(linear: torch.nn.Module, h: torch.Tensor) -> bool:
-    """The rule callers use: on, a Hopper-or-newer CUDA device, at least `MIN_ROWS` rows, a plain
-    bias-free bf16 / fp16 `nn.Linear` of h's dtype (an fp8 linear keeps its own forward), no
-    gradient wanted (exact RTC guidance runs the reference)."""
-    if not (_PREFIX_GEGLU and available() and h.is_cuda and type(linear) is torch.nn.Linear):
+def takes(op: str, linear: torch.nn.Module | None, h: torch.Tensor) -> bool:
+    """The rule callers use: `op`'s route on, h's rows in its range, a Hopper-or-newer CUDA device,
+    a plain bias-free bf16 / fp16 `nn.Linear` of h's dtype (an fp8 linear keeps its own forward),
+    no gradient wanted (exact RTC guidance runs the reference)."""
+    on, lo, hi = _ROUTES[op]
+    if not (on and available() and h.is_cuda and type(linear) is torch.nn.Linear):
         return False
     w = linear.weight
     if linear.bias is not None or w.dtype not in (torch.bfloat16, torch.float16) or h.dtype != w.dtype:
         return False
-    if h.numel() // h.shape[-1] < MIN_ROWS or w.shape[1] % 8 or (torch.is_grad_enabled() and h.requires_grad):
+    rows = h.numel() // h.shape[-1]
+    if rows < lo or (hi is not None and rows >= hi) or w.shape[1] % 8:
+        return False
+    if torch.is_grad_enabled() and h.requires_grad:
         return False
     return torch.cuda.get_device_capability(h.device) >= (9, 0)
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(idx).multi_processor_count
 
 
 if triton is not None:
@@ -186,7 +204,11 @@ def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "referenc
     _check(h, weight, bias)
     if weight.shape[0] % 2:
         raise ValueError(f"gate/up weight needs an even row count, got {weight.shape[0]}")
-    return _run(h, weight, weight.shape[0] // 2, True, config or GEGLU_DEFAULT)
+    if config is None:
+        config = GEGLU_DEFAULT
+        if GEGLU_PERSISTENT and h.is_cuda:
+            config = dataclasses.replace(config, programs=_sm_count(h.device))
+    return _run(h, weight, weight.shape[0] // 2, True, config)
 
 
 def linear(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,

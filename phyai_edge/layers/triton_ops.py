@@ -207,44 +207,41 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_kernel(
         qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr,
-        rows, seq_len, num_heads, num_kv_heads,
+        seq_len, num_heads, num_kv_heads,
         stride_qkv_b, stride_qkv_t, stride_cs_b, stride_cs_t, stride_sn_b, stride_sn_t,
-        HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, TOKENS: tl.constexpr,
-        PDL: tl.constexpr,
+        HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_enter(PDL)
-        # One program per TOKENS tokens, every q and k head of a token in one (HEADS, BLOCK) tile:
-        # a token's cos / sin are read once, not once per head, and a program moves ~9 KB a token
-        # rather than 512 B (one program per (token, head) ran at ~1/3 of the bandwidth, b32 prefix).
+        # One program per token, all its q and k heads as one (HEADS, BLOCK) tile: the token's
+        # cos / sin are read once, not once per head. (One program per (token, head) ran at about
+        # half the bandwidth: 134 vs 65 us at the batch-32 prefix's 26112 tokens, H200.)
+        bt = tl.program_id(0)
+        b = bt // seq_len
+        t = bt % seq_len
         heads = tl.arange(0, HEADS)[:, None]
         cols = tl.arange(0, BLOCK)[None, :]
+        m = cols < HALF
         is_q = heads < num_heads
         is_k = (heads >= num_heads) & (heads < num_heads + num_kv_heads)
+        src = qkv_ptr + b * stride_qkv_b + t * stride_qkv_t + heads * (2 * HALF) + cols
+        x1 = tl.load(src, mask=m & (is_q | is_k), other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=m & (is_q | is_k), other=0.0).to(tl.float32)
+        cs = cos_ptr + b * stride_cs_b + t * stride_cs_t + cols
+        sn = sin_ptr + b * stride_sn_b + t * stride_sn_t + cols
+        c1 = tl.load(cs, mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(cs + HALF, mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(sn, mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(sn + HALF, mask=m, other=0.0).to(tl.float32)
+        o1 = x1 * c1 - x2 * s1  # rotate_half: (-x2, x1)
+        o2 = x2 * c2 + x1 * s2
         qh = tl.minimum(heads, num_heads - 1)
         kh = tl.maximum(heads - num_heads, 0)
-        for i in tl.static_range(TOKENS):
-            bt = tl.program_id(0) * TOKENS + i
-            b = bt // seq_len
-            t = bt % seq_len
-            m = (cols < HALF) & (bt + cols * 0 < rows)  # the token test as a block (a scalar mask won't do)
-            src = qkv_ptr + b * stride_qkv_b + t * stride_qkv_t + heads * (2 * HALF) + cols
-            lm = m & (is_q | is_k)
-            x1 = tl.load(src, mask=lm, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF, mask=lm, other=0.0).to(tl.float32)
-            cs = cos_ptr + b * stride_cs_b + t * stride_cs_t + cols
-            sn = sin_ptr + b * stride_sn_b + t * stride_sn_t + cols
-            c1 = tl.load(cs, mask=m, other=0.0).to(tl.float32)
-            c2 = tl.load(cs + HALF, mask=m, other=0.0).to(tl.float32)
-            s1 = tl.load(sn, mask=m, other=0.0).to(tl.float32)
-            s2 = tl.load(sn + HALF, mask=m, other=0.0).to(tl.float32)
-            o1 = x1 * c1 - x2 * s1  # rotate_half: (-x2, x1)
-            o2 = x2 * c2 + x1 * s2
-            dst_q = q_ptr + ((b * num_heads + qh) * seq_len + t) * (2 * HALF) + cols
-            dst_k = k_ptr + ((b * num_kv_heads + kh) * seq_len + t) * (2 * HALF) + cols
-            tl.store(dst_q, o1.to(q_ptr.dtype.element_ty), mask=m & is_q)
-            tl.store(dst_q + HALF, o2.to(q_ptr.dtype.element_ty), mask=m & is_q)
-            tl.store(dst_k, o1.to(k_ptr.dtype.element_ty), mask=m & is_k)
-            tl.store(dst_k + HALF, o2.to(k_ptr.dtype.element_ty), mask=m & is_k)
+        dst_q = q_ptr + ((b * num_heads + qh) * seq_len + t) * (2 * HALF) + cols
+        dst_k = k_ptr + ((b * num_kv_heads + kh) * seq_len + t) * (2 * HALF) + cols
+        tl.store(dst_q, o1.to(q_ptr.dtype.element_ty), mask=m & is_q)
+        tl.store(dst_q + HALF, o2.to(q_ptr.dtype.element_ty), mask=m & is_q)
+        tl.store(dst_k, o1.to(k_ptr.dtype.element_ty), mask=m & is_k)
+        tl.store(dst_k + HALF, o2.to(k_ptr.dtype.element_ty), mask=m & is_k)
 
     @triton.jit
     def _geglu_kernel(gu_ptr, out_ptr, hidden, stride_in, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -398,20 +395,6 @@ def residual_ada_rms_norm(
     return _residual_ada_norm_triton(x, y, gate, scale, shift, eps)
 
 
-_ROPE_TOKENS = 4  # tokens a `_qkv_rope_kernel` program takes at large row counts (`set_rope_tokens`)
-_ROPE_MIN_ROWS = 4096  # below this, one token a program (every SM still gets programs)
-
-
-def set_rope_tokens(tokens: int, min_rows: int | None = None) -> None:
-    """Tokens per program of the RoPE kernel, from `min_rows` rows (benchmarks compare settings)."""
-    global _ROPE_TOKENS, _ROPE_MIN_ROWS
-    if tokens < 1:
-        raise ValueError(f"rope tokens per program must be >= 1, got {tokens}")
-    _ROPE_TOKENS = tokens
-    if min_rows is not None:
-        _ROPE_MIN_ROWS = min_rows
-
-
 def qkv_rope(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -443,17 +426,14 @@ def qkv_rope(
         if c.shape[0] not in (1, b):
             raise ValueError(f"cos/sin batch {c.shape[0]} does not broadcast over batch {b}")
     half = head_dim // 2
-    rows = b * t
-    # a few tokens a program once there are enough rows to keep every SM busy without them
-    tokens = _ROPE_TOKENS if rows >= _ROPE_MIN_ROWS else 1
-    _qkv_rope_kernel[(triton.cdiv(rows, tokens),)](
+    _qkv_rope_kernel[(b * t,)](
         qkv, cos3, sin3, q, k,
-        rows, t, num_heads, num_kv_heads,
+        t, num_heads, num_kv_heads,
         qkv.stride(0), qkv.stride(1),
         cos3.stride(0) if cos3.shape[0] > 1 else 0, cos3.stride(1),
         sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1),
         HALF=half, BLOCK=_block(half), HEADS=triton.next_power_of_2(num_heads + num_kv_heads),
-        TOKENS=tokens, num_warps=_row_warps(half * (num_heads + num_kv_heads)), **launch_options(qkv),
+        num_warps=_row_warps(half * (num_heads + num_kv_heads)), **launch_options(qkv),
     )
     v = qkv[..., nq + nkv :].reshape(b, t, num_kv_heads, head_dim).transpose(1, 2)
     return q, k, v
