@@ -544,3 +544,32 @@ def test_programmatic_dependent_launch_options() -> None:
         assert td.launch_options(cpu) == {"PDL": False}
     finally:
         td.set_pdl(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_patch_embed_is_the_convolution(dtype) -> None:
+    """The patch convolution as a GEMM gives SiglipEmbeddings' output (rows, contiguous)."""
+    from phyai_edge.layers.siglip import SiglipEmbeddings
+
+    torch.manual_seed(5)
+    emb = SiglipEmbeddings(image_size=28, patch_size=7, width=24)
+    for prm in emb.parameters():
+        prm.data.normal_(0, 0.3)
+    emb = emb.to(DEVICE, dtype)
+    pixels = torch.rand(3, 3, 28, 28, device=DEVICE) * 2 - 1
+    with torch.no_grad():
+        got = fused_stacks.patch_embed(emb, pixels)
+        want = emb(pixels)
+    assert got.shape == want.shape == (3, 16, 24) and got.dtype == want.dtype
+    assert got.is_contiguous()
+    assert _rel(got.float(), want.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_patch_embed_other_convolutions_take_the_module() -> None:
+    from phyai_edge.layers.siglip import SiglipEmbeddings
+
+    emb = SiglipEmbeddings(image_size=28, patch_size=7, width=8)
+    emb.patch_embedding.padding = (1, 1)  # no longer a plain patch split
+    pixels = torch.rand(1, 3, 26, 26)
+    with torch.no_grad():
+        assert torch.equal(fused_stacks.patch_embed(emb, pixels), emb(pixels))

@@ -281,8 +281,8 @@ class PI05Model(nn.Module):
         the stacks of `layers.fused_stacks`; `backend` as there):
 
         - `embed_images`: SigLIP's blocks on `fused_stacks.siglip_block_stack` (LayerNorms fused
-          with the residual adds, GELU; SDPA without the all-true mask); patch embedding, position
-          embedding and projector as in `embed_images` above.
+          with the residual adds, GELU; SDPA without the all-true mask); the patch embedding as one
+          GEMM (`fused_stacks.patch_embed`); position embedding and projector as in `embed_images`.
         - `encode_prefix`: the Gemma prefix on `fused_stacks.plain_block_stack` (key-only masks).
         - `denoise_step`: the action expert on `fused_stacks.adaptive_block_stack`; with `gemm`, its
           projections too, on the small-M GEMMs of `layers.triton_gemm` (RoPE and GeGLU in their
@@ -295,7 +295,7 @@ class PI05Model(nn.Module):
 
         def embed_images(images):
             tower = self.vision
-            x = tower.embeddings(images.flatten(0, 1))
+            x = fused_stacks.patch_embed(tower.embeddings, images.flatten(0, 1))
             feats = fused_stacks.siglip_block_stack(tower.encoder.layers, x, tower.post_layernorm, backend)
             return self.project_images(feats, images.shape[0], images.shape[1])
 
