@@ -107,8 +107,6 @@ def _project(linear: torch.nn.Module, h: torch.Tensor, gemm_backend: str | None,
     sums itself (one reducing kernel fewer)."""
     if gemm_backend is not None and triton_gemm.module_takes(linear, h):
         return triton_gemm.linear(h, linear.weight, gemm_backend, bias=linear.bias, defer_sum=defer_sum)
-    if gemm_backend is not None and triton_gemm_tma.takes("linear", linear, h):
-        return triton_gemm_tma.linear(h, linear.weight, "triton")
     return linear(h)
 
 

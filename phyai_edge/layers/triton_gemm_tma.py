@@ -24,8 +24,14 @@ Dispatch (`backend`) as in `layers.triton_ops`. Under the CPU interpreter (`TRIT
 tiles are upcast to float32 before `tl.dot` (the interpreter's bf16 `tl.dot` is wrong, see
 `triton_gemm`).
 
+Used by: the prefix stack (`fused_stacks.plain_block_stack`) sends its MLPs' gate/up here from
+4096 rows on a Hopper-or-newer GPU (`takes`, `set_route`), i.e. the prefix at batch >= 8; smaller
+batches and every other projection stay on cuBLAS (the measurements are beside `_ROUTES`).
+
 Status: tested against the references on CPU under the interpreter
-(`tests/test_triton_gemm_tma.py`); timed on the H200 with `benchmarks/gemm_gpu.py --tma`.
+(`tests/test_triton_gemm_tma.py`); timed on the H200 with `benchmarks/gemm_gpu.py --tma` and end
+to end with `benchmarks/pi05_gpu.py` (batch 32: 132.8 -> 138.2 samples/s with the first tiling).
+Not run on Ada / Ampere (no TMA: `takes` refuses below compute capability 9.0) or on an Orin.
 """
 
 from __future__ import annotations
@@ -63,20 +69,22 @@ class TmaConfig:
         return f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.warps} s{self.stages} g{self.group_m} {p}"
 
 
-# Tilings measured on the H200 (`benchmarks/gemm_gpu.py --tma`, RESULTS.md 2026-12-03 third session).
-# gate/up + GeGLU: two (128, 128) accumulators (a 128 x 256 tile of the product), persistent:
-# one program per SM when `GEGLU_PERSISTENT` (the default config's `programs=None` is then filled in).
-GEGLU_DEFAULT = TmaConfig(128, 128, 64, 8, 3, 8)
-GEGLU_PERSISTENT = True
+# Tilings measured on the H200 (`benchmarks/gemm_gpu.py --tma`, RESULTS.md 2026-12-03 third session,
+# calls 1-2). gate/up + GeGLU: two (128, 128) accumulators (a 128 x 256 tile of the product).
+# At 26112 rows (batch 32) persistent programs, one per SM, walking groups of 16 row tiles: 5275 us
+# against 5716 for cuBLAS + the GeGLU pass; at 6528 rows (batch 8) one program a tile, groups of
+# 8: 1264 against 1280 (persistent there: 1302-1338).
+GEGLU_TILES = TmaConfig(128, 128, 64, 8, 3, 8)
+GEGLU_PERSISTENT = TmaConfig(128, 128, 64, 8, 3, 16)  # `programs` filled in: the SM count
+PERSISTENT_FROM_ROWS = 16384
 LINEAR_DEFAULT = TmaConfig(128, 128, 64, 4, 4, 8)
 
-# Where `takes` routes calls here, per op: [on, min rows, max rows (None: no limit)]. The callers:
-# the prefix's MLP (`fused_stacks.plain_block_stack`, "geglu") and the action expert's o_proj /
-# down (`fused_stacks._project`, "linear").
-_ROUTES: dict[str, list] = {
-    "geglu": [False, 4096, None],
-    "linear": [False, 1024, 4096],
-}
+# Where `takes` routes calls here, per op: [on, min rows]. The caller: the prefix's MLP
+# (`fused_stacks.plain_block_stack`). Below 4096 rows (the prefix at batch <= 4) cuBLAS plus the
+# pass won (816 rows: 172 vs 175 us). The expert's o_proj / down on `linear` were faster alone at
+# 1600 rows (13.3 vs 14.8, 23.3 vs 26.7 us) but made the batch-32 step slower end to end (3.522
+# vs 3.418 ms), and slower at 800-1200 and 2400-3200 rows: not routed.
+_ROUTES: dict[str, list] = {"geglu": [True, 4096]}
 
 
 def available() -> bool:
@@ -84,7 +92,7 @@ def available() -> bool:
 
 
 def set_route(op: str, on: bool) -> bool:
-    """Route `op` ("geglu" | "linear") calls that `takes` accepts here; returns the previous setting."""
+    """Route `op` ("geglu") calls that `takes` accepts here; returns the previous setting."""
     if op not in _ROUTES:
         raise ValueError(f"unknown TMA route {op!r}: one of {sorted(_ROUTES)}")
     before = _ROUTES[op][0]
@@ -96,14 +104,14 @@ def takes(op: str, linear: torch.nn.Module | None, h: torch.Tensor) -> bool:
     """The rule callers use: `op`'s route on, h's rows in its range, a Hopper-or-newer CUDA device,
     a plain bias-free bf16 / fp16 `nn.Linear` of h's dtype (an fp8 linear keeps its own forward),
     no gradient wanted (exact RTC guidance runs the reference)."""
-    on, lo, hi = _ROUTES[op]
+    on, lo = _ROUTES[op]
     if not (on and available() and h.is_cuda and type(linear) is torch.nn.Linear):
         return False
     w = linear.weight
     if linear.bias is not None or w.dtype not in (torch.bfloat16, torch.float16) or h.dtype != w.dtype:
         return False
     rows = h.numel() // h.shape[-1]
-    if rows < lo or (hi is not None and rows >= hi) or w.shape[1] % 8:
+    if rows < lo or w.shape[1] % 8:
         return False
     if torch.is_grad_enabled() and h.requires_grad:
         return False
@@ -205,9 +213,10 @@ def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "referenc
     if weight.shape[0] % 2:
         raise ValueError(f"gate/up weight needs an even row count, got {weight.shape[0]}")
     if config is None:
-        config = GEGLU_DEFAULT
-        if GEGLU_PERSISTENT and h.is_cuda:
-            config = dataclasses.replace(config, programs=_sm_count(h.device))
+        rows = h.numel() // h.shape[-1]
+        config = GEGLU_TILES
+        if rows >= PERSISTENT_FROM_ROWS and h.is_cuda:
+            config = dataclasses.replace(GEGLU_PERSISTENT, programs=_sm_count(h.device))
     return _run(h, weight, weight.shape[0] // 2, True, config)
 
 
