@@ -415,7 +415,7 @@ def main_seeded(args: argparse.Namespace) -> int:
         run_triton(res, adapter, dev, inputs_for, noise_for, eager32, shapes, args.budget_s,
                    compile=not args.no_compile, compile_baseline=not args.no_compile_baseline, fp8=not args.no_fp8,
                    rtc_modes=() if args.no_rtc else ("guided-approx", "guided"), fp8_scales=scales,
-                   only=args.variants.split(",") if args.variants else None)
+                   only=[v.strip() for v in args.variants.split(";")] if args.variants else None)
         dump()
     c = res["ceilings"]
     lines = [f"device: {res['device']}, torch {res['torch']} ({only}-only run, seeded random weights, {'tiny' if args.tiny else 'full size'})",
@@ -455,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 32],
                     help="with --triton-only: the batch sizes of the Triton variants (default 1,32)")
     ap.add_argument("--variants", default=None,
-                    help="with --triton-only: comma-separated Triton variant names to run (default: all)")
+                    help="with --triton-only: semicolon-separated Triton variant names to run (names hold commas; "
+                         "default: all)")
     ap.add_argument("--triton-only", action="store_true",
                     help="only the bf16 engine and its Triton-ops variants, on seeded weights (no LeRobot)")
     args = ap.parse_args(argv)
@@ -657,8 +658,8 @@ def render(res: dict[str, Any]) -> list[str]:
         b, v = key[1:].split("_v")
         base = lr.get(f"b{b}_v3") if v == "3" else None
         out.append(f"| {b} | {v} | {base['p50']:.1f} |" if base else f"| {b} | {v} | |")
-        out[-1] += (f" {r['p50']:.2f} | {r['p90']:.2f} | {(base['p50'] / r['p50']) if base else float('nan'):.1f}x | "
-                    f"{r['samples_per_s']:.1f} |")
+        speedup = f"{base['p50'] / r['p50']:.1f}x" if base else ""
+        out[-1] += f" {r['p50']:.2f} | {r['p90']:.2f} | {speedup} | {r['samples_per_s']:.1f} |"
     out += ["", "| batch | stage | measured p50 ms | floor ms | bound | floor / measured |", "|---|---|---|---|---|---|"]
     out += res["stage_table"]
     out += ["", "| RTC mode | batch | p50 ms | overhead vs unguided |", "|---|---|---|---|"]
