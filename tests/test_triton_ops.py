@@ -573,3 +573,35 @@ def test_patch_embed_other_convolutions_take_the_module() -> None:
     pixels = torch.rand(1, 3, 26, 26)
     with torch.no_grad():
         assert torch.equal(fused_stacks.patch_embed(emb, pixels), emb(pixels))
+
+
+@pytest.mark.parametrize("dense_prefix", [True, False])
+def test_engine_unmasked_prefix_for_full_batches(tiny, monkeypatch, dense_prefix) -> None:
+    """A batch with every prompt token valid after trimming (16 of bucket 16) and every camera
+    present runs the prefix's attention with no mask (when `dense_prefix`); a padded batch or a
+    missing camera on the same engine keeps the mask. Both match the eager engine."""
+    base, eager = tiny
+    calls = []
+    real = fused_stacks.attention_unmasked
+    monkeypatch.setattr(fused_stacks, "attention_unmasked", lambda *a: calls.append(1) or real(*a))
+    # the reference path of the fused stages: the choice is the engine's, whatever runs the kernels
+    fast = CudaGraphEngine(copy.deepcopy(base), device="cpu", dtype="float32", triton_ops="reference",
+                           dense_prefix=dense_prefix)
+    noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
+    layers = len(base.module.prefix_layers) - 1  # the last layer's attention is skipped
+    for valid, masked_view, unmasked in (([16, 16], False, True), ([9, 16], False, False), ([16, 16], True, False)):
+        calls.clear()
+        inputs = _inputs(base, 2, 3, valid, masked_view=masked_view)
+        out, ref = fast.run(inputs, noise=noise), eager.run(inputs, noise=noise)
+        assert len(calls) == (layers if unmasked and dense_prefix else 0), (valid, masked_view)
+        assert torch.isfinite(out).all()
+        assert _rel(out, ref) < 1e-5, (valid, masked_view)
+
+
+def test_attention_unmasked_is_attention_with_a_full_mask() -> None:
+    from phyai_edge.layers.attention import attention, attention_unmasked
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 7, 16, generator=g) for h in (4, 2, 2))
+    full = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    assert _rel(attention_unmasked(q, k, v), attention(q, k, v, full)) < 1e-6

@@ -8,6 +8,7 @@ all keys so no kernel ever sees an empty softmax: its output is never read by a 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -61,3 +62,32 @@ def attention(
         mf = mask.expand(b, hq, tq, mask.shape[-1]).reshape(b, hkv, groups * tq, mask.shape[-1])
     out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf, scale=scale)
     return out.reshape(b, hq, tq, d)
+
+
+def attention_unmasked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None
+) -> torch.Tensor:
+    """`attention` for a caller that knows every key is valid for every query (a prefix with no
+    padding and every camera present): SDPA with no mask at all, grouped heads folded the same
+    way, `mask` ignored. Without a mask SDPA can take its fastest kernels (cuDNN's on Hopper: at
+    the batch-32 PI0.5 prefix 339 us a layer against 723 with the key mask, H200), preferred
+    here where this torch can order the backends."""
+    b, hq, tq, d = q.shape
+    hkv = k.shape[1]
+    qf = q.reshape(b, hkv, (hq // hkv) * tq, d)
+    with _prefer_cudnn(q):
+        out = F.scaled_dot_product_attention(qf, k, v, scale=scale)
+    return out.reshape(b, hq, tq, d)
+
+
+def _prefer_cudnn(q: torch.Tensor) -> contextlib.AbstractContextManager:
+    if not q.is_cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.MATH]
+    try:
+        return sdpa_kernel(order, set_priority=True)
+    except TypeError:  # a torch without set_priority: its own order
+        return contextlib.nullcontext()

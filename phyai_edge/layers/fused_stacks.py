@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from phyai_edge.layers import triton_gemm, triton_gemm_tma
+from phyai_edge.layers.attention import attention_unmasked
 from phyai_edge.layers.norm import Modulation
 from phyai_edge.layers.triton_attention import stack_attention
 from phyai_edge.layers.triton_dispatch import resolve_backend
@@ -167,15 +168,18 @@ def plain_block_stack(
     sin: torch.Tensor,
     mask: torch.Tensor,
     backend: str = "reference",
+    dense: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain (non-adaptive) `GemmaBlock`s over x (B, T, W), attending among themselves under a
     key-only mask (B, 1, 1, T): returns every block's rotated keys and values, stacked
     (blocks, B, Hkv, T, D). The last block's attention and MLP are skipped (only its K/V is read).
+    `dense`: the caller knows the mask is all true; attention then takes no mask
+    (`layers.attention.attention_unmasked`).
 
     The same function as `project_kv` / `finish` per block (the PI0.5 prefix), on the kernels
     above: Gemma's RMSNorm `normed * (1 + w)` is the adaptive norm with scale w and no shift,
     and its ungated residual the gated one with gate 1 (both exact)."""
-    attend = stack_attention(mask, x.shape[0], backend)
+    attend = attention_unmasked if dense else stack_attention(mask, x.shape[0], backend)
     width = x.shape[-1]
     zero = torch.zeros(1, 1, width, dtype=torch.float32, device=x.device)
     one = torch.ones(1, 1, width, dtype=x.dtype, device=x.device)

@@ -283,7 +283,8 @@ class PI05Model(nn.Module):
         - `embed_images`: SigLIP's blocks on `fused_stacks.siglip_block_stack` (LayerNorms fused
           with the residual adds, GELU; SDPA without the all-true mask); the patch embedding as one
           GEMM (`fused_stacks.patch_embed`); position embedding and projector as in `embed_images`.
-        - `encode_prefix`: the Gemma prefix on `fused_stacks.plain_block_stack` (key-only masks).
+        - `encode_prefix`: the Gemma prefix on `fused_stacks.plain_block_stack` (key-only masks);
+          `dense=True` from a caller that knows every image and prompt token is valid: no mask.
         - `denoise_step`: the action expert on `fused_stacks.adaptive_block_stack`; with `gemm`, its
           projections too, on the small-M GEMMs of `layers.triton_gemm` (RoPE and GeGLU in their
           epilogues). Only the denoise step: its M is batch x 50 rows (memory-bound GEMMs), while
@@ -308,14 +309,15 @@ class PI05Model(nn.Module):
             )
             return self.expert_output(out)
 
-        def encode_prefix(image_embeds, image_mask, tokens, token_mask):
+        def encode_prefix(image_embeds, image_mask, tokens, token_mask, dense=False):
             if not self.attend_keys_only:  # the fused stack takes key-only masks
                 return self.encode_prefix(image_embeds, image_mask, tokens, token_mask)
             p = self.cfg.prefix
             x, mask = self.embed_prefix(image_embeds, image_mask, tokens, token_mask)
             positions = torch.cumsum(mask.long(), dim=1) - 1
             cos, sin = rope_cos_sin(positions, p.head_dim, p.rope_theta, self.compute_dtype)
-            k, v = fused_stacks.plain_block_stack(self.prefix_layers, x, cos, sin, mask[:, None, None, :], backend)
+            k, v = fused_stacks.plain_block_stack(self.prefix_layers, x, cos, sin, mask[:, None, None, :], backend,
+                                                  dense=dense)
             return k, v, mask
 
         return {"embed_images": embed_images, "denoise_step": denoise_step, "encode_prefix": encode_prefix}
