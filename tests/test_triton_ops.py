@@ -580,7 +580,10 @@ def test_engine_unmasked_prefix_for_full_batches(tiny, monkeypatch, dense_prefix
     """A batch with every prompt token valid after trimming (16 of bucket 16) and every camera
     present runs the prefix's attention with no mask (when `dense_prefix`); a padded batch or a
     missing camera on the same engine keeps the mask. Both match the eager engine."""
+    from phyai_edge.engines import cudagraph
+
     base, eager = tiny
+    monkeypatch.setattr(cudagraph, "DENSE_PREFIX_MIN_BATCH", 2)  # the tiny batch below
     calls = []
     real = fused_stacks.attention_unmasked
     monkeypatch.setattr(fused_stacks, "attention_unmasked", lambda *a: calls.append(1) or real(*a))
@@ -596,6 +599,10 @@ def test_engine_unmasked_prefix_for_full_batches(tiny, monkeypatch, dense_prefix
         assert len(calls) == (layers if unmasked and dense_prefix else 0), (valid, masked_view)
         assert torch.isfinite(out).all()
         assert _rel(out, ref) < 1e-5, (valid, masked_view)
+    calls.clear()
+    one = _inputs(base, 1, 3, [16])  # below the batch threshold: masked
+    assert _rel(fast.run(one, noise=noise[:1]), eager.run(one, noise=noise[:1])) < 1e-5
+    assert calls == []
 
 
 def test_attention_unmasked_is_attention_with_a_full_mask() -> None:

@@ -19,7 +19,7 @@ What makes the PI0.5 path fast (each is exact, or equal within rounding, to the 
 - Prompt padding trimmed: tokens are right-padded, so the prefix is cut to the batch's longest
   valid prompt rounded up to `token_bucket`; padded tokens take no position and no valid token
   attends to them, so the valid outputs are unchanged and the prefix does less work.
-- An unmasked prefix for full batches (`dense_prefix`, with the fused stages): a batch whose
+- An unmasked prefix for full batches of 8 or more (`dense_prefix`, with the fused stages): a batch whose
   trimmed prompts have no padding and whose cameras are all present replays a second prefix graph
   whose attention takes no mask (SDPA's fastest kernel; cuDNN's on Hopper) and copies its KV
   cache into the buffers the loop reads. Padded batches replay the masked one.
@@ -74,6 +74,10 @@ from phyai_edge.layers.fused import fuse_projections
 log = logging.getLogger(__name__)
 
 LOOP_MODES = ("none", "inpaint", "guided-approx", "guided")
+# The unmasked prefix graph from this batch size: H200 (RESULTS.md 2026-12-03, third session call 4)
+# prefix 156.3 vs 158.4 ms at batch 32, 39.2 vs 39.6 at 8, but 5.41 vs 5.28 at batch 1 (cuDNN's
+# kernel against the split kernel's small-batch tiling, plus the cache copy).
+DENSE_PREFIX_MIN_BATCH = 8
 # The stage graph the PI0.5 path is written for; any other graph takes the generic path.
 PI05_STAGES = ("embed_images", "encode_prefix", "denoise_step")
 
@@ -267,8 +271,8 @@ class CudaGraphEngine(EngineBase):
                      triton_status(self.device)[1] if self.triton_ops == "triton"
                      else f"reference path: {triton_status(self.device)[1]}")
         # A second prefix graph for batches with no padded prompt token and every camera present,
-        # whose attention takes no mask (the fused prefix stage's `dense`; H200, batch 32: 339 vs
-        # ~550 us a layer). Chosen per call from the masks, on the host.
+        # whose attention takes no mask (the fused prefix stage's `dense`), from DENSE_PREFIX_MIN_BATCH.
+        # Chosen per call from the masks, on the host.
         self.dense_prefix = bool(dense_prefix and triton_backend is not None and not self.generic)
         if compile:
             kw = {"mode": compile_mode} if compile_mode else {}
@@ -312,7 +316,8 @@ class CudaGraphEngine(EngineBase):
         ins["image_mask"].copy_(x["image_mask"])
         ins["tokens"].copy_(x["tokens"][:, :length])
         ins["token_mask"].copy_(token_mask[:, :length])
-        dense = self.dense_prefix and bool(x["image_mask"].all()) and bool(token_mask[:, :length].all())
+        dense = (self.dense_prefix and b >= DENSE_PREFIX_MIN_BATCH and bool(x["image_mask"].all())
+                 and bool(token_mask[:, :length].all()))
         noise = self.sample_noise(b) if noise is None else noise
         mode = rtc.mode if rtc is not None else "none"
         if mode not in LOOP_MODES:
@@ -377,7 +382,7 @@ class CudaGraphEngine(EngineBase):
             gs.prefix_graph, gs.kv = self._capture(gs, lambda: self._prefix(gs))
             log.info("cudagraph: captured vision and prefix graphs for batch %d, %d views, %d prompt positions",
                      batch, views, length)
-            if self.dense_prefix:
+            if self.dense_prefix and batch >= DENSE_PREFIX_MIN_BATCH:
                 self._capture_dense_prefix(gs)
         except Exception as exc:  # capture can fail on unusual setups; stay correct, say so once
             log.warning("cudagraph: capture failed for batch %d, views %d (%s: %s); running eagerly",
