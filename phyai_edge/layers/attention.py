@@ -40,7 +40,7 @@ def attention_ref(
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
 ) -> torch.Tensor:
     """Same contract as `attention_ref`, through `scaled_dot_product_attention`.
 
@@ -48,15 +48,16 @@ def attention(
     length, (B, Hkv, groups * Tq, D), instead of copying K and V `groups` times: for PI0.5
     (8 query heads, 1 KV head) that copy would move more bytes per denoise step than the
     attention itself. The result is the same function (each query row sees the same keys).
+    `mask=None`: every key valid for every query (`attention_unmasked`).
     """
     b, hq, tq, d = q.shape
     hkv = k.shape[1]
     groups = hq // hkv
-    mask = _full_rows(mask)
+    mask = None if mask is None else _full_rows(mask)
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     qf = q.reshape(b, hkv, groups * tq, d)
-    if mask.shape[1] == 1 and mask.shape[2] == 1:
+    if mask is None or (mask.shape[1] == 1 and mask.shape[2] == 1):
         mf = mask  # key-only mask: broadcasts over the folded query axis as it is
     else:
         mf = mask.expand(b, hq, tq, mask.shape[-1]).reshape(b, hkv, groups * tq, mask.shape[-1])
@@ -72,12 +73,8 @@ def attention_unmasked(
     way, `mask` ignored. Without a mask SDPA can take its fastest kernels (cuDNN's on Hopper: at
     the batch-32 PI0.5 prefix 339 us a layer against 723 with the key mask, H200), preferred
     here where this torch can order the backends."""
-    b, hq, tq, d = q.shape
-    hkv = k.shape[1]
-    qf = q.reshape(b, hkv, (hq // hkv) * tq, d)
     with _prefer_cudnn(q):
-        out = F.scaled_dot_product_attention(qf, k, v, scale=scale)
-    return out.reshape(b, hq, tq, d)
+        return attention(q, k, v, None, scale)
 
 
 def _prefer_cudnn(q: torch.Tensor) -> contextlib.AbstractContextManager:
