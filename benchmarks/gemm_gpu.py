@@ -135,9 +135,9 @@ def tma_sweep(op: str, rows: int) -> list[Any]:
     group_m, persistent programs or None). geglu's block_n counts H columns (two accumulators)."""
     from phyai_edge.layers.triton_gemm_tma import TmaConfig
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
-    if not torch.cuda.is_available():
-        return [TmaConfig(16, 16, 16, 4, 2, 2), TmaConfig(16, 16, 16, 4, 2, 2, programs=sms)]
+    if not torch.cuda.is_available():  # the interpreter's plumbing check: one tile-per-program, one persistent
+        return [TmaConfig(16, 16, 16, 4, 2, 2), TmaConfig(16, 16, 16, 4, 2, 2, programs=4)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     picks = {
         "geglu": [(128, 128, 64, 8, 3, 8, sms), (128, 128, 64, 8, 3, 16, sms), (128, 128, 64, 8, 3, 4, sms),
                   (128, 128, 128, 8, 2, 8, sms), (256, 64, 64, 8, 3, 8, sms), (128, 128, 64, 8, 3, 8, None)],
