@@ -136,14 +136,22 @@ def tma_sweep(op: str, rows: int) -> list[Any]:
     from phyai_edge.layers.triton_gemm_tma import TmaConfig
 
     if not torch.cuda.is_available():  # the interpreter's plumbing check: one tile-per-program, one persistent
-        return [TmaConfig(16, 16, 16, 4, 2, 2), TmaConfig(16, 16, 16, 4, 2, 2, programs=4)]
+        return [TmaConfig(16, 16, 16, 4, 2, 2), TmaConfig(16, 16, 16, 4, 2, 2, programs=4, flatten=op == "qkv_rope")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # (..., programs, flatten, subtile): the persistent tilings as one pipelined (tile, k) loop, the
+    # store in two halves (a fourth stage then fits in shared memory), k 32 with deeper pipelines
     picks = {
-        "geglu": [(128, 128, 64, 8, 3, 8, sms), (128, 128, 64, 8, 3, 16, sms), (128, 128, 64, 8, 3, 4, sms),
-                  (128, 128, 128, 8, 2, 8, sms), (256, 64, 64, 8, 3, 8, sms), (128, 128, 64, 8, 3, 8, None)],
-        "linear": [(128, 128, 64, 4, 4, 8, None), (128, 128, 64, 8, 4, 8, None), (64, 128, 64, 4, 4, 8, None),
-                   (128, 64, 64, 4, 4, 8, None), (128, 128, 64, 4, 4, 8, sms), (128, 128, 128, 4, 2, 8, None),
-                   (128, 256, 64, 8, 3, 8, sms)],
+        "geglu": [(128, 128, 64, 8, 3, 16, sms), (128, 128, 64, 8, 3, 16, sms, True),
+                  (128, 128, 64, 8, 3, 16, sms, True, True), (128, 128, 64, 8, 4, 16, sms, True, True),
+                  (128, 128, 64, 8, 4, 16, sms, False, True), (128, 128, 32, 8, 6, 16, sms, True, True),
+                  (128, 128, 64, 8, 3, 8, sms, True, True), (128, 128, 64, 8, 3, 8, None),
+                  (128, 128, 64, 8, 4, 8, None, False, True)],
+        "linear": [(128, 128, 64, 4, 4, 8, None), (128, 128, 64, 4, 4, 8, sms), (128, 128, 64, 4, 4, 8, sms, True),
+                   (128, 256, 64, 8, 3, 8, sms), (128, 256, 64, 8, 3, 8, sms, True, True),
+                   (128, 256, 64, 8, 4, 8, sms, True, True)],
+        # one head (256 columns) a tile; block_n is unused
+        "qkv_rope": [(128, 256, 64, 8, 3, 8, sms, True), (128, 256, 64, 8, 3, 8, sms), (128, 256, 64, 8, 4, 8, sms, True),
+                     (128, 256, 64, 8, 3, 16, sms, True), (128, 256, 64, 8, 3, 8, None), (64, 256, 64, 4, 3, 8, sms, True)],
     }[op]
     return [TmaConfig(*p) for p in picks]
 
@@ -250,10 +258,14 @@ def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadlin
                    max_abs(lt(w0).view_as(ref), ref))
         except Exception as exc:  # a torch build without the Lt path
             variants.append({"variant": "cuBLASLt bias+GELU epilogue", "error": f"{type(exc).__name__}: {exc}"[:160]})
-    if tma and op in ("geglu", "linear"):
+    if tma and op in ("geglu", "linear", "qkv_rope"):
         from phyai_edge.layers import triton_gemm_tma as tma_mod
 
-        tma_fn = tma_mod.linear_geglu if op == "geglu" else tma_mod.linear
+        if op == "qkv_rope":
+            def tma_fn(h: torch.Tensor, w: torch.Tensor, backend: str, config: Any) -> Any:
+                return tma_mod.linear_qkv_rope(h, w, cos, sin, hq, hkv, d, backend, config=config)
+        else:
+            tma_fn = tma_mod.linear_geglu if op == "geglu" else tma_mod.linear
         for cfg in tma_sweep(op, rows):
             name = f"tma {cfg.label()}"
             if time.perf_counter() > deadline:
@@ -336,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="whose layer: the action expert (rows = batch x 50), the prefix (batch x 816: Gemma 2B "
                          "over 3 x 256 image + 48 prompt tokens) or SigLIP (batch x 768: fc1 + GELU)")
     ap.add_argument("--tma", action="store_true",
-                    help="also time the TMA GEMMs (layers/triton_gemm_tma.py) for geglu and linear")
+                    help="also time the TMA GEMMs (layers/triton_gemm_tma.py) for geglu, linear and qkv_rope")
     ap.add_argument("--no-sweep", action="store_true", help="skip the pointer-based Triton GEMM sweep")
     ap.add_argument("--ops", default=None, help="comma-separated ops to run (linear, gelu, geglu, qkv_rope; default all)")
     args = ap.parse_args(argv)

@@ -178,8 +178,12 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         ("triton+gemm+PDL", {"triton_ops": True, "triton_gemm": True, "_pdl": True,
                              "_same_as": "triton+gemm"}, shapes),
         # the prefix's gate/up + GeGLU on cuBLAS + the GeGLU pass instead of the TMA GEMM that the
-        # default routes it to from 4096 rows (`triton_gemm_tma.set_route`)
-        ("triton+gemm, no TMA GeGLU", {"triton_ops": True, "triton_gemm": True, "_tma": ()}, shapes),
+        # default routes it to from 4096 rows (`triton_gemm_tma.set_route`; "_tma": the routes on)
+        ("triton+gemm, no TMA GeGLU", {"triton_ops": True, "triton_gemm": True, "_tma": ("qkv_rope", "linear")},
+         shapes),
+        # only the GeGLU on TMA: the prefix's QKV + RoPE and o_proj on cuBLAS (+ the RoPE kernel)
+        ("triton+gemm, TMA GeGLU only", {"triton_ops": True, "triton_gemm": True, "_tma": ("geglu",)}, shapes),
+        ("triton+gemm, no TMA", {"triton_ops": True, "triton_gemm": True, "_tma": ()}, shapes),
         # the prefix's attention always masked (`CudaGraphEngine(dense_prefix=False)`); the default
         # drops the mask for full batches (these inputs: 48 of 48 trimmed prompt tokens, 3 cameras)
         ("triton+gemm, masked prefix", {"triton_ops": True, "triton_gemm": True, "dense_prefix": False}, shapes),
@@ -243,7 +247,8 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
             continue
         pdl_before = set_pdl(pdl)  # the kernels are launched and captured with these settings
         merge_before = set_inline_merge(inline)
-        tma_before = {} if tma_routes is None else {op: set_route(op, op in tma_routes) for op in ("geglu",)}
+        tma_before = ({} if tma_routes is None else
+                      {op: set_route(op, op in tma_routes) for op in ("geglu", "qkv_rope", "linear")})
         try:
             t0 = time.perf_counter()
             eng = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", **kw)

@@ -64,6 +64,45 @@ def profile_call(fn: Any, device: str, top: int = 12) -> dict[str, Any]:
                     for k, n, us in rows[:top]]}
 
 
+def host_breakdown(eng: Any, gs: Any, loop_graph: Any, x: Any, noise: torch.Tensor, reps: int = 30) -> dict[str, Any]:
+    """Where a batch's `engine.run` spends its wall clock beyond the GPU's stage times (GPU only),
+    each a median over `reps` synchronised calls: the whole `run`; the three graph replays alone
+    (no input copies, no prompt-length check, no stage events); each graph's replay alone, as
+    wall clock to the end of a sync, as the host time `replay()` takes to return (the launch) and
+    as CUDA-event time (the GPU's own)."""
+
+    def median_ms(fn: Any) -> float:
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+
+    graphs = {"vision": gs.vision_graph, "prefix": gs.prefix_graph, "loop": loop_graph}
+    out: dict[str, Any] = {"run_ms": median_ms(lambda: eng.run(x, noise=noise)),
+                           "three_replays_ms": median_ms(lambda: [g.replay() for g in graphs.values()])}
+    for name, g in graphs.items():
+        out[f"{name}_wall_ms"] = median_ms(g.replay)
+        launch, gpu = [], []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            g.replay()
+            launch.append((time.perf_counter() - t0) * 1e3)
+            z.record()
+            z.synchronize()
+            gpu.append(a.elapsed_time(z))
+        out[f"{name}_launch_ms"] = statistics.median(launch)
+        out[f"{name}_gpu_ms"] = statistics.median(gpu)
+    return out
+
+
 def time_fn(fn: Any, device: str, reps: int = 20) -> float:
     """Median ms per call (CUDA events on a GPU)."""
     for _ in range(3):
@@ -115,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--compile-step", action="store_true", help="also profile the denoise step under torch.compile")
     ap.add_argument("--triton-ops", action="store_true", help="the engine's fused Triton stages (default: the model's own)")
+    ap.add_argument("--host-only", action="store_true",
+                    help="only the stage times and the host breakdown of engine.run (no per-stage profiles)")
     args = ap.parse_args(argv)
     dev = args.device
     args.out.mkdir(parents=True, exist_ok=True)
@@ -146,6 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         xt = gs.loop_bufs["noise"]
         entry: dict[str, Any] = {"prompt_positions": length, "engine_p50_ms": timing["p50"],
                                  "stages_p50_ms": timing["stages_p50"], "eager_profile": {}}
+        loop_graph, _ = gs.loops.get(("none", adapter.solver), (None, None))
+        if dev.startswith("cuda") and loop_graph is not None:
+            entry["host"] = h = host_breakdown(eng, gs, loop_graph, x, noise)
+            say(f"batch {b} engine.run p50 {timing['p50']:.3f} ms, stages "
+                + ", ".join(f"{k} {v:.3f}" for k, v in timing["stages_p50"].items()) + "; host: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in h.items()))
+        if args.host_only:
+            res["batches"][str(b)] = entry
+            dump()
+            continue
         for name, fn in (("embed_images", lambda gs=gs: eng._vision(gs)),
                          ("encode_prefix", lambda gs=gs: eng._prefix(gs)),
                          ("denoise_step", partial(step, xt, tt, kc, vc, pmask, modulation=mod))):

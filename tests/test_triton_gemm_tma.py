@@ -17,7 +17,9 @@ from test_triton_gemm import DEVICE, _check_bf16, _randn, _weight
 from phyai_edge.layers import triton_gemm_tma as tma
 from phyai_edge.layers import triton_ops
 from phyai_edge.layers.mlp import gelu_tanh
-from phyai_edge.layers.triton_gemm import linear_geglu_ref, linear_ref
+from phyai_edge.layers.rotary import rope_cos_sin
+from phyai_edge.layers.triton_gemm import linear_geglu_ref, linear_qkv_rope_ref, linear_ref
+from phyai_edge.layers.triton_ops import qkv_rope_ref
 
 KERNELS_RUN, WHY_NOT = triton_ops.triton_status(DEVICE)
 kernels = pytest.mark.skipif(not (KERNELS_RUN and tma.available()), reason=f"TMA kernels cannot run here: {WHY_NOT}")
@@ -25,6 +27,8 @@ DTYPES = [torch.bfloat16, torch.float16]
 CONFIGS = {
     "tiles": tma.TmaConfig(16, 16, 16, 4, 2, 2),  # one program a tile
     "persistent": tma.TmaConfig(16, 32, 16, 4, 2, 3, programs=3),  # 3 programs walk all tiles
+    # one loop over (tile, k) and the output stored in two column halves
+    "flat, halves": tma.TmaConfig(16, 32, 16, 4, 2, 3, programs=3, flatten=True, subtile=True),
 }
 # (rows, H or N, K): ragged rows and columns, K over 2-4 blocks with a ragged last one
 SHAPES = [(37, 24, 40), (16, 32, 16), (50, 40, 72)]
@@ -85,19 +89,84 @@ def test_rejects_what_it_cannot_run(h_shape, w_shape, dtype, bias, match) -> Non
         tma.linear_geglu(h, w, "triton", bias=b)
 
 
+def _truth_qkv_rope(h, w, cos, sin, heads, kv_heads, d):
+    return qkv_rope_ref(h.double() @ w.double().T, cos.double(), sin.double(), heads, kv_heads, d)
+
+
+# (batch, tokens, K, heads, kv heads, head_dim): 16-row tiles that span two samples, K ragged
+QKV_SHAPES = [(2, 19, 40, 2, 1, 16), (3, 7, 24, 4, 2, 32), (1, 33, 16, 1, 1, 16)]
+QKV_CONFIGS = {
+    "tiles": tma.TmaConfig(16, 0, 16, 4, 2, 2),
+    "persistent, flat": tma.TmaConfig(16, 0, 16, 4, 2, 3, programs=3, flatten=True),
+}
+
+
 @kernels
-def test_prefix_stack_with_tma_geglu(monkeypatch) -> None:
-    """The prefix stack with its MLPs' gate/up + GeGLU on the TMA GEMM (forced: `takes` needs a
-    Hopper GPU and 4096 rows) gives the per-block path's K/V cache, and the TMA GEMM was called."""
+@pytest.mark.parametrize("config", list(QKV_CONFIGS))
+@pytest.mark.parametrize("shape", QKV_SHAPES)
+@pytest.mark.parametrize("per_sample_cos", [True, False])
+def test_linear_qkv_rope(shape, per_sample_cos, config) -> None:
+    b, t, k, heads, kv_heads, d = shape
+    dtype = torch.bfloat16
+    h = _randn(b, t, k, dtype=dtype, seed=11)
+    w = _weight((heads + 2 * kv_heads) * d, k, dtype, seed=12)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[0, t // 2:] = False  # sample 0 right-padded: its positions stop, as a short prompt's do
+    positions = torch.cumsum(mask.long(), 1) - 1
+    cos, sin = rope_cos_sin(positions if per_sample_cos else positions[-1:], d, 10000.0, dtype)
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    got = tma.linear_qkv_rope(h, w, cos, sin, heads, kv_heads, d, "triton", config=QKV_CONFIGS[config])
+    ref = linear_qkv_rope_ref(h, w, cos, sin, heads, kv_heads, d)
+    truth = _truth_qkv_rope(h, w, cos, sin, heads, kv_heads, d)
+    for g, r, tr in zip(got, ref, truth):
+        assert g.is_contiguous()
+        _check_bf16(g, r.contiguous(), tr)
+
+
+@kernels
+def test_linear_qkv_rope_writes_into_given_buffers() -> None:
+    b, t, k, heads, kv_heads, d = 2, 19, 40, 2, 1, 16
+    h = _randn(b, t, k, dtype=torch.bfloat16, seed=13)
+    w = _weight((heads + 2 * kv_heads) * d, k, torch.bfloat16, seed=14)
+    positions = torch.arange(t)[None].expand(b, t)
+    cos, sin = (c.to(DEVICE) for c in rope_cos_sin(positions, d, 10000.0, torch.bfloat16))
+    cache = torch.full((2, 3, b, kv_heads, t, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    _, k_, v = tma.linear_qkv_rope(h, w, cos, sin, heads, kv_heads, d, "triton", k_out=cache[0, 1], v_out=cache[1, 1],
+                                   config=QKV_CONFIGS["tiles"])
+    assert k_.data_ptr() == cache[0, 1].data_ptr() and v.data_ptr() == cache[1, 1].data_ptr()
+    assert torch.isfinite(cache[:, 1]).all() and torch.isnan(cache[:, 0]).all() and torch.isnan(cache[:, 2]).all()
+    _, rk, rv = linear_qkv_rope_ref(h, w, cos, sin, heads, kv_heads, d)
+    assert (cache[0, 1].float() - rk.float()).abs().max() < 0.05
+    assert (cache[1, 1].float() - rv.float()).abs().max() < 0.05
+    with pytest.raises(ValueError, match="k_out must be a contiguous"):
+        tma.linear_qkv_rope(h, w, cos, sin, heads, kv_heads, d, "triton", k_out=cache[0, 1].transpose(-1, -2))
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        w24 = _weight((heads + 2 * kv_heads) * 24, k, torch.bfloat16, seed=15)
+        c24, s24 = (c.to(DEVICE) for c in rope_cos_sin(positions, 24, 10000.0, torch.bfloat16))
+        tma.linear_qkv_rope(h, w24, c24, s24, heads, kv_heads, 24, "triton")
+
+
+@kernels
+def test_prefix_stack_with_tma_routes(monkeypatch) -> None:
+    """The prefix stack with its QKV + RoPE, o_proj and gate/up + GeGLU on the TMA GEMMs (forced:
+    `takes` needs a Hopper GPU and thousands of rows) gives the per-block path's K/V cache, and
+    each TMA kernel was called where it should be."""
     from test_triton_ops import _plain_blocks, _plain_reference
 
     from phyai_edge.layers import fused_stacks
-    from phyai_edge.layers.rotary import rope_cos_sin
 
-    calls = []
-    real = tma.linear_geglu
-    monkeypatch.setattr(tma, "takes", lambda op, linear, h: op == "geglu")
-    monkeypatch.setattr(tma, "linear_geglu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls: dict[str, int] = {"geglu": 0, "qkv_rope": 0, "linear": 0}
+
+    def counted(name, real):
+        def call(*a, **kw):
+            calls[name] += 1
+            return real(*a, **kw)
+        return call
+
+    monkeypatch.setattr(tma, "takes", lambda op, linear, h: True)
+    monkeypatch.setattr(tma, "linear_geglu", counted("geglu", tma.linear_geglu))
+    monkeypatch.setattr(tma, "linear_qkv_rope", counted("qkv_rope", tma.linear_qkv_rope))
+    monkeypatch.setattr(tma, "linear", counted("linear", tma.linear))
     blocks = _plain_blocks(torch.bfloat16)
     b, t = 2, 40
     x = _randn(b, t, 48, dtype=torch.bfloat16, seed=21)
@@ -107,7 +176,8 @@ def test_prefix_stack_with_tma_geglu(monkeypatch) -> None:
     with torch.no_grad():
         k, v = fused_stacks.plain_block_stack(blocks, x, cos, sin, mask[:, None, None, :], backend="triton")
         rk, rv = _plain_reference(blocks, x, cos, sin, mask[:, None, None, :])
-    assert len(calls) == len(blocks) - 1  # every block's MLP but the last (skipped: only its K/V is read)
+    # every block's QKV; every block's o_proj and MLP but the last's (skipped: only its K/V is read)
+    assert calls == {"qkv_rope": len(blocks), "linear": len(blocks) - 1, "geglu": len(blocks) - 1}
     for got, want in ((k, rk), (v, rv)):
         assert torch.isfinite(got).all()
         assert (got.float() - want.float()).norm() / want.float().norm() < 2e-2

@@ -68,16 +68,16 @@ def _qkv(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 
 def _attend(attn: torch.nn.Module, q: torch.Tensor, k: Any, v: Any, mask: torch.Tensor,
-            attend: Callable[..., torch.Tensor], gemm_backend: str | None) -> torch.Tensor | SplitSums:
-    """`attn.attend(q, k, v, mask, attention_fn=attend)`, its o-projection on the small-M Triton
-    GEMM where that takes it."""
-    if gemm_backend is None:
-        return attn.attend(q, k, v, mask, attention_fn=attend)
+            attend: Callable[..., torch.Tensor], gemm_backend: str | None,
+            backend: str = "reference") -> torch.Tensor | SplitSums:
+    """`attn.attend(q, k, v, mask, attention_fn=attend)` with its o-projection through `_project`
+    (the small-M Triton GEMM, or the TMA GEMM for large batches, where those take it)."""
     out = attend(q, k, v, mask)
     b, _, t, _ = out.shape
     # The split kernel's output is a transposed view of a (B, T, H, D) buffer: this reshape is free.
     out = out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)
-    return _project(attn.o_proj, out.to(attn.o_proj.weight.dtype), gemm_backend, defer_sum=True)
+    return _project(attn.o_proj, out.to(attn.o_proj.weight.dtype), gemm_backend, defer_sum=gemm_backend is not None,
+                    backend=backend)
 
 
 def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str,
@@ -102,12 +102,16 @@ def _prefix_mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str) -> torch.Te
 
 
 def _project(linear: torch.nn.Module, h: torch.Tensor, gemm_backend: str | None,
-             defer_sum: bool = False) -> torch.Tensor | SplitSums:
-    """`linear(h)`, on the small-M Triton GEMM where `triton_gemm.module_takes` it. `defer_sum`:
-    the caller hands the result to `residual_ada_rms_norm`, which adds a split-K GEMM's partial
-    sums itself (one reducing kernel fewer)."""
+             defer_sum: bool = False, backend: str = "reference") -> torch.Tensor | SplitSums:
+    """`linear(h)`: on the small-M Triton GEMM where `gemm_backend` is given and
+    `triton_gemm.module_takes` it, on the TMA GEMM where `triton_gemm_tma.takes` it (large batches
+    on Hopper), else the module. `defer_sum`: the caller hands the result to
+    `residual_ada_rms_norm`, which adds a split-K GEMM's partial sums itself (one reducing kernel
+    fewer)."""
     if gemm_backend is not None and triton_gemm.module_takes(linear, h):
         return triton_gemm.linear(h, linear.weight, gemm_backend, bias=linear.bias, defer_sum=defer_sum)
+    if resolve_backend(backend, h.device) == "triton" and triton_gemm_tma.takes("linear", linear, h):
+        return triton_gemm_tma.linear(h, linear.weight, "triton")
     return linear(h)
 
 
@@ -189,23 +193,39 @@ def plain_block_stack(
 
     first = blocks[0].input_layernorm
     h = ada_rms_norm(x, weight(first), zero, first.eps, backend)
-    ks, vs = [], []
+    attn0 = blocks[0].self_attn
+    # Every block's K/V written into one stacked buffer as it is made (the TMA QKV kernel writes
+    # there directly): no stacking copy at the end.
+    kv_shape = (len(blocks), x.shape[0], attn0.num_kv_heads, x.shape[1], attn0.head_dim)
+    ks = torch.empty(kv_shape, dtype=x.dtype, device=x.device)
+    vs = torch.empty_like(ks)
     last = len(blocks) - 1
     for i, block in enumerate(blocks):
         attn = block.self_attn
-        q, k, v = qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads,
-                           attn.head_dim, backend)
-        ks.append(k)
-        vs.append(v)
+        q, k, v = _prefix_qkv(attn, h, cos, sin, backend, ks[i], vs[i])
         if i == last:
             break
-        y = attn.attend(q, k, v, mask, attention_fn=attend)
+        y = _attend(attn, q, k, v, mask, attend, None, backend)
         post = block.post_attention_layernorm
         x, h = residual_ada_rms_norm(x, y, one, weight(post), zero, post.eps, backend)
         y = _prefix_mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend)
         nxt = blocks[i + 1].input_layernorm
         x, h = residual_ada_rms_norm(x, y, one, weight(nxt), zero, nxt.eps, backend)
-    return torch.stack(ks), torch.stack(vs)
+    return ks, vs
+
+
+def _prefix_qkv(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str,
+                k_out: torch.Tensor, v_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prefix's q, k, v with RoPE, k and v written into `k_out` / `v_out`: one TMA GEMM with
+    RoPE in its epilogue where `triton_gemm_tma.takes` the projection (large batches on Hopper),
+    else the projection, `qkv_rope` and two copies."""
+    if (resolve_backend(backend, h.device) == "triton" and attn.qkv_proj is not None
+            and triton_gemm_tma.takes("qkv_rope", attn.qkv_proj, h)):
+        return triton_gemm_tma.linear_qkv_rope(h, attn.qkv_proj.weight, cos, sin, attn.num_heads,
+                                               attn.num_kv_heads, attn.head_dim, "triton", k_out=k_out, v_out=v_out)
+    q, k, v = qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                       backend)
+    return q, k_out.copy_(k), v_out.copy_(v)
 
 
 # -- the SigLIP encoder on the fused ops ------------------------------------------------------------

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, triton
-from phyai_edge.layers.triton_gemm import linear_geglu_ref, linear_ref
+from phyai_edge.layers.triton_gemm import linear_geglu_ref, linear_qkv_rope_ref, linear_ref
 
 try:  # triton >= 3.4 (the GPU machine has 3.6)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -64,10 +64,19 @@ class TmaConfig:
     stages: int = 3
     group_m: int = 8
     programs: int | None = None
+    # A persistent program's tile loop and k loop as one software-pipelined loop: the next tile's
+    # first operand loads are in flight while this tile's epilogue runs (Triton has no warp
+    # specialization on Hopper, so nothing else overlaps the epilogue).
+    flatten: bool = False
+    # Store the output tile in two column halves: half the epilogue's shared memory, which a
+    # pipeline stage can use instead.
+    subtile: bool = False
 
     def label(self) -> str:
         p = "tiles" if self.programs is None else f"p{self.programs}"
-        return f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.warps} s{self.stages} g{self.group_m} {p}"
+        extra = (" flat" if self.flatten else "") + (" sub" if self.subtile else "")
+        return (f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.warps} s{self.stages} g{self.group_m} "
+                f"{p}{extra}")
 
 
 # Tilings measured on the H200 (`benchmarks/gemm_gpu.py --tma`, RESULTS.md 2026-12-03 third session,
@@ -79,13 +88,20 @@ GEGLU_TILES = TmaConfig(128, 128, 64, 8, 3, 8)
 GEGLU_PERSISTENT = TmaConfig(128, 128, 64, 8, 3, 16)  # `programs` filled in: the SM count
 PERSISTENT_FROM_ROWS = 16384
 LINEAR_DEFAULT = TmaConfig(128, 128, 64, 4, 4, 8)
+# Plain GEMMs: 128 x 256 tiles, persistent, one flattened (tile, k) loop, the store in halves. On
+# the prefix's o_proj at 26112 rows 287.7 us against cuBLAS's 318.8 (call 1, 2026-12-03 fourth
+# session); flattening the two-accumulator GeGLU kernel instead made it slower (6554 vs 5229 us).
+LINEAR_PERSISTENT = TmaConfig(128, 256, 64, 8, 3, 8, flatten=True, subtile=True)
+# QKV + RoPE: one head (head_dim columns) a tile, so RoPE's pairs (d, d + D/2) meet in one
+# accumulator; the same persistent, flattened loop as LINEAR_PERSISTENT.
+QKV_PERSISTENT = TmaConfig(128, 256, 64, 8, 3, 8, flatten=True)
 
 # Where `takes` routes calls here, per op: [on, min rows]. The caller: the prefix's MLP
 # (`fused_stacks.plain_block_stack`). Below 4096 rows (the prefix at batch <= 4) cuBLAS plus the
 # pass won (816 rows: 172 vs 175 us). The expert's o_proj / down on `linear` were faster alone at
 # 1600 rows (13.3 vs 14.8, 23.3 vs 26.7 us) but made the batch-32 step slower end to end (3.522
 # vs 3.418 ms), and slower at 800-1200 and 2400-3200 rows: not routed.
-_ROUTES: dict[str, list] = {"geglu": [True, 4096]}
+_ROUTES: dict[str, list] = {"geglu": [True, 4096], "qkv_rope": [True, 16384], "linear": [True, 16384]}
 
 
 def available() -> bool:
@@ -93,7 +109,7 @@ def available() -> bool:
 
 
 def set_route(op: str, on: bool) -> bool:
-    """Route `op` ("geglu") calls that `takes` accepts here; returns the previous setting."""
+    """Route `op` ("geglu", "qkv_rope", "linear") calls that `takes` accepts here; returns the previous setting."""
     if op not in _ROUTES:
         raise ValueError(f"unknown TMA route {op!r}: one of {sorted(_ROUTES)}")
     before = _ROUTES[op][0]
@@ -141,12 +157,13 @@ if triton is not None:
     def _tma_gemm_kernel(
         a_desc, w_desc, out_desc, M, N, K, up_offset,
         GEGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, UPCAST: tl.constexpr,
+        GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
+        SUBTILE: tl.constexpr,
     ):
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
         k_tiles = tl.cdiv(K, BLOCK_K)
-        for tile in range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS):
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
@@ -169,7 +186,67 @@ if triton is not None:
                     acc_up = tl.dot(a, wu.T, acc_up)
             if GEGLU:
                 acc = _gelu_tanh(acc) * acc_up
-            out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+            out = acc.to(out_desc.dtype)
+            if SUBTILE:
+                left, right = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                out_desc.store([off_m, off_n], left)
+                out_desc.store([off_m, off_n + BLOCK_N // 2], right)
+            else:
+                out_desc.store([off_m, off_n], out)
+
+
+    @triton.jit
+    def _tma_qkv_rope_kernel(
+        a_desc, w_desc, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
+        M, K, seq_len, num_heads, num_kv_heads,
+        stride_cb, stride_ct, stride_sb, stride_st,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
+    ):
+        # A tile is BLOCK_M tokens of one head (q, k or v): RoPE's pairs (d, d + D/2) are in the
+        # same accumulator. Rows are (sample, token) pairs, so a tile may span two samples: the
+        # (B, heads, T, D) outputs are written through pointers, not a descriptor.
+        HALF: tl.constexpr = HEAD_DIM // 2
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        heads = num_heads + 2 * num_kv_heads
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), tiles_m * heads, PROGRAMS, flatten=FLATTEN):
+            pid_m, head = _tile_of(tile, tiles_m, heads, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+            for kk in range(k_tiles):
+                a = a_desc.load([off_m, kk * BLOCK_K])
+                w = w_desc.load([head * HEAD_DIM, kk * BLOCK_K])
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    w = w.to(tl.float32)
+                acc = tl.dot(a, w.T, acc)
+            x1, x2 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+            rows = off_m + tl.arange(0, BLOCK_M)
+            b = (rows // seq_len)[:, None]
+            t = (rows % seq_len)[:, None]
+            cols = tl.arange(0, HALF)[None, :]
+            ok = (rows < M)[:, None]
+            if head < num_heads + num_kv_heads:  # q and k heads: rotate_half RoPE, as qkv_rope
+                cs = cos_ptr + b * stride_cb + t * stride_ct + cols
+                sn = sin_ptr + b * stride_sb + t * stride_st + cols
+                c1 = tl.load(cs, mask=ok, other=0.0).to(tl.float32)
+                c2 = tl.load(cs + HALF, mask=ok, other=0.0).to(tl.float32)
+                s1 = tl.load(sn, mask=ok, other=0.0).to(tl.float32)
+                s2 = tl.load(sn + HALF, mask=ok, other=0.0).to(tl.float32)
+                o1 = x1 * c1 - x2 * s1
+                o2 = x2 * c2 + x1 * s2
+            else:
+                o1 = x1
+                o2 = x2
+            if head < num_heads:
+                dst = q_ptr + ((b * num_heads + head) * seq_len + t) * HEAD_DIM + cols
+            elif head < num_heads + num_kv_heads:
+                dst = k_ptr + ((b * num_kv_heads + head - num_heads) * seq_len + t) * HEAD_DIM + cols
+            else:
+                dst = v_ptr + ((b * num_kv_heads + head - num_heads - num_kv_heads) * seq_len + t) * HEAD_DIM + cols
+            tl.store(dst, o1.to(q_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst + HALF, o2.to(q_ptr.dtype.element_ty), mask=ok)
 
 
 def _check(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -194,13 +271,14 @@ def _run(h: torch.Tensor, weight: torch.Tensor, n: int, geglu: bool, cfg: TmaCon
     out = torch.empty((m, n), dtype=h.dtype, device=h.device)
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-    out_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
+    out_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n // 2 if cfg.subtile else cfg.block_n])
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = tiles if cfg.programs is None else min(cfg.programs, tiles)
     _tma_gemm_kernel[(programs,)](
         a_desc, w_desc, out_desc, m, n, k, n,
         GEGLU=geglu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        PROGRAMS=programs, UPCAST=interpret_mode(), num_warps=cfg.warps, num_stages=cfg.stages,
+        PROGRAMS=programs, UPCAST=interpret_mode(), FLATTEN=cfg.flatten, SUBTILE=cfg.subtile,
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return out.view(*h.shape[:-1], n)
 
@@ -223,8 +301,85 @@ def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "referenc
 
 def linear(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
            bias: torch.Tensor | None = None, config: TmaConfig | None = None) -> torch.Tensor:
-    """h @ weight.T on the TMA loop (no epilogue)."""
+    """h @ weight.T on the TMA loop (no epilogue). Default tiling: persistent 128 x 256 tiles from
+    `PERSISTENT_FROM_ROWS` rows on a GPU, else `LINEAR_DEFAULT`."""
     if not _use_triton(backend, h, weight):
         return linear_ref(h, weight, bias)
     _check(h, weight, bias)
-    return _run(h, weight, weight.shape[0], False, config or LINEAR_DEFAULT)
+    if config is None:
+        config = LINEAR_DEFAULT
+        if h.numel() // h.shape[-1] >= PERSISTENT_FROM_ROWS and h.is_cuda:
+            config = dataclasses.replace(LINEAR_PERSISTENT, programs=_sm_count(h.device))
+    return _run(h, weight, weight.shape[0], False, config)
+
+
+def _qkv_shapes(h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, num_heads: int, num_kv_heads: int,
+                head_dim: int) -> None:
+    if h.dim() != 3:
+        raise ValueError(f"linear_qkv_rope: h (B, T, K) expected, got shape {tuple(h.shape)}")
+    if head_dim % 2:
+        raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+    if weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv weight rows {weight.shape[0]} != (heads + 2 kv heads) * head_dim")
+    if cos.shape[-2] != h.shape[1] or cos.shape[-1] != head_dim:
+        raise ValueError(f"cos {tuple(cos.shape)} does not match {h.shape[1]} tokens of head_dim {head_dim}")
+
+
+def linear_qkv_rope(
+    h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+    num_kv_heads: int, head_dim: int, backend: str = "reference", *, bias: torch.Tensor | None = None,
+    config: TmaConfig | None = None, k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contract of `triton_gemm.linear_qkv_rope_ref` (q (B, H, T, D); k, v (B, Hkv, T, D); cos,
+    sin (B or 1, 1, T, D)), as one TMA GEMM with RoPE in its epilogue. `k_out` / `v_out`: contiguous
+    (B, Hkv, T, D) buffers to write k / v into (a slice of a stacked KV cache: no later copy);
+    the reference path copies into them. head_dim: a power of two, 16..256 (one tile's columns)."""
+    _qkv_shapes(h, weight, cos, num_heads, num_kv_heads, head_dim)
+    b, t, _ = h.shape
+    kv_shape = (b, num_kv_heads, t, head_dim)
+    for name, buf in (("k_out", k_out), ("v_out", v_out)):
+        if buf is not None and (tuple(buf.shape) != kv_shape or not buf.is_contiguous() or buf.dtype != h.dtype):
+            raise ValueError(f"{name} must be a contiguous {kv_shape} {h.dtype} tensor, got "
+                             f"{tuple(buf.shape)} {buf.dtype}")
+    if not _use_triton(backend, h, weight, cos, sin):
+        q, k, v = linear_qkv_rope_ref(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias)
+        if k_out is not None:
+            k = k_out.copy_(k)
+        if v_out is not None:
+            v = v_out.copy_(v)
+        return q, k, v
+    _check(h, weight, bias)
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        raise ValueError(f"the TMA QKV kernel takes a power-of-two head_dim in 16..256, got {head_dim}")
+    a = h.reshape(-1, h.shape[-1])
+    if not a.is_contiguous():
+        a = a.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    cos3 = cos.reshape(cos.shape[0], t, head_dim)
+    sin3 = sin.reshape(sin.shape[0], t, head_dim)
+    cos3 = cos3 if cos3.stride(-1) == 1 else cos3.contiguous()
+    sin3 = sin3 if sin3.stride(-1) == 1 else sin3.contiguous()
+    if cos3.shape[0] not in (1, b) or sin3.shape[0] != cos3.shape[0]:
+        raise ValueError(f"cos / sin batch {cos3.shape[0]} / {sin3.shape[0]}: 1 or {b} expected")
+    q = torch.empty((b, num_heads, t, head_dim), dtype=h.dtype, device=h.device)
+    k = k_out if k_out is not None else torch.empty(kv_shape, dtype=h.dtype, device=h.device)
+    v = v_out if v_out is not None else torch.empty(kv_shape, dtype=h.dtype, device=h.device)
+    m = a.shape[0]
+    if config is None:
+        config = QKV_PERSISTENT
+        if h.is_cuda:
+            config = dataclasses.replace(config, programs=_sm_count(h.device))
+    a_desc = TensorDescriptor.from_tensor(a, [config.block_m, config.block_k])
+    w_desc = TensorDescriptor.from_tensor(w, [head_dim, config.block_k])
+    tiles = triton.cdiv(m, config.block_m) * (num_heads + 2 * num_kv_heads)
+    programs = tiles if config.programs is None else min(config.programs, tiles)
+    _tma_qkv_rope_kernel[(programs,)](
+        a_desc, w_desc, cos3, sin3, q, k, v,
+        m, a.shape[1], t, num_heads, num_kv_heads,
+        cos3.stride(0) if cos3.shape[0] > 1 else 0, cos3.stride(1),
+        sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1),
+        HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        PROGRAMS=programs, UPCAST=interpret_mode(), FLATTEN=config.flatten,
+        num_warps=config.warps, num_stages=config.stages,
+    )
+    return q, k, v
