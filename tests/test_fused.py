@@ -136,3 +136,14 @@ def test_second_engine_that_would_change_the_weights_is_refused():
         EagerEngine(same, dtype="bfloat16")
     del first, second
     EagerEngine(same, dtype="bfloat16")  # nobody runs it any more
+
+
+def test_concat_is_torch_cat() -> None:
+    from phyai_edge.layers.fused_stacks import concat
+
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(2, n, 5, generator=g).to(torch.bfloat16) for n in (3, 1, 4))
+    for dim, parts in ((1, [a, b, c]), (0, [a, a]), (2, [a, a[..., :2]])):
+        assert torch.equal(concat(parts, dim), torch.cat(parts, dim))
+    mixed = [a, b.float()]
+    assert torch.equal(concat(mixed, 1), torch.cat(mixed, 1))

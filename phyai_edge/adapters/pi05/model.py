@@ -169,14 +169,17 @@ class PI05Model(nn.Module):
         return feats.reshape(batch, views * feats.shape[1], feats.shape[2]).to(self.compute_dtype)
 
     def embed_prefix(
-        self, image_embeds: torch.Tensor, image_mask: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor
+        self, image_embeds: torch.Tensor, image_mask: torch.Tensor, tokens: torch.Tensor, token_mask: torch.Tensor,
+        concat: Callable[..., torch.Tensor] = torch.cat,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the prefix's embeddings (images, then prompt tokens) and its token mask. `concat`
+        (`torch.cat`'s contract) lets a fast path join the embeddings its own way."""
         per_image = image_embeds.shape[1] // image_mask.shape[1]
         # sqrt(width) rounded to the embedding dtype, as the published model does; a Python float
         # (not a device tensor) so no host-to-device copy lands inside a captured CUDA graph.
         scale = float(torch.tensor(self.cfg.prefix.width**0.5, dtype=self.embed_tokens.weight.dtype))
         text = self.embed_tokens(tokens) * scale
-        x = torch.cat([image_embeds.to(self.compute_dtype), text.to(self.compute_dtype)], dim=1)
+        x = concat([image_embeds.to(self.compute_dtype), text.to(self.compute_dtype)], dim=1)
         mask = torch.cat([image_mask.repeat_interleave(per_image, dim=1), token_mask], dim=1)
         return x, mask
 
@@ -288,7 +291,8 @@ class PI05Model(nn.Module):
         - `denoise_step`: the action expert on `fused_stacks.adaptive_block_stack`; with `gemm`, its
           projections too, on the small-M GEMMs of `layers.triton_gemm` (RoPE and GeGLU in their
           epilogues). Only the denoise step: its M is batch x 50 rows (memory-bound GEMMs), while
-          the prefix's ~batch x 816 rows are compute-bound and stay on cuBLAS.
+          the prefix's ~batch x 816 rows are compute-bound: cuBLAS, or on Hopper for large batches
+          the TMA GEMMs with RoPE / GeGLU in their epilogues (`layers.triton_gemm_tma.takes`).
 
         Engine options choose them (`CudaGraphEngine(triton_ops=True, triton_gemm=...)`); the
         model's own stage methods stay the reference."""
@@ -313,7 +317,7 @@ class PI05Model(nn.Module):
             if not self.attend_keys_only:  # the fused stack takes key-only masks
                 return self.encode_prefix(image_embeds, image_mask, tokens, token_mask)
             p = self.cfg.prefix
-            x, mask = self.embed_prefix(image_embeds, image_mask, tokens, token_mask)
+            x, mask = self.embed_prefix(image_embeds, image_mask, tokens, token_mask, concat=fused_stacks.concat)
             positions = torch.cumsum(mask.long(), dim=1) - 1
             cos, sin = rope_cos_sin(positions, p.head_dim, p.rope_theta, self.compute_dtype)
             k, v = fused_stacks.plain_block_stack(self.prefix_layers, x, cos, sin, mask[:, None, None, :], backend,
