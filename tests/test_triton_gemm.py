@@ -496,6 +496,20 @@ def test_denoise_stage_tiny_preset(poisoned, launches, float32_routed, dtype, ba
     assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=kernels)])
+def test_denoise_stage_context_is_the_same_function(backend) -> None:
+    """The fused denoise step given the chunk's shared context (`step_context`, made once a chunk)
+    returns exactly what it returns making that context itself."""
+    model = _tiny_model(torch.bfloat16)
+    args = _denoise_args(model, b=2)
+    stages = model.triton_stages(backend, gemm=True)
+    with torch.no_grad():
+        context = stages["step_context"](args[-1])
+        shared = [stages["denoise_step"](*args, context=context) for _ in range(2)]
+        own = stages["denoise_step"](*args)
+    assert torch.equal(shared[0], own) and torch.equal(shared[1], own)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     base = builtin_adapter("tiny", seed=3)
@@ -513,12 +527,14 @@ def test_engine_triton_gemm_bf16(tiny, launches, monkeypatch) -> None:
     from phyai_edge.adapters.pi05.model import PI05Model
     from phyai_edge.engines.eager import EagerEngine
 
-    asked = []
+    asked, contexts = [], []
     real = PI05Model.triton_stages
 
     def denoise_only(self, backend="auto", gemm=False):
         asked.append((backend, gemm))
-        return {"denoise_step": real(self, backend, gemm=gemm)["denoise_step"]}
+        stages = real(self, backend, gemm=gemm)
+        return {"denoise_step": stages["denoise_step"],
+                "step_context": lambda *a: contexts.append(1) or stages["step_context"](*a)}
 
     monkeypatch.setattr(PI05Model, "triton_stages", denoise_only)
     fast = CudaGraphEngine(copy.deepcopy(tiny), device="cpu", dtype="bfloat16", triton_ops=True, triton_gemm=True)
@@ -528,6 +544,7 @@ def test_engine_triton_gemm_bf16(tiny, launches, monkeypatch) -> None:
     out = fast.run(inputs, noise=noise)
     calls = tiny.cfg.expert.depth * tiny.solver.num_steps
     assert launches == {"_linear_triton": 2 * calls, "_geglu_triton": calls, "_qkv_rope_triton": calls}
+    assert contexts == [1]  # the steps' shared context, made once for the chunk's loop
     eager = EagerEngine(copy.deepcopy(tiny), device="cpu", dtype="float32")
     assert torch.isfinite(out).all()
     assert _rel(out, eager.run(inputs, noise=noise)) < 3e-2  # test_cudagraph's bf16 bound

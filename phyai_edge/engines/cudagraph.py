@@ -276,6 +276,9 @@ class CudaGraphEngine(EngineBase):
         self.dense_prefix = bool(dense_prefix and triton_backend is not None and not self.generic)
         if compile:
             kw = {"mode": compile_mode} if compile_mode else {}
+            # Compiled steps make their own context: a per-chunk attention callable handed in as an
+            # argument would be a new guard (a recompile) every chunk run without graphs.
+            self._stages.pop("step_context", None)
             self._stages = {n: torch.compile(f, dynamic=False, **kw) for n, f in self._stages.items()}
         self._sets: dict[tuple[int, int, int], _GraphSet] = {}
         self._tables: dict[SolverSpec, list[Any]] = {}
@@ -502,8 +505,12 @@ class CudaGraphEngine(EngineBase):
         k, v, pmask = gs.kv
         step = self._stages["denoise_step"]
         table = self._table(solver)
-        return static_euler(lambda i, xin, tt: step(xin, tt, k, v, pmask, modulation=table[i]), gs.loop_bufs, mode,
-                            solver)
+        # A stage set may share per-chunk work among its steps (PI0.5's fused path: rotary tables and
+        # masks): made once here, inside the captured loop, so every replay remakes it.
+        make_context = self._stages.get("step_context")
+        kw = {"context": make_context(pmask)} if make_context is not None else {}
+        return static_euler(lambda i, xin, tt: step(xin, tt, k, v, pmask, modulation=table[i], **kw), gs.loop_bufs,
+                            mode, solver)
 
     def _load_rtc(self, bufs: dict[str, torch.Tensor], rtc: RTCGuidance, solver: SolverSpec, batch: int) -> None:
         """Copy the call's RTC into the static buffers (in place: a captured loop reads them).

@@ -145,6 +145,7 @@ def adaptive_block_stack(
     final_eps: float,
     backend: str = "reference",
     gemm_backend: str | None = None,
+    attend: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Adaptive `GemmaBlock`s over x (B, T, W), each attending to its cached prefix keys/values
     (`k_cache[i]`, `v_cache[i]`) and to itself, then the final adaptive norm (modulation `final`,
@@ -160,8 +161,12 @@ def adaptive_block_stack(
     `triton_gemm.module_takes` it (a plain bf16 / fp16 `nn.Linear`, few enough rows; an fp8
     linear or an unfused projection keeps its module): QKV with RoPE in its epilogue, gate/up
     with GeGLU in its epilogue, o_proj and down as plain GEMMs.
+
+    `attend`: `stack_attention(mask, B, backend)` made ahead (a caller running several stacks on
+    one mask, the denoise steps of a chunk, makes it once).
     """
-    attend = stack_attention(mask, x.shape[0], backend)
+    if attend is None:
+        attend = stack_attention(mask, x.shape[0], backend)
     scale, shift, _ = modulations[0][0]
     h = ada_rms_norm(x, scale, shift, blocks[0].input_layernorm.eps, backend)
     for i, block in enumerate(blocks):

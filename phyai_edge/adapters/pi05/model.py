@@ -257,22 +257,29 @@ class PI05Model(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The action expert's input: x_t (B, H, D) -> embedded actions (B, H, width), the chunk's
         rotary cos/sin (positions continue after the valid prefix) and its attention mask."""
-        e = self.cfg.expert
-        b, h = x_t.shape[:2]
         x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
+        return (x, *self.expert_context(prefix_mask, x_t.shape[1]))
+
+    def expert_context(
+        self, prefix_mask: torch.Tensor, chunk: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The part of `expert_inputs` that depends on the prefix alone (the same for every denoise
+        step of a chunk): the chunk's rotary cos/sin and its attention mask."""
+        e = self.cfg.expert
+        b = prefix_mask.shape[0]
         offset = prefix_mask.long().sum(dim=1, keepdim=True)
-        positions = offset + torch.arange(h, device=x_t.device)[None, :]
+        positions = offset + torch.arange(chunk, device=prefix_mask.device)[None, :]
         cos, sin = rope_cos_sin(positions, e.head_dim, e.rope_theta, self.compute_dtype)
         p_len = prefix_mask.shape[1]
-        rows = 1 if self.attend_keys_only else h  # the chunk attends to the valid prefix and itself
+        rows = 1 if self.attend_keys_only else chunk  # the chunk attends to the valid prefix and itself
         mask = torch.cat(
             [
                 prefix_mask[:, None, None, :].expand(b, 1, rows, p_len),
-                torch.ones(b, 1, rows, h, dtype=torch.bool, device=x_t.device),
+                torch.ones(b, 1, rows, chunk, dtype=torch.bool, device=prefix_mask.device),
             ],
             dim=-1,
         )
-        return x, cos, sin, mask
+        return cos, sin, mask
 
     def expert_output(self, normed: torch.Tensor) -> torch.Tensor:
         """The final norm's output (B, H, width) -> velocity (B, H, D) float32."""
@@ -297,6 +304,7 @@ class PI05Model(nn.Module):
         Engine options choose them (`CudaGraphEngine(triton_ops=True, triton_gemm=...)`); the
         model's own stage methods stay the reference."""
         from phyai_edge.layers import fused_stacks
+        from phyai_edge.layers.triton_attention import stack_attention
 
         def embed_images(images):
             tower = self.vision
@@ -304,12 +312,19 @@ class PI05Model(nn.Module):
             feats = fused_stacks.siglip_block_stack(tower.encoder.layers, x, tower.post_layernorm, backend)
             return self.project_images(feats, images.shape[0], images.shape[1])
 
-        def denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=None):
+        def step_context(prefix_mask):
+            # What every denoise step of a chunk shares: rotary tables, mask, the attention's form of
+            # the mask. The engine computes it once a chunk (~20 small kernels a step otherwise).
+            cos, sin, mask = self.expert_context(prefix_mask, self.cfg.chunk_size)
+            return cos, sin, mask, stack_attention(mask, prefix_mask.shape[0], backend)
+
+        def denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=None, context=None):
             per_layer, final_mod = modulation if modulation is not None else self.time_modulation(t)
-            x, cos, sin, mask = self.expert_inputs(x_t, prefix_mask)
+            x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
+            cos, sin, mask, attend = context if context is not None else step_context(prefix_mask)
             out = fused_stacks.adaptive_block_stack(
                 self.expert_layers, x, cos, sin, k_cache, v_cache, mask, per_layer, final_mod,
-                self.expert_norm.eps, backend, gemm_backend=backend if gemm else None,
+                self.expert_norm.eps, backend, gemm_backend=backend if gemm else None, attend=attend,
             )
             return self.expert_output(out)
 
@@ -324,4 +339,5 @@ class PI05Model(nn.Module):
                                                   dense=dense)
             return k, v, mask
 
-        return {"embed_images": embed_images, "denoise_step": denoise_step, "encode_prefix": encode_prefix}
+        return {"embed_images": embed_images, "denoise_step": denoise_step, "encode_prefix": encode_prefix,
+                "step_context": step_context}
