@@ -332,8 +332,9 @@ def render_variants(res: dict[str, Any], section: str, title: str) -> list[str]:
         name, b = key.rsplit("_b", 1)
         st = r.get("stages_p50", {})
         e = r["vs_eager_fp32"]
+        speedup = f"{r['speedup_vs_bf16']:.2f}x" if "speedup_vs_bf16" in r else "-"  # no bf16 engine at this batch
         out.append(f"| {name} | {b} | {r['p50']:.2f} | {r['samples_per_s']:.1f} | "
-                   f"{r.get('speedup_vs_bf16', float('nan')):.2f}x | {st.get('embed_images', float('nan')):.2f} / "
+                   f"{speedup} | {st.get('embed_images', float('nan')):.2f} / "
                    f"{st.get('encode_prefix', float('nan')):.2f} / {st.get('denoise_step', float('nan')):.3f} | "
                    f"{e['max_abs_over_scale']:.2e} | {e['rel_l2']:.2e} |")
     same = [f"{k}: {r[d]:.3g}" for k, r in f.items() if isinstance(r, dict)
