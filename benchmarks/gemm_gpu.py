@@ -153,6 +153,15 @@ def tma_sweep(op: str, rows: int) -> list[Any]:
         "qkv_rope": [(128, 256, 64, 8, 3, 8, sms, True), (128, 256, 64, 8, 3, 8, sms), (128, 256, 64, 8, 4, 8, sms, True),
                      (128, 256, 64, 8, 3, 16, sms, True), (128, 256, 64, 8, 3, 8, None), (64, 256, 64, 4, 3, 8, sms, True)],
     }[op]
+    if rows < 4096:  # the action expert's batch 8-64 (400-3200 rows): smaller tiles for more programs
+        picks = {
+            "geglu": [(128, 128, 64, 8, 3, 8, None), (64, 128, 64, 4, 3, 8, None), (128, 64, 64, 4, 4, 8, None),
+                      (64, 64, 64, 4, 4, 8, None), (64, 128, 64, 4, 3, 8, sms), (128, 64, 64, 4, 4, 8, sms)],
+            "linear": [(128, 128, 64, 4, 4, 8, None), (64, 128, 64, 4, 4, 8, None), (128, 64, 64, 4, 4, 8, None),
+                       (128, 256, 64, 8, 3, 8, sms, True, True), (64, 256, 64, 4, 3, 8, sms, True, True)],
+            "qkv_rope": [(128, 256, 64, 8, 3, 8, None), (64, 256, 64, 4, 3, 8, None), (128, 256, 64, 8, 3, 8, sms, True),
+                         (64, 256, 64, 4, 3, 8, sms, True), (128, 256, 64, 8, 4, 8, None)],
+        }[op]
     return [TmaConfig(*p) for p in picks]
 
 
