@@ -1,5 +1,6 @@
-"""Large-M GEMMs on Hopper's tensor-memory accelerator (TMA), for the prefix's fused gate/up
-projection with GeGLU in the epilogue, beside the plain GEMM they are measured against.
+"""Large-M GEMMs on Hopper's tensor-memory accelerator (TMA) for the prefix at large batches: the
+fused gate/up projection with GeGLU in the epilogue, the fused QKV projection with RoPE in the
+epilogue, and a plain GEMM (the o-projection).
 
 Why: at batch 32 the PI0.5 prefix runs its gate/up GEMM (26112 x 2048 @ 2048 x 32768) on cuBLAS at
 ~700 TFLOP/s, then a GeGLU pass that reads the (M, 2 H) product and writes (M, H): 2.6 GB a layer,
@@ -14,7 +15,12 @@ approach cuBLAS.
   accumulates a (BLOCK_M, BLOCK_N) tile of the gate and the matching tile of the up projection
   (weight rows n and H + n), and stores gelu_tanh(gate) * up: (..., H). Same contract as
   `triton_gemm.linear_geglu_ref`.
-- `linear(h, weight)`: the plain GEMM on the same loop (for the side-by-side measurement).
+- `linear(h, weight)`: the plain GEMM on the same loop; from 16384 rows persistent 128 x 256 tiles
+  with the tile and k loops flattened into one pipelined loop (the prefix's o_proj at batch 32).
+- `linear_qkv_rope(h, weight, cos, sin, ...)`: the fused QKV projection with RoPE in the epilogue,
+  one head (head_dim columns) a tile so each rotary pair is in one accumulator; q, k, v written as
+  (B, heads, T, D), k and v optionally into given buffers (a stacked KV cache). Same contract as
+  `triton_gemm.linear_qkv_rope_ref`.
 
 Programs are persistent (`programs` of them walk the tiles in grouped order) or one per tile
 (`programs=None`). Inputs: bf16 / fp16, contiguous rows, K a multiple of 8 (TMA needs 16-byte
@@ -25,13 +31,14 @@ tiles are upcast to float32 before `tl.dot` (the interpreter's bf16 `tl.dot` is 
 `triton_gemm`).
 
 Used by: the prefix stack (`fused_stacks.plain_block_stack`) sends its MLPs' gate/up here from
-4096 rows on a Hopper-or-newer GPU (`takes`, `set_route`), i.e. the prefix at batch >= 8; smaller
-batches and every other projection stay on cuBLAS (the measurements are beside `_ROUTES`).
+4096 rows on a Hopper-or-newer GPU (`takes`, `set_route`), i.e. the prefix at batch >= 8, and its
+QKV and o_proj from 16384 rows (batch >= 20); smaller batches, the down projection and the action
+expert stay on cuBLAS (the measurements are beside `_ROUTES`).
 
 Status: tested against the references on CPU under the interpreter
 (`tests/test_triton_gemm_tma.py`); timed on the H200 with `benchmarks/gemm_gpu.py --tma` and end
 to end with `benchmarks/pi05_gpu.py` (batch 32: 132.8 -> 138.2 samples/s side by side with the first
-tiling; 138.6 with the persistent groups of 16 in the run beside LeRobot).
+GeGLU tiling; the QKV + RoPE and o_proj routes -0.6 ms of a ~234 ms chunk side by side).
 Not run on Ada / Ampere (no TMA: `takes` refuses below compute capability 9.0) or on an Orin.
 """
 
@@ -96,11 +103,14 @@ LINEAR_PERSISTENT = TmaConfig(128, 256, 64, 8, 3, 8, flatten=True, subtile=True)
 # accumulator; the same persistent, flattened loop as LINEAR_PERSISTENT.
 QKV_PERSISTENT = TmaConfig(128, 256, 64, 8, 3, 8, flatten=True)
 
-# Where `takes` routes calls here, per op: [on, min rows]. The caller: the prefix's MLP
-# (`fused_stacks.plain_block_stack`). Below 4096 rows (the prefix at batch <= 4) cuBLAS plus the
-# pass won (816 rows: 172 vs 175 us). The expert's o_proj / down on `linear` were faster alone at
-# 1600 rows (13.3 vs 14.8, 23.3 vs 26.7 us) but made the batch-32 step slower end to end (3.522
-# vs 3.418 ms), and slower at 800-1200 and 2400-3200 rows: not routed.
+# Where `takes` routes calls here, per op: [on, min rows]. The callers, all in the prefix
+# (`fused_stacks.plain_block_stack`): "geglu" its MLPs' gate/up, "qkv_rope" its QKV projections,
+# "linear" its o_proj (its down stays on cuBLAS: 2430 vs 2492 us at 26112 rows). geglu: below 4096
+# rows (the prefix at batch <= 4) cuBLAS plus the pass won (816 rows: 172 vs 175 us). qkv_rope /
+# linear: at 26112 rows 435 vs 455 and 288 vs 319 us, at 6528 par (111 vs 113, 84 vs 76), so from
+# 16384. The expert's o_proj / down on `linear` were faster alone at 1600 rows (13.3 vs 14.8, 23.3
+# vs 26.7 us) but made the batch-32 step slower end to end (3.522 vs 3.418 ms), and slower at
+# 800-1200 and 2400-3200 rows: the expert's stack never asks.
 _ROUTES: dict[str, list] = {"geglu": [True, 4096], "qkv_rope": [True, 16384], "linear": [True, 16384]}
 
 
@@ -109,7 +119,8 @@ def available() -> bool:
 
 
 def set_route(op: str, on: bool) -> bool:
-    """Route `op` ("geglu", "qkv_rope", "linear") calls that `takes` accepts here; returns the previous setting."""
+    """Route `op` ("geglu", "qkv_rope", "linear") calls that `takes` accepts here; returns the
+    previous setting."""
     if op not in _ROUTES:
         raise ValueError(f"unknown TMA route {op!r}: one of {sorted(_ROUTES)}")
     before = _ROUTES[op][0]
