@@ -141,6 +141,35 @@ def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device,
             "rows": rows, "best": best}
 
 
+def vision_backends(device: torch.device, dtype: torch.dtype, batches: tuple[int, ...] = (1, 8, 32)) -> list[dict]:
+    """SigLIP's attention (batch x 3 images, 16 heads of 72, 256 patches, no mask) under each SDPA
+    backend, in CUDA graphs: which kernel the vision tower should prefer (its head size is not one
+    the split kernel takes)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, tokens, d = (16, 256, 72) if device.type == "cuda" else (2, 16, 8)
+    rows = []
+    for b in batches:
+        g = torch.Generator().manual_seed(b)
+        q, k, v = (torch.randn(3 * b, heads, tokens, d, generator=g).to(device, dtype) for _ in range(3))
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"):
+            row: dict[str, Any] = {"batch": b, "backend": name}
+            try:
+                with sdpa_kernel([getattr(SDPBackend, name)]):
+                    out = F.scaled_dot_product_attention(q, k, v)
+                    row["rel_err"] = float((out.float() - ref).norm() / ref.norm())
+                    row["us"] = time_calls([lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v)] * CALLS, device.type,
+                                           replays=15)
+            except Exception as exc:  # a backend that refuses the shape
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+            rows.append(row)
+            print(f"| vision b{b} | {name} | " + (f"{row['us']:.1f} us | {row['rel_err']:.1e} |" if "us" in row
+                                                   else f"- | {row['error']} |"), flush=True)
+    return rows
+
+
 def print_shape(res: dict[str, Any]) -> None:
     rows = res["rows"]
     sdpa = rows[0]["us"]
@@ -173,9 +202,17 @@ def main() -> None:
     p.add_argument("--shapes", default=None, help="comma-separated shape names to run (e.g. 'expert b32,prefix b32')")
     p.add_argument("--configs", default=None,
                    help="time these tilings instead of a sweep: 'bm,bn,warps,stages,min_keys[,inline];...'")
+    p.add_argument("--vision", action="store_true",
+                   help="only SigLIP's attention under each SDPA backend (batch 1, 8, 32 x 3 images)")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.vision:
+        rows = vision_backends(device, dtype)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"vision": rows}, indent=1))
+        return
     shapes = TINY_SHAPES if args.tiny else FULL_SHAPES
     if args.shapes:
         known = shapes if args.tiny else shapes + EXTRA_SHAPES
