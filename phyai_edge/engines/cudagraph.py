@@ -320,21 +320,32 @@ class CudaGraphEngine(EngineBase):
         solver = a.solver
         graph, out = self._loop_graph(gs, mode, solver)
         ins = gs.inputs
-        ins["images"].copy_(images)
-        marks = [self._mark()]
-        # The vision graph starts on the images alone; the rest of the inputs are copied (and RTC
-        # loaded) while it runs, on the same stream, so still before the graphs that read them.
-        self._replay(gs, "vision")
-        marks.append(self._mark())
-        ins["image_mask"].copy_(x["image_mask"])
-        ins["tokens"].copy_(x["tokens"][:, :length])
-        ins["token_mask"].copy_(token_mask[:, :length])
         dense = (self.dense_prefix and b >= DENSE_PREFIX_MIN_BATCH and bool(x["image_mask"].all())
                  and bool(token_mask[:, :length].all()))
         bufs = gs.loop_bufs
-        bufs["noise"].copy_(self.sample_noise(b) if noise is None else noise)
-        if rtc is not None:
-            self._load_rtc(bufs, rtc, solver, b)
+
+        def copy_rest() -> None:
+            ins["image_mask"].copy_(x["image_mask"])
+            ins["tokens"].copy_(x["tokens"][:, :length])
+            ins["token_mask"].copy_(token_mask[:, :length])
+            bufs["noise"].copy_(self.sample_noise(b) if noise is None else noise)
+            if rtc is not None:
+                self._load_rtc(bufs, rtc, solver, b)
+
+        # Inputs already on the device are copied while the vision graph runs (stream order keeps
+        # them before the graphs that read them). A copy from host memory would block the host until
+        # the stream reaches it, i.e. until vision ends, and delay the next launch: those go first.
+        # RTC's weights always come from the host.
+        late = rtc is None and all(t.device.type == self.device.type for t in
+                                   (x["image_mask"], x["tokens"], token_mask, *(() if noise is None else (noise,))))
+        if not late:
+            copy_rest()
+        ins["images"].copy_(images)
+        marks = [self._mark()]
+        self._replay(gs, "vision")
+        marks.append(self._mark())
+        if late:
+            copy_rest()
         prefix_start = self._mark()
         self._replay(gs, "prefix", dense)
         marks += [prefix_start, self._mark()]
