@@ -4,8 +4,9 @@
 another; only how the work is launched changes.
 
 The kernels live below this module: the elementwise chains in `layers.triton_ops`, the split-KV
-attention in `layers.triton_attention`, the small-M GEMMs in `layers.triton_gemm`; each has a
-reference path, chosen by the same `backend` argument, so these stacks also run without triton.
+attention in `layers.triton_attention`, the small-M GEMMs in `layers.triton_gemm`, the large-M
+TMA GEMMs in `layers.triton_gemm_tma`; each has a reference path, chosen by the same `backend`
+argument, so these stacks also run without triton.
 
 `adaptive_block_stack` carries the normed input across block boundaries (the residual of block i is
 fused with the input norm of block i + 1, the last one with the final norm). The blocks' own
@@ -14,7 +15,8 @@ linears (`qkv_proj`, `o_proj`, `gate_up`, `down_proj`: bf16, or fp8 after
 unless `gemm_backend` is given: then the plain bf16 / fp16 projections that `triton_gemm` takes run
 on its small-M GEMMs, with RoPE and GeGLU in the GEMMs' epilogues (`qkv_rope` and `geglu` are then
 not launched). `plain_block_stack` does the same for the prefix (Gemma's RMSNorm `normed * (1 + w)`
-is the adaptive norm with scale w and no shift, its ungated residual the gated one with gate 1),
+is the adaptive norm with scale w and no shift, its ungated residual the gated one with gate 1;
+its projections go to the TMA GEMMs where `triton_gemm_tma.takes` them: large batches on Hopper),
 and `siglip_block_stack` for the vision tower (each block's residual fused with the next block's
 first LayerNorm, the last with the tower's post-layernorm; attention is SDPA, handed no mask:
 SigLIP's is full).
