@@ -222,7 +222,7 @@ def linear_qkv_rope_ref(
 # -- kernels ---------------------------------------------------------------------------------------------
 if triton is not None:
     from phyai_edge.layers.triton_dispatch import pdl_enter
-    from phyai_edge.layers.triton_ops import _gelu_tanh
+    from phyai_edge.layers.triton_ops import _gelu_tanh, _rope
 
     @triton.jit
     def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
@@ -399,14 +399,11 @@ if triton is not None:
         ok = m_ok[:, None] & d_ok[None, :]
         cs = cos_ptr + (b * s_cb + t * s_ct)[:, None] + d[None, :]
         sn = sin_ptr + (b * s_sb + t * s_st)[:, None] + d[None, :]
-        c1 = tl.load(cs, mask=ok, other=0.0).to(tl.float32)
-        c2 = tl.load(cs + HALF, mask=ok, other=0.0).to(tl.float32)
-        s1 = tl.load(sn, mask=ok, other=0.0).to(tl.float32)
-        s2 = tl.load(sn + HALF, mask=ok, other=0.0).to(tl.float32)
+        r1, r2 = _rope(acc1, acc2, cs, sn, ok, HALF)
         # v heads are not rotated; the selects below keep one code path for all heads.
         rotate = head < num_heads + num_kv_heads
-        o1 = tl.where(rotate, acc1 * c1 - acc2 * s1, acc1)  # rotate_half: (-x2, x1)
-        o2 = tl.where(rotate, acc2 * c2 + acc1 * s2, acc2)
+        o1 = tl.where(rotate, r1, acc1)
+        o2 = tl.where(rotate, r2, acc2)
         # Each head goes to its own (B, heads, T, D) tensor; the two stores a program does not
         # own are fully masked (clamped indices keep their addresses in bounds anyway).
         heads = head + d * 0  # the head index as a block, so the masks below are blocks

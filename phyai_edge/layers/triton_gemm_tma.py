@@ -152,7 +152,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 if triton is not None:
-    from phyai_edge.layers.triton_ops import _gelu_tanh
+    from phyai_edge.layers.triton_ops import _gelu_tanh, _rope
 
     @triton.jit
     def _tile_of(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
@@ -241,12 +241,7 @@ if triton is not None:
             if head < num_heads + num_kv_heads:  # q and k heads: rotate_half RoPE, as qkv_rope
                 cs = cos_ptr + b * stride_cb + t * stride_ct + cols
                 sn = sin_ptr + b * stride_sb + t * stride_st + cols
-                c1 = tl.load(cs, mask=ok, other=0.0).to(tl.float32)
-                c2 = tl.load(cs + HALF, mask=ok, other=0.0).to(tl.float32)
-                s1 = tl.load(sn, mask=ok, other=0.0).to(tl.float32)
-                s2 = tl.load(sn + HALF, mask=ok, other=0.0).to(tl.float32)
-                o1 = x1 * c1 - x2 * s1
-                o2 = x2 * c2 + x1 * s2
+                o1, o2 = _rope(x1, x2, cs, sn, ok, HALF)
             else:
                 o1 = x1
                 o2 = x2

@@ -172,6 +172,17 @@ if triton is not None:
         return 0.5 * g * (1.0 + th)
 
     @triton.jit
+    def _rope(x1, x2, cs, sn, mask, HALF: tl.constexpr):
+        """rotate_half RoPE on a head's two halves (float32 blocks): `cs` / `sn` point at the
+        first half of each row's cos / sin, the second half `HALF` further. Shared by the RoPE
+        kernel and the GEMM epilogues (`triton_gemm`, `triton_gemm_tma`), so all round alike."""
+        c1 = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cs + HALF, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sn, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sn + HALF, mask=mask, other=0.0).to(tl.float32)
+        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2  # (x1, x2) -> x * cos + (-x2, x1) * sin
+
+    @triton.jit
     def _residual_ada_norm_kernel(
         x_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, res_ptr, out_ptr,
         n_cols, rows_per_batch, eps,
@@ -228,12 +239,7 @@ if triton is not None:
         x2 = tl.load(src + HALF, mask=m & (is_q | is_k), other=0.0).to(tl.float32)
         cs = cos_ptr + b * stride_cs_b + t * stride_cs_t + cols
         sn = sin_ptr + b * stride_sn_b + t * stride_sn_t + cols
-        c1 = tl.load(cs, mask=m, other=0.0).to(tl.float32)
-        c2 = tl.load(cs + HALF, mask=m, other=0.0).to(tl.float32)
-        s1 = tl.load(sn, mask=m, other=0.0).to(tl.float32)
-        s2 = tl.load(sn + HALF, mask=m, other=0.0).to(tl.float32)
-        o1 = x1 * c1 - x2 * s1  # rotate_half: (-x2, x1)
-        o2 = x2 * c2 + x1 * s2
+        o1, o2 = _rope(x1, x2, cs, sn, m, HALF)
         qh = tl.minimum(heads, num_heads - 1)
         kh = tl.maximum(heads - num_heads, 0)
         dst_q = q_ptr + ((b * num_heads + qh) * seq_len + t) * (2 * HALF) + cols
