@@ -130,11 +130,36 @@ def sweep(op: str, rows: int, n: int, tiny: bool) -> list[Any]:
     return out
 
 
-def tma_sweep(op: str, rows: int) -> list[Any]:
-    """TMA GEMM tilings (`layers/triton_gemm_tma.py`): (block_m, block_n, block_k, warps, stages,
-    group_m, persistent programs or None). geglu's block_n counts H columns (two accumulators)."""
+def parse_tma_configs(text: str) -> list[Any]:
+    """`--tma-configs`: tilings separated by ';', each "block_m,block_n,block_k,warps,stages,group_m,
+    programs[,flags]" with programs "sms" (one per SM), "tiles" (one per tile) or a number, and
+    flags any of f (flatten), s (subtile), w (warp_specialize)."""
     from phyai_edge.layers.triton_gemm_tma import TmaConfig
 
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        f = [x.strip() for x in item.split(",")]
+        if len(f) not in (7, 8):
+            raise SystemExit(f"--tma-configs: {item!r} needs 7 or 8 fields (see --help)")
+        p = f[6]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
+        programs = None if p == "tiles" else sms if p == "sms" else int(p)
+        flags = f[7] if len(f) == 8 else ""
+        if set(flags) - set("fsw"):
+            raise SystemExit(f"--tma-configs: unknown flags in {item!r} (f, s, w)")
+        out.append(TmaConfig(*(int(x) for x in f[:6]), programs=programs, flatten="f" in flags,
+                             subtile="s" in flags, warp_specialize="w" in flags))
+    return out
+
+
+def tma_sweep(op: str, rows: int, override: list[Any] | None = None) -> list[Any]:
+    """TMA GEMM tilings (`layers/triton_gemm_tma.py`): (block_m, block_n, block_k, warps, stages,
+    group_m, persistent programs or None). geglu's block_n counts H columns (two accumulators).
+    `override` (from `--tma-configs`) replaces the built-in picks."""
+    from phyai_edge.layers.triton_gemm_tma import TmaConfig
+
+    if override:
+        return override
     if not torch.cuda.is_available():  # the interpreter's plumbing check: one tile-per-program, one persistent
         return [TmaConfig(16, 16, 16, 4, 2, 2), TmaConfig(16, 16, 16, 4, 2, 2, programs=4, flatten=op == "qkv_rope")]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -180,7 +205,7 @@ def max_abs(a: Any, b: Any) -> float:
 
 # -- one shape at one M ------------------------------------------------------------------------------------------
 def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadline: float, tma: bool = False,
-              no_sweep: bool = False) -> dict[str, Any]:
+              no_sweep: bool = False, tma_configs: list[Any] | None = None) -> dict[str, Any]:
     from phyai_edge.layers import triton_gemm as tg
     from phyai_edge.layers import triton_ops
     from phyai_edge.layers.rotary import rope_cos_sin
@@ -275,7 +300,7 @@ def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadlin
                 return tma_mod.linear_qkv_rope(h, w, cos, sin, hq, hkv, d, backend, config=config)
         else:
             tma_fn = tma_mod.linear_geglu if op == "geglu" else tma_mod.linear
-        for cfg in tma_sweep(op, rows):
+        for cfg in tma_sweep(op, rows, tma_configs):
             name = f"tma {cfg.label()}"
             if time.perf_counter() > deadline:
                 variants.append({"variant": name, "skipped": "budget"})
@@ -358,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
                          "over 3 x 256 image + 48 prompt tokens) or SigLIP (batch x 768: fc1 + GELU)")
     ap.add_argument("--tma", action="store_true",
                     help="also time the TMA GEMMs (layers/triton_gemm_tma.py) for geglu, linear and qkv_rope")
+    ap.add_argument("--tma-configs", default=None,
+                    help="with --tma: the TMA tilings to time instead of the built-in picks, ';'-separated "
+                         "'block_m,block_n,block_k,warps,stages,group_m,programs[,flags]' (programs: sms, tiles or "
+                         "a number; flags: f flatten, s subtile, w warp_specialize)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the pointer-based Triton GEMM sweep")
     ap.add_argument("--ops", default=None, help="comma-separated ops to run (linear, gelu, geglu, qkv_rope; default all)")
     args = ap.parse_args(argv)
@@ -378,13 +407,14 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(sys.argv), "l2_bytes": l2_bytes(dev), "tiny": args.tiny}
     say(f"{info}")
     deadline = T0 + args.budget_s
+    tma_configs = parse_tma_configs(args.tma_configs) if args.tma_configs else None
     results = []
     for rows in rows_list:
         for shape in expert_shapes(args.tiny, args.part):
             if args.ops and shape["op"] not in args.ops.split(","):
                 continue
             shape = {**shape, "tokens": PART_TOKENS[args.part] if not args.tiny else TOKENS}
-            r = run_shape(shape, rows, dev, args.tiny, deadline, args.tma, args.no_sweep)
+            r = run_shape(shape, rows, dev, args.tiny, deadline, args.tma, args.no_sweep, tma_configs)
             results.append(r)
             b = r.get("best", {})
             say(f"{shape['name']} M={rows}: cuBLAS path {r['variants'][0]['us']:.2f} us, best Triton "

@@ -605,6 +605,51 @@ def test_engine_unmasked_prefix_for_full_batches(tiny, monkeypatch, dense_prefix
     assert calls == []
 
 
+def test_prefix_stage_writes_given_kv_buffers(tiny) -> None:
+    """`encode_prefix(dense=True, out=(keys, values))` writes the KV cache into the given buffers
+    and returns them, with the values of a call that allocates its own; a buffer of the wrong
+    shape is refused by name."""
+    base, _ = tiny
+    model = copy.deepcopy(base.module).eval().requires_grad_(False)
+    stages = model.triton_stages("reference")
+    x = _inputs(base, 2, 3, [16, 16]).tensors
+    for keys_only in (True, False):  # the fused stack, and the model's own prefix as the fallback
+        model.attend_keys_only = keys_only
+        _check_prefix_out(model, stages, x)
+
+
+def _check_prefix_out(model, stages, x) -> None:
+    with torch.no_grad():
+        feats = model.embed_images(x["images"])
+        k, v, mask = stages["encode_prefix"](feats, x["image_mask"], x["tokens"], x["token_mask"], dense=True)
+        kb, vb = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        k2, v2, mask2 = stages["encode_prefix"](feats, x["image_mask"], x["tokens"], x["token_mask"], dense=True,
+                                                out=(kb, vb))
+        assert k2 is kb and v2 is vb
+        assert torch.equal(kb, k) and torch.equal(vb, v) and torch.equal(mask2, mask)
+        with pytest.raises(ValueError, match="out keys"):
+            stages["encode_prefix"](feats, x["image_mask"], x["tokens"], x["token_mask"], dense=True,
+                                    out=(kb[:, :1], vb))
+
+
+def test_unmasked_prefix_graph_body_fills_the_masked_graphs_cache(tiny, monkeypatch) -> None:
+    """The unmasked prefix graph's body (run here without capture: CPU) leaves the masked graph's
+    KV cache and mask holding what the unmasked prefix computes, in the same tensors the loop reads,
+    also after a padded batch left its own mask there."""
+    base, _ = tiny
+    fast = CudaGraphEngine(copy.deepcopy(base), device="cpu", dtype="float32", triton_ops="reference")
+    gs = fast._graph_set(2, 3, 16)
+    gs.image_embeds = fast._vision(gs)
+    gs.kv = tuple(t.clone() for t in fast._prefix(gs))  # the masked graph's outputs (its buffers)
+    cache = gs.kv
+    cache[0].fill_(float("nan"))
+    cache[2][0, -1] = False  # an earlier padded batch's mask
+    monkeypatch.setattr(fast, "_capture", lambda sets, fn: (fn(), None))
+    fast._capture_dense_prefix(gs)
+    k, v, mask = fast._prefix(gs, dense=True)
+    assert gs.kv is cache and torch.equal(cache[0], k) and torch.equal(cache[1], v) and torch.equal(cache[2], mask)
+
+
 def test_attention_unmasked_is_attention_with_a_full_mask() -> None:
     from phyai_edge.layers.attention import attention, attention_unmasked
 

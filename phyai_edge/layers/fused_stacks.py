@@ -197,12 +197,15 @@ def plain_block_stack(
     mask: torch.Tensor,
     backend: str = "reference",
     dense: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain (non-adaptive) `GemmaBlock`s over x (B, T, W), attending among themselves under a
     key-only mask (B, 1, 1, T): returns every block's rotated keys and values, stacked
     (blocks, B, Hkv, T, D). The last block's attention and MLP are skipped (only its K/V is read).
     `dense`: the caller knows the mask is all true; attention then takes no mask
-    (`layers.attention.attention_unmasked`).
+    (`layers.attention.attention_unmasked`). `out`: contiguous (blocks, B, Hkv, T, D) key and
+    value buffers of x's dtype to write into (an engine's KV cache shared by two captured prefix
+    graphs) and return; None allocates them.
 
     The same function as `project_kv` / `finish` per block (the PI0.5 prefix), on the kernels
     above: Gemma's RMSNorm `normed * (1 + w)` is the adaptive norm with scale w and no shift,
@@ -221,8 +224,11 @@ def plain_block_stack(
     # Every block's K/V written into one stacked buffer as it is made (the TMA QKV kernel writes
     # there directly): no stacking copy at the end.
     kv_shape = (len(blocks), x.shape[0], attn0.num_kv_heads, x.shape[1], attn0.head_dim)
-    ks = torch.empty(kv_shape, dtype=x.dtype, device=x.device)
-    vs = torch.empty_like(ks)
+    if out is None:
+        ks = torch.empty(kv_shape, dtype=x.dtype, device=x.device)
+        vs = torch.empty_like(ks)
+    else:
+        ks, vs = check_kv_out(out, kv_shape, x.dtype)
     last = len(blocks) - 1
     for i, block in enumerate(blocks):
         attn = block.self_attn
@@ -236,6 +242,17 @@ def plain_block_stack(
         nxt = blocks[i + 1].input_layernorm
         x, h = residual_ada_rms_norm(x, y, one, weight(nxt), zero, nxt.eps, backend)
     return ks, vs
+
+
+def check_kv_out(out: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, ...],
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`out` (keys, values) if both are contiguous `shape` tensors of `dtype`; else a ValueError
+    naming the one that is not."""
+    for name, buf in zip(("keys", "values"), out):
+        if tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or not buf.is_contiguous():
+            raise ValueError(f"prefix KV out {name}: a contiguous {tuple(shape)} {dtype} tensor expected, got "
+                             f"{tuple(buf.shape)} {buf.dtype}{'' if buf.is_contiguous() else ' (not contiguous)'}")
+    return out[0], out[1]
 
 
 def _prefix_qkv(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str,

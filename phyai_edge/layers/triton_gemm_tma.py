@@ -72,16 +72,19 @@ class TmaConfig:
     group_m: int = 8
     programs: int | None = None
     # A persistent program's tile loop and k loop as one software-pipelined loop: the next tile's
-    # first operand loads are in flight while this tile's epilogue runs (Triton has no warp
-    # specialization on Hopper, so nothing else overlaps the epilogue).
+    # first operand loads are in flight while this tile's epilogue runs.
     flatten: bool = False
     # Store the output tile in two column halves: half the epilogue's shared memory, which a
     # pipeline stage can use instead.
     subtile: bool = False
+    # Warp-specialise the tile loop (`tl.range(warp_specialize=True)`, Triton >= 3.5 on Hopper):
+    # a producer warp issues the TMA loads while consumer warpgroups run the MMAs and the epilogue,
+    # so one tile's epilogue overlaps the next tile's loads and MMAs. Not with `flatten` on Hopper.
+    warp_specialize: bool = False
 
     def label(self) -> str:
         p = "tiles" if self.programs is None else f"p{self.programs}"
-        extra = (" flat" if self.flatten else "") + (" sub" if self.subtile else "")
+        extra = (" flat" if self.flatten else "") + (" sub" if self.subtile else "") + (" ws" if self.warp_specialize else "")
         return (f"m{self.block_m} n{self.block_n} k{self.block_k} w{self.warps} s{self.stages} g{self.group_m} "
                 f"{p}{extra}")
 
@@ -169,12 +172,12 @@ if triton is not None:
         a_desc, w_desc, out_desc, M, N, K, up_offset,
         GEGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
-        SUBTILE: tl.constexpr,
+        SUBTILE: tl.constexpr, WS: tl.constexpr,
     ):
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
         k_tiles = tl.cdiv(K, BLOCK_K)
-        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=FLATTEN):
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
             pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
@@ -212,7 +215,7 @@ if triton is not None:
         M, K, seq_len, num_heads, num_kv_heads,
         stride_cb, stride_ct, stride_sb, stride_st,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr,
+        PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
     ):
         # A tile is BLOCK_M tokens of one head (q, k or v): RoPE's pairs (d, d + D/2) are in the
         # same accumulator. Rows are (sample, token) pairs, so a tile may span two samples: the
@@ -221,7 +224,7 @@ if triton is not None:
         tiles_m = tl.cdiv(M, BLOCK_M)
         heads = num_heads + 2 * num_kv_heads
         k_tiles = tl.cdiv(K, BLOCK_K)
-        for tile in tl.range(tl.program_id(0), tiles_m * heads, PROGRAMS, flatten=FLATTEN):
+        for tile in tl.range(tl.program_id(0), tiles_m * heads, PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
             pid_m, head = _tile_of(tile, tiles_m, heads, GROUP_M)
             off_m = pid_m * BLOCK_M
             acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
@@ -284,7 +287,7 @@ def _run(h: torch.Tensor, weight: torch.Tensor, n: int, geglu: bool, cfg: TmaCon
         a_desc, w_desc, out_desc, m, n, k, n,
         GEGLU=geglu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         PROGRAMS=programs, UPCAST=interpret_mode(), FLATTEN=cfg.flatten, SUBTILE=cfg.subtile,
-        num_warps=cfg.warps, num_stages=cfg.stages,
+        WS=cfg.warp_specialize, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return out.view(*h.shape[:-1], n)
 
@@ -385,7 +388,7 @@ def linear_qkv_rope(
         cos3.stride(0) if cos3.shape[0] > 1 else 0, cos3.stride(1),
         sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1),
         HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        PROGRAMS=programs, UPCAST=interpret_mode(), FLATTEN=config.flatten,
+        PROGRAMS=programs, UPCAST=interpret_mode(), FLATTEN=config.flatten, WS=config.warp_specialize,
         num_warps=config.warps, num_stages=config.stages,
     )
     return q, k, v

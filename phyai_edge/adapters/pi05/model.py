@@ -294,7 +294,8 @@ class PI05Model(nn.Module):
           with the residual adds, GELU; SDPA without the all-true mask); the patch embedding as one
           GEMM (`fused_stacks.patch_embed`); position embedding and projector as in `embed_images`.
         - `encode_prefix`: the Gemma prefix on `fused_stacks.plain_block_stack` (key-only masks);
-          `dense=True` from a caller that knows every image and prompt token is valid: no mask.
+          `dense=True` from a caller that knows every image and prompt token is valid: no mask;
+          `out=(keys, values)`: the KV cache buffers to write (an engine's, shared by two graphs).
         - `denoise_step`: the action expert on `fused_stacks.adaptive_block_stack`; with `gemm`, its
           projections too, on the small-M GEMMs of `layers.triton_gemm` (RoPE and GeGLU in their
           epilogues). Only the denoise step: its M is batch x 50 rows (memory-bound GEMMs), while
@@ -328,15 +329,19 @@ class PI05Model(nn.Module):
             )
             return self.expert_output(out)
 
-        def encode_prefix(image_embeds, image_mask, tokens, token_mask, dense=False):
+        def encode_prefix(image_embeds, image_mask, tokens, token_mask, dense=False, out=None):
             if not self.attend_keys_only:  # the fused stack takes key-only masks
-                return self.encode_prefix(image_embeds, image_mask, tokens, token_mask)
+                k, v, mask = self.encode_prefix(image_embeds, image_mask, tokens, token_mask)
+                if out is None:
+                    return k, v, mask
+                ko, vo = fused_stacks.check_kv_out(out, k.shape, k.dtype)
+                return ko.copy_(k), vo.copy_(v), mask
             p = self.cfg.prefix
             x, mask = self.embed_prefix(image_embeds, image_mask, tokens, token_mask, concat=fused_stacks.concat)
             positions = torch.cumsum(mask.long(), dim=1) - 1
             cos, sin = rope_cos_sin(positions, p.head_dim, p.rope_theta, self.compute_dtype)
             k, v = fused_stacks.plain_block_stack(self.prefix_layers, x, cos, sin, mask[:, None, None, :], backend,
-                                                  dense=dense)
+                                                  dense=dense, out=out)
             return k, v, mask
 
         return {"embed_images": embed_images, "denoise_step": denoise_step, "encode_prefix": encode_prefix,
