@@ -184,6 +184,11 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # only the GeGLU on TMA: the prefix's QKV + RoPE and o_proj on cuBLAS (+ the RoPE kernel)
         ("triton+gemm, TMA GeGLU only", {"triton_ops": True, "triton_gemm": True, "_tma": ("geglu",)}, shapes),
         ("triton+gemm, no TMA", {"triton_ops": True, "triton_gemm": True, "_tma": ()}, shapes),
+        # the prefix's gate/up + GeGLU below 16384 rows one program a tile, not warp-specialised
+        # (the tiling before `triton_gemm_tma.GEGLU_MID`)
+        ("triton+gemm, GeGLU tiles", {"triton_ops": True, "triton_gemm": True, "_geglu_tiles": True}, shapes),
+        # the same, and at 26112 rows (batch 32) the persistent tiling warp-specialised too
+        ("triton+gemm, GeGLU all WS", {"triton_ops": True, "triton_gemm": True, "_geglu_all_ws": True}, shapes),
         # every denoise step remakes its rotary tables and masks (no shared `step_context`): the
         # same arithmetic, so the chunk must be bit-identical to "triton+gemm"
         ("triton+gemm, no step context", {"triton_ops": True, "triton_gemm": True, "_no_context": True,
@@ -224,6 +229,26 @@ def calibrate_fp8(adapter: Any, eager32: Any, inputs_for: Any, noise_for: Any, b
     return scales_from_amax(collect_amax(adapter.module, lambda: eager32.run(x, noise=n)))
 
 
+def _geglu_rule(tiles_below_persistent: bool, all_ws: bool) -> Any:
+    """A replacement for `triton_gemm_tma.geglu_config` (None: keep the module's): one program a
+    tile below `PERSISTENT_FROM_ROWS` (the earlier rule), or warp specialization at every size."""
+    if not (tiles_below_persistent or all_ws):
+        return None
+    import dataclasses
+
+    from phyai_edge.layers import triton_gemm_tma as tma
+
+    default = tma.geglu_config
+
+    def rule(rows: int, device: Any) -> Any:
+        cfg = default(rows, device)
+        if tiles_below_persistent and rows < tma.PERSISTENT_FROM_ROWS:
+            return tma.GEGLU_TILES
+        return dataclasses.replace(cfg, warp_specialize=True) if all_ws else cfg
+
+    return rule
+
+
 def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, dict[str, Any], list[tuple[int, int]]]],
                  adapter: Any, dev: str, inputs_for: Any, noise_for: Any, eager32: Any, budget_s: float,
                  rtc_modes: tuple[str, ...] = ()) -> None:
@@ -232,6 +257,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
     res[section]; errors are recorded, not raised. `rtc_modes`: at batch 1, each RTC solver mode's
     p50 and its overhead over the same engine's unguided chunk."""
     from phyai_edge.engines.cudagraph import CudaGraphEngine
+    from phyai_edge.layers import triton_gemm_tma as tma_mod
     from phyai_edge.layers.fp8 import fp8_linears
     from phyai_edge.layers.triton_attention import set_inline_merge
     from phyai_edge.layers.triton_dispatch import set_pdl
@@ -247,6 +273,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         pdl, same_as, inline = kw.pop("_pdl", False), kw.pop("_same_as", None), kw.pop("_inline_merge", True)
         tma_routes = kw.pop("_tma", None)  # None: the module's default routes
         no_context = kw.pop("_no_context", False)
+        geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
             continue
@@ -254,6 +281,9 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         merge_before = set_inline_merge(inline)
         tma_before = ({} if tma_routes is None else
                       {op: set_route(op, op in tma_routes) for op in ("geglu", "qkv_rope", "linear")})
+        geglu_before = tma_mod.geglu_config
+        if geglu_rule is not None:
+            tma_mod.geglu_config = geglu_rule
         try:
             t0 = time.perf_counter()
             eng = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", **kw)
@@ -308,6 +338,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
             set_inline_merge(merge_before)
             for op, on in tma_before.items():
                 set_route(op, on)
+            tma_mod.geglu_config = geglu_before
         sync(dev)
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -29,6 +29,9 @@ CONFIGS = {
     "persistent": tma.TmaConfig(16, 32, 16, 4, 2, 3, programs=3),  # 3 programs walk all tiles
     # one loop over (tile, k) and the output stored in two column halves
     "flat, halves": tma.TmaConfig(16, 32, 16, 4, 2, 3, programs=3, flatten=True, subtile=True),
+    # the batch 5-19 prefix tiling's form (GEGLU_MID); the interpreter ignores the specialization
+    "persistent, halves, warp-specialised": tma.TmaConfig(16, 32, 16, 4, 2, 3, programs=3, subtile=True,
+                                                          warp_specialize=True),
 }
 # (rows, H or N, K): ragged rows and columns, K over 2-4 blocks with a ragged last one
 SHAPES = [(37, 24, 40), (16, 32, 16), (50, 40, 72)]
@@ -98,6 +101,7 @@ QKV_SHAPES = [(2, 19, 40, 2, 1, 16), (3, 7, 24, 4, 2, 32), (1, 33, 16, 1, 1, 16)
 QKV_CONFIGS = {
     "tiles": tma.TmaConfig(16, 0, 16, 4, 2, 2),
     "persistent, flat": tma.TmaConfig(16, 0, 16, 4, 2, 3, programs=3, flatten=True),
+    "persistent, warp-specialised": tma.TmaConfig(16, 0, 16, 4, 2, 3, programs=3, warp_specialize=True),
 }
 
 
@@ -193,3 +197,26 @@ def test_takes_never_on_cpu_and_rejects_unknown_routes() -> None:
         tma.set_route("geglu", before)
     with pytest.raises(ValueError, match="unknown TMA route"):
         tma.set_route("attention", True)
+
+
+def test_warp_specialization_falls_back_once_when_it_fails_to_compile(monkeypatch, caplog) -> None:
+    """A tiling that asks for warp specialization where it does not compile runs without it, says
+    so once, and later calls do not ask again; a tiling without it is launched as it is."""
+    monkeypatch.setattr(tma, "_WS_BROKEN", [])
+    seen = []
+
+    def launch(c):
+        seen.append(c.warp_specialize and tma._ws_works())
+        if seen[-1]:
+            raise RuntimeError("PassManager::run failed")
+
+    ws = tma.TmaConfig(16, 16, 16, 4, 2, 2, warp_specialize=True)
+    with caplog.at_level("WARNING", logger=tma.__name__):
+        tma._launch_with_ws_fallback(launch, ws)
+        tma._launch_with_ws_fallback(launch, ws)
+        tma._launch_with_ws_fallback(launch, tma.TmaConfig(16, 16, 16, 4, 2, 2))
+    assert seen == [True, False, False, False]
+    assert [r.message for r in caplog.records if "warp specialization" in r.message] and len(caplog.records) == 1
+    assert "PassManager" in tma._WS_BROKEN[0]
+    with pytest.raises(ValueError, match="boom"):  # an error without warp specialization is the caller's
+        tma._launch_with_ws_fallback(lambda c: (_ for _ in ()).throw(ValueError("boom")), tma.TmaConfig(16, 16, 16))

@@ -45,12 +45,16 @@ Not run on Ada / Ampere (no TMA: `takes` refuses below compute capability 9.0) o
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, triton
 from phyai_edge.layers.triton_gemm import linear_geglu_ref, linear_qkv_rope_ref, linear_ref
+
+log = logging.getLogger(__name__)
 
 try:  # triton >= 3.4 (the GPU machine has 3.6)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -97,6 +101,11 @@ class TmaConfig:
 GEGLU_TILES = TmaConfig(128, 128, 64, 8, 3, 8)
 GEGLU_PERSISTENT = TmaConfig(128, 128, 64, 8, 3, 16)  # `programs` filled in: the SM count
 PERSISTENT_FROM_ROWS = 16384
+# From 4096 to PERSISTENT_FROM_ROWS rows (the prefix at batch 5-19): persistent programs with the
+# tile loop warp-specialised and the store in halves. At 6528 rows (batch 8) 1225 us against 1371
+# for GEGLU_TILES and 1314 for cuBLAS + the pass (2026-12-03 fifth session, call 1); at 26112 rows
+# warp specialization was within the run's noise (5394 vs 5434), so GEGLU_PERSISTENT stays there.
+GEGLU_MID = TmaConfig(128, 128, 64, 8, 3, 16, subtile=True, warp_specialize=True)  # `programs`: SMs
 LINEAR_DEFAULT = TmaConfig(128, 128, 64, 4, 4, 8)
 # Plain GEMMs: 128 x 256 tiles, persistent, one flattened (tile, k) loop, the store in halves. On
 # the prefix's o_proj at 26112 rows 287.7 us against cuBLAS's 318.8 (call 1, 2026-12-03 fourth
@@ -283,13 +292,40 @@ def _run(h: torch.Tensor, weight: torch.Tensor, n: int, geglu: bool, cfg: TmaCon
     out_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n // 2 if cfg.subtile else cfg.block_n])
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = tiles if cfg.programs is None else min(cfg.programs, tiles)
-    _tma_gemm_kernel[(programs,)](
-        a_desc, w_desc, out_desc, m, n, k, n,
-        GEGLU=geglu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        PROGRAMS=programs, UPCAST=interpret_mode(), FLATTEN=cfg.flatten, SUBTILE=cfg.subtile,
-        WS=cfg.warp_specialize, num_warps=cfg.warps, num_stages=cfg.stages,
-    )
+
+    def launch(c: TmaConfig) -> None:
+        _tma_gemm_kernel[(programs,)](
+            a_desc, w_desc, out_desc, m, n, k, n,
+            GEGLU=geglu, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            PROGRAMS=programs, UPCAST=interpret_mode(), FLATTEN=c.flatten, SUBTILE=c.subtile,
+            WS=c.warp_specialize and _ws_works(), num_warps=c.warps, num_stages=c.stages,
+        )
+
+    _launch_with_ws_fallback(launch, cfg)
     return out.view(*h.shape[:-1], n)
+
+
+_WS_BROKEN: list[str] = []  # why warp specialization failed to compile here, once it has
+
+
+def _ws_works() -> bool:
+    return not _WS_BROKEN
+
+
+def _launch_with_ws_fallback(launch: Callable[[TmaConfig], None], cfg: TmaConfig) -> None:
+    """Launch with `cfg`; if it asks for warp specialization and that fails to compile (a Triton
+    or GPU without it: Hopper support arrived in Triton 3.5, and some tilings fail there), say so
+    once and run every later call without it. Compilation happens at the first call of a shape, in
+    an engine's warm-up, before any graph capture."""
+    if not (cfg.warp_specialize and _ws_works()):
+        launch(cfg)
+        return
+    try:
+        launch(cfg)
+    except Exception as exc:  # Triton raises its own compilation errors; none is fatal here
+        _WS_BROKEN.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+        log.warning("TMA GEMM: warp specialization failed to compile (%s); running without it", _WS_BROKEN[0])
+        launch(dataclasses.replace(cfg, warp_specialize=False))
 
 
 def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
@@ -301,11 +337,18 @@ def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "referenc
     if weight.shape[0] % 2:
         raise ValueError(f"gate/up weight needs an even row count, got {weight.shape[0]}")
     if config is None:
-        rows = h.numel() // h.shape[-1]
-        config = GEGLU_TILES
-        if rows >= PERSISTENT_FROM_ROWS and h.is_cuda:
-            config = dataclasses.replace(GEGLU_PERSISTENT, programs=_sm_count(h.device))
+        config = geglu_config(h.numel() // h.shape[-1], h.device)
     return _run(h, weight, weight.shape[0] // 2, True, config)
+
+
+def geglu_config(rows: int, device: torch.device) -> TmaConfig:
+    """`linear_geglu`'s default tiling for `rows` on `device`: persistent programs (one per SM) from
+    the route's 4096 rows on a GPU, warp-specialised below `PERSISTENT_FROM_ROWS`; else one program
+    a tile."""
+    if device.type != "cuda" or rows < _ROUTES["geglu"][1]:
+        return GEGLU_TILES
+    config = GEGLU_PERSISTENT if rows >= PERSISTENT_FROM_ROWS else GEGLU_MID
+    return dataclasses.replace(config, programs=_sm_count(device))
 
 
 def linear(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
@@ -382,13 +425,17 @@ def linear_qkv_rope(
     w_desc = TensorDescriptor.from_tensor(w, [head_dim, config.block_k])
     tiles = triton.cdiv(m, config.block_m) * (num_heads + 2 * num_kv_heads)
     programs = tiles if config.programs is None else min(config.programs, tiles)
-    _tma_qkv_rope_kernel[(programs,)](
-        a_desc, w_desc, cos3, sin3, q, k, v,
-        m, a.shape[1], t, num_heads, num_kv_heads,
-        cos3.stride(0) if cos3.shape[0] > 1 else 0, cos3.stride(1),
-        sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1),
-        HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        PROGRAMS=programs, UPCAST=interpret_mode(), FLATTEN=config.flatten, WS=config.warp_specialize,
-        num_warps=config.warps, num_stages=config.stages,
-    )
+
+    def launch(c: TmaConfig) -> None:
+        _tma_qkv_rope_kernel[(programs,)](
+            a_desc, w_desc, cos3, sin3, q, k, v,
+            m, a.shape[1], t, num_heads, num_kv_heads,
+            cos3.stride(0) if cos3.shape[0] > 1 else 0, cos3.stride(1),
+            sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1),
+            HEAD_DIM=head_dim, BLOCK_M=c.block_m, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            PROGRAMS=programs, UPCAST=interpret_mode(), FLATTEN=c.flatten, WS=c.warp_specialize and _ws_works(),
+            num_warps=c.warps, num_stages=c.stages,
+        )
+
+    _launch_with_ws_fallback(launch, config)
     return q, k, v
