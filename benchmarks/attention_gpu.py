@@ -72,14 +72,16 @@ def sweep_configs(tiny: bool, big_blocks: bool = False) -> list[ta.SplitConfig]:
 
 
 def parse_configs(spec: str) -> list[ta.SplitConfig]:
-    """'bm,bn,warps,stages,min_keys[,inline];...' -> tilings (inline: 1 merges in the split kernel;
-    a min_keys above the key count forces one split, so no merge at all)."""
+    """'bm,bn,warps,stages,min_keys[,inline[,ws]];...' -> tilings (inline: 1 merges in the split
+    kernel; a min_keys above the key count forces one split, so no merge at all; ws: 1
+    warp-specialises the key loops)."""
     out = []
     for part in filter(None, (x.strip() for x in spec.split(";"))):
         v = [int(x) for x in part.split(",")]
-        if len(v) not in (5, 6):
-            raise ValueError(f"--configs entry {part!r}: want bm,bn,warps,stages,min_keys[,inline]")
-        out.append(ta.SplitConfig(*v[:5], inline_merge=bool(v[5]) if len(v) == 6 else v[0] <= 16))
+        if len(v) not in (5, 6, 7):
+            raise ValueError(f"--configs entry {part!r}: want bm,bn,warps,stages,min_keys[,inline[,ws]]")
+        out.append(ta.SplitConfig(*v[:5], inline_merge=bool(v[5]) if len(v) >= 6 else v[0] <= 16,
+                                  warp_specialize=len(v) == 7 and bool(v[6])))
     return out
 
 

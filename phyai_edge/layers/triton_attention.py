@@ -65,6 +65,9 @@ class SplitConfig:
     # merges it) rather than in a second kernel; see `_split_attn_kernel`. Measured faster only
     # for 16-row blocks (`FEW_BLOCKS`).
     inline_merge: bool = False
+    # Warp-specialise the key loops (`tl.range(warp_specialize=True)`): measured by
+    # `benchmarks/attention_gpu.py`, not used by `default_config`.
+    warp_specialize: bool = False
 
 
 # Measured on an H200 (benchmarks/attention_gpu.py, RESULTS.md 2026-12-03), PI0.5's head size 256.
@@ -159,7 +162,7 @@ if triton is not None:
         sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
         so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        FINAL: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+        FINAL: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, WS: tl.constexpr,
     ):
         """One (query block, key split, batch x KV head) program. FINAL (one split): the output
         goes straight to out. Else a float32 partial and its log-sum-exp (base 2) go to o / lse;
@@ -186,14 +189,14 @@ if triton is not None:
         # (the step's own keys): the two are never concatenated in memory. One loop per part, so
         # each block issues one load per operand rather than two masked ones.
         end1 = tl.minimum(end, keys1)
-        for n0 in range(start, end1, BLOCK_N):
+        for n0 in tl.range(start, end1, BLOCK_N, warp_specialize=WS):
             c = n0 + tl.arange(0, BLOCK_N)
             inb = c < end1
             kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=inb[None, :], other=0.0)
             vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
             ok = inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
             m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST)
-        for n0 in range(tl.maximum(start, keys1), end, BLOCK_N):
+        for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
             c = n0 + tl.arange(0, BLOCK_N)
             inb = c < end
             c2 = c - keys1
@@ -337,7 +340,7 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         v2.stride(0), v2.stride(1), v2.stride(2), mask_u8.stride(0),
         *ps, lse.stride(0), lse.stride(1), *os_,
         HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, MERGE=merge, UPCAST=interpret_mode(),
-        num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(q),
+        WS=cfg.warp_specialize, num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(q),
     )
     if not final and not merge:
         mb = 32
