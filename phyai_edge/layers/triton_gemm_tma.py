@@ -31,7 +31,8 @@ tiles are upcast to float32 before `tl.dot` (the interpreter's bf16 `tl.dot` is 
 `triton_gemm`).
 
 Used by: the prefix stack (`fused_stacks.plain_block_stack`) sends its MLPs' gate/up here from
-4096 rows on a Hopper-or-newer GPU (`takes`, `set_route`), i.e. the prefix at batch >= 8, and its
+4096 rows on a Hopper-or-newer GPU (`takes`, `set_route`), i.e. the prefix at batch >= 6
+(`geglu_config` picks the tiling by rows), and its
 QKV and o_proj from 16384 rows (batch >= 20); smaller batches, the down projection and the action
 expert stay on cuBLAS (the measurements are beside `_ROUTES`).
 
@@ -101,10 +102,11 @@ class TmaConfig:
 GEGLU_TILES = TmaConfig(128, 128, 64, 8, 3, 8)
 GEGLU_PERSISTENT = TmaConfig(128, 128, 64, 8, 3, 16)  # `programs` filled in: the SM count
 PERSISTENT_FROM_ROWS = 16384
-# From 4096 to PERSISTENT_FROM_ROWS rows (the prefix at batch 5-19): persistent programs with the
-# tile loop warp-specialised and the store in halves. At 6528 rows (batch 8) 1225 us against 1371
-# for GEGLU_TILES and 1314 for cuBLAS + the pass (2026-12-03 fifth session, call 1); at 26112 rows
-# warp specialization was within the run's noise (5394 vs 5434), so GEGLU_PERSISTENT stays there.
+# From 4096 to PERSISTENT_FROM_ROWS rows (the prefix at batch 6-19): persistent programs with the
+# tile loop warp-specialised and the store in halves. End to end against GEGLU_TILES (RESULTS.md,
+# 2026-12-03 fifth session, call 2): prefix 37.88 vs 38.99 ms at batch 8, 77.56 vs 80.14 at 16. At
+# 26112 rows (batch 32) warp specialization gained nothing (prefix 155.82 vs 155.59 ms), so
+# GEGLU_PERSISTENT stays there.
 GEGLU_MID = TmaConfig(128, 128, 64, 8, 3, 16, subtile=True, warp_specialize=True)  # `programs`: SMs
 LINEAR_DEFAULT = TmaConfig(128, 128, 64, 4, 4, 8)
 # Plain GEMMs: 128 x 256 tiles, persistent, one flattened (tile, k) loop, the store in halves. On
