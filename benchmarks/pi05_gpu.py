@@ -461,7 +461,7 @@ def main_seeded(args: argparse.Namespace) -> int:
         shapes = [(b, reps1 if b == 1 else max(reps32, 320 // b) if full else reps32) for b in args.batches]
         run_triton(res, adapter, dev, inputs_for, noise_for, eager32, shapes, args.budget_s,
                    compile=not args.no_compile, compile_baseline=not args.no_compile_baseline, fp8=not args.no_fp8,
-                   rtc_modes=() if args.no_rtc else ("guided-approx", "guided"), fp8_scales=scales,
+                   rtc_modes=() if args.no_rtc else ("inpaint", "guided-approx", "guided"), fp8_scales=scales,
                    only=[v.strip() for v in args.variants.split(";")] if args.variants else None)
         dump()
     c = res["ceilings"]

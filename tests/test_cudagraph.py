@@ -135,3 +135,28 @@ def test_graphs_match_eager_on_gpu(mode: str) -> None:
     # Replays pick up new inputs.
     noise2 = torch.randn_like(noise)
     assert _rel(fast.run(inputs, noise=noise2, rtc=rtc), eager.run(inputs, noise=noise2, rtc=rtc)) < 1e-4
+
+
+def test_host_staging_copies_through_reused_buffers() -> None:
+    """`_HostStaging` (RTC's way onto a CUDA device; staged here on the CPU): the destination gets
+    the source's values in its own dtype, a name's buffer is reused while the shape holds and
+    replaced when it changes, and an unstaged copy goes straight to the destination."""
+    from phyai_edge.engines.cudagraph import _HostStaging
+
+    st = _HostStaging()
+    dst = torch.zeros(2, 5, 3)
+    src = torch.arange(15, dtype=torch.float64).reshape(1, 5, 3).expand(2, 5, 3)
+    st.copy(dst, src, "target", stage=True)
+    buf = st.buffers["target"]
+    assert torch.equal(dst, src.float()) and buf.dtype == torch.float32
+    st.copy(dst, src * 2, "target", stage=True)
+    assert st.buffers["target"] is buf and torch.equal(dst, 2 * src.float())
+    small = torch.zeros(3)
+    st.copy(small, torch.ones(3), "target", stage=True)  # another shape: a new buffer
+    assert st.buffers["target"] is not buf and torch.equal(small, torch.ones(3))
+    flags = torch.zeros(2, 4, 1, dtype=torch.bool)
+    st.copy(flags, torch.tensor([True, False, True, False]).reshape(1, 4, 1).expand(2, 4, 1), "fixed", stage=False)
+    assert "fixed" not in st.buffers and flags[:, 0].all() and not flags[:, 1].any()
+    st.wait()  # nothing queued on a CPU: returns
+    st.queued(torch.device("cpu"))
+    assert st.done is None

@@ -95,6 +95,39 @@ def prompt_bucket(token_mask: torch.Tensor, bucket: int) -> int:
     return min(length, math.ceil(longest / bucket) * bucket)
 
 
+class _HostStaging:
+    """Pinned host buffers that host-made values pass through on their way to a CUDA device:
+    from pinned memory a copy is queued without blocking the host (from pageable memory the host
+    waits for the stream to reach it). One buffer per name, reused while the shape holds; before
+    the buffers are rewritten, the copies queued from them last time are waited for."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.done: Any = None  # a CUDA event after the last queued copies
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, name: str, stage: bool) -> None:
+        """dst.copy_(src), through this staging's buffer `name` when `stage` (src on the host,
+        dst on a CUDA device)."""
+        if not stage:
+            dst.copy_(src)
+            return
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape != src.shape or buf.dtype != dst.dtype:
+            buf = torch.empty(src.shape, dtype=dst.dtype, pin_memory=dst.is_cuda)
+            self.buffers[name] = buf
+        buf.copy_(src)
+        dst.copy_(buf, non_blocking=dst.is_cuda)
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+    def queued(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+
 @dataclass
 class _GraphSet:
     """Static buffers and graphs for one (batch, views, prompt length)."""
@@ -112,6 +145,7 @@ class _GraphSet:
     loop_bufs: dict[str, torch.Tensor] = field(default_factory=dict)
     loops: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(default_factory=dict)
     eager: bool = False
+    rtc_staging: _HostStaging = field(default_factory=lambda: _HostStaging())
 
 
 @dataclass
@@ -128,6 +162,7 @@ class _StageSet:
     loop_bufs: dict[str, torch.Tensor] = field(default_factory=dict)
     loops: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(default_factory=dict)
     eager: bool = False
+    rtc_staging: _HostStaging = field(default_factory=lambda: _HostStaging())
 
 
 def static_euler(velocity: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor], bufs: dict[str, torch.Tensor],
@@ -282,6 +317,7 @@ class CudaGraphEngine(EngineBase):
             self._stages = {n: torch.compile(f, dynamic=False, **kw) for n, f in self._stages.items()}
         self._sets: dict[tuple[int, int, int], _GraphSet] = {}
         self._tables: dict[SolverSpec, list[Any]] = {}
+        self._rtc_weights: dict[tuple[SolverSpec, float], torch.Tensor] = {}  # guidance weight per step
         for batch, views in capture or []:
             self.warmup(batch, views)
 
@@ -330,14 +366,14 @@ class CudaGraphEngine(EngineBase):
             ins["token_mask"].copy_(token_mask[:, :length])
             bufs["noise"].copy_(self.sample_noise(b) if noise is None else noise)
             if rtc is not None:
-                self._load_rtc(bufs, rtc, solver, b)
+                self._load_rtc(gs, rtc, solver, b)
 
         # Inputs already on the device are copied while the vision graph runs (stream order keeps
-        # them before the graphs that read them). A copy from host memory would block the host until
-        # the stream reaches it, i.e. until vision ends, and delay the next launch: those go first.
-        # RTC's weights always come from the host.
-        late = rtc is None and all(t.device.type == self.device.type for t in
-                                   (x["image_mask"], x["tokens"], token_mask, *(() if noise is None else (noise,))))
+        # them before the graphs that read them). A copy from pageable host memory would block the
+        # host until the stream reaches it, i.e. until vision ends, and delay the next launch: those
+        # go first. RTC's values, made on the host, pass through pinned buffers (`_load_rtc`): late.
+        late = all(t.device.type == self.device.type for t in
+                   (x["image_mask"], x["tokens"], token_mask, *(() if noise is None else (noise,))))
         if not late:
             copy_rest()
         ins["images"].copy_(images)
@@ -527,17 +563,31 @@ class CudaGraphEngine(EngineBase):
         return static_euler(lambda i, xin, tt: step(xin, tt, k, v, pmask, modulation=table[i], **kw), gs.loop_bufs,
                             mode, solver)
 
-    def _load_rtc(self, bufs: dict[str, torch.Tensor], rtc: RTCGuidance, solver: SolverSpec, batch: int) -> None:
+    def _load_rtc(self, sets: _GraphSet | _StageSet, rtc: RTCGuidance, solver: SolverSpec, batch: int) -> None:
         """Copy the call's RTC into the static buffers (in place: a captured loop reads them).
         Shared (H,) weights or one d broadcast over the batch; (B, H) weights and (B,) delays
-        fill one row per sample."""
+        fill one row per sample. Values made on the host (the policy builds RTC there) go through
+        pinned staging buffers, so the copies never block the host and `run` can issue them while
+        the vision graph runs."""
         h, d = self.adapter.chunk_size, self.adapter.model_action_dim
-        target = rtc.target.to(self.device, torch.float32)
-        bufs["target"].copy_(target.expand(batch, h, d))
-        bufs["mask"].copy_(rtc.mask.to(self.device, torch.float32).expand(batch, h, d))
-        bufs["fixed"].copy_(rtc.fixed_mask(h).to(self.device).expand(batch, h, 1))
-        w = [guidance_weight(t, rtc.max_guidance_weight) for t in solver.times()]
-        bufs["weight"][: len(w)].copy_(torch.tensor(w, dtype=torch.float32))
+        bufs = sets.loop_bufs
+        key = (solver, rtc.max_guidance_weight)
+        weights = self._rtc_weights.get(key)
+        if weights is None:
+            weights = torch.tensor([guidance_weight(t, rtc.max_guidance_weight) for t in solver.times()],
+                                   dtype=torch.float32)
+            self._rtc_weights[key] = weights
+        values = {
+            "target": (bufs["target"], rtc.target.to(torch.float32).expand(batch, h, d)),
+            "mask": (bufs["mask"], rtc.mask.to(torch.float32).expand(batch, h, d)),
+            "fixed": (bufs["fixed"], rtc.fixed_mask(h).expand(batch, h, 1)),
+            "weight": (bufs["weight"][: weights.numel()], weights),
+        }
+        staging = sets.rtc_staging
+        staging.wait()
+        for name, (dst, src) in values.items():
+            staging.copy(dst, src, name, stage=dst.is_cuda and not src.is_cuda)
+        staging.queued(self.device)
 
 
     # -- the generic path: any adapter's stage graph, laid out from its stage_specs -------
@@ -560,7 +610,7 @@ class CudaGraphEngine(EngineBase):
         graph, out = self._stage_loop_graph(ss, mode, a.solver)
         ss.loop_bufs["noise"].copy_(noise)
         if rtc is not None:
-            self._load_rtc(ss.loop_bufs, rtc, a.solver, b)
+            self._load_rtc(ss, rtc, a.solver, b)
 
         marks: list[Any] = [self._mark()]
         if ss.eager:
