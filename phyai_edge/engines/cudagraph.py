@@ -21,8 +21,8 @@ What makes the PI0.5 path fast (each is exact, or equal within rounding, to the 
   attends to them, so the valid outputs are unchanged and the prefix does less work.
 - An unmasked prefix for full batches of 8 or more (`dense_prefix`, with the fused stages): a batch whose
   trimmed prompts have no padding and whose cameras are all present replays a second prefix graph
-  whose attention takes no mask (SDPA's fastest kernel; cuDNN's on Hopper) and copies its KV
-  cache into the buffers the loop reads. Padded batches replay the masked one.
+  whose attention takes no mask (SDPA's fastest kernel; cuDNN's on Hopper) and writes its KV
+  cache straight into the buffers the loop reads. Padded batches replay the masked one.
 - Adaptive-norm tables: every adaptive RMSNorm's scale/shift/gate depends on the flow time
   only, so they are computed once per solver time grid, not read from 37 conditioning
   matrices on every step.
