@@ -145,7 +145,7 @@ class _GraphSet:
     loop_bufs: dict[str, torch.Tensor] = field(default_factory=dict)
     loops: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(default_factory=dict)
     eager: bool = False
-    rtc_staging: _HostStaging = field(default_factory=lambda: _HostStaging())
+    rtc_staging: _HostStaging = field(default_factory=_HostStaging)
 
 
 @dataclass
@@ -162,7 +162,7 @@ class _StageSet:
     loop_bufs: dict[str, torch.Tensor] = field(default_factory=dict)
     loops: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(default_factory=dict)
     eager: bool = False
-    rtc_staging: _HostStaging = field(default_factory=lambda: _HostStaging())
+    rtc_staging: _HostStaging = field(default_factory=_HostStaging)
 
 
 def static_euler(velocity: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor], bufs: dict[str, torch.Tensor],
