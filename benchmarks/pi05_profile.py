@@ -103,6 +103,56 @@ def host_breakdown(eng: Any, gs: Any, loop_graph: Any, x: Any, noise: torch.Tens
     return out
 
 
+def rtc_host_breakdown(eng: Any, gs: Any, x: Any, noise: torch.Tensor, modes: list[str], reps: int = 30) -> dict[str, Any]:
+    """Per RTC solver mode (GPU only, medians over `reps` synchronised calls): `run` with the mode's
+    guidance against `run` without; the mode's loop graph replayed alone against the unguided
+    loop's (GPU time, CUDA events); and the host time `_load_rtc` takes to return (no sync: the
+    host work and the queueing of the copies)."""
+    from pi05_gpu import rtc_guidance
+
+    adapter = eng.adapter
+
+    def median_ms(fn: Any) -> float:
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+
+    def gpu_ms(graph: Any) -> float:
+        ts = []
+        for _ in range(reps):
+            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            z.record()
+            z.synchronize()
+            ts.append(a.elapsed_time(z))
+        return statistics.median(ts)
+
+    b = x.batch_size
+    out: dict[str, Any] = {"run_unguided_ms": median_ms(lambda: eng.run(x, noise=noise))}
+    base_loop = gs.loops[("none", adapter.solver)][0]
+    out["loop_unguided_gpu_ms"] = gpu_ms(base_loop)
+    for mode in modes:
+        g = rtc_guidance(adapter, b, mode)
+        eng.warmup(b, 3, VALID_TOKENS, modes=(mode,))
+        out[f"run_{mode}_ms"] = median_ms(lambda g=g: eng.run(x, noise=noise, rtc=g))
+        out[f"loop_{mode}_gpu_ms"] = gpu_ms(gs.loops[(mode, adapter.solver)][0])
+        ts = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng._load_rtc(gs, g, adapter.solver, b)
+            ts.append((time.perf_counter() - t0) * 1e3)
+        out[f"load_rtc_{mode}_host_ms"] = statistics.median(ts)
+    return out
+
+
 def time_fn(fn: Any, device: str, reps: int = 20) -> float:
     """Median ms per call (CUDA events on a GPU)."""
     for _ in range(3):
@@ -154,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--compile-step", action="store_true", help="also profile the denoise step under torch.compile")
     ap.add_argument("--triton-ops", action="store_true", help="the engine's fused Triton stages (default: the model's own)")
+    ap.add_argument("--rtc-modes", default="",
+                    help="comma-separated RTC solver modes (inpaint, guided-approx, guided) whose run / loop / "
+                         "_load_rtc times join the host breakdown (GPU only)")
     ap.add_argument("--host-only", action="store_true",
                     help="only the stage times and the host breakdown of engine.run (no per-stage profiles)")
     args = ap.parse_args(argv)
@@ -193,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             say(f"batch {b} engine.run p50 {timing['p50']:.3f} ms, stages "
                 + ", ".join(f"{k} {v:.3f}" for k, v in timing["stages_p50"].items()) + "; host: "
                 + ", ".join(f"{k} {v:.3f}" for k, v in h.items()))
+        if dev.startswith("cuda") and args.rtc_modes:
+            entry["rtc_host"] = r = rtc_host_breakdown(eng, gs, x, noise, args.rtc_modes.split(","))
+            say(f"batch {b} RTC host: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()))
         if args.host_only:
             res["batches"][str(b)] = entry
             dump()
