@@ -39,6 +39,13 @@ def time_calls(calls: list[Callable[[], Any]], device: str, replays: int = 20) -
             c()
     for _ in range(3):
         graph.replay()
+    ms = replay_ms(graph, replays)
+    del graph
+    return ms * 1e3 / len(calls)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
+    """Median milliseconds of one replay of a captured graph, each timed with CUDA events."""
     ms = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -47,5 +54,4 @@ def time_calls(calls: list[Callable[[], Any]], device: str, replays: int = 20) -
         b.record()
         b.synchronize()
         ms.append(a.elapsed_time(b))
-    del graph
-    return statistics.median(ms) * 1e3 / len(calls)
+    return statistics.median(ms)

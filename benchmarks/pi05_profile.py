@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import parity_lerobot as par
+from graph_timing import replay_ms
 from pi05_gpu import VALID_TOKENS, seeded_adapter, sync, time_engine
 
 say = par.say
@@ -64,6 +65,19 @@ def profile_call(fn: Any, device: str, top: int = 12) -> dict[str, Any]:
                     for k, n, us in rows[:top]]}
 
 
+def synced_ms(fn: Any, reps: int = 30) -> float:
+    """Median wall-clock milliseconds of `fn` to the end of a CUDA sync, after one warm call."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
 def host_breakdown(eng: Any, gs: Any, loop_graph: Any, x: Any, noise: torch.Tensor, reps: int = 30) -> dict[str, Any]:
     """Where a batch's `engine.run` spends its wall clock beyond the GPU's stage times (GPU only),
     each a median over `reps` synchronised calls: the whole `run`; the three graph replays alone
@@ -71,16 +85,7 @@ def host_breakdown(eng: Any, gs: Any, loop_graph: Any, x: Any, noise: torch.Tens
     wall clock to the end of a sync, as the host time `replay()` takes to return (the launch) and
     as CUDA-event time (the GPU's own)."""
 
-    def median_ms(fn: Any) -> float:
-        fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
+    median_ms = partial(synced_ms, reps=reps)
 
     graphs = {"vision": gs.vision_graph, "prefix": gs.prefix_graph, "loop": loop_graph}
     out: dict[str, Any] = {"run_ms": median_ms(lambda: eng.run(x, noise=noise)),
@@ -112,37 +117,17 @@ def rtc_host_breakdown(eng: Any, gs: Any, x: Any, noise: torch.Tensor, modes: li
 
     adapter = eng.adapter
 
-    def median_ms(fn: Any) -> float:
-        fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
-
-    def gpu_ms(graph: Any) -> float:
-        ts = []
-        for _ in range(reps):
-            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            z.record()
-            z.synchronize()
-            ts.append(a.elapsed_time(z))
-        return statistics.median(ts)
+    median_ms = partial(synced_ms, reps=reps)
 
     b = x.batch_size
     out: dict[str, Any] = {"run_unguided_ms": median_ms(lambda: eng.run(x, noise=noise))}
     base_loop = gs.loops[("none", adapter.solver)][0]
-    out["loop_unguided_gpu_ms"] = gpu_ms(base_loop)
+    out["loop_unguided_gpu_ms"] = replay_ms(base_loop, reps)
     for mode in modes:
         g = rtc_guidance(adapter, b, mode)
         eng.warmup(b, 3, VALID_TOKENS, modes=(mode,))
         out[f"run_{mode}_ms"] = median_ms(lambda g=g: eng.run(x, noise=noise, rtc=g))
-        out[f"loop_{mode}_gpu_ms"] = gpu_ms(gs.loops[(mode, adapter.solver)][0])
+        out[f"loop_{mode}_gpu_ms"] = replay_ms(gs.loops[(mode, adapter.solver)][0], reps)
         ts = []
         for _ in range(reps):
             torch.cuda.synchronize()
