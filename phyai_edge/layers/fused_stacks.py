@@ -34,11 +34,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from phyai_edge.layers import triton_gemm, triton_gemm_tma
+from phyai_edge.layers import triton_expert_layer, triton_gemm, triton_gemm_tma
 from phyai_edge.layers.attention import attention_unmasked
 from phyai_edge.layers.norm import Modulation
-from phyai_edge.layers.triton_attention import stack_attention
-from phyai_edge.layers.triton_dispatch import resolve_backend
+from phyai_edge.layers.triton_attention import kernel_key_mask, stack_attention
+from phyai_edge.layers.triton_dispatch import _use_triton, resolve_backend
 from phyai_edge.layers.triton_ops import (
     SplitSums,
     ada_rms_norm,
@@ -166,7 +166,18 @@ def adaptive_block_stack(
 
     `attend`: `stack_attention(mask, B, backend)` made ahead (a caller running several stacks on
     one mask, the denoise steps of a chunk, makes it once).
+
+    Where `gemm_backend` runs the kernels and `triton_expert_layer.takes` the stack (batch 1: at
+    most 64 rows), each block is one persistent kernel instead (`triton_expert_layer`, on unless
+    `triton_expert_layer.set_enabled(False)`).
     """
+    if (gemm_backend is not None and triton_expert_layer.enabled() and _use_triton(gemm_backend, x)
+            and triton_expert_layer.takes(blocks, x, mask)):
+        key_mask = getattr(attend, "key_mask", None)
+        if key_mask is None:
+            key_mask = kernel_key_mask(mask, x.shape[0])
+        return triton_expert_layer.persistent_block_stack(blocks, x, cos, sin, k_cache, v_cache, key_mask,
+                                                          modulations, final, final_eps)
     if attend is None:
         attend = stack_attention(mask, x.shape[0], backend)
     scale, shift, _ = modulations[0][0]

@@ -413,4 +413,5 @@ def stack_attention(mask: torch.Tensor, batch: int, backend: str) -> Callable[..
         return attention_split(q, k, v, m, backend=backend,
                                key_mask=key_mask if m is mask else None, tickets=tickets)
 
+    attend.key_mask = key_mask  # type: ignore[attr-defined]  # for `triton_expert_layer`, which reads the mask itself
     return attend
