@@ -131,11 +131,12 @@ if triton is not None:
     from phyai_edge.layers.triton_ops import _gelu_tanh, _rope
 
     @triton.jit
-    def _grid_sync(bar_ptr, n_programs):
+    def _grid_sync(bar_ptr, n_programs, POLL: tl.constexpr = 0):
         """Wait until every program of the launch has arrived. bar_ptr[0] counts arrivals in the
         current round, bar_ptr[1] counts rounds. The last to arrive puts the count back to 0 and
-        then (release) advances the round; the others spin (acquire) until the round they saw on
-        arrival has passed. Both words stay consistent between launches: no reset needed."""
+        then (release) advances the round; the others spin until the round they saw on arrival
+        has passed: POLL 0 with acquire atomics, 1 with volatile loads and one acquire atomic at
+        the end. Both words stay consistent between launches."""
         tl.debug_barrier()  # every warp's stores issued before this program's arrival
         gen = tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
         arrived = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu")
@@ -144,9 +145,27 @@ if triton is not None:
             tl.atomic_add(bar_ptr + 1, 1, sem="release", scope="gpu")
         else:
             cur = gen
-            while cur == gen:
-                cur = tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
+            if POLL == 0:
+                while cur == gen:
+                    cur = tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
+            else:
+                while cur == gen:
+                    cur = tl.load(bar_ptr + 1, volatile=True)
+                tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
+
+    @triton.jit
+    def _barrier_bench_kernel(bar_ptr, rounds, POLL: tl.constexpr):
+        """`rounds` grid barriers and nothing else (`benchmarks/expert_layer_gpu.py` times a
+        barrier against an empty kernel's launch in a CUDA graph)."""
+        for _ in range(rounds):
+            _grid_sync(bar_ptr, tl.num_programs(0), POLL)
+
+    @triton.jit
+    def _empty_kernel(x_ptr):
+        """A kernel that does nothing (one program's store of nothing): a graph node's floor."""
+        pid = tl.program_id(0)
+        tl.store(x_ptr + pid, 0, mask=pid < 0)
 
     @triton.jit
     def _prefetch_l2(base, n_elems, part, parts, MODE: tl.constexpr):
@@ -358,7 +377,7 @@ if triton is not None:
         M, W, T, TP, NH, NKV, F, n_next, o_per_split, d_per_split, eps2, eps_next, scale_log2,
         s_cb, s_ct, s_sb, s_st, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, sm_b,
         s_gin, s_sc2, s_sh2, s_gpost, s_scn, s_shn,
-        FIRST: tl.constexpr, LAST: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr,
+        FIRST: tl.constexpr, LAST: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr, POLL: tl.constexpr,
         D: tl.constexpr, QKV_N: tl.constexpr, ATT_M: tl.constexpr, ATT_N: tl.constexpr,
         O_N: tl.constexpr, O_SPLIT: tl.constexpr, GU_N: tl.constexpr, D_N: tl.constexpr, D_SPLIT: tl.constexpr,
         BM: tl.constexpr, BK: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -372,53 +391,50 @@ if triton is not None:
         qkv_tiles = (NH + 2 * NKV) * tl.cdiv(HALF, QKV_N)
         att_tiles = (M // T) * NKV * tl.cdiv((NH // NKV) * T, ATT_M)
         if FIRST <= 0 and LAST >= 0:
-            if PREFETCH > 0:  # programs without a QKV tile fetch o_proj's and gate/up's weights
-                if pid >= qkv_tiles:
-                    _prefetch_l2(wo_ptr, W * NH * D, pid - qkv_tiles, npr - qkv_tiles, PREFETCH)
-                    _prefetch_l2(wgu_ptr, 2 * F * W, pid - qkv_tiles, npr - qkv_tiles, PREFETCH)
+            if PREFETCH > 0 and pid >= qkv_tiles:  # programs without a QKV tile fetch o_proj / gate-up weights
+                _prefetch_l2(wo_ptr, W * NH * D, pid - qkv_tiles, npr - qkv_tiles, PREFETCH)
+                _prefetch_l2(wgu_ptr, 2 * F * W, pid - qkv_tiles, npr - qkv_tiles, PREFETCH)
             for tile in range(pid, qkv_tiles, npr):
                 _phase_qkv(tile, h_ptr, wqkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
                            M, W, T, NH, NKV, s_cb, s_ct, s_sb, s_st,
                            HALF, QKV_N, BM, BK, EVEN_W, UPCAST, IEEE)
         if SYNC and FIRST <= 0 and LAST >= 1:
-            _grid_sync(bar_ptr, npr)
+            _grid_sync(bar_ptr, npr, POLL)
         if FIRST <= 1 and LAST >= 1:
-            if PREFETCH > 0:  # programs without an attention tile fetch down's weights
-                if pid >= att_tiles:
-                    _prefetch_l2(wd_ptr, W * F, pid - att_tiles, npr - att_tiles, PREFETCH)
+            if PREFETCH > 0 and pid >= att_tiles:  # programs without an attention tile fetch down's weights
+                _prefetch_l2(wd_ptr, W * F, pid - att_tiles, npr - att_tiles, PREFETCH)
             for tile in range(pid, att_tiles, npr):
                 _phase_attention(tile, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, mask_ptr, ao_ptr,
                                  T, TP, NH, NKV, scale_log2, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, sm_b,
                                  D, ATT_M, ATT_N, UPCAST)
         if SYNC and FIRST <= 1 and LAST >= 2:
-            _grid_sync(bar_ptr, npr)
+            _grid_sync(bar_ptr, npr, POLL)
         if FIRST <= 2 and LAST >= 2:
             for tile in range(pid, tl.cdiv(W, O_N) * tl.cdiv(NH * D, o_per_split), npr):
                 _phase_split_linear(tile, ao_ptr, wo_ptr, part_ptr, M, W, NH * D, o_per_split,
                                     O_N, BM, BK, EVEN_HD, UPCAST, IEEE)
         if SYNC and FIRST <= 2 and LAST >= 3:
-            _grid_sync(bar_ptr, npr)
+            _grid_sync(bar_ptr, npr, POLL)
         if FIRST <= 3 and LAST >= 3:
             for row in range(pid, M, npr):
                 _phase_residual_norm(row, xin_ptr, xout_ptr, part_ptr, gin_ptr, sc2_ptr, sh2_ptr, h_ptr,
                                      M, W, T, eps2, s_gin, s_sc2, s_sh2, O_SPLIT, BLOCK_W)
         if SYNC and FIRST <= 3 and LAST >= 4:
-            _grid_sync(bar_ptr, npr)
+            _grid_sync(bar_ptr, npr, POLL)
         if FIRST <= 4 and LAST >= 4:
             for tile in range(pid, tl.cdiv(F, GU_N), npr):
                 _phase_geglu(tile, h_ptr, wgu_ptr, act_ptr, M, F, W, GU_N, BM, BK, EVEN_W, UPCAST, IEEE)
         if SYNC and FIRST <= 4 and LAST >= 5:
-            _grid_sync(bar_ptr, npr)
+            _grid_sync(bar_ptr, npr, POLL)
         if FIRST <= 5 and LAST >= 5:
             for tile in range(pid, tl.cdiv(W, D_N) * tl.cdiv(F, d_per_split), npr):
                 _phase_split_linear(tile, act_ptr, wd_ptr, part_ptr, M, W, F, d_per_split,
                                     D_N, BM, BK, EVEN_F, UPCAST, IEEE)
         if SYNC and FIRST <= 5 and LAST >= 6:
-            _grid_sync(bar_ptr, npr)
+            _grid_sync(bar_ptr, npr, POLL)
         if FIRST <= 6 and LAST >= 6:
-            if PREFETCH > 0:  # programs without a row fetch the next block's QKV weight
-                if pid >= M:
-                    _prefetch_l2(wnext_ptr, n_next, pid - M, npr - M, PREFETCH)
+            if PREFETCH > 0 and pid >= M:  # programs without a row fetch the next block's QKV weight
+                _prefetch_l2(wnext_ptr, n_next, pid - M, npr - M, PREFETCH)
             for row in range(pid, M, npr):
                 _phase_residual_norm(row, xout_ptr, xout_ptr, part_ptr, gpost_ptr, scn_ptr, shn_ptr, h_ptr,
                                      M, W, T, eps_next, s_gpost, s_scn, s_shn, D_SPLIT, BLOCK_W)
@@ -464,15 +480,19 @@ def persistent_block_stack(
     final_eps: float,
     persistent: bool | None = None,
     tiles: LayerTiles = DEFAULT_TILES,
-    prefetch: int = 1,
+    prefetch: int = 0,
     programs: int | None = None,
+    poll: int = 1,
+    phases: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """`fused_stacks.adaptive_block_stack`'s contract (returns the final norm's output) on one
     kernel launch per block. `key_mask`: (B, prefix + T) uint8, `triton_attention.kernel_key_mask`
     of the stack's mask. `persistent`: one launch per block with barriers (None: on a GPU; the
     interpreter cannot run it), else one launch per phase. `prefetch`: 0 off, 1 line prefetches, 2
     bulk prefetches (a GPU with sm_90 for 2). `programs`: the persistent launch's size (None: one per
-    SM; never more than the SMs). Needs `takes(blocks, x, mask)` for kernel dtypes."""
+    SM; never more than the SMs). `phases`: with persistent=False, launch only these (a benchmark
+    timing one phase; the output is then not the stack's). `poll`: how the barrier spins
+    (`_grid_sync`). Needs `takes(blocks, x, mask)` for kernel dtypes."""
     if persistent is None:
         persistent = x.is_cuda and not interpret_mode()
     if persistent and not x.is_cuda:
@@ -512,7 +532,7 @@ def persistent_block_stack(
     o_splits, d_splits = math.ceil(nh * d / o_per), math.ceil(f / d_per)
     upcast = interpret_mode()
     flags = dict(
-        PREFETCH=prefetch if (persistent and x.is_cuda) else 0, D=d, QKV_N=tiles.qkv_n, ATT_M=tiles.attn_m,
+        PREFETCH=prefetch if (persistent and x.is_cuda) else 0, POLL=poll, D=d, QKV_N=tiles.qkv_n, ATT_M=tiles.attn_m,
         ATT_N=tiles.attn_n, O_N=tiles.o_n, O_SPLIT=o_splits, GU_N=tiles.gu_n, D_N=tiles.down_n, D_SPLIT=d_splits,
         BM=MAX_ROWS if m > 16 else 16, BK=bk, BLOCK_W=triton.next_power_of_2(w),
         EVEN_W=w % bk == 0, EVEN_HD=(nh * d) % bk == 0 and o_per % bk == 0, EVEN_F=f % bk == 0 and d_per % bk == 0,
@@ -564,6 +584,6 @@ def persistent_block_stack(
         if persistent:
             _expert_layer_kernel[(size,)](*args, FIRST=0, LAST=PHASES - 1, SYNC=True, **flags)
         else:
-            for phase in range(PHASES):
+            for phase in range(PHASES) if phases is None else phases:
                 _expert_layer_kernel[(phase_tiles[phase],)](*args, FIRST=phase, LAST=phase, SYNC=False, **flags)
     return h.view(b, t, w)
