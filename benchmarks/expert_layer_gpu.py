@@ -4,12 +4,13 @@ One question, one run: PI0.5's action expert (18 adaptive Gemma blocks, width 10
 on one KV head of 256, MLP 4096) at batch 1 (50 rows) over an 816-key cached prefix (the last 20
 keys masked), seeded bf16 weights. For each variant of `fused_stacks.adaptive_block_stack`:
 - the per-op kernels (`triton_expert_layer.set_enabled(False)`: the engine's path before);
-- the persistent block (`layers/triton_expert_layer.py`) with L2 prefetch off / by line / bulk,
-  and with other tilings and program counts;
+- the persistent block (`layers/triton_expert_layer.py`) with its default tiling, other tilings
+  and half the programs;
 - the persistent kernel's phases launched one by one (same tiles, no barriers);
 check the output against the float32 reference (relative L2 error, and the max abs difference
 between the persistent launch and its phases launched one by one, expected 0: same tiles, same
-order), then time the whole stack inside a CUDA graph (median of replays) and print a table.
+order), then time the whole stack inside a CUDA graph (median of replays) and print a table;
+then each phase alone (launched once per block), and a grid barrier against an empty kernel.
 
     python benchmarks/expert_layer_gpu.py --json runs/expert_layer.json           # on the GPU
     TRITON_INTERPRET=1 python benchmarks/expert_layer_gpu.py --device cpu --tiny  # plumbing check
@@ -90,15 +91,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def barrier_costs(dev: str, rounds: int = 100) -> dict[str, float]:
-    """Microseconds per grid barrier (one program per SM, `rounds` barriers in one kernel, each
-    polling mode) and per empty kernel (`rounds` launches in one CUDA graph)."""
+    """Microseconds per grid barrier (one program per SM, `rounds` barriers in one kernel) and per
+    empty kernel (`rounds` launches in one CUDA graph)."""
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     words = torch.zeros(2, dtype=torch.int32, device=dev)
     out: dict[str, float] = {}
-    for poll in (0, 1):
-        def call(poll: int = poll) -> None:
-            tel._barrier_bench_kernel[(sms,)](words, rounds, POLL=poll, num_warps=4)
-        out[f"barrier_poll{poll}_us"] = time_calls([call], dev) / rounds
+    def call() -> None:
+        tel._barrier_bench_kernel[(sms,)](words, rounds, num_warps=4)
+    out["barrier_us"] = time_calls([call], dev) / rounds
     dummy = torch.zeros(1, dtype=torch.int32, device=dev)
     out["empty_kernel_us"] = time_calls([lambda: tel._empty_kernel[(sms,)](dummy)] * rounds, dev)
     return out
@@ -138,10 +138,7 @@ def main() -> None:
     variants: list[tuple[str, Any]] = [("per-op kernels (before)", per_op)]
     if cuda:
         variants += [
-            ("persistent, atomic polling", persistent(poll=0)),
-            ("persistent (default)", persistent()),
-            ("persistent, line prefetch", persistent(prefetch=1)),
-            ("persistent, bulk prefetch", persistent(prefetch=2)),
+            ("persistent (default tiles)", persistent()),
             ("persistent, 66 programs", persistent(programs=66)),
             ("persistent, 8 warps", persistent(tiles=tel.LayerTiles(warps=8))),
             ("persistent, 4 stages", persistent(tiles=tel.LayerTiles(stages=4))),
@@ -164,7 +161,7 @@ def main() -> None:
         res[name] = r
         rows.append((name, r))
         print(name, r, flush=True)
-    ref_name = "persistent (default)" if cuda else None
+    ref_name = "persistent (default tiles)" if cuda else None
     if ref_name in outs and "phases one by one" in outs:
         res["max_abs_persistent_vs_phases"] = float((outs[ref_name] - outs["phases one by one"]).abs().max())
     if "per-op kernels (before)" in outs and ref_name in outs:

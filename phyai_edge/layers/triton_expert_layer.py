@@ -1,17 +1,11 @@
-"""The action expert's adaptive Gemma block as one persistent Triton kernel, for batch-1 denoise
-steps, beside the per-op path it replaces.
+"""The action expert's adaptive Gemma block as one persistent Triton kernel at batch 1, beside
+the per-op kernels it would replace. Measured slower on the H200: off by default (`set_enabled`).
 
-Why: at batch 1 a PI0.5 denoise step runs 18 blocks of ~8 kernels each (QKV + RoPE, attention,
-o_proj, residual + norm, gate/up + GeGLU, down, residual + norm), every one of them 2-14 us for
-work that moves 1-17 MB: the H200 profile (`benchmarks/RESULTS.md`, 2026-12-03 second session
-call 3) has the step at 0.885 ms against a 0.16 ms weight-streaming floor, bound by how many
-dependent kernels run in sequence, each ramping up from nothing. Here one launch runs a whole
-block: `P` programs (one per SM) walk the block's seven phases, each phase's tiles spread over
-them, with a grid-wide barrier between phases. While a phase leaves programs idle (attention has
-~25 tiles at batch 1, the norms one per row) those programs ask L2 for the weights the next phases
-will read, so the GEMM phases stream from L2 instead of HBM.
-
-The phases, for x (M = B x T rows, W wide) and h = the block's normed input:
+The idea: at batch 1 a PI0.5 denoise step runs 18 blocks of ~8 dependent kernels each (QKV +
+RoPE, attention, o_proj, residual + norm, gate/up + GeGLU, down, residual + norm), 0.82 ms a
+step against a 0.16 ms weight-streaming floor. Here one launch runs a whole block: one program
+per SM walks the block's seven phases, each phase's tiles spread over the programs, with a
+grid-wide barrier between phases:
   A  q, k, v = rope(h @ Wqkv^T)                      tiles: (H + 2 Hkv) heads x column tiles
   B  ao = attention(q, [cached prefix k, k], ...)     tiles: (B x Hkv) x blocks of folded query rows
   C  split-K partials of ao @ Wo^T                     tiles: column tiles x splits
@@ -19,25 +13,25 @@ The phases, for x (M = B x T rows, W wide) and h = the block's normed input:
   E  act = gelu_tanh(h @ Wg^T) * (h @ Wu^T)            tiles: column tiles
   F  split-K partials of act @ Wd^T                    tiles: column tiles x splits
   G  x += gate_post * sum(partials); h = next adanorm  tiles: rows
-Phases C/D and F/G add the partials in split order and round as `triton_ops.residual_ada_rms_norm`
-does with a split-K `SplitSums`; the attention is one pass over all keys per block of query rows
-(no key splits: a split would need one more barrier for its merge).
+(x: M = B x T rows, W wide; h: the block's normed input.) C/D and F/G add the partials in split
+order and round as `triton_ops.residual_ada_rms_norm` does with `SplitSums`; the attention is one
+pass over all keys per block of query rows (key splits would need one more barrier to merge).
 
-Barriers. A grid-wide barrier needs every program resident at once. The launch has at most one
-program per SM and a program's registers / shared memory fit one SM, so on an otherwise idle GPU
-all are resident; a kernel of another stream holding SMs only delays the late programs until it
-ends. Two of these kernels running at once on one GPU could each wait for SMs the other holds:
-so callers run it from one stream (the cudagraph engine's step graph does). The barrier is a
-sense-counting one: an arrival counter and a generation, both left ready for the next launch, so a
-captured CUDA graph replays it without resetting anything.
+What the H200 said (2026-12-03, `benchmarks/expert_layer_gpu.py`, RESULTS.md): 18 blocks, 50 rows,
+816 prefix keys, in CUDA graphs: per-op kernels 825 us, this kernel 1292 us (bit-identical to its
+phases launched one by one, 1212 us). A grid barrier costs 1.71 us where a kernel boundary in a
+CUDA graph costs 0.77 us (an empty kernel), so the 108 barriers cost more than the launches they
+replace; the one-pass attention phase takes 30 us a block against the split kernel's 13.5; and
+idle programs prefetching the next phases' weights to L2 made it slower (1523 us, removed). A
+persistent kernel would have to overlap phases (per-tile dependencies instead of barriers) to
+win; this one is kept as the measured baseline for that, tested, and off.
 
-Under Triton's CPU interpreter (programs run one after another: a barrier would wait forever) and
-wherever `persistent=False`, the same kernel runs phase by phase, one launch per phase: the tests
-use that, and a GPU run compares the two (`benchmarks/pi05_gpu.py`).
-
-Dispatch: `takes(blocks, x, mask)` (at most `MAX_ROWS` rows, fused bf16 / fp16 projections with no
-bias, a head size that is a power of two, key-only mask); on by default (`set_enabled`), used by
-`fused_stacks.adaptive_block_stack` when its `gemm_backend` runs the kernels.
+Barriers need every program resident at once: the launch has at most one program per SM and a
+program fits an SM, so on an otherwise idle GPU all are resident, and a kernel of another stream
+only delays the late programs until it ends. Two of these kernels running at once could each wait
+for SMs the other holds: run it from one stream. Under Triton's CPU interpreter (programs run one
+after another: a barrier would never open) and with `persistent=False`, the same kernel runs one
+launch per phase: the tests use that, and the GPU benchmark checks the two agree bit for bit.
 """
 
 from __future__ import annotations
@@ -57,12 +51,12 @@ MAX_ROWS = 64  # one 64-row tile (wgmma's height) holds a batch-1 step's 50 rows
 DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PHASES = 7
-_ENABLED = True
+_ENABLED = False  # measured slower than the per-op kernels (module docstring)
 
 
 def set_enabled(on: bool) -> bool:
-    """Route `adaptive_block_stack` through the persistent block (True, the default) or the per-op
-    kernels (False); returns the previous setting (benchmarks time both)."""
+    """Route `adaptive_block_stack` through the persistent block (True) or the per-op kernels
+    (False, the default); returns the previous setting (benchmarks time both)."""
     global _ENABLED
     before, _ENABLED = _ENABLED, bool(on)
     return before
@@ -131,12 +125,12 @@ if triton is not None:
     from phyai_edge.layers.triton_ops import _gelu_tanh, _rope
 
     @triton.jit
-    def _grid_sync(bar_ptr, n_programs, POLL: tl.constexpr = 0):
+    def _grid_sync(bar_ptr, n_programs):
         """Wait until every program of the launch has arrived. bar_ptr[0] counts arrivals in the
         current round, bar_ptr[1] counts rounds. The last to arrive puts the count back to 0 and
-        then (release) advances the round; the others spin until the round they saw on arrival
-        has passed: POLL 0 with acquire atomics, 1 with volatile loads and one acquire atomic at
-        the end. Both words stay consistent between launches."""
+        then (release) advances the round; the others spin (acquire) until the round they saw on
+        arrival has passed. Both words stay consistent between launches. (Spinning on volatile
+        loads instead of atomics measured the same: 1.78 vs 1.71 us a barrier.)"""
         tl.debug_barrier()  # every warp's stores issued before this program's arrival
         gen = tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
         arrived = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu")
@@ -145,52 +139,22 @@ if triton is not None:
             tl.atomic_add(bar_ptr + 1, 1, sem="release", scope="gpu")
         else:
             cur = gen
-            if POLL == 0:
-                while cur == gen:
-                    cur = tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
-            else:
-                while cur == gen:
-                    cur = tl.load(bar_ptr + 1, volatile=True)
-                tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
+            while cur == gen:
+                cur = tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
 
     @triton.jit
-    def _barrier_bench_kernel(bar_ptr, rounds, POLL: tl.constexpr):
+    def _barrier_bench_kernel(bar_ptr, rounds):
         """`rounds` grid barriers and nothing else (`benchmarks/expert_layer_gpu.py` times a
         barrier against an empty kernel's launch in a CUDA graph)."""
         for _ in range(rounds):
-            _grid_sync(bar_ptr, tl.num_programs(0), POLL)
+            _grid_sync(bar_ptr, tl.num_programs(0))
 
     @triton.jit
     def _empty_kernel(x_ptr):
         """A kernel that does nothing (one program's store of nothing): a graph node's floor."""
         pid = tl.program_id(0)
         tl.store(x_ptr + pid, 0, mask=pid < 0)
-
-    @triton.jit
-    def _prefetch_l2(base, n_elems, part, parts, MODE: tl.constexpr):
-        """Ask L2 for share `part` of `parts` of the 2-byte elements [0, n_elems) at `base` (a
-        weight the next phases read): MODE 1 one `prefetch.global.L2` per 128-byte line, MODE 2
-        one `cp.async.bulk.prefetch.L2` per 4 KB. A prefetch loads nothing into registers; an
-        address past the end is clamped to the start (a repeated line costs an L2 hit)."""
-        if MODE == 1:
-            lines = tl.cdiv(n_elems, 64)
-            per = tl.cdiv(lines, parts)
-            for j in range(part * per, tl.minimum(part * per + per, lines), 256):
-                idx = j + tl.arange(0, 256)
-                ok = idx < tl.minimum(part * per + per, lines)
-                ptrs = tl.where(ok, base + idx.to(tl.int64) * 64, base)
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-        elif MODE == 2:
-            chunks = n_elems // 2048  # whole 4 KB chunks only: a bulk prefetch must stay in bounds
-            per = tl.cdiv(chunks, parts)
-            for j in range(part * per, tl.minimum(part * per + per, chunks), 128):
-                idx = j + tl.arange(0, 128)
-                ok = idx < tl.minimum(part * per + per, chunks)
-                ptrs = tl.where(ok, base + idx.to(tl.int64) * 2048, base)
-                tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096;\n\tmov.u32 $0, 0;", "=r,l",
-                                          [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _phase_qkv(tile, h_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
@@ -370,14 +334,14 @@ if triton is not None:
 
     @triton.jit
     def _expert_layer_kernel(
-        xin_ptr, xout_ptr, h_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, wnext_ptr,
+        xin_ptr, xout_ptr, h_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr,
         cos_ptr, sin_ptr, kc_ptr, vc_ptr, mask_ptr,
         q_ptr, k_ptr, v_ptr, ao_ptr, act_ptr, part_ptr, bar_ptr,
         gin_ptr, sc2_ptr, sh2_ptr, gpost_ptr, scn_ptr, shn_ptr,
-        M, W, T, TP, NH, NKV, F, n_next, o_per_split, d_per_split, eps2, eps_next, scale_log2,
+        M, W, T, TP, NH, NKV, F, o_per_split, d_per_split, eps2, eps_next, scale_log2,
         s_cb, s_ct, s_sb, s_st, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, sm_b,
         s_gin, s_sc2, s_sh2, s_gpost, s_scn, s_shn,
-        FIRST: tl.constexpr, LAST: tl.constexpr, SYNC: tl.constexpr, PREFETCH: tl.constexpr, POLL: tl.constexpr,
+        FIRST: tl.constexpr, LAST: tl.constexpr, SYNC: tl.constexpr,
         D: tl.constexpr, QKV_N: tl.constexpr, ATT_M: tl.constexpr, ATT_N: tl.constexpr,
         O_N: tl.constexpr, O_SPLIT: tl.constexpr, GU_N: tl.constexpr, D_N: tl.constexpr, D_SPLIT: tl.constexpr,
         BM: tl.constexpr, BK: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -391,50 +355,43 @@ if triton is not None:
         qkv_tiles = (NH + 2 * NKV) * tl.cdiv(HALF, QKV_N)
         att_tiles = (M // T) * NKV * tl.cdiv((NH // NKV) * T, ATT_M)
         if FIRST <= 0 and LAST >= 0:
-            if PREFETCH > 0 and pid >= qkv_tiles:  # programs without a QKV tile fetch o_proj / gate-up weights
-                _prefetch_l2(wo_ptr, W * NH * D, pid - qkv_tiles, npr - qkv_tiles, PREFETCH)
-                _prefetch_l2(wgu_ptr, 2 * F * W, pid - qkv_tiles, npr - qkv_tiles, PREFETCH)
             for tile in range(pid, qkv_tiles, npr):
                 _phase_qkv(tile, h_ptr, wqkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
                            M, W, T, NH, NKV, s_cb, s_ct, s_sb, s_st,
                            HALF, QKV_N, BM, BK, EVEN_W, UPCAST, IEEE)
         if SYNC and FIRST <= 0 and LAST >= 1:
-            _grid_sync(bar_ptr, npr, POLL)
+            _grid_sync(bar_ptr, npr)
         if FIRST <= 1 and LAST >= 1:
-            if PREFETCH > 0 and pid >= att_tiles:  # programs without an attention tile fetch down's weights
-                _prefetch_l2(wd_ptr, W * F, pid - att_tiles, npr - att_tiles, PREFETCH)
             for tile in range(pid, att_tiles, npr):
                 _phase_attention(tile, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, mask_ptr, ao_ptr,
                                  T, TP, NH, NKV, scale_log2, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, sm_b,
                                  D, ATT_M, ATT_N, UPCAST)
         if SYNC and FIRST <= 1 and LAST >= 2:
-            _grid_sync(bar_ptr, npr, POLL)
+            _grid_sync(bar_ptr, npr)
         if FIRST <= 2 and LAST >= 2:
             for tile in range(pid, tl.cdiv(W, O_N) * tl.cdiv(NH * D, o_per_split), npr):
                 _phase_split_linear(tile, ao_ptr, wo_ptr, part_ptr, M, W, NH * D, o_per_split,
                                     O_N, BM, BK, EVEN_HD, UPCAST, IEEE)
         if SYNC and FIRST <= 2 and LAST >= 3:
-            _grid_sync(bar_ptr, npr, POLL)
+            _grid_sync(bar_ptr, npr)
         if FIRST <= 3 and LAST >= 3:
             for row in range(pid, M, npr):
                 _phase_residual_norm(row, xin_ptr, xout_ptr, part_ptr, gin_ptr, sc2_ptr, sh2_ptr, h_ptr,
                                      M, W, T, eps2, s_gin, s_sc2, s_sh2, O_SPLIT, BLOCK_W)
         if SYNC and FIRST <= 3 and LAST >= 4:
-            _grid_sync(bar_ptr, npr, POLL)
+            _grid_sync(bar_ptr, npr)
         if FIRST <= 4 and LAST >= 4:
             for tile in range(pid, tl.cdiv(F, GU_N), npr):
                 _phase_geglu(tile, h_ptr, wgu_ptr, act_ptr, M, F, W, GU_N, BM, BK, EVEN_W, UPCAST, IEEE)
         if SYNC and FIRST <= 4 and LAST >= 5:
-            _grid_sync(bar_ptr, npr, POLL)
+            _grid_sync(bar_ptr, npr)
         if FIRST <= 5 and LAST >= 5:
             for tile in range(pid, tl.cdiv(W, D_N) * tl.cdiv(F, d_per_split), npr):
                 _phase_split_linear(tile, act_ptr, wd_ptr, part_ptr, M, W, F, d_per_split,
                                     D_N, BM, BK, EVEN_F, UPCAST, IEEE)
         if SYNC and FIRST <= 5 and LAST >= 6:
-            _grid_sync(bar_ptr, npr, POLL)
+            _grid_sync(bar_ptr, npr)
         if FIRST <= 6 and LAST >= 6:
-            if PREFETCH > 0 and pid >= M:  # programs without a row fetch the next block's QKV weight
-                _prefetch_l2(wnext_ptr, n_next, pid - M, npr - M, PREFETCH)
             for row in range(pid, M, npr):
                 _phase_residual_norm(row, xout_ptr, xout_ptr, part_ptr, gpost_ptr, scn_ptr, shn_ptr, h_ptr,
                                      M, W, T, eps_next, s_gpost, s_scn, s_shn, D_SPLIT, BLOCK_W)
@@ -480,19 +437,15 @@ def persistent_block_stack(
     final_eps: float,
     persistent: bool | None = None,
     tiles: LayerTiles = DEFAULT_TILES,
-    prefetch: int = 0,
     programs: int | None = None,
-    poll: int = 1,
     phases: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """`fused_stacks.adaptive_block_stack`'s contract (returns the final norm's output) on one
     kernel launch per block. `key_mask`: (B, prefix + T) uint8, `triton_attention.kernel_key_mask`
     of the stack's mask. `persistent`: one launch per block with barriers (None: on a GPU; the
-    interpreter cannot run it), else one launch per phase. `prefetch`: 0 off, 1 line prefetches, 2
-    bulk prefetches (a GPU with sm_90 for 2). `programs`: the persistent launch's size (None: one per
+    interpreter cannot run it), else one launch per phase. `programs`: the persistent launch's size (None: one per
     SM; never more than the SMs). `phases`: with persistent=False, launch only these (a benchmark
-    timing one phase; the output is then not the stack's). `poll`: how the barrier spins
-    (`_grid_sync`). Needs `takes(blocks, x, mask)` for kernel dtypes."""
+    timing one phase; the output is then not the stack's). Needs `takes(blocks, x, mask)` for kernel dtypes."""
     if persistent is None:
         persistent = x.is_cuda and not interpret_mode()
     if persistent and not x.is_cuda:
@@ -532,7 +485,7 @@ def persistent_block_stack(
     o_splits, d_splits = math.ceil(nh * d / o_per), math.ceil(f / d_per)
     upcast = interpret_mode()
     flags = dict(
-        PREFETCH=prefetch if (persistent and x.is_cuda) else 0, POLL=poll, D=d, QKV_N=tiles.qkv_n, ATT_M=tiles.attn_m,
+        D=d, QKV_N=tiles.qkv_n, ATT_M=tiles.attn_m,
         ATT_N=tiles.attn_n, O_N=tiles.o_n, O_SPLIT=o_splits, GU_N=tiles.gu_n, D_N=tiles.down_n, D_SPLIT=d_splits,
         BM=MAX_ROWS if m > 16 else 16, BK=bk, BLOCK_W=triton.next_power_of_2(w),
         EVEN_W=w % bk == 0, EVEN_HD=(nh * d) % bk == 0 and o_per % bk == 0, EVEN_F=f % bk == 0 and d_per % bk == 0,
@@ -558,11 +511,9 @@ def persistent_block_stack(
         if i + 1 < len(blocks):
             next_scale, next_shift, _ = modulations[i + 1][0]
             eps_next = blocks[i + 1].input_layernorm.eps
-            w_next = blocks[i + 1].self_attn.qkv_proj.weight
         else:
             next_scale, next_shift, _ = final
             eps_next = final_eps
-            w_next = attn.qkv_proj.weight  # nothing follows: the prefetch re-reads this block's
         gin, s_gin = _per_batch(gate_in, b, w)
         sc2, s_sc2 = _per_batch(scale2, b, w)
         sh2, s_sh2 = _per_batch(shift2, b, w)
@@ -572,10 +523,10 @@ def persistent_block_stack(
         kc, vc = k_cache[i], v_cache[i]
         args = (
             x_in if i == 0 else res, res, h, attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up.weight,
-            mlp.down_proj.weight, w_next, cos3, sin3, kc, vc, key_mask,
+            mlp.down_proj.weight, cos3, sin3, kc, vc, key_mask,
             q, ks, vs, ao, act, part, words[2 * i:2 * i + 2] if persistent else part,
             gin, sc2, sh2, gpost, scn, shn,
-            m, w, t, tp, nh, nkv, f, w_next.numel(), o_per, d_per,
+            m, w, t, tp, nh, nkv, f, o_per, d_per,
             float(block.post_attention_layernorm.eps), float(eps_next), (1.0 / math.sqrt(d)) * 1.4426950408889634,
             s_cb, s_ct, s_sb, s_st, kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
             vc.stride(2), key_mask.stride(0),
