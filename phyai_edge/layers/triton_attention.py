@@ -135,14 +135,18 @@ if triton is not None:
     from phyai_edge.layers.triton_dispatch import pdl_enter
 
     @triton.jit
-    def _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
+    def _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         """One key block of the online softmax: kt (D, BLOCK_N), vb (BLOCK_N, D), ok (BLOCK_N,)
-        the keys that may be attended; returns the updated (max, sum, accumulator)."""
+        the keys that may be attended; returns the updated (max, sum, accumulator). IEEE (float32
+        operands on a GPU): no TF32 rounding in the dots, so a float32 call means float32."""
         if UPCAST:
             kt = kt.to(tl.float32)
         # float32 explicitly: under torch.compile a Python float argument arrives as fp64, which
         # would turn the loop-carried statistics into fp64.
-        s = (tl.dot(q, kt) * scale_log2).to(tl.float32)
+        if IEEE:
+            s = (tl.dot(q, kt, input_precision="ieee") * scale_log2).to(tl.float32)
+        else:
+            s = (tl.dot(q, kt) * scale_log2).to(tl.float32)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -150,6 +154,8 @@ if triton is not None:
         l_i = l_i * alpha + tl.sum(p, 1)
         if UPCAST:  # round p as the GPU path does, then multiply in float32
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype).to(tl.float32), vb.to(tl.float32))
+        elif IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
         return m_new, l_i, acc
@@ -162,7 +168,8 @@ if triton is not None:
         sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
         so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        FINAL: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, WS: tl.constexpr,
+        FINAL: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+        WS: tl.constexpr,
     ):
         """One (query block, key split, batch x KV head) program. FINAL (one split): the output
         goes straight to out. Else a float32 partial and its log-sum-exp (base 2) go to o / lse;
@@ -195,7 +202,7 @@ if triton is not None:
             kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=inb[None, :], other=0.0)
             vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
             ok = inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
-            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST)
+            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
             c = n0 + tl.arange(0, BLOCK_N)
             inb = c < end
@@ -205,7 +212,7 @@ if triton is not None:
             vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
                          other=0.0)
             ok = inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
-            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST)
+            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # a split with no allowed key: 0, weighted 0 below
         # Row r of the folded query is (group r // tq, token r % tq): a final output goes straight
         # to its (B, Tq, Hq, D) place, so the o-projection reads it without a transpose copy.
@@ -340,6 +347,7 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         v2.stride(0), v2.stride(1), v2.stride(2), mask_u8.stride(0),
         *ps, lse.stride(0), lse.stride(1), *os_,
         HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, MERGE=merge, UPCAST=interpret_mode(),
+        IEEE=q.dtype == torch.float32,
         WS=cfg.warp_specialize, num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(q),
     )
     if not final and not merge:

@@ -207,7 +207,8 @@ if triton is not None:
     @triton.jit
     def _phase_attention(tile, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, mask_ptr, ao_ptr,
                          T, TP, NH, NKV, scale_log2, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, sm_b,
-                         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr):
+                         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr,
+                         IEEE: tl.constexpr):
         """Phase B, one tile: a block of BM folded query rows (the NH / NKV query heads of one KV
         head, head-major: row g T + t) of one sample against the cached prefix keys (masked) and
         the step's own keys, one online-softmax pass; out to ao (B, T, NH, D) rows."""
@@ -233,7 +234,7 @@ if triton is not None:
             kt = tl.load(kc_ptr + b * skc_b + h * skc_h + c[None, :] * skc_n + d[:, None], mask=inb[None, :], other=0.0)
             vb = tl.load(vc_ptr + b * svc_b + h * svc_h + c[:, None] * svc_n + d[None, :], mask=inb[:, None], other=0.0)
             ok = inb & (tl.load(mask_ptr + b * sm_b + c, mask=inb, other=0) != 0)
-            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST)
+            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         own = (b * NKV + h) * T
         for n0 in range(0, T, BN):
             c = n0 + tl.arange(0, BN)
@@ -243,7 +244,7 @@ if triton is not None:
             vb = tl.load(v_ptr + (own + c)[:, None] * D + d[None, :], mask=inb[:, None], other=0.0,
                          cache_modifier=".cg")
             ok = inb & (tl.load(mask_ptr + b * sm_b + TP + c, mask=inb, other=0) != 0)
-            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST)
+            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         g = r // T
         t = r % T
@@ -365,7 +366,7 @@ if triton is not None:
             for tile in range(pid, att_tiles, npr):
                 _phase_attention(tile, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, mask_ptr, ao_ptr,
                                  T, TP, NH, NKV, scale_log2, skc_b, skc_h, skc_n, svc_b, svc_h, svc_n, sm_b,
-                                 D, ATT_M, ATT_N, UPCAST)
+                                 D, ATT_M, ATT_N, UPCAST, IEEE)
         if SYNC and FIRST <= 1 and LAST >= 2:
             _grid_sync(bar_ptr, npr)
         if FIRST <= 2 and LAST >= 2:
