@@ -62,6 +62,23 @@ def test_native_round_trip(adapter, tmp_path, noise_for):
     _assert_same(adapter, loaded, _obs(adapter), _obs(adapter), noise_for(adapter))
 
 
+def test_loaded_weights_own_their_memory(adapter, tmp_path):
+    """On the CPU, loaded parameters are copies, not views of the memory-mapped file (which
+    safetensors >= 0.8 hands out): a view sits wherever the file's header ends, and CPU BLAS rounds
+    differently at that alignment (the round trips here compare bit for bit); it would also change
+    under a running model if the file were rewritten in place."""
+    folder = save_native(adapter, tmp_path / "native")
+    loaded = load_pi05(folder)
+    size = (folder / "model.safetensors").stat().st_size
+    for name, p in loaded.module.named_parameters():
+        assert p.data_ptr() % 64 == 0, name
+    with open(folder / "model.safetensors", "r+b") as f:  # the same file, zeroed in place
+        f.write(bytes(size))
+    original = adapter.module.state_dict()
+    for name, p in loaded.module.named_parameters():
+        assert torch.equal(p, original[name]), name
+
+
 @pytest.mark.parametrize("vision_layout", ["vision_model.", ""])
 def test_lerobot_round_trip(adapter, tmp_path, noise_for, vision_layout):
     folder = write_lerobot(adapter, tmp_path / "lerobot", vision_layout=vision_layout)

@@ -108,6 +108,12 @@ def load_safetensors_strict(
             t = t.to(device)
             if dtype is not None and t.dtype != dtype:
                 t = t.to(dtype)
+            elif t.device.type == "cpu":
+                # Still the file's mapped bytes (safetensors 0.8 hands out views): a parameter must own
+                # its memory. A view starts wherever the file's header ends (8-byte, not 64-byte
+                # aligned: CPU BLAS then rounds differently from the same weights in fresh memory),
+                # and it would change under a running model if the file were rewritten in place.
+                t = t.clone()
             state[name] = t
             read_s += t2 - t1
             to_device_s += time.perf_counter() - t2
