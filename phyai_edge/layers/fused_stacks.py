@@ -167,9 +167,9 @@ def adaptive_block_stack(
     `attend`: `stack_attention(mask, B, backend)` made ahead (a caller running several stacks on
     one mask, the denoise steps of a chunk, makes it once).
 
-    Where `gemm_backend` runs the kernels and `triton_expert_layer.takes` the stack (batch 1: at
-    most 64 rows), each block is one persistent kernel instead (`triton_expert_layer`, on unless
-    `triton_expert_layer.set_enabled(False)`).
+    With `triton_expert_layer.set_enabled(True)` (off by default: measured slower on the H200),
+    where `gemm_backend` runs the kernels and `triton_expert_layer.takes` the stack (batch 1: at
+    most 64 rows), each block is one persistent kernel instead.
     """
     if (gemm_backend is not None and triton_expert_layer.enabled() and _use_triton(gemm_backend, x)
             and triton_expert_layer.takes(blocks, x, mask)):
