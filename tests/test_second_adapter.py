@@ -300,6 +300,43 @@ def test_cudagraph_engine_toy_bf16(policy):
     torch.testing.assert_close(fast.run(x, noise=n), ref.run(x, noise=n), atol=1e-5, rtol=0)
 
 
+def test_onnx_stage_falls_back_to_basic_optimisations(tmp_path, monkeypatch, caplog):
+    """A graph onnxruntime rejects after its full optimisations (1.30 fuses float8 Q/DQ into
+    QGemm / QLinearConv and then refuses them; the fp8 export above fails validation there) is
+    opened again with basic ones, with a warning; any other error, or a second rejection, is raised."""
+    ort = pytest.importorskip("onnxruntime")
+    from types import SimpleNamespace
+
+    from phyai_edge.engines import onnxrt
+
+    class InvalidGraph(Exception):  # noqa: N818 - the name onnxruntime's pybind error class has
+        pass
+
+    levels = []
+
+    def session(path, sess_options, providers, reject=(ort.GraphOptimizationLevel.ORT_ENABLE_ALL,)):
+        levels.append(sess_options.graph_optimization_level)
+        if sess_options.graph_optimization_level in reject:
+            raise InvalidGraph("[ONNXRuntimeError] : 10 : INVALID_GRAPH : QGemm float8")
+        io = SimpleNamespace(name="x", shape=[1, 2], type="tensor(float)")
+        return SimpleNamespace(get_inputs=lambda: [io], get_outputs=lambda: [io])
+
+    path = tmp_path / "stage.onnx"
+    path.write_bytes(b"")
+    monkeypatch.setattr(ort, "InferenceSession", session)
+    with caplog.at_level("WARNING", logger="phyai_edge.engines.onnxrt"):
+        stage = onnxrt._Stage(path, ["CPUExecutionProvider"], torch.device("cpu"), None)
+    assert levels == [ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC]
+    assert stage.inputs == ["x"] and "basic optimisations" in caplog.text and "stage.onnx" in caplog.text
+    everything = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)
+    monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: session(*a, **k, reject=everything))
+    with pytest.raises(InvalidGraph):
+        onnxrt._Stage(path, ["CPUExecutionProvider"], torch.device("cpu"), None)
+    monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no file")))
+    with pytest.raises(RuntimeError, match="no file"):
+        onnxrt._Stage(path, ["CPUExecutionProvider"], torch.device("cpu"), None)
+
+
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_quantised_onnx_export(tmp_path, precision):
     """int8 / fp8 ONNX bundles: per-stage calibration inputs are recorded through the toy's own stages."""

@@ -82,7 +82,18 @@ class _Stage:
         opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
         self.path = path
         self.device = device
-        self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+        try:
+            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+        except Exception as exc:
+            if type(exc).__name__ != "InvalidGraph":
+                raise
+            # onnxruntime up to 1.30 fuses float8 Q/DQ pairs around a Gemm / Conv into QGemm /
+            # QLinearConv, which have no float8 kernels, and then rejects its own graph (1.32 does
+            # not). The basic level leaves Q/DQ unfused; a graph that is really invalid fails again.
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+            log.warning("onnxruntime %s rejected %s after its full graph optimisations (%s); running it with "
+                        "basic optimisations", ort.__version__, path.name, str(exc).splitlines()[0][:200])
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.outputs = [(o.name, tuple(o.shape), _NP[o.type]) for o in self.session.get_outputs()]
 
