@@ -36,6 +36,7 @@ from phyai_edge.layers import triton_expert_layer as tel
 from phyai_edge.layers.gemma import GemmaBlock
 from phyai_edge.layers.rotary import rope_cos_sin
 from phyai_edge.layers.triton_attention import kernel_key_mask, stack_attention
+from phyai_edge.layers.triton_dispatch import tl, triton
 
 FULL = {"depth": 18, "width": 1024, "mlp": 4096, "heads": 8, "kv": 1, "head_dim": 256, "t": 50, "prefix": 816}
 TINY = {"depth": 2, "width": 64, "mlp": 128, "heads": 2, "kv": 1, "head_dim": 32, "t": 6, "prefix": 40}
@@ -90,6 +91,21 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+if triton is not None:
+
+    @triton.jit
+    def _barrier_kernel(bar_ptr, rounds):
+        """`rounds` grid barriers (`triton_expert_layer._grid_sync`) and nothing else."""
+        for _ in range(rounds):
+            tel._grid_sync(bar_ptr, tl.num_programs(0))
+
+    @triton.jit
+    def _empty_kernel(x_ptr):
+        """A kernel that does nothing (a store no program makes): a graph node's floor."""
+        pid = tl.program_id(0)
+        tl.store(x_ptr + pid, 0, mask=pid < 0)
+
+
 def barrier_costs(dev: str, rounds: int = 100) -> dict[str, float]:
     """Microseconds per grid barrier (one program per SM, `rounds` barriers in one kernel) and per
     empty kernel (`rounds` launches in one CUDA graph)."""
@@ -97,10 +113,10 @@ def barrier_costs(dev: str, rounds: int = 100) -> dict[str, float]:
     words = torch.zeros(2, dtype=torch.int32, device=dev)
     out: dict[str, float] = {}
     def call() -> None:
-        tel._barrier_bench_kernel[(sms,)](words, rounds, num_warps=4)
+        _barrier_kernel[(sms,)](words, rounds, num_warps=4)
     out["barrier_us"] = time_calls([call], dev) / rounds
     dummy = torch.zeros(1, dtype=torch.int32, device=dev)
-    out["empty_kernel_us"] = time_calls([lambda: tel._empty_kernel[(sms,)](dummy)] * rounds, dev)
+    out["empty_kernel_us"] = time_calls([lambda: _empty_kernel[(sms,)](dummy)] * rounds, dev)
     return out
 
 

@@ -44,7 +44,9 @@ import torch
 from torch import nn
 
 from phyai_edge.layers.norm import Modulation
+from phyai_edge.layers.triton_attention import _sm_count
 from phyai_edge.layers.triton_dispatch import interpret_mode, tl, triton
+from phyai_edge.layers.triton_gemm import _cos_sin_rows, split_size
 from phyai_edge.layers.triton_ops import _per_batch, ada_rms_norm
 
 MAX_ROWS = 64  # one 64-row tile (wgmma's height) holds a batch-1 step's 50 rows
@@ -142,19 +144,6 @@ if triton is not None:
             while cur == gen:
                 cur = tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
-
-    @triton.jit
-    def _barrier_bench_kernel(bar_ptr, rounds):
-        """`rounds` grid barriers and nothing else (`benchmarks/expert_layer_gpu.py` times a
-        barrier against an empty kernel's launch in a CUDA graph)."""
-        for _ in range(rounds):
-            _grid_sync(bar_ptr, tl.num_programs(0))
-
-    @triton.jit
-    def _empty_kernel(x_ptr):
-        """A kernel that does nothing (one program's store of nothing): a graph node's floor."""
-        pid = tl.program_id(0)
-        tl.store(x_ptr + pid, 0, mask=pid < 0)
 
     @triton.jit
     def _phase_qkv(tile, h_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
@@ -399,32 +388,6 @@ if triton is not None:
 
 
 # -- launcher ----------------------------------------------------------------------------------------------
-_SM_COUNT: dict[int, int] = {}
-
-
-def _programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def _per_split(k: int, splits: int, block_k: int) -> int:
-    """K per split: a whole number of K blocks (as `triton_gemm.linear` splits)."""
-    return math.ceil(math.ceil(k / splits) / block_k) * block_k
-
-
-def _cos_sin(c: torch.Tensor, batch: int, t: int, d: int) -> tuple[torch.Tensor, int, int]:
-    c3 = c.reshape(c.shape[0], t, d)
-    if c3.stride(-1) != 1:
-        c3 = c3.contiguous()
-    if c3.shape[0] not in (1, batch):
-        raise ValueError(f"cos/sin batch {c3.shape[0]} does not broadcast over batch {batch}")
-    return c3, (c3.stride(0) if c3.shape[0] > 1 else 0), c3.stride(1)
-
-
 def persistent_block_stack(
     blocks: Sequence[nn.Module],
     x: torch.Tensor,
@@ -478,11 +441,11 @@ def persistent_block_stack(
     ao = torch.empty((m, nh * d), dtype=dt, device=dev)
     act = torch.empty((m, f), dtype=dt, device=dev)
     part = torch.empty((max(tiles.o_split, tiles.down_split), m, w), dtype=torch.float32, device=dev)
-    cos3, s_cb, s_ct = _cos_sin(cos, b, t, d)
-    sin3, s_sb, s_st = _cos_sin(sin, b, t, d)
+    cos3, s_cb, s_ct = _cos_sin_rows(cos, b, t, d)
+    sin3, s_sb, s_st = _cos_sin_rows(sin, b, t, d)
     bk = tiles.block_k
-    o_per = _per_split(nh * d, tiles.o_split, bk)
-    d_per = _per_split(f, tiles.down_split, bk)
+    o_per = split_size(nh * d, tiles.o_split, bk)
+    d_per = split_size(f, tiles.down_split, bk)
     o_splits, d_splits = math.ceil(nh * d / o_per), math.ceil(f / d_per)
     upcast = interpret_mode()
     flags = dict(
@@ -502,7 +465,7 @@ def persistent_block_stack(
         triton.cdiv(w, tiles.down_n) * d_splits,
         m,
     )
-    size = min(programs or _programs(dev), _programs(dev)) if persistent else 0
+    size = min(programs or _sm_count(dev), _sm_count(dev)) if persistent else 0
     # Two barrier words per block launch, zeroed here (inside a captured graph: at every replay);
     # each launch leaves its pair consistent, but a fresh zero costs one memset a stack.
     words = torch.zeros(2 * len(blocks), dtype=torch.int32, device=dev) if persistent else part

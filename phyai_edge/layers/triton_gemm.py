@@ -444,6 +444,11 @@ def _flags(a: torch.Tensor, k: int, cfg: GemmConfig) -> dict[str, object]:
             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch_options(a)}
 
 
+def split_size(k: int, splits: int, block_k: int) -> int:
+    """K per split of a split-K GEMM: a whole number of `block_k` blocks."""
+    return math.ceil(math.ceil(k / splits) / block_k) * block_k
+
+
 def _linear_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    cfg: GemmConfig | None, defer_sum: bool = False, gelu: bool = False) -> torch.Tensor | SplitSums:
     n, k = weight.shape
@@ -452,8 +457,8 @@ def _linear_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     cfg = cfg or default_config("gelu" if gelu else "linear", m, n)
     out = _empty((*h.shape[:-1], n), h.dtype, h.device)
     out2 = out.view(m, n)
-    # Each split a whole number of K blocks; a split_k larger than K's blocks gives fewer splits.
-    per = math.ceil(math.ceil(k / cfg.split_k) / cfg.block_k) * cfg.block_k
+    # A split_k larger than K's blocks gives fewer splits.
+    per = split_size(k, cfg.split_k, cfg.block_k)
     splits = math.ceil(k / per)
     bias_arg = bias if bias is not None else a  # unused pointer: anything valid
     flags = _flags(a, k, cfg)
