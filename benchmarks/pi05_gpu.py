@@ -196,6 +196,9 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # the prefix's attention always masked (`CudaGraphEngine(dense_prefix=False)`); the default
         # drops the mask for full batches (these inputs: 48 of 48 trimmed prompt tokens, 3 cameras)
         ("triton+gemm, masked prefix", {"triton_ops": True, "triton_gemm": True, "dense_prefix": False}, shapes),
+        # the action expert's attention always masked, over the two-part keys (`dense_expert=False`); the
+        # default, from batch 8, writes the step's keys into the cache's room and attends unmasked
+        ("triton+gemm, masked expert", {"triton_ops": True, "triton_gemm": True, "dense_expert": False}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))

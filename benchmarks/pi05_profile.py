@@ -121,13 +121,16 @@ def rtc_host_breakdown(eng: Any, gs: Any, x: Any, noise: torch.Tensor, modes: li
 
     b = x.batch_size
     out: dict[str, Any] = {"run_unguided_ms": median_ms(lambda: eng.run(x, noise=noise))}
-    base_loop = gs.loops[("none", adapter.solver)][0]
+    def variant(mode: str) -> str:  # the loop `run` replays for these (full) inputs
+        return "dense" if gs.kv_room is not None and mode != "guided" else ""
+
+    base_loop = gs.loops[("none", adapter.solver, variant("none"))][0]
     out["loop_unguided_gpu_ms"] = replay_ms(base_loop, reps)
     for mode in modes:
         g = rtc_guidance(adapter, b, mode)
         eng.warmup(b, 3, VALID_TOKENS, modes=(mode,))
         out[f"run_{mode}_ms"] = median_ms(lambda g=g: eng.run(x, noise=noise, rtc=g))
-        out[f"loop_{mode}_gpu_ms"] = replay_ms(gs.loops[(mode, adapter.solver)][0], reps)
+        out[f"loop_{mode}_gpu_ms"] = replay_ms(gs.loops[(mode, adapter.solver, variant(mode))][0], reps)
         ts = []
         for _ in range(reps):
             torch.cuda.synchronize()
@@ -225,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         xt = gs.loop_bufs["noise"]
         entry: dict[str, Any] = {"prompt_positions": length, "engine_p50_ms": timing["p50"],
                                  "stages_p50_ms": timing["stages_p50"], "eager_profile": {}}
-        loop_graph, _ = gs.loops.get(("none", adapter.solver), (None, None))
+        loop_graph, _ = gs.loops.get(("none", adapter.solver, "dense" if gs.kv_room is not None else ""),
+                                     (None, None))
         if dev.startswith("cuda") and loop_graph is not None:
             entry["host"] = h = host_breakdown(eng, gs, loop_graph, x, noise)
             say(f"batch {b} engine.run p50 {timing['p50']:.3f} ms, stages "
@@ -238,15 +242,22 @@ def main(argv: list[str] | None = None) -> int:
             res["batches"][str(b)] = entry
             dump()
             continue
+        # The variants `run` picks for these inputs (every prompt token valid, every camera present):
+        # the unmasked prefix and action expert where the engine has them for this batch.
+        from phyai_edge.engines.cudagraph import DENSE_PREFIX_MIN_BATCH
+
+        dense_prefix = eng.dense_prefix and b >= DENSE_PREFIX_MIN_BATCH
+        joined = {} if gs.kv_room is None else {"joined": gs.kv_room}
+        entry["unmasked"] = {"prefix": dense_prefix, "expert": bool(joined)}
         for name, fn in (("embed_images", lambda gs=gs: eng._vision(gs)),
-                         ("encode_prefix", lambda gs=gs: eng._prefix(gs)),
-                         ("denoise_step", partial(step, xt, tt, kc, vc, pmask, modulation=mod))):
+                         ("encode_prefix", partial(eng._prefix, gs, dense_prefix, eng._prefix_out(gs))),
+                         ("denoise_step", partial(step, xt, tt, kc, vc, pmask, modulation=mod, **joined))):
             with torch.no_grad():
                 entry["eager_profile"][name] = p = profile_call(fn, dev)
             say(f"batch {b} {name}: {p['kernels']} kernels, kernel sum {p['kernel_ms']:.3f} ms, "
                 f"eager wall {p['wall_ms']:.3f} ms; top: "
                 + "; ".join(f"{t['name'][:40]} x{t['count']} {t['ms']:.3f}" for t in p["top"][:5]))
-        graph, _ = gs.loops.get(("none", adapter.solver), (None, None))
+        graph, _ = gs.loops.get(("none", adapter.solver, "dense" if joined else ""), (None, None))
         if graph is not None:
             entry["loop_replay_profile"] = p = profile_call(graph.replay, dev, top=8)
             say(f"batch {b} loop replay: {p['kernels']} kernels seen, kernel sum {p['kernel_ms']:.3f} ms, "

@@ -135,7 +135,7 @@ def test_cudagraph_one_buffer_set_serves_any_mix_of_delays(engines) -> None:
         rtc = batch_guidance([_single(base, "inpaint", d, seed=40 + d) for d in delays], h, dim)
         outs.append((delays, rtc, fast.run(inputs, noise=noise, rtc=rtc)))
         (gs,) = [g for k, g in fast._sets.items() if k[0] == 3]
-        assert ("inpaint", base.solver) in gs.loops
+        assert ("inpaint", base.solver, "") in gs.loops
         assert gs.loop_bufs["mask"].shape == (3, h, dim)
         assert gs.loop_bufs["fixed"].shape == (3, h, 1) and gs.loop_bufs["fixed"].dtype == torch.bool
         assert gs.loop_bufs["fixed"][:, :, 0].sum(dim=1).tolist() == list(delays)

@@ -128,22 +128,31 @@ def test_linear_qkv_rope(shape, per_sample_cos, config) -> None:
 
 
 @kernels
-def test_linear_qkv_rope_writes_into_given_buffers() -> None:
+@pytest.mark.parametrize("room", [0, 5])
+def test_linear_qkv_rope_writes_into_given_buffers(room) -> None:
+    """k and v go straight into a stacked KV cache's slice: a contiguous one, or one with `room`
+    positions after the prefix (the engine's cache for an unmasked action expert), which must stay
+    untouched."""
     b, t, k, heads, kv_heads, d = 2, 19, 40, 2, 1, 16
     h = _randn(b, t, k, dtype=torch.bfloat16, seed=13)
     w = _weight((heads + 2 * kv_heads) * d, k, torch.bfloat16, seed=14)
     positions = torch.arange(t)[None].expand(b, t)
     cos, sin = (c.to(DEVICE) for c in rope_cos_sin(positions, d, 10000.0, torch.bfloat16))
-    cache = torch.full((2, 3, b, kv_heads, t, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    _, k_, v = tma.linear_qkv_rope(h, w, cos, sin, heads, kv_heads, d, "triton", k_out=cache[0, 1], v_out=cache[1, 1],
+    cache = torch.full((2, 3, b, kv_heads, t + room, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    k_out, v_out = cache[0, 1, :, :, :t], cache[1, 1, :, :, :t]
+    _, k_, v = tma.linear_qkv_rope(h, w, cos, sin, heads, kv_heads, d, "triton", k_out=k_out, v_out=v_out,
                                    config=QKV_CONFIGS["tiles"])
     assert k_.data_ptr() == cache[0, 1].data_ptr() and v.data_ptr() == cache[1, 1].data_ptr()
-    assert torch.isfinite(cache[:, 1]).all() and torch.isnan(cache[:, 0]).all() and torch.isnan(cache[:, 2]).all()
+    assert torch.isfinite(cache[:, 1, :, :, :t]).all()
+    assert torch.isnan(cache[:, 1, :, :, t:]).all() and torch.isnan(cache[:, 0]).all() and torch.isnan(cache[:, 2]).all()
     _, rk, rv = linear_qkv_rope_ref(h, w, cos, sin, heads, kv_heads, d)
-    assert (cache[0, 1].float() - rk.float()).abs().max() < 0.05
-    assert (cache[1, 1].float() - rv.float()).abs().max() < 0.05
-    with pytest.raises(ValueError, match="k_out must be a contiguous"):
-        tma.linear_qkv_rope(h, w, cos, sin, heads, kv_heads, d, "triton", k_out=cache[0, 1].transpose(-1, -2))
+    assert (k_out.float() - rk.float()).abs().max() < 0.05
+    assert (v_out.float() - rv.float()).abs().max() < 0.05
+    with pytest.raises(ValueError, match=r"k_out must be a .* unit last stride"):
+        tma.linear_qkv_rope(h, w, cos, sin, heads, kv_heads, d, "triton", k_out=cache[0, 1, :, :, :t].transpose(-1, -2),
+                            v_out=v_out)
+    with pytest.raises(ValueError, match="both or neither"):
+        tma.linear_qkv_rope(h, w, cos, sin, heads, kv_heads, d, "triton", k_out=k_out)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         w24 = _weight((heads + 2 * kv_heads) * 24, k, torch.bfloat16, seed=15)
         c24, s24 = (c.to(DEVICE) for c in rope_cos_sin(positions, 24, 10000.0, torch.bfloat16))

@@ -23,6 +23,12 @@ What makes the PI0.5 path fast (each is exact, or equal within rounding, to the 
   trimmed prompts have no padding and whose cameras are all present replays a second prefix graph
   whose attention takes no mask (SDPA's fastest kernel; cuDNN's on Hopper) and writes its KV
   cache straight into the buffers the loop reads. Padded batches replay the masked one.
+- An unmasked action expert for full batches of 8 or more (`dense_expert`, with the fused stages):
+  the KV cache has room after the prefix for the chunk's own keys, each expert block writes its
+  keys and values there (in its RoPE kernel) and attends to the one buffer with no mask (cuDNN's
+  kernel on Hopper, faster than the split kernel from batch ~8), in a twin of the loop graph
+  chosen per call like the unmasked prefix. Not for exact RTC guidance (its backward would read
+  keys the next block overwrites in place): that mode keeps the masked loop.
 - Adaptive-norm tables: every adaptive RMSNorm's scale/shift/gate depends on the flow time
   only, so they are computed once per solver time grid, not read from 37 conditioning
   matrices on every step.
@@ -78,6 +84,10 @@ LOOP_MODES = ("none", "inpaint", "guided-approx", "guided")
 # prefix 156.3 vs 158.4 ms at batch 32, 39.2 vs 39.6 at 8, but 5.41 vs 5.28 at batch 1 (cuDNN's
 # kernel against the split kernel's small-batch tiling, plus the cache copy).
 DENSE_PREFIX_MIN_BATCH = 8
+# The unmasked action expert from this batch size: H200, attention alone (RESULTS.md 2026-12-03,
+# sixth session call 10): SDPA without a mask 27.2 vs the split kernel's 29.9 us a block at batch 8,
+# 29.0 vs 41.7 at 32, 55.6 vs 91.1 at 64, but 26.2 vs 13.8 at batch 1.
+DENSE_EXPERT_MIN_BATCH = 8
 # The stage graph the PI0.5 path is written for; any other graph takes the generic path.
 PI05_STAGES = ("embed_images", "encode_prefix", "denoise_step")
 
@@ -142,6 +152,9 @@ class _GraphSet:
     # The prefix for a batch with no padding and every camera present: attention without a mask,
     # writing the same KV buffers (`dense_prefix`).
     prefix_dense_graph: torch.cuda.CUDAGraph | None = None
+    # (`dense_expert`) The KV cache with room for the chunk's own keys after the prefix: (layers, B,
+    # kv heads, prefix + chunk, head dim) keys and values; `kv[0]` / `kv[1]` are its prefix positions.
+    kv_room: tuple[torch.Tensor, torch.Tensor] | None = None
     loop_bufs: dict[str, torch.Tensor] = field(default_factory=dict)
     loops: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(default_factory=dict)
     eager: bool = False
@@ -222,6 +235,7 @@ class CudaGraphEngine(EngineBase):
         triton_ops: bool | str | None = None,
         triton_gemm: bool | None = None,
         dense_prefix: bool = True,
+        dense_expert: bool = True,
     ) -> None:
         super().__init__(adapter, device, seed)
         self.dtype = resolve_dtype(dtype)
@@ -309,6 +323,9 @@ class CudaGraphEngine(EngineBase):
         # whose attention takes no mask (the fused prefix stage's `dense`), from DENSE_PREFIX_MIN_BATCH.
         # Chosen per call from the masks, on the host.
         self.dense_prefix = bool(dense_prefix and triton_backend is not None and not self.generic)
+        # A twin of the loop graph for the same batches whose action expert attends with no mask to
+        # a KV cache with room for its own keys, from DENSE_EXPERT_MIN_BATCH (not in exact RTC mode).
+        self.dense_expert = bool(dense_expert and triton_backend is not None and not self.generic)
         if compile:
             kw = {"mode": compile_mode} if compile_mode else {}
             # Compiled steps make their own context: a per-chunk attention callable handed in as an
@@ -340,6 +357,8 @@ class CudaGraphEngine(EngineBase):
         gs = self._graph_set(batch, views, length)
         for mode in modes:
             self._loop_graph(gs, mode, self.adapter.solver)
+            if gs.kv_room is not None and mode != "guided":
+                self._loop_graph(gs, mode, self.adapter.solver, dense=True)
 
     @torch.no_grad()
     def run(self, inputs: ModelInputs, noise: torch.Tensor | None = None, rtc: RTCGuidance | None = None) -> torch.Tensor:
@@ -354,10 +373,15 @@ class CudaGraphEngine(EngineBase):
         if mode not in LOOP_MODES:
             raise ValueError(f"RTC mode {mode!r} is not a solver mode; solver modes are {LOOP_MODES[1:]}")
         solver = a.solver
-        graph, out = self._loop_graph(gs, mode, solver)
+        # Every camera present and no padded prompt token (asked only where an unmasked graph exists:
+        # each test waits for the device)
+        dense_prefix = self.dense_prefix and b >= DENSE_PREFIX_MIN_BATCH
+        dense_expert = gs.kv_room is not None and mode != "guided"
+        if dense_prefix or dense_expert:
+            full = bool(x["image_mask"].all()) and bool(token_mask[:, :length].all())
+            dense_prefix, dense_expert = dense_prefix and full, dense_expert and full
+        graph, out = self._loop_graph(gs, mode, solver, dense_expert)
         ins = gs.inputs
-        dense = (self.dense_prefix and b >= DENSE_PREFIX_MIN_BATCH and bool(x["image_mask"].all())
-                 and bool(token_mask[:, :length].all()))
         bufs = gs.loop_bufs
 
         def copy_rest() -> None:
@@ -383,13 +407,13 @@ class CudaGraphEngine(EngineBase):
         if late:
             copy_rest()
         prefix_start = self._mark()
-        self._replay(gs, "prefix", dense)
+        self._replay(gs, "prefix", dense_prefix)
         marks += [prefix_start, self._mark()]
         if graph is not None:
             graph.replay()
             chunk = out
         else:
-            chunk = self._loop(gs, mode, solver)
+            chunk = self._loop(gs, mode, solver, dense_expert)
         marks.append(self._mark())
         ms = _elapsed_ms(marks)
         self._stage_ms = {"embed_images": ms[0], "encode_prefix": ms[2], "solver_loop": ms[3],
@@ -423,6 +447,8 @@ class CudaGraphEngine(EngineBase):
         }
         gs = _GraphSet(key, inputs)
         gs.loop_bufs = self._loop_buffers(batch, gen)
+        if self.dense_expert and batch >= DENSE_EXPERT_MIN_BATCH:
+            gs.kv_room = self._kv_room(batch, views, length)
         if not self.use_graphs:
             gs.eager = True
             self._sets[key] = gs
@@ -430,7 +456,7 @@ class CudaGraphEngine(EngineBase):
         try:
             gs.pool = torch.cuda.graph_pool_handle()
             gs.vision_graph, gs.image_embeds = self._capture(gs, lambda: self._vision(gs))
-            gs.prefix_graph, gs.kv = self._capture(gs, lambda: self._prefix(gs))
+            gs.prefix_graph, gs.kv = self._capture(gs, lambda: self._prefix(gs, out=self._prefix_out(gs)))
             log.info("cudagraph: captured vision and prefix graphs for batch %d, %d views, %d prompt positions",
                      batch, views, length)
             if self.dense_prefix and batch >= DENSE_PREFIX_MIN_BATCH:
@@ -441,6 +467,24 @@ class CudaGraphEngine(EngineBase):
             gs.eager, gs.vision_graph, gs.prefix_graph = True, None, None
         self._sets[key] = gs
         return gs
+
+    def _kv_room(self, batch: int, views: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value buffers (layers, B, kv heads, P + chunk, head dim): the prefix cache's
+        shape from the adapter's stage specs (P for the trimmed prompt) with room for the chunk."""
+        spec = next(s for s in self.adapter.stage_specs(batch, views) if s.name == "encode_prefix")
+        (layers, b, heads, p_full, dim), dtype = spec.outputs["k_cache"]
+        p = p_full - self.adapter.cfg.max_token_len + length
+        shape = (layers, b, heads, p + self.adapter.chunk_size, dim)
+        return (torch.empty(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device))
+
+    def _prefix_out(self, gs: _GraphSet) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the prefix writes its KV cache: the first positions of `kv_room`, else (None) its
+        own buffers."""
+        if gs.kv_room is None:
+            return None
+        room = self.adapter.chunk_size
+        return gs.kv_room[0][..., :-room, :], gs.kv_room[1][..., :-room, :]
 
     def _loop_buffers(self, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
         h, d, dev = self.adapter.chunk_size, self.adapter.model_action_dim, self.device
@@ -491,7 +535,7 @@ class CudaGraphEngine(EngineBase):
             if stage == "vision":
                 gs.image_embeds = self._vision(gs)
             else:
-                gs.kv = self._prefix(gs, dense)
+                gs.kv = self._prefix(gs, dense, self._prefix_out(gs))
             return
         if stage == "vision":
             gs.vision_graph.replay()
@@ -500,17 +544,18 @@ class CudaGraphEngine(EngineBase):
         else:
             gs.prefix_graph.replay()
 
-    def _loop_graph(self, gs: _GraphSet, mode: str, solver: SolverSpec):
+    def _loop_graph(self, gs: _GraphSet, mode: str, solver: SolverSpec, dense: bool = False):
         # The loop reads the prefix graph's KV cache: fill it once before warming up.
         return self._cached_loop(gs, mode, solver, lambda: (gs.vision_graph.replay(), gs.prefix_graph.replay()),
-                                 lambda: self._loop(gs, mode, solver))
+                                 lambda: self._loop(gs, mode, solver, dense), variant="dense" if dense else "")
 
     def _cached_loop(self, sets: Any, mode: str, solver: SolverSpec, fill: Callable[[], Any],
-                     body: Callable[[], torch.Tensor]):
-        """(graph, output) of the solver loop for one graph set (PI0.5's or the generic one) and
-        RTC mode, captured on first use; (None, None) where it runs eagerly. `fill` replays what
-        the loop reads before it is warmed up and captured."""
-        key = (mode, solver)
+                     body: Callable[[], torch.Tensor], variant: str = ""):
+        """(graph, output) of the solver loop for one graph set (PI0.5's or the generic one), RTC
+        mode and `variant` (PI0.5's unmasked expert: "dense"), captured on first use; (None, None)
+        where it runs eagerly. `fill` replays what the loop reads before it is warmed up and
+        captured."""
+        key = (mode, solver, variant)
         if key in sets.loops:
             return sets.loops[key]
         if solver.num_steps > sets.loop_bufs["weight"].shape[0]:
@@ -520,8 +565,8 @@ class CudaGraphEngine(EngineBase):
             try:
                 fill()
                 entry = self._capture(sets, body)
-                log.info("cudagraph: captured the %d-step solver loop (RTC %s) for %s", solver.num_steps, mode,
-                         sets.key)
+                log.info("cudagraph: captured the %d-step solver loop (RTC %s%s) for %s", solver.num_steps, mode,
+                         f", {variant}" if variant else "", sets.key)
             except Exception as exc:
                 log.warning("cudagraph: loop capture failed for %s, RTC %s (%s: %s); running it eagerly",
                             sets.key, mode, type(exc).__name__, exc)
@@ -535,8 +580,10 @@ class CudaGraphEngine(EngineBase):
     def _prefix(self, gs: _GraphSet, dense: bool = False,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         i = gs.inputs
-        # only the fused stage takes these (`dense_prefix`)
-        kw: dict[str, Any] = {"dense": True, "out": out} if dense else {}
+        # only the fused stage takes these (`dense_prefix`, `dense_expert`)
+        kw: dict[str, Any] = {"dense": True} if dense else {}
+        if out is not None:
+            kw["out"] = out
         return self._stages["encode_prefix"](gs.image_embeds, i["image_mask"], i["tokens"], i["token_mask"], **kw)
 
     def _table(self, solver: SolverSpec) -> list[Any]:
@@ -552,14 +599,16 @@ class CudaGraphEngine(EngineBase):
             self._tables[solver] = table
         return table
 
-    def _loop(self, gs: _GraphSet, mode: str, solver: SolverSpec) -> torch.Tensor:
+    def _loop(self, gs: _GraphSet, mode: str, solver: SolverSpec, dense: bool = False) -> torch.Tensor:
         k, v, pmask = gs.kv
         step = self._stages["denoise_step"]
         table = self._table(solver)
         # A stage set may share per-chunk work among its steps (PI0.5's fused path: rotary tables and
         # masks): made once here, inside the captured loop, so every replay remakes it.
         make_context = self._stages.get("step_context")
-        kw = {"context": make_context(pmask)} if make_context is not None else {}
+        kw: dict[str, Any] = {"context": make_context(pmask)} if make_context is not None else {}
+        if dense:
+            kw["joined"] = gs.kv_room
         return static_euler(lambda i, xin, tt: step(xin, tt, k, v, pmask, modulation=table[i], **kw), gs.loop_bufs,
                             mode, solver)
 

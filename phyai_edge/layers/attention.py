@@ -49,6 +49,11 @@ def attention(
     (8 query heads, 1 KV head) that copy would move more bytes per denoise step than the
     attention itself. The result is the same function (each query row sees the same keys).
     `mask=None`: every key valid for every query (`attention_unmasked`).
+
+    With one KV head, a key-only mask (or none) and q a (B, T, H, D) buffer seen as (B, H, T, D)
+    (`fused_stacks` makes it so), the rows are folded in that token-major order instead: a free
+    view both ways, and the output comes back as a view of a (B, T, H, D) buffer, the layout the
+    o-projection reads. Where nothing distinguishes the rows, their order does not change them.
     """
     b, hq, tq, d = q.shape
     hkv = k.shape[1]
@@ -56,6 +61,11 @@ def attention(
     mask = None if mask is None else _full_rows(mask)
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    key_only = mask is None or (mask.shape[1] == 1 and mask.shape[2] == 1)
+    if hkv == 1 and key_only and tq > 1 and q.transpose(1, 2).is_contiguous():
+        qf = q.transpose(1, 2).reshape(b, 1, tq * hq, d)
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+        return out.view(b, tq, hq, d).transpose(1, 2)
     qf = q.reshape(b, hkv, groups * tq, d)
     if mask is None or (mask.shape[1] == 1 and mask.shape[2] == 1):
         mf = mask  # key-only mask: broadcasts over the folded query axis as it is

@@ -77,13 +77,28 @@ def _qkv_projection(attn: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 def _qkv(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str,
-         gemm_backend: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         gemm_backend: str | None,
+         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """q, k, v with RoPE: the fused QKV GEMM with RoPE in its epilogue where
-    `triton_gemm.module_takes` the projection, else the projection then `qkv_rope`."""
+    `triton_gemm.module_takes` the projection, else the projection then `qkv_rope`. `out`: (q, k, v)
+    buffers to write (as `qkv_rope`'s; the small-M GEMM's results are copied there)."""
     if gemm_backend is not None and attn.qkv_proj is not None and triton_gemm.module_takes(attn.qkv_proj, h):
-        return triton_gemm.linear_qkv_rope(h, attn.qkv_proj.weight, cos, sin, attn.num_heads, attn.num_kv_heads,
-                                           attn.head_dim, gemm_backend, bias=attn.qkv_proj.bias)
-    return qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim, backend)
+        qkv = triton_gemm.linear_qkv_rope(h, attn.qkv_proj.weight, cos, sin, attn.num_heads, attn.num_kv_heads,
+                                          attn.head_dim, gemm_backend, bias=attn.qkv_proj.bias)
+        return qkv if out is None else tuple(o.copy_(r) for o, r in zip(out, qkv))
+    return qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim, backend,
+                    out=out)
+
+
+def _query_buffer(attn: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, T, D) query for attention over one key buffer with no mask. With one KV head
+    it is a (B, T, H, D) buffer seen transposed: `layers.attention.attention` then folds its rows in
+    that order for free and hands back the output as the o-projection reads it (no copy either
+    side); a row's result does not depend on where the row sits when nothing is masked."""
+    b, t, _ = h.shape
+    if attn.num_kv_heads == 1:
+        return h.new_empty(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)
+    return h.new_empty(b, attn.num_heads, t, attn.head_dim)
 
 
 def _attend(attn: torch.nn.Module, q: torch.Tensor, k: Any, v: Any, mask: torch.Tensor,
@@ -148,6 +163,7 @@ def adaptive_block_stack(
     backend: str = "reference",
     gemm_backend: str | None = None,
     attend: Callable[..., torch.Tensor] | None = None,
+    joined: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Adaptive `GemmaBlock`s over x (B, T, W), each attending to its cached prefix keys/values
     (`k_cache[i]`, `v_cache[i]`) and to itself, then the final adaptive norm (modulation `final`,
@@ -167,27 +183,43 @@ def adaptive_block_stack(
     `attend`: `stack_attention(mask, B, backend)` made ahead (a caller running several stacks on
     one mask, the denoise steps of a chunk, makes it once).
 
+    `joined`: (keys, values) buffers (blocks, B, Hkv, P + T, D) whose first P positions hold the
+    prefix cache (`k_cache` / `v_cache` are those positions), from a caller that knows every
+    prefix key is valid (`mask` is then not read): each block writes its own k / v into the
+    last T positions (in the RoPE kernel, no copy) and attends to the whole buffer with no mask
+    (`attention_unmasked`: cuDNN's kernel on Hopper, faster than the split kernel from batch ~8).
+    The buffers are written in place, so not for a step that needs a gradient.
+
     With `triton_expert_layer.set_enabled(True)` (off by default: measured slower on the H200),
     where `gemm_backend` runs the kernels and `triton_expert_layer.takes` the stack (batch 1: at
     most 64 rows), each block is one persistent kernel instead.
     """
-    if (gemm_backend is not None and triton_expert_layer.enabled() and _use_triton(gemm_backend, x)
+    if joined is not None:
+        _check_joined(joined, k_cache, x)
+    if (joined is None and gemm_backend is not None and triton_expert_layer.enabled() and _use_triton(gemm_backend, x)
             and triton_expert_layer.takes(blocks, x, mask)):
         key_mask = getattr(attend, "key_mask", None)
         if key_mask is None:
             key_mask = kernel_key_mask(mask, x.shape[0])
         return triton_expert_layer.persistent_block_stack(blocks, x, cos, sin, k_cache, v_cache, key_mask,
                                                           modulations, final, final_eps)
-    if attend is None:
+    if attend is None and joined is None:
         attend = stack_attention(mask, x.shape[0], backend)
+    p = k_cache.shape[3]
     scale, shift, _ = modulations[0][0]
     h = ada_rms_norm(x, scale, shift, blocks[0].input_layernorm.eps, backend)
     for i, block in enumerate(blocks):
         attn = block.self_attn
         (_, _, gate_in), (scale2, shift2, gate_post) = modulations[i]
-        q, k, v = _qkv(attn, h, cos, sin, backend, gemm_backend)
-        # The cached prefix and the step's own keys as two parts: no per-layer concatenation.
-        y = _attend(attn, q, (k_cache[i], k), (v_cache[i], v), mask, attend, gemm_backend)
+        if joined is None:
+            q, k, v = _qkv(attn, h, cos, sin, backend, gemm_backend)
+            # The cached prefix and the step's own keys as two parts: no per-layer concatenation.
+            y = _attend(attn, q, (k_cache[i], k), (v_cache[i], v), mask, attend, gemm_backend)
+        else:
+            keys, values = joined[0][i], joined[1][i]
+            q, _, _ = _qkv(attn, h, cos, sin, backend, gemm_backend,
+                           out=(_query_buffer(attn, h), keys[:, :, p:], values[:, :, p:]))
+            y = _attend(attn, q, keys, values, None, attention_unmasked, gemm_backend)
         x, h = residual_ada_rms_norm(x, y, gate_in, scale2, shift2, block.post_attention_layernorm.eps, backend)
         y = _mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend, gemm_backend)
         if i + 1 < len(blocks):
@@ -198,6 +230,18 @@ def adaptive_block_stack(
             eps = final_eps
         x, h = residual_ada_rms_norm(x, y, gate_post, next_scale, next_shift, eps, backend)
     return h
+
+
+def _check_joined(joined: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, x: torch.Tensor) -> None:
+    """A ValueError unless `joined` are (blocks, B, Hkv, P + T, D) buffers extending `k_cache`
+    (blocks, B, Hkv, P, D) by x's T positions, and no gradient is being taken."""
+    want = (*k_cache.shape[:3], k_cache.shape[3] + x.shape[1], k_cache.shape[4])
+    for name, buf in zip(("keys", "values"), joined):
+        if tuple(buf.shape) != want or buf.dtype != k_cache.dtype:
+            raise ValueError(f"joined {name}: a {want} {k_cache.dtype} buffer (the prefix cache with room for the "
+                             f"step's {x.shape[1]} tokens) expected, got {tuple(buf.shape)} {buf.dtype}")
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError("joined KV buffers are written in place: not for a step that needs a gradient")
 
 
 def plain_block_stack(
@@ -216,7 +260,8 @@ def plain_block_stack(
     `dense`: the caller knows the mask is all true; attention then takes no mask
     (`layers.attention.attention_unmasked`). `out`: contiguous (blocks, B, Hkv, T, D) key and
     value buffers of x's dtype to write into (an engine's KV cache shared by two captured prefix
-    graphs) and return; None allocates them.
+    graphs; any strides with a unit last one: the cache may have room after the prefix for the
+    action expert's own keys, see `adaptive_block_stack(joined=)`) and return; None allocates them.
 
     The same function as `project_kv` / `finish` per block (the PI0.5 prefix), on the kernels
     above: Gemma's RMSNorm `normed * (1 + w)` is the adaptive norm with scale w and no shift,
@@ -257,12 +302,15 @@ def plain_block_stack(
 
 def check_kv_out(out: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, ...],
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`out` (keys, values) if both are contiguous `shape` tensors of `dtype`; else a ValueError
-    naming the one that is not."""
+    """`out` (keys, values) if both are `shape` tensors of `dtype` with a unit last stride and the
+    same strides; else a ValueError naming the one that is not."""
     for name, buf in zip(("keys", "values"), out):
-        if tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or not buf.is_contiguous():
-            raise ValueError(f"prefix KV out {name}: a contiguous {tuple(shape)} {dtype} tensor expected, got "
-                             f"{tuple(buf.shape)} {buf.dtype}{'' if buf.is_contiguous() else ' (not contiguous)'}")
+        if tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or buf.stride(-1) != 1:
+            raise ValueError(f"prefix KV out {name}: a {tuple(shape)} {dtype} tensor with a unit last stride "
+                             f"expected, got {tuple(buf.shape)} {buf.dtype} with strides {buf.stride()}")
+    if out[0].stride() != out[1].stride():
+        raise ValueError(f"prefix KV out: keys and values with the same strides expected, got {out[0].stride()} "
+                         f"and {out[1].stride()}")
     return out[0], out[1]
 
 

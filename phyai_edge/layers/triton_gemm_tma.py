@@ -224,13 +224,14 @@ if triton is not None:
     def _tma_qkv_rope_kernel(
         a_desc, w_desc, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
         M, K, seq_len, num_heads, num_kv_heads,
-        stride_cb, stride_ct, stride_sb, stride_st,
+        stride_cb, stride_ct, stride_sb, stride_st, stride_kv_b, stride_kv_h, stride_kv_t,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
     ):
         # A tile is BLOCK_M tokens of one head (q, k or v): RoPE's pairs (d, d + D/2) are in the
         # same accumulator. Rows are (sample, token) pairs, so a tile may span two samples: the
-        # (B, heads, T, D) outputs are written through pointers, not a descriptor.
+        # (B, heads, T, D) outputs are written through pointers, not a descriptor. k and v share
+        # strides (a KV cache's two halves, possibly with room after the prefix: not contiguous).
         HALF: tl.constexpr = HEAD_DIM // 2
         tiles_m = tl.cdiv(M, BLOCK_M)
         heads = num_heads + 2 * num_kv_heads
@@ -262,9 +263,9 @@ if triton is not None:
             if head < num_heads:
                 dst = q_ptr + ((b * num_heads + head) * seq_len + t) * HEAD_DIM + cols
             elif head < num_heads + num_kv_heads:
-                dst = k_ptr + ((b * num_kv_heads + head - num_heads) * seq_len + t) * HEAD_DIM + cols
+                dst = k_ptr + b * stride_kv_b + (head - num_heads) * stride_kv_h + t * stride_kv_t + cols
             else:
-                dst = v_ptr + ((b * num_kv_heads + head - num_heads - num_kv_heads) * seq_len + t) * HEAD_DIM + cols
+                dst = v_ptr + b * stride_kv_b + (head - num_heads - num_kv_heads) * stride_kv_h + t * stride_kv_t + cols
             tl.store(dst, o1.to(q_ptr.dtype.element_ty), mask=ok)
             tl.store(dst + HALF, o2.to(q_ptr.dtype.element_ty), mask=ok)
 
@@ -385,16 +386,19 @@ def linear_qkv_rope(
     config: TmaConfig | None = None, k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract of `triton_gemm.linear_qkv_rope_ref` (q (B, H, T, D); k, v (B, Hkv, T, D); cos,
-    sin (B or 1, 1, T, D)), as one TMA GEMM with RoPE in its epilogue. `k_out` / `v_out`: contiguous
-    (B, Hkv, T, D) buffers to write k / v into (a slice of a stacked KV cache: no later copy);
-    the reference path copies into them. head_dim: a power of two, 16..256 (one tile's columns)."""
+    sin (B or 1, 1, T, D)), as one TMA GEMM with RoPE in its epilogue. `k_out` / `v_out`: (B, Hkv,
+    T, D) buffers with a unit last stride to write k / v into (a slice of a stacked KV cache, which
+    may have room after the prefix: no later copy); both or neither, with the same strides. The
+    reference path copies into them. head_dim: a power of two, 16..256 (one tile's columns)."""
     _qkv_shapes(h, weight, cos, num_heads, num_kv_heads, head_dim)
     b, t, _ = h.shape
     kv_shape = (b, num_kv_heads, t, head_dim)
     for name, buf in (("k_out", k_out), ("v_out", v_out)):
-        if buf is not None and (tuple(buf.shape) != kv_shape or not buf.is_contiguous() or buf.dtype != h.dtype):
-            raise ValueError(f"{name} must be a contiguous {kv_shape} {h.dtype} tensor, got "
-                             f"{tuple(buf.shape)} {buf.dtype}")
+        if buf is not None and (tuple(buf.shape) != kv_shape or buf.stride(-1) != 1 or buf.dtype != h.dtype):
+            raise ValueError(f"{name} must be a {kv_shape} {h.dtype} tensor with a unit last stride, got "
+                             f"{tuple(buf.shape)} {buf.dtype} with strides {buf.stride()}")
+    if (k_out is None) != (v_out is None) or (k_out is not None and k_out.stride() != v_out.stride()):
+        raise ValueError("k_out and v_out: both or neither, with the same strides")
     if not _use_triton(backend, h, weight, cos, sin):
         q, k, v = linear_qkv_rope_ref(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias)
         if k_out is not None:
@@ -433,7 +437,7 @@ def linear_qkv_rope(
             a_desc, w_desc, cos3, sin3, q, k, v,
             m, a.shape[1], t, num_heads, num_kv_heads,
             cos3.stride(0) if cos3.shape[0] > 1 else 0, cos3.stride(1),
-            sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1),
+            sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1), *k.stride()[:3],
             HEAD_DIM=head_dim, BLOCK_M=c.block_m, BLOCK_K=c.block_k, GROUP_M=c.group_m,
             PROGRAMS=programs, UPCAST=interpret_mode(), FLATTEN=c.flatten, WS=c.warp_specialize and _ws_works(),
             num_warps=c.warps, num_stages=c.stages,

@@ -12,7 +12,8 @@ each chain in one launch, one program per row (a row of 1024 fits one block):
   RMSNorm; writes the new residual and the next op's normed input (eager: ~12 kernels).
 - `qkv_rope`: rotary embedding on q and k straight out of the fused QKV GEMM's output
   (split + rotate-half + cast, written as contiguous (B, H, T, D)); v stays a view
-  (eager: ~14 kernels, the transposes' copies included).
+  (eager: ~14 kernels, the transposes' copies included). Or into buffers the caller gives (any
+  strides), v copied there in the same kernel.
 - `geglu`: `gelu_tanh(gate) * up` from the fused gate/up GEMM's output (eager: 2-3 kernels).
 - attention: split-KV over the cached prefix and the step's own keys without concatenating them
   (`layers.triton_attention`).
@@ -109,8 +110,10 @@ def _block(n: int) -> int:
 def _row_warps(elements: int) -> int:
     """Warps for a program holding `elements` of each row tensor in registers: 8 from 2048 (SigLIP's
     1152-wide rows), so a thread holds 8 floats of each rather than 16 (Triton's layer-norm
-    tutorial's rule)."""
-    return min(max(elements // 256, 1), 8)
+    tutorial's rule), rounded down to a power of two (Triton's requirement; the interpreter does not
+    check it)."""
+    warps = max(elements // 256, 1)
+    return min(1 << (warps.bit_length() - 1), 8)
 
 
 # -- references -----------------------------------------------------------------------------------
@@ -217,15 +220,17 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr,
+        qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
         seq_len, num_heads, num_kv_heads,
         stride_qkv_b, stride_qkv_t, stride_cs_b, stride_cs_t, stride_sn_b, stride_sn_t,
-        HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr,
+        stride_q_b, stride_q_h, stride_q_t, stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t,
+        HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, WRITE_V: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_enter(PDL)
-        # One program per token, all its q and k heads as one (HEADS, BLOCK) tile: the token's
-        # cos / sin are read once, not once per head. (One program per (token, head) ran at about
-        # half the bandwidth: 134 vs 65 us at the batch-32 prefix's 26112 tokens, H200.)
+        # One program per token, all its q and k heads (and v's with WRITE_V) as one (HEADS, BLOCK)
+        # tile: the token's cos / sin are read once, not once per head. (One program per
+        # (token, head) ran at about half the bandwidth: 134 vs 65 us at the batch-32 prefix's
+        # 26112 tokens, H200.)
         bt = tl.program_id(0)
         b = bt // seq_len
         t = bt % seq_len
@@ -242,12 +247,20 @@ if triton is not None:
         o1, o2 = _rope(x1, x2, cs, sn, m, HALF)
         qh = tl.minimum(heads, num_heads - 1)
         kh = tl.maximum(heads - num_heads, 0)
-        dst_q = q_ptr + ((b * num_heads + qh) * seq_len + t) * (2 * HALF) + cols
-        dst_k = k_ptr + ((b * num_kv_heads + kh) * seq_len + t) * (2 * HALF) + cols
+        dst_q = q_ptr + b * stride_q_b + qh * stride_q_h + t * stride_q_t + cols
+        dst_k = k_ptr + b * stride_k_b + kh * stride_k_h + t * stride_k_t + cols
         tl.store(dst_q, o1.to(q_ptr.dtype.element_ty), mask=m & is_q)
         tl.store(dst_q + HALF, o2.to(q_ptr.dtype.element_ty), mask=m & is_q)
         tl.store(dst_k, o1.to(k_ptr.dtype.element_ty), mask=m & is_k)
         tl.store(dst_k + HALF, o2.to(k_ptr.dtype.element_ty), mask=m & is_k)
+        if WRITE_V:  # v copied as it is (no rotation) into a buffer of the caller's
+            is_v = (heads >= num_heads + num_kv_heads) & (heads < num_heads + 2 * num_kv_heads)
+            y1 = tl.load(src, mask=m & is_v, other=0.0)
+            y2 = tl.load(src + HALF, mask=m & is_v, other=0.0)
+            vh = tl.maximum(heads - num_heads - num_kv_heads, 0)
+            dst_v = v_ptr + b * stride_v_b + vh * stride_v_h + t * stride_v_t + cols
+            tl.store(dst_v, y1.to(v_ptr.dtype.element_ty), mask=m & is_v)
+            tl.store(dst_v + HALF, y2.to(v_ptr.dtype.element_ty), mask=m & is_v)
 
     @triton.jit
     def _geglu_kernel(gu_ptr, out_ptr, hidden, stride_in, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -409,20 +422,34 @@ def qkv_rope(
     num_kv_heads: int,
     head_dim: int,
     backend: str = "reference",
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as `qkv_rope_ref`; cos, sin (B or 1, 1, T, D) as `rope_cos_sin` makes them."""
+    """Same contract as `qkv_rope_ref`; cos, sin (B or 1, 1, T, D) as `rope_cos_sin` makes them.
+
+    `out`: (q, k, v) buffers shaped (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D), any strides with a
+    unit last one (a (B, T, H, D) buffer seen transposed; the free positions of a KV cache with
+    room for the step's own keys), written and returned; v is then a copy too (in the same kernel)."""
+    b, t, width = qkv.shape
+    if out is not None:
+        _check_qkv_out(out, b, t, num_heads, num_kv_heads, head_dim, qkv.dtype)
     if not _use_triton(backend, qkv, cos, sin):
-        return qkv_rope_ref(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+        q, k, v = qkv_rope_ref(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+        if out is None:
+            return q, k, v
+        return out[0].copy_(q), out[1].copy_(k), out[2].copy_(v)
     if head_dim % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
-    b, t, width = qkv.shape
     if width != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"qkv width {width} != (heads + 2 kv heads) * head_dim")
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     nq, nkv = num_heads * head_dim, num_kv_heads * head_dim
-    q = _empty((b, num_heads, t, head_dim), qkv)
-    k = _empty((b, num_kv_heads, t, head_dim), qkv)
+    if out is None:
+        q = _empty((b, num_heads, t, head_dim), qkv)
+        k = _empty((b, num_kv_heads, t, head_dim), qkv)
+        v = qkv[..., nq + nkv :].reshape(b, t, num_kv_heads, head_dim).transpose(1, 2)
+    else:
+        q, k, v = out
     cos3, sin3 = cos.reshape(cos.shape[0], t, head_dim), sin.reshape(sin.shape[0], t, head_dim)
     if cos3.stride(-1) != 1:
         cos3 = cos3.contiguous()
@@ -432,17 +459,31 @@ def qkv_rope(
         if c.shape[0] not in (1, b):
             raise ValueError(f"cos/sin batch {c.shape[0]} does not broadcast over batch {b}")
     half = head_dim // 2
+    heads = num_heads + (2 if out is not None else 1) * num_kv_heads
     _qkv_rope_kernel[(b * t,)](
-        qkv, cos3, sin3, q, k,
+        qkv, cos3, sin3, q, k, v,
         t, num_heads, num_kv_heads,
         qkv.stride(0), qkv.stride(1),
         cos3.stride(0) if cos3.shape[0] > 1 else 0, cos3.stride(1),
         sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1),
-        HALF=half, BLOCK=_block(half), HEADS=triton.next_power_of_2(num_heads + num_kv_heads),
-        num_warps=_row_warps(half * (num_heads + num_kv_heads)), **launch_options(qkv),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        HALF=half, BLOCK=_block(half), HEADS=triton.next_power_of_2(heads), WRITE_V=out is not None,
+        num_warps=_row_warps(half * heads), **launch_options(qkv),
     )
-    v = qkv[..., nq + nkv :].reshape(b, t, num_kv_heads, head_dim).transpose(1, 2)
     return q, k, v
+
+
+def _check_qkv_out(out: tuple[torch.Tensor, ...], b: int, t: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int, dtype: torch.dtype) -> None:
+    """A ValueError naming the first of `qkv_rope`'s output buffers that is not a (B, heads, T, D)
+    tensor of `dtype` with a unit last stride."""
+    if len(out) != 3:
+        raise ValueError(f"qkv_rope out: (q, k, v) expected, got {len(out)} tensors")
+    for name, buf, heads in zip("qkv", out, (num_heads, num_kv_heads, num_kv_heads)):
+        want = (b, heads, t, head_dim)
+        if tuple(buf.shape) != want or buf.dtype != dtype or buf.stride(-1) != 1:
+            raise ValueError(f"qkv_rope out {name}: a {want} {dtype} tensor with a unit last stride expected, got "
+                             f"{tuple(buf.shape)} {buf.dtype} with strides {buf.stride()}")
 
 
 def geglu(gate_up: torch.Tensor, backend: str = "reference") -> torch.Tensor:

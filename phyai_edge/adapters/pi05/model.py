@@ -301,6 +301,10 @@ class PI05Model(nn.Module):
           epilogues). Only the denoise step: its M is batch x 50 rows (memory-bound GEMMs), while
           the prefix's ~batch x 816 rows are compute-bound: cuBLAS, or on Hopper for large batches
           the TMA GEMMs with RoPE / GeGLU in their epilogues (`layers.triton_gemm_tma.takes`).
+          `joined=(keys, values)` from a caller whose prefix is all valid and whose KV cache has
+          room for the chunk's own keys after the prefix (`k_cache` / `v_cache` being views of its
+          first positions): attention over the whole buffer with no mask
+          (`fused_stacks.adaptive_block_stack(joined=)`).
 
         Engine options choose them (`CudaGraphEngine(triton_ops=True, triton_gemm=...)`); the
         model's own stage methods stay the reference."""
@@ -319,13 +323,14 @@ class PI05Model(nn.Module):
             cos, sin, mask = self.expert_context(prefix_mask, self.cfg.chunk_size)
             return cos, sin, mask, stack_attention(mask, prefix_mask.shape[0], backend)
 
-        def denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=None, context=None):
+        def denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=None, context=None, joined=None):
             per_layer, final_mod = modulation if modulation is not None else self.time_modulation(t)
             x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
             cos, sin, mask, attend = context if context is not None else step_context(prefix_mask)
             out = fused_stacks.adaptive_block_stack(
                 self.expert_layers, x, cos, sin, k_cache, v_cache, mask, per_layer, final_mod,
                 self.expert_norm.eps, backend, gemm_backend=backend if gemm else None, attend=attend,
+                joined=joined,
             )
             return self.expert_output(out)
 
