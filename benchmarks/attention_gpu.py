@@ -126,6 +126,7 @@ def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device,
         d_err = float((sdpa_dense().float() - ref_dense).norm() / ref_dense.norm())
         rows.append({"variant": "sdpa, no mask, keys in one buffer", "rel_err": d_err,
                      "us": time_calls([sdpa_dense] * CALLS, device.type, replays=15)})
+        rows += masked_one_buffer(q, k_all, v_all, mask, ref, device)
     default = ta.default_config(hq * tq, b, sms)
     # The default tiling three ways: as it is, with any splits always merged by a second kernel,
     # and with programmatic dependent launch; then the sweep.
@@ -155,6 +156,39 @@ def run_shape(shape: tuple, configs: list[ta.SplitConfig], device: torch.device,
     best = min(timed, key=lambda r: r["us"]) if timed else None
     return {"shape": name, "batch": b, "rows_per_kv_head": hq * tq, "keys": n1 + n2,
             "rows": rows, "best": best}
+
+
+def masked_one_buffer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor,
+                      device: torch.device) -> list[dict[str, Any]]:
+    """The keys in one buffer with some of them padded (a batch whose prompts do not fill their
+    bucket): SDPA on the folded queries (one KV head) with the key mask as a boolean mask and as an
+    additive bias (0 / -inf, (B, 1, 1, keys) broadcast over the rows), under each backend that
+    might take it. Would the one-buffer path serve padded batches too?"""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, hq, tq, d = q.shape
+    qf = q.reshape(b, 1, hq * tq, d)
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    rows = []
+    for backend in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "FLASH_ATTENTION"):
+        for label, m in (("bool mask", mask), ("bias", bias)):
+            def call(m: torch.Tensor = m, backend: str = backend) -> torch.Tensor:
+                with sdpa_kernel([getattr(SDPBackend, backend)]):
+                    return F.scaled_dot_product_attention(qf, k, v, attn_mask=m).reshape(b, hq, tq, d)
+
+            row: dict[str, Any] = {"variant": f"sdpa {backend.split('_')[0].lower()}, {label}, keys in one buffer"}
+            try:
+                out = call()
+                row["rel_err"] = float((out.float() - ref).norm() / ref.norm())
+                if not math.isfinite(row["rel_err"]) or row["rel_err"] > 2e-2:
+                    row["error"] = f"wrong result: relative error {row['rel_err']:.2e}"
+                else:
+                    row["us"] = time_calls([call] * CALLS, device.type, replays=15)
+            except Exception as exc:  # a backend that refuses the mask or the shape
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            rows.append(row)
+    return rows
 
 
 def vision_backends(device: torch.device, dtype: torch.dtype, batches: tuple[int, ...] = (1, 8, 32)) -> list[dict]:
