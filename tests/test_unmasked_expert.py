@@ -201,3 +201,21 @@ def test_engine_unmasked_expert_on_the_kernels(tiny, monkeypatch) -> None:  # no
     out = fast.run(full, noise=noise)
     assert ("none", base.solver, "dense") in fast._graph_set(2, 3, 16).loops
     assert torch.isfinite(out).all() and _rel(out.cpu(), eager.run(full, noise=noise)) < 1e-5
+
+
+def test_engine_unmasked_expert_with_fp8_expert(tiny, monkeypatch) -> None:  # noqa: F811
+    """fp8 expert linears (their reference path here) under the unmasked loop: the same chunk as the
+    masked loop of an engine with the same weights, within the attention's rounding."""
+    from phyai_edge.engines import cudagraph
+
+    base, _ = tiny
+    monkeypatch.setattr(cudagraph, "DENSE_EXPERT_MIN_BATCH", 2)
+    full = _inputs(base, 2, 3, [16, 16])
+    noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(8))
+    outs = {}
+    for dense in (True, False):
+        eng = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
+                              fp8="expert", dense_expert=dense)
+        outs[dense] = eng.run(full, noise=noise).cpu()
+        assert (("none", base.solver, "dense") in eng._graph_set(2, 3, 16).loops) == dense
+    assert torch.isfinite(outs[True]).all() and _rel(outs[True], outs[False]) < 1e-5
