@@ -199,6 +199,9 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # the action expert's attention always masked, over the two-part keys (`dense_expert=False`); the
         # default, from batch 8, writes the step's keys into the cache's room and attends unmasked
         ("triton+gemm, masked expert", {"triton_ops": True, "triton_gemm": True, "dense_expert": False}, shapes),
+        # prompts of one length always rounded up to the 16-token bucket (`EXACT_PROMPT_LENGTHS = 0`); the
+        # default keeps a uniform batch's exact length from batch 8. The same with --prompt-tokens 48.
+        ("triton+gemm, bucketed prompts", {"triton_ops": True, "triton_gemm": True, "_bucket_only": True}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -259,6 +262,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
     beside the bf16 engine's, accuracy vs eager fp32 on the accuracy inputs (seed 6). Results under
     res[section]; errors are recorded, not raised. `rtc_modes`: at batch 1, each RTC solver mode's
     p50 and its overhead over the same engine's unguided chunk."""
+    from phyai_edge.engines import cudagraph
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.layers import triton_gemm_tma as tma_mod
     from phyai_edge.layers.fp8 import fp8_linears
@@ -276,6 +280,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         pdl, same_as, inline = kw.pop("_pdl", False), kw.pop("_same_as", None), kw.pop("_inline_merge", True)
         tma_routes = kw.pop("_tma", None)  # None: the module's default routes
         no_context = kw.pop("_no_context", False)
+        bucket_only = kw.pop("_bucket_only", False)
         geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
@@ -287,6 +292,9 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         geglu_before = tma_mod.geglu_config
         if geglu_rule is not None:
             tma_mod.geglu_config = geglu_rule
+        exact_before = cudagraph.EXACT_PROMPT_LENGTHS
+        if bucket_only:
+            cudagraph.EXACT_PROMPT_LENGTHS = 0
         try:
             t0 = time.perf_counter()
             eng = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", **kw)
@@ -342,6 +350,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
             for op, on in tma_before.items():
                 set_route(op, on)
             tma_mod.geglu_config = geglu_before
+            cudagraph.EXACT_PROMPT_LENGTHS = exact_before
         sync(dev)
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -509,9 +518,12 @@ def main(argv: list[str] | None = None) -> int:
                          "default: all)")
     ap.add_argument("--triton-only", action="store_true",
                     help="only the bf16 engine and its Triton-ops variants, on seeded weights (no LeRobot)")
+    ap.add_argument("--prompt-tokens", type=int, default=VALID_TOKENS,
+                    help=f"valid prompt tokens of every sample (default {VALID_TOKENS}: a multiple of the 16-token bucket)")
     args = ap.parse_args(argv)
     dev = args.device
     args.out.mkdir(parents=True, exist_ok=True)
+    globals()["VALID_TOKENS"] = args.prompt_tokens  # read at call time by the functions above
     if args.fp8_only or args.triton_only:
         return main_seeded(args)
     if args.tiny:

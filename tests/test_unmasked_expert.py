@@ -219,3 +219,33 @@ def test_engine_unmasked_expert_with_fp8_expert(tiny, monkeypatch) -> None:  # n
         outs[dense] = eng.run(full, noise=noise).cpu()
         assert (("none", base.solver, "dense") in eng._graph_set(2, 3, 16).loops) == dense
     assert torch.isfinite(outs[True]).all() and _rel(outs[True], outs[False]) < 1e-5
+
+
+def test_uniform_prompts_keep_their_exact_length(tiny, monkeypatch) -> None:  # noqa: F811
+    """From the unmasked graphs' batch size, a batch whose prompts all have one length (9, not a
+    multiple of the 16-token bucket) keeps exactly 9 positions and runs unmasked; mixed lengths
+    keep the bucket and the mask; past EXACT_PROMPT_LENGTHS lengths the bucket again. Below the
+    threshold (the daemon's batch 1) nothing changes. Every chunk matches the eager engine."""
+    from phyai_edge.engines import cudagraph
+
+    base, eager = tiny
+    monkeypatch.setattr(cudagraph, "DENSE_EXPERT_MIN_BATCH", 2)
+    monkeypatch.setattr(cudagraph, "EXACT_PROMPT_LENGTHS", 2)
+    fast = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
+                           dense_prefix=False)
+    noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(9))
+    # (valid lengths, positions kept, unmasked)
+    for valid, length, unmasked in (([9, 9], 9, True), ([9, 12], 16, False), ([5, 5], 5, True),
+                                    ([7, 7], 16, False), ([9, 9], 9, True)):
+        x = _inputs(base, 2, 3, valid)
+        out = fast.run(x, noise=noise)
+        assert fast._prompt_length(x.tensors["token_mask"], 3) == length, valid
+        # the unmasked loop exists for a set only once a batch has used it (captured on first use)
+        assert (("none", base.solver, "dense") in fast._sets[(2, 3, length)].loops) == unmasked, valid
+        assert _rel(out.cpu(), eager.run(x, noise=noise)) < 1e-5, valid
+    assert fast._exact_lengths[(2, 3)] == {9, 5}
+    one = _inputs(base, 1, 3, [9])
+    assert fast._prompt_length(one.tensors["token_mask"], 3) == 16
+    fast.warmup(2, 3, prompt_tokens=11)  # start-up capture for a known task prompt: its exact length
+    assert (2, 3, 11) not in fast._sets  # the cap (2 lengths) is reached: bucket
+    assert (2, 3, 16) in fast._sets

@@ -18,7 +18,9 @@ What makes the PI0.5 path fast (each is exact, or equal within rounding, to the 
   (one extra replay launch, a few microseconds).
 - Prompt padding trimmed: tokens are right-padded, so the prefix is cut to the batch's longest
   valid prompt rounded up to `token_bucket`; padded tokens take no position and no valid token
-  attends to them, so the valid outputs are unchanged and the prefix does less work.
+  attends to them, so the valid outputs are unchanged and the prefix does less work. A batch of 8 or
+  more whose prompts all have one length (evaluation, rollouts) keeps exactly that length, for up to
+  EXACT_PROMPT_LENGTHS lengths per shape: no padding left, so the unmasked graphs below serve it.
 - An unmasked prefix for full batches of 8 or more (`dense_prefix`, with the fused stages): a batch whose
   trimmed prompts have no padding and whose cameras are all present replays a second prefix graph
   whose attention takes no mask (SDPA's fastest kernel; cuDNN's on Hopper) and writes its KV
@@ -88,13 +90,18 @@ DENSE_PREFIX_MIN_BATCH = 8
 # sixth session call 10): SDPA without a mask 27.2 vs the split kernel's 29.9 us a block at batch 8,
 # 29.0 vs 41.7 at 32, 55.6 vs 91.1 at 64, but 26.2 vs 13.8 at batch 1.
 DENSE_EXPERT_MIN_BATCH = 8
+# A batch whose prompts all have the same length keeps exactly that many positions (no padding, so
+# the unmasked graphs serve it) for at most this many lengths per (batch, views); later lengths are
+# rounded to the bucket as other batches are. Each length is a graph set (captured at first use).
+EXACT_PROMPT_LENGTHS = 4
 # The stage graph the PI0.5 path is written for; any other graph takes the generic path.
 PI05_STAGES = ("embed_images", "encode_prefix", "denoise_step")
 
 
-def prompt_bucket(token_mask: torch.Tensor, bucket: int) -> int:
+def prompt_bucket(token_mask: torch.Tensor, bucket: int, exact: bool = False) -> int:
     """How many prompt positions the prefix must keep: the longest valid prompt in the batch,
-    rounded up to `bucket`, when every row is right-padded (valid tokens first); else all."""
+    rounded up to `bucket`, when every row is right-padded (valid tokens first); else all.
+    `exact`: when every row has the same number of valid tokens, that number (no padding left)."""
     mask = token_mask.detach().to("cpu", torch.bool)
     length = mask.shape[1]
     valid = mask.sum(dim=1)
@@ -102,6 +109,8 @@ def prompt_bucket(token_mask: torch.Tensor, bucket: int) -> int:
     if not right_padded or bucket <= 0:
         return length
     longest = max(int(valid.max()), 1)
+    if exact and int(valid.min()) == longest:
+        return longest
     return min(length, math.ceil(longest / bucket) * bucket)
 
 
@@ -333,6 +342,7 @@ class CudaGraphEngine(EngineBase):
             self._stages.pop("step_context", None)
             self._stages = {n: torch.compile(f, dynamic=False, **kw) for n, f in self._stages.items()}
         self._sets: dict[tuple[int, int, int], _GraphSet] = {}
+        self._exact_lengths: dict[tuple[int, int], set[int]] = {}  # (batch, views) -> uniform prompt lengths kept
         self._tables: dict[SolverSpec, list[Any]] = {}
         self._rtc_weights: dict[tuple[SolverSpec, float], torch.Tensor] = {}  # guidance weight per step
         for batch, views in capture or []:
@@ -352,8 +362,8 @@ class CudaGraphEngine(EngineBase):
         cfg = self.adapter.cfg
         length = cfg.max_token_len
         if prompt_tokens is not None and self.trim_prompt:
-            mask = torch.arange(length)[None, :] < prompt_tokens
-            length = prompt_bucket(mask, self.token_bucket)
+            mask = (torch.arange(length)[None, :] < prompt_tokens).expand(batch, length)
+            length = self._prompt_length(mask, views)
         gs = self._graph_set(batch, views, length)
         for mode in modes:
             self._loop_graph(gs, mode, self.adapter.solver)
@@ -367,7 +377,7 @@ class CudaGraphEngine(EngineBase):
         a, b = self.adapter, inputs.batch_size
         x = inputs.tensors
         images, token_mask = x["images"], x["token_mask"]
-        length = prompt_bucket(token_mask, self.token_bucket) if self.trim_prompt else token_mask.shape[1]
+        length = self._prompt_length(token_mask, images.shape[1]) if self.trim_prompt else token_mask.shape[1]
         gs = self._graph_set(b, images.shape[1], length)
         mode = rtc.mode if rtc is not None else "none"
         if mode not in LOOP_MODES:
@@ -419,6 +429,25 @@ class CudaGraphEngine(EngineBase):
         self._stage_ms = {"embed_images": ms[0], "encode_prefix": ms[2], "solver_loop": ms[3],
                           "denoise_step": ms[3] / solver.num_steps}
         return chunk.clone()
+
+    def _prompt_length(self, token_mask: torch.Tensor, views: int) -> int:
+        """The prompt positions this batch keeps (`prompt_bucket`). Exact, not rounded to the bucket,
+        for a batch of one prompt length (evaluation, rollouts: one task for every robot) where an
+        unmasked graph exists for its size, so it gets them; up to EXACT_PROMPT_LENGTHS such lengths
+        per (batch, views), each a graph set of its own. Small batches (the daemon's) keep the
+        buckets: a new length there would be a capture in the middle of a control loop."""
+        b = token_mask.shape[0]
+        bucketed = prompt_bucket(token_mask, self.token_bucket)
+        if not ((self.dense_prefix and b >= DENSE_PREFIX_MIN_BATCH) or (self.dense_expert and b >= DENSE_EXPERT_MIN_BATCH)):
+            return bucketed
+        exact = prompt_bucket(token_mask, self.token_bucket, exact=True)
+        if exact == bucketed:
+            return bucketed
+        held = self._exact_lengths.setdefault((b, views), set())
+        if exact in held or len(held) < EXACT_PROMPT_LENGTHS:
+            held.add(exact)
+            return exact
+        return bucketed
 
     def _mark(self) -> torch.cuda.Event | float:
         """A point in time on the device's own clock: CUDA events on a GPU (no sync between
