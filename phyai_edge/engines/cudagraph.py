@@ -437,6 +437,7 @@ class CudaGraphEngine(EngineBase):
         per (batch, views), each a graph set of its own. Small batches (the daemon's) keep the
         buckets: a new length there would be a capture in the middle of a control loop."""
         b = token_mask.shape[0]
+        token_mask = token_mask.detach().to("cpu", torch.bool)  # one device-to-host copy for both calls
         bucketed = prompt_bucket(token_mask, self.token_bucket)
         if not ((self.dense_prefix and b >= DENSE_PREFIX_MIN_BATCH) or (self.dense_expert and b >= DENSE_EXPERT_MIN_BATCH)):
             return bucketed
