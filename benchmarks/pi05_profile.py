@@ -244,9 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         # The variants `run` picks for these inputs (every prompt token valid, every camera present):
         # the unmasked prefix and action expert where the engine has them for this batch.
-        from phyai_edge.engines.cudagraph import DENSE_PREFIX_MIN_BATCH
-
-        dense_prefix = eng.dense_prefix and b >= DENSE_PREFIX_MIN_BATCH
+        dense_prefix = eng._unmasked(b)[0]
         joined = {} if gs.kv_room is None else {"joined": gs.kv_room}
         entry["unmasked"] = {"prefix": dense_prefix, "expert": bool(joined)}
         for name, fn in (("embed_images", lambda gs=gs: eng._vision(gs)),

@@ -385,8 +385,8 @@ class CudaGraphEngine(EngineBase):
         solver = a.solver
         # Every camera present and no padded prompt token (asked only where an unmasked graph exists:
         # each test waits for the device)
-        dense_prefix = self.dense_prefix and b >= DENSE_PREFIX_MIN_BATCH
-        dense_expert = gs.kv_room is not None and mode != "guided"
+        dense_prefix, dense_expert = self._unmasked(b)
+        dense_expert = dense_expert and mode != "guided"
         if dense_prefix or dense_expert:
             full = bool(x["image_mask"].all()) and bool(token_mask[:, :length].all())
             dense_prefix, dense_expert = dense_prefix and full, dense_expert and full
@@ -430,6 +430,13 @@ class CudaGraphEngine(EngineBase):
                           "denoise_step": ms[3] / solver.num_steps}
         return chunk.clone()
 
+    def _unmasked(self, batch: int) -> tuple[bool, bool]:
+        """Whether a batch of this size has the unmasked prefix graph and the unmasked action-expert
+        loop (with the KV cache's room): the options, and the sizes from which they were measured
+        faster. A call uses them only when its batch is full (`run`)."""
+        return (self.dense_prefix and batch >= DENSE_PREFIX_MIN_BATCH,
+                self.dense_expert and batch >= DENSE_EXPERT_MIN_BATCH)
+
     def _prompt_length(self, token_mask: torch.Tensor, views: int) -> int:
         """The prompt positions this batch keeps (`prompt_bucket`). Exact, not rounded to the bucket,
         for a batch of one prompt length (evaluation, rollouts: one task for every robot) where an
@@ -439,7 +446,7 @@ class CudaGraphEngine(EngineBase):
         b = token_mask.shape[0]
         token_mask = token_mask.detach().to("cpu", torch.bool)  # one device-to-host copy for both calls
         bucketed = prompt_bucket(token_mask, self.token_bucket)
-        if not ((self.dense_prefix and b >= DENSE_PREFIX_MIN_BATCH) or (self.dense_expert and b >= DENSE_EXPERT_MIN_BATCH)):
+        if not any(self._unmasked(b)):
             return bucketed
         exact = prompt_bucket(token_mask, self.token_bucket, exact=True)
         if exact == bucketed:
@@ -477,7 +484,7 @@ class CudaGraphEngine(EngineBase):
         }
         gs = _GraphSet(key, inputs)
         gs.loop_bufs = self._loop_buffers(batch, gen)
-        if self.dense_expert and batch >= DENSE_EXPERT_MIN_BATCH:
+        if self._unmasked(batch)[1]:
             gs.kv_room = self._kv_room(batch, views, length)
         if not self.use_graphs:
             gs.eager = True
@@ -489,7 +496,7 @@ class CudaGraphEngine(EngineBase):
             gs.prefix_graph, gs.kv = self._capture(gs, lambda: self._prefix(gs, out=self._prefix_out(gs)))
             log.info("cudagraph: captured vision and prefix graphs for batch %d, %d views, %d prompt positions",
                      batch, views, length)
-            if self.dense_prefix and batch >= DENSE_PREFIX_MIN_BATCH:
+            if self._unmasked(batch)[0]:
                 self._capture_dense_prefix(gs)
         except Exception as exc:  # capture can fail on unusual setups; stay correct, say so once
             log.warning("cudagraph: capture failed for batch %d, views %d (%s: %s); running eagerly",

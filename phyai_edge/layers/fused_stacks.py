@@ -43,6 +43,7 @@ from phyai_edge.layers.triton_ops import (
     SplitSums,
     ada_rms_norm,
     bias_gelu,
+    check_out_buffer,
     geglu,
     layer_norm,
     qkv_rope,
@@ -305,9 +306,7 @@ def check_kv_out(out: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, ...],
     """`out` (keys, values) if both are `shape` tensors of `dtype` with a unit last stride and the
     same strides; else a ValueError naming the one that is not."""
     for name, buf in zip(("keys", "values"), out):
-        if tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or buf.stride(-1) != 1:
-            raise ValueError(f"prefix KV out {name}: a {tuple(shape)} {dtype} tensor with a unit last stride "
-                             f"expected, got {tuple(buf.shape)} {buf.dtype} with strides {buf.stride()}")
+        check_out_buffer(f"prefix KV out {name}", buf, shape, dtype)
     if out[0].stride() != out[1].stride():
         raise ValueError(f"prefix KV out: keys and values with the same strides expected, got {out[0].stride()} "
                          f"and {out[1].stride()}")

@@ -54,6 +54,7 @@ import torch
 
 from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, triton
 from phyai_edge.layers.triton_gemm import linear_geglu_ref, linear_qkv_rope_ref, linear_ref
+from phyai_edge.layers.triton_ops import check_out_buffer
 
 log = logging.getLogger(__name__)
 
@@ -394,9 +395,8 @@ def linear_qkv_rope(
     b, t, _ = h.shape
     kv_shape = (b, num_kv_heads, t, head_dim)
     for name, buf in (("k_out", k_out), ("v_out", v_out)):
-        if buf is not None and (tuple(buf.shape) != kv_shape or buf.stride(-1) != 1 or buf.dtype != h.dtype):
-            raise ValueError(f"{name} must be a {kv_shape} {h.dtype} tensor with a unit last stride, got "
-                             f"{tuple(buf.shape)} {buf.dtype} with strides {buf.stride()}")
+        if buf is not None:
+            check_out_buffer(name, buf, kv_shape, h.dtype)
     if (k_out is None) != (v_out is None) or (k_out is not None and k_out.stride() != v_out.stride()):
         raise ValueError("k_out and v_out: both or neither, with the same strides")
     if not _use_triton(backend, h, weight, cos, sin):

@@ -473,6 +473,15 @@ def qkv_rope(
     return q, k, v
 
 
+def check_out_buffer(label: str, buf: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> None:
+    """A ValueError starting with `label` unless `buf`, a buffer a kernel writes through its
+    strides, has this shape and dtype and a unit last stride (any other strides: a slice of a
+    larger cache, a transposed view)."""
+    if tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or buf.stride(-1) != 1:
+        raise ValueError(f"{label}: a {tuple(shape)} {dtype} tensor with a unit last stride expected, got "
+                         f"{tuple(buf.shape)} {buf.dtype} with strides {buf.stride()}")
+
+
 def _check_qkv_out(out: tuple[torch.Tensor, ...], b: int, t: int, num_heads: int, num_kv_heads: int,
                    head_dim: int, dtype: torch.dtype) -> None:
     """A ValueError naming the first of `qkv_rope`'s output buffers that is not a (B, heads, T, D)
@@ -480,10 +489,7 @@ def _check_qkv_out(out: tuple[torch.Tensor, ...], b: int, t: int, num_heads: int
     if len(out) != 3:
         raise ValueError(f"qkv_rope out: (q, k, v) expected, got {len(out)} tensors")
     for name, buf, heads in zip("qkv", out, (num_heads, num_kv_heads, num_kv_heads)):
-        want = (b, heads, t, head_dim)
-        if tuple(buf.shape) != want or buf.dtype != dtype or buf.stride(-1) != 1:
-            raise ValueError(f"qkv_rope out {name}: a {want} {dtype} tensor with a unit last stride expected, got "
-                             f"{tuple(buf.shape)} {buf.dtype} with strides {buf.stride()}")
+        check_out_buffer(f"qkv_rope out {name}", buf, (b, heads, t, head_dim), dtype)
 
 
 def geglu(gate_up: torch.Tensor, backend: str = "reference") -> torch.Tensor:
