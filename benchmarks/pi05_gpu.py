@@ -157,7 +157,8 @@ def run_fp8(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_
 def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noise_for: Any, eager32: Any,
                shapes: list[tuple[int, int]], budget_s: float, compile: bool = True,
                compile_baseline: bool = False, fp8: bool = True, rtc_modes: tuple[str, ...] = (),
-               fp8_scales: dict[str, dict[str, float]] | None = None, only: list[str] | None = None) -> None:
+               fp8_scales: dict[str, dict[str, float]] | None = None, only: list[str] | None = None,
+               rtc_batches: tuple[int, ...] = (1,)) -> None:
     """Fused Triton ops for the action expert (`CudaGraphEngine(triton_ops=True)`, `layers/triton_ops.py`)
     under the graphs: alone, with the expert's projections on the small-M Triton GEMMs
     (`triton_gemm=True`, `layers/triton_gemm.py`; the denoise step only), with fp8 expert linears,
@@ -202,6 +203,11 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # prompts of one length always rounded up to the 16-token bucket (`EXACT_PROMPT_LENGTHS = 0`); the
         # default keeps a uniform batch's exact length from batch 8. The same with --prompt-tokens 48.
         ("triton+gemm, bucketed prompts", {"triton_ops": True, "triton_gemm": True, "_bucket_only": True}, shapes),
+        # exact RTC guidance's VJP on the plain-torch references, forward and backward
+        # (`triton_dispatch.set_kernel_backward(False)`); the default runs the kernels and their
+        # backward (`layers/triton_grad.py`). Only the RTC rows differ.
+        ("triton+gemm, reference VJP", {"triton_ops": True, "triton_gemm": True, "_kernel_backward": False,
+                                        "_same_as": "triton+gemm"}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -221,7 +227,8 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         if unknown:
             raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {[n for n, _, _ in variants]}")
         variants = [v for v in variants if v[0] in only]
-    run_variants(res, "triton", variants, adapter, dev, inputs_for, noise_for, eager32, budget_s, rtc_modes)
+    run_variants(res, "triton", variants, adapter, dev, inputs_for, noise_for, eager32, budget_s, rtc_modes,
+                 rtc_batches)
 
 
 def calibrate_fp8(adapter: Any, eager32: Any, inputs_for: Any, noise_for: Any, batch: int = 4,
@@ -257,21 +264,22 @@ def _geglu_rule(tiles_below_persistent: bool, all_ws: bool) -> Any:
 
 def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, dict[str, Any], list[tuple[int, int]]]],
                  adapter: Any, dev: str, inputs_for: Any, noise_for: Any, eager32: Any, budget_s: float,
-                 rtc_modes: tuple[str, ...] = ()) -> None:
+                 rtc_modes: tuple[str, ...] = (), rtc_batches: tuple[int, ...] = (1,)) -> None:
     """Cudagraph engine variants (name, engine options, [(batch, reps)]), 3 views: p50 and stages
     beside the bf16 engine's, accuracy vs eager fp32 on the accuracy inputs (seed 6). Results under
-    res[section]; errors are recorded, not raised. `rtc_modes`: at batch 1, each RTC solver mode's
-    p50 and its overhead over the same engine's unguided chunk."""
+    res[section]; errors are recorded, not raised. `rtc_modes`: at the batches in `rtc_batches`, each RTC
+    solver mode's p50 and its overhead over the same engine's unguided chunk (exact guidance also
+    against eager fp32's)."""
     from phyai_edge.engines import cudagraph
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.layers import triton_gemm_tma as tma_mod
     from phyai_edge.layers.fp8 import fp8_linears
     from phyai_edge.layers.triton_attention import set_inline_merge
-    from phyai_edge.layers.triton_dispatch import set_pdl
+    from phyai_edge.layers.triton_dispatch import set_kernel_backward, set_pdl
     from phyai_edge.layers.triton_gemm_tma import set_route
 
     out = res.setdefault(section, {})
-    refs: dict[int, Any] = {}
+    refs: dict[Any, Any] = {}  # eager fp32 chunks by batch, and by (batch, RTC mode)
     chunks: dict[tuple[str, int], Any] = {}
     for name, kw, shapes in variants:
         if not shapes:
@@ -281,11 +289,13 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         tma_routes = kw.pop("_tma", None)  # None: the module's default routes
         no_context = kw.pop("_no_context", False)
         bucket_only = kw.pop("_bucket_only", False)
+        kernel_backward = kw.pop("_kernel_backward", True)
         geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
             continue
         pdl_before = set_pdl(pdl)  # the kernels are launched and captured with these settings
+        backward_before = set_kernel_backward(kernel_backward)
         merge_before = set_inline_merge(inline)
         tma_before = ({} if tma_routes is None else
                       {op: set_route(op, op in tma_routes) for op in ("geglu", "qkv_rope", "linear")})
@@ -329,7 +339,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
                 out[f"{name}_b{b}"] = r
                 say(f"{section} {name} batch {b}: p50 {r['p50']:.2f} ms, {r['samples_per_s']:.1f} samples/s, "
                     f"stages {r['stages_p50']}, vs eager fp32 {r['vs_eager_fp32']} (build+capture {cap:.1f}s)")
-                for mode in rtc_modes if b == 1 else ():
+                for mode in rtc_modes if b in rtc_batches else ():
                     if time.perf_counter() - par.T0 > budget_s:
                         break
                     g = rtc_guidance(adapter, b, mode)
@@ -337,6 +347,11 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
                     eng.warmup(b, 3, VALID_TOKENS, modes=(mode,))
                     rr = time_engine(eng, x, n, g, dev, 3, reps)
                     rr["overhead"], rr["capture_s"] = rr["p50"] / r["p50"] - 1.0, time.perf_counter() - t0
+                    if mode == "guided":  # the VJP's path judged against eager fp32's exact guidance
+                        ga = rtc_guidance(adapter, b, mode)
+                        if (b, mode) not in refs:
+                            refs[(b, mode)] = eager32.run(xa, noise=na, rtc=ga)
+                        rr["vs_eager_fp32"] = par.err(eng.run(xa, noise=na, rtc=ga), refs[(b, mode)])
                     r.setdefault("rtc", {})[mode] = rr
                     say(f"{section} {name} batch {b} RTC {mode}: p50 {rr['p50']:.2f} ms, "
                         f"overhead {100 * rr['overhead']:+.1f}% (capture {rr['capture_s']:.0f}s)")
@@ -346,6 +361,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
             say(f"{section} {name} failed: {exc}")
         finally:
             set_pdl(pdl_before)
+            set_kernel_backward(backward_before)
             set_inline_merge(merge_before)
             for op, on in tma_before.items():
                 set_route(op, on)
@@ -354,6 +370,11 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         sync(dev)
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
+
+
+def _rtc_err(rr: dict[str, Any], key: str) -> str:
+    e = rr.get("vs_eager_fp32")
+    return f"{e[key]:.2e}" if isinstance(e, dict) else ""
 
 
 def render_fp8(res: dict[str, Any]) -> list[str]:
@@ -387,7 +408,8 @@ def render_variants(res: dict[str, Any], section: str, title: str) -> list[str]:
     for key, r in f.items():
         if isinstance(r, dict) and r.get("rtc"):
             out += [f"| {key.rsplit('_b', 1)[0]} + RTC {mode} | {key.rsplit('_b', 1)[1]} | {rr['p50']:.2f} | | "
-                    f"{100 * rr['overhead']:+.1f}% vs unguided | | | |" for mode, rr in r["rtc"].items()]
+                    f"{100 * rr['overhead']:+.1f}% vs unguided | | {_rtc_err(rr, 'max_abs_over_scale')} | "
+                    f"{_rtc_err(rr, 'rel_l2')} |" for mode, rr in r["rtc"].items()]
     paths = {k[: -len("_info")]: v.get("triton_path") for k, v in f.items() if k.endswith("_info")}
     if any(paths.values()):
         out.append("")
@@ -474,7 +496,8 @@ def main_seeded(args: argparse.Namespace) -> int:
         run_triton(res, adapter, dev, inputs_for, noise_for, eager32, shapes, args.budget_s,
                    compile=not args.no_compile, compile_baseline=not args.no_compile_baseline, fp8=not args.no_fp8,
                    rtc_modes=() if args.no_rtc else ("inpaint", "guided-approx", "guided"), fp8_scales=scales,
-                   only=[v.strip() for v in args.variants.split(";")] if args.variants else None)
+                   only=[v.strip() for v in args.variants.split(";")] if args.variants else None,
+                   rtc_batches=tuple(args.rtc_batches))
         dump()
     c = res["ceilings"]
     lines = [f"device: {res['device']}, torch {res['torch']} ({only}-only run, seeded random weights, {'tiny' if args.tiny else 'full size'})",
@@ -506,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --triton-only: also the prefix / all-projection fp8 engines with static activation "
                          "scales calibrated on one eager chunk")
     ap.add_argument("--no-rtc", action="store_true", help="with --triton-only: skip the RTC-mode timings")
+    ap.add_argument("--rtc-batches", type=lambda v: [int(x) for x in v.split(",")], default=[1],
+                    help="with --triton-only: the batches that get RTC-mode timings (default 1)")
     ap.add_argument("--fp8-only", action="store_true",
                     help="only the bf16 engine and its fp8 variants, on seeded weights (no LeRobot)")
     ap.add_argument("--no-triton", action="store_true", help="skip the fused Triton ops variants")

@@ -68,11 +68,33 @@ def resolve_backend(requested: str, device: torch.device | str) -> str:
     return "triton" if ok else "reference"
 
 
-def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Autograd will differentiate through a call on these tensors (exact RTC guidance takes a
+    vector-Jacobian product through the denoise step)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+_KERNEL_BACKWARD = True
+
+
+def set_kernel_backward(on: bool) -> bool:
+    """Whether calls needing a gradient take the kernels and their backward (`layers.triton_grad`;
+    the default) or the references (as before those existed: benchmarks time both). Applies to
+    graphs captured from now on; returns the previous setting."""
+    global _KERNEL_BACKWARD
+    before, _KERNEL_BACKWARD = _KERNEL_BACKWARD, bool(on)
+    return before
+
+
+def _use_triton(backend: str, *tensors: torch.Tensor, differentiable: bool = False) -> bool:
+    """The kernels run this call. `differentiable`: the op has a backward for its kernels
+    (`layers.triton_grad`), so a call needing a gradient may take them too (unless
+    `set_kernel_backward(False)`); otherwise such a call runs the reference, which autograd
+    differentiates."""
     if backend == "reference":
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False  # autograd (exact RTC guidance): the kernels have no backward
+    if not (differentiable and _KERNEL_BACKWARD) and needs_grad(*tensors):
+        return False
     return resolve_backend(backend, tensors[0].device) == "triton"
 
 

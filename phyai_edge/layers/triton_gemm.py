@@ -62,7 +62,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, launch_options, tl, triton
+from phyai_edge.layers.triton_dispatch import (
+    _use_triton,
+    interpret_mode,
+    launch_options,
+    needs_grad,
+    tl,
+    triton,
+)
 from phyai_edge.layers.triton_ops import SplitSums, bias_gelu_ref, geglu_ref, qkv_rope_ref
 
 # Measured on an H200 (`benchmarks/gemm_gpu.py`, RESULTS.md): at M = 50 (batch 1) the kernels beat
@@ -179,8 +186,10 @@ def takes(rows: int, weight: torch.Tensor) -> bool:
 
 def module_takes(module: nn.Module | None, h: torch.Tensor) -> bool:
     """`module` is a plain `nn.Linear` (exactly: `layers.fp8.Fp8Linear` subclasses it and must keep
-    its own forward) whose weight `takes` h's rows, in h's dtype."""
-    if type(module) is not nn.Linear or h.dim() == 0 or h.shape[-1] == 0:
+    its own forward) whose weight `takes` h's rows, in h's dtype, for a call needing no gradient
+    (these GEMMs have no backward: exact RTC guidance takes the module, cuBLAS, whose input
+    gradient is one GEMM, and the elementwise ops' own differentiable kernels)."""
+    if type(module) is not nn.Linear or h.dim() == 0 or h.shape[-1] == 0 or needs_grad(h):
         return False
     rows = h.numel() // h.shape[-1]
     return takes(rows, module.weight) and module.weight.dtype == h.dtype and h.shape[-1] == module.in_features

@@ -30,9 +30,12 @@ The stacks of blocks that run on these ops (PI0.5's expert, prefix and vision to
 
 Dispatch (`backend`): "reference" (the default: plain torch, everywhere), "triton" (the kernels;
 an error where they cannot run) or "auto" (the kernels on CUDA when triton is installed, or on
-any device under `TRITON_INTERPRET=1`; else the reference). Whatever is asked, a call whose inputs
-need a gradient (exact RTC guidance takes a vector-Jacobian product through the step) runs the
-reference: the kernels have no backward.
+any device under `TRITON_INTERPRET=1`; else the reference). A call whose inputs need a gradient
+(exact RTC guidance takes a vector-Jacobian product through the step) runs the kernel under an
+autograd function whose backward is a kernel too (`layers.triton_grad`: `ada_rms_norm`,
+`residual_ada_rms_norm`, `qkv_rope`, `geglu`, the split attention), for the gradients of the
+activations; a gradient for a modulation, the rotary tables or through `out=` buffers takes the
+reference, which autograd differentiates, as do the other ops here.
 
 Status: tested against the references on CPU under `TRITON_INTERPRET=1`
 (`tests/test_triton_ops.py`); all of them compiled and timed on an H200 (`benchmarks/RESULTS.md`:
@@ -58,6 +61,7 @@ from phyai_edge.layers.triton_dispatch import (  # noqa: F401  (re-exported: the
     _use_triton,
     interpret_mode,
     launch_options,
+    needs_grad,
     resolve_backend,
     tl,
     triton,
@@ -389,8 +393,13 @@ def ada_rms_norm(
     x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, backend: str = "reference"
 ) -> torch.Tensor:
     """x (B, T, N); scale, shift (B or 1, 1, N) -> rms_norm(x) * (1 + scale) + shift in x.dtype."""
-    if not _use_triton(backend, x, scale, shift):
+    # The kernel's backward gives x's gradient; one for the modulation is the reference's.
+    if needs_grad(scale, shift) or not _use_triton(backend, x, scale, shift, differentiable=True):
         return ada_rms_norm_ref(x, scale, shift, eps)
+    if needs_grad(x):
+        from phyai_edge.layers.triton_grad import AdaRmsNormFn
+
+        return AdaRmsNormFn.apply(x, scale, shift, eps)
     return _residual_ada_norm_triton(x, None, None, scale, shift, eps)[1]
 
 
@@ -409,8 +418,12 @@ def residual_ada_rms_norm(
     if isinstance(y, SplitSums) and y.dtype != x.dtype:  # the kernel rounds the sum to x's dtype
         y = y.total()
     yt = y.parts if isinstance(y, SplitSums) else y
-    if not _use_triton(backend, x, yt, gate, scale, shift):
+    if needs_grad(gate, scale, shift) or not _use_triton(backend, x, yt, gate, scale, shift, differentiable=True):
         return residual_ada_rms_norm_ref(x, y.total() if isinstance(y, SplitSums) else y, gate, scale, shift, eps)
+    if needs_grad(x, yt):
+        from phyai_edge.layers.triton_grad import ResidualAdaRmsNormFn
+
+        return ResidualAdaRmsNormFn.apply(x, y.total() if isinstance(y, SplitSums) else y, gate, scale, shift, eps)
     return _residual_ada_norm_triton(x, y, gate, scale, shift, eps)
 
 
@@ -429,14 +442,28 @@ def qkv_rope(
     `out`: (q, k, v) buffers shaped (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D), any strides with a
     unit last one (a (B, T, H, D) buffer seen transposed; the free positions of a KV cache with
     room for the step's own keys), written and returned; v is then a copy too (in the same kernel)."""
-    b, t, width = qkv.shape
+    b, t, _ = qkv.shape
     if out is not None:
         _check_qkv_out(out, b, t, num_heads, num_kv_heads, head_dim, qkv.dtype)
-    if not _use_triton(backend, qkv, cos, sin):
+    # The kernel's backward gives qkv's gradient; a gradient for the tables, or through buffers
+    # written in place, is the reference's.
+    if (needs_grad(cos, sin) or (out is not None and needs_grad(qkv))
+            or not _use_triton(backend, qkv, cos, sin, differentiable=True)):
         q, k, v = qkv_rope_ref(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
         if out is None:
             return q, k, v
         return out[0].copy_(q), out[1].copy_(k), out[2].copy_(v)
+    if needs_grad(qkv):
+        from phyai_edge.layers.triton_grad import QkvRopeFn
+
+        return QkvRopeFn.apply(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+    return _qkv_rope_triton(qkv, cos, sin, num_heads, num_kv_heads, head_dim, out)
+
+
+def _qkv_rope_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                     head_dim: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, t, width = qkv.shape
     if head_dim % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
     if width != (num_heads + 2 * num_kv_heads) * head_dim:
@@ -494,8 +521,16 @@ def _check_qkv_out(out: tuple[torch.Tensor, ...], b: int, t: int, num_heads: int
 
 def geglu(gate_up: torch.Tensor, backend: str = "reference") -> torch.Tensor:
     """gelu_tanh(gate) * up for gate_up (..., 2 H) = cat([gate, up], -1) -> (..., H)."""
-    if not _use_triton(backend, gate_up):
+    if not _use_triton(backend, gate_up, differentiable=True):
         return geglu_ref(gate_up)
+    if needs_grad(gate_up):
+        from phyai_edge.layers.triton_grad import GegluFn
+
+        return GegluFn.apply(gate_up)
+    return _geglu_triton(gate_up)
+
+
+def _geglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
     hidden = gate_up.shape[-1] // 2
     gu = _rows(gate_up, 2 * hidden)
     out = _empty((*gate_up.shape[:-1], hidden), gate_up)

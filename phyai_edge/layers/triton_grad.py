@@ -1,0 +1,314 @@
+"""Backward passes for the fused ops, so exact RTC guidance runs its forward on the kernels too.
+
+The exact `guided` RTC mode takes, every flow step, a vector-Jacobian product of the denoiser's
+velocity with respect to the noisy actions: a backward pass through the action expert for the
+input gradient only (the weights, the prefix's KV cache, the rotary tables and the time
+modulations are constants). Without a backward for the kernels that pass ran every op on its
+plain-torch reference, forward and backward (on the H200 a batch-1 chunk took +352-356% over the
+unguided one). Here each fused op the expert uses gets an autograd function whose forward is its
+kernel and whose backward is one kernel more, for the gradients of its activation inputs only:
+
+- `AdaRmsNormFn`, `ResidualAdaRmsNormFn`: the adaptive RMSNorm's input gradient
+  `rstd * (g - xhat * mean(g * xhat))` with `g = dout * (1 + scale)`, added to the gradient that
+  reaches the residual stream from below, and for the gated residual `x + y * gate` the same sum
+  times the gate for y: one kernel (`_ada_norm_grad_kernel`).
+- `QkvRopeFn`: RoPE is a rotation per (d, d + D/2) pair, so its transpose is the rotation back:
+  the kernel reads dq, dk, dv through their strides and writes the packed (B, T, (H + 2 Hkv) D)
+  gradient of the QKV projection's output (`_rope_grad_kernel`).
+- `GegluFn`: `d gate = dout * up * gelu'(gate)`, `d up = dout * gelu(gate)`, packed as the fused
+  gate/up output (`_geglu_grad_kernel`).
+- `SplitAttentionFn`: the split-KV kernel forward; backward recomputes the attention with SDPA on
+  the joined keys and takes its gradient for the queries and the step's own keys and values (the
+  cached prefix keys are constants): SDPA's fused backward, a few kernels.
+
+The projections need nothing here: a call needing a gradient takes `F.linear` (cuBLAS), whose
+backward for the input alone is one GEMM. The ops in `layers.triton_ops` / `layers.triton_attention`
+choose these functions when their inputs need a gradient (`triton_dispatch.needs_grad`); the
+references stay what autograd differentiates on the reference backend. Each backward is tested
+against autograd through the reference (`tests/test_triton_grad.py`, the kernels under
+`TRITON_INTERPRET=1`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from phyai_edge.layers.attention import attention
+from phyai_edge.layers.triton_dispatch import launch_options, tl, triton
+from phyai_edge.layers.triton_ops import (
+    _block,
+    _geglu_triton,
+    _per_batch,
+    _qkv_rope_triton,
+    _residual_ada_norm_triton,
+    _row_warps,
+    _rows,
+)
+
+# -- kernels --------------------------------------------------------------------------------------
+if triton is not None:
+    from phyai_edge.layers.triton_dispatch import pdl_enter
+
+    @triton.jit
+    def _ada_norm_grad_kernel(
+        r_ptr, dh_ptr, dr_ptr, scale_ptr, gate_ptr, dx_ptr, dy_ptr,
+        n_cols, rows_per_batch, eps,
+        stride_r, stride_dh, stride_dr, stride_dx, stride_dy, stride_scale_b, stride_gate_b,
+        HAS_DR: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ):
+        pdl_enter(PDL)
+        row = tl.program_id(0)
+        b = row // rows_per_batch
+        cols = tl.arange(0, BLOCK)
+        m = cols < n_cols
+        x = tl.load(r_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+        inv = tl.rsqrt((tl.sum(x * x, axis=0) / n_cols + eps).to(tl.float32))
+        xhat = x * inv
+        sc = tl.load(scale_ptr + b * stride_scale_b + cols, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(dh_ptr + row * stride_dh + cols, mask=m, other=0.0).to(tl.float32) * (1.0 + sc)
+        dx = inv * (g - xhat * (tl.sum(g * xhat, axis=0) / n_cols))
+        if HAS_DR:  # the residual stream's own gradient, from the blocks below
+            dx += tl.load(dr_ptr + row * stride_dr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
+        if HAS_GATE:
+            gt = tl.load(gate_ptr + b * stride_gate_b + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(dy_ptr + row * stride_dy + cols, (dx * gt).to(dy_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _rope_grad_kernel(
+        dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, out_ptr,
+        seq_len, num_heads, num_kv_heads,
+        stride_cs_b, stride_cs_t, stride_sn_b, stride_sn_t,
+        stride_q_b, stride_q_h, stride_q_t, stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t,
+        stride_out_b, stride_out_t,
+        HALF: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr,
+    ):
+        pdl_enter(PDL)
+        # One program a token, all its heads, as the forward kernel (`triton_ops._qkv_rope_kernel`).
+        bt = tl.program_id(0)
+        b = bt // seq_len
+        t = bt % seq_len
+        heads = tl.arange(0, HEADS)[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        m = cols < HALF
+        is_q = heads < num_heads
+        is_k = (heads >= num_heads) & (heads < num_heads + num_kv_heads)
+        is_v = (heads >= num_heads + num_kv_heads) & (heads < num_heads + 2 * num_kv_heads)
+        qh = tl.minimum(heads, num_heads - 1)
+        kh = tl.maximum(heads - num_heads, 0)
+        vh = tl.maximum(heads - num_heads - num_kv_heads, 0)
+        src_q = dq_ptr + b * stride_q_b + qh * stride_q_h + t * stride_q_t + cols
+        src_k = dk_ptr + b * stride_k_b + kh * stride_k_h + t * stride_k_t + cols
+        src_v = dv_ptr + b * stride_v_b + vh * stride_v_h + t * stride_v_t + cols
+        d1 = (tl.load(src_q, mask=m & is_q, other=0.0).to(tl.float32)
+              + tl.load(src_k, mask=m & is_k, other=0.0).to(tl.float32))
+        d2 = (tl.load(src_q + HALF, mask=m & is_q, other=0.0).to(tl.float32)
+              + tl.load(src_k + HALF, mask=m & is_k, other=0.0).to(tl.float32))
+        cs = cos_ptr + b * stride_cs_b + t * stride_cs_t + cols
+        sn = sin_ptr + b * stride_sn_b + t * stride_sn_t + cols
+        c1 = tl.load(cs, mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(cs + HALF, mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(sn, mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(sn + HALF, mask=m, other=0.0).to(tl.float32)
+        # forward: (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2); this is its transpose
+        g1 = d1 * c1 + d2 * s2
+        g2 = d2 * c2 - d1 * s1
+        v1 = tl.load(src_v, mask=m & is_v, other=0.0).to(tl.float32)
+        v2 = tl.load(src_v + HALF, mask=m & is_v, other=0.0).to(tl.float32)
+        g1 = tl.where(is_v, v1, g1)
+        g2 = tl.where(is_v, v2, g2)
+        dst = out_ptr + b * stride_out_b + t * stride_out_t + heads * (2 * HALF) + cols
+        ok = m & (heads < num_heads + 2 * num_kv_heads)
+        tl.store(dst, g1.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, g2.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _geglu_grad_kernel(gu_ptr, dout_ptr, dgu_ptr, hidden, stride_in, stride_dout, stride_dgu,
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < hidden
+        g = tl.load(gu_ptr + row * stride_in + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_in + hidden + cols, mask=m, other=0.0).to(tl.float32)
+        d = tl.load(dout_ptr + row * stride_dout + cols, mask=m, other=0.0).to(tl.float32)
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # as `triton_ops._gelu_tanh`
+        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)
+        th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        gelu = 0.5 * g * (1.0 + th)
+        dgelu = 0.5 * (1.0 + th) + 0.5 * g * (1.0 - th * th) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+        tl.store(dgu_ptr + row * stride_dgu + cols, (d * u * dgelu).to(dgu_ptr.dtype.element_ty), mask=m)
+        tl.store(dgu_ptr + row * stride_dgu + hidden + cols, (d * gelu).to(dgu_ptr.dtype.element_ty), mask=m)
+
+
+# -- launchers ------------------------------------------------------------------------------------
+def _alloc(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every gradient kernel's output is allocated here (the tests poison it)."""
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def ada_norm_grad(r: torch.Tensor, dh: torch.Tensor, dr: torch.Tensor | None, scale: torch.Tensor,
+                  gate: torch.Tensor | None, eps: float, y_dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """For h = ada_rms_norm(r, scale, shift) (r (B, T, N) as the forward normalised it) and the
+    gradients dh of h and dr of r itself (None: none): r's whole gradient, in r.dtype, and with a
+    gate (B or 1, 1, N) that gradient times the gate (the gated residual's y), in `y_dtype`."""
+    b, n = r.shape[0], r.shape[-1]
+    r2, dh2 = _rows(r, n), _rows(dh, n)
+    dx = _alloc(r.shape, r.dtype, r.device)
+    dx2 = dx.view(-1, n)
+    sc, s_sc = _per_batch(scale, b, n)
+    dr2 = _rows(dr, n) if dr is not None else r2
+    if gate is not None:
+        g, s_g = _per_batch(gate, b, n)
+        dy = _alloc(r.shape, y_dtype or r.dtype, r.device)
+        dy2 = dy.view(-1, n)
+    else:  # unused pointers: anything valid
+        g, s_g, dy, dy2 = sc, 0, None, dx2
+    _ada_norm_grad_kernel[(r2.shape[0],)](
+        r2, dh2, dr2, sc, g, dx2, dy2,
+        n, r[0].numel() // n, float(eps),
+        r2.stride(0), dh2.stride(0), dr2.stride(0), dx2.stride(0), dy2.stride(0), s_sc, s_g,
+        HAS_DR=dr is not None, HAS_GATE=gate is not None, BLOCK=_block(n), **launch_options(r2),
+    )
+    return dx, dy
+
+
+def rope_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of `qkv_rope`'s packed input (B, T, (H + 2 Hkv) D) in `dtype`, from its
+    outputs' gradients dq (B, H, T, D), dk, dv (B, Hkv, T, D) (any strides with a unit last one)."""
+    b, num_heads, t, head_dim = dq.shape
+    num_kv_heads = dk.shape[1]
+    dq, dk, dv = (g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk, dv))
+    cos3, sin3 = (c.reshape(c.shape[0], t, head_dim) for c in (cos, sin))
+    cos3, sin3 = (c if c.stride(-1) == 1 else c.contiguous() for c in (cos3, sin3))
+    heads = num_heads + 2 * num_kv_heads
+    out = _alloc((b, t, heads * head_dim), dtype, dq.device)
+    half = head_dim // 2
+    _rope_grad_kernel[(b * t,)](
+        dq, dk, dv, cos3, sin3, out,
+        t, num_heads, num_kv_heads,
+        cos3.stride(0) if cos3.shape[0] > 1 else 0, cos3.stride(1),
+        sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1),
+        *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], out.stride(0), out.stride(1),
+        HALF=half, BLOCK=_block(half), HEADS=triton.next_power_of_2(heads),
+        num_warps=_row_warps(half * heads), **launch_options(dq),
+    )
+    return out
+
+
+def geglu_grad(gate_up: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """The gradient of `geglu`'s input gate_up (..., 2 H) from its output's dout (..., H)."""
+    hidden = gate_up.shape[-1] // 2
+    gu, d = _rows(gate_up, 2 * hidden), _rows(dout, hidden)
+    out = _alloc(gate_up.shape, gate_up.dtype, gate_up.device)
+    out2 = out.view(-1, 2 * hidden)
+    block = min(1024, _block(hidden))
+    _geglu_grad_kernel[(gu.shape[0], triton.cdiv(hidden, block))](
+        gu, d, out2, hidden, gu.stride(0), d.stride(0), out2.stride(0), BLOCK=block, **launch_options(gu)
+    )
+    return out
+
+
+# -- autograd functions (what the ops call when their inputs need a gradient) ---------------------
+class AdaRmsNormFn(torch.autograd.Function):
+    """`triton_ops.ada_rms_norm` on its kernel, differentiable in x."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, scale)
+        ctx.eps = eps
+        return _residual_ada_norm_triton(x, None, None, scale, shift, eps)[1]
+
+    @staticmethod
+    def backward(ctx: Any, dh: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, scale = ctx.saved_tensors
+        dx, _ = ada_norm_grad(x, dh, None, scale, None, ctx.eps)
+        return dx, None, None, None
+
+
+class ResidualAdaRmsNormFn(torch.autograd.Function):
+    """`triton_ops.residual_ada_rms_norm` on its kernel, differentiable in x and y."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
+                shift: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        res, out = _residual_ada_norm_triton(x, y, gate, scale, shift, eps)
+        ctx.save_for_backward(res, gate, scale)
+        ctx.eps, ctx.y_dtype = eps, y.dtype
+        # The last block's residual feeds nothing: its gradient arrives as None, not as zeros.
+        ctx.set_materialize_grads(False)
+        return res, out
+
+    @staticmethod
+    def backward(ctx: Any, dres: torch.Tensor | None, dh: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        res, gate, scale = ctx.saved_tensors
+        if dh is None:
+            dh = torch.zeros_like(res)
+        dx, dy = ada_norm_grad(res, dh, dres, scale, gate, ctx.eps, ctx.y_dtype)
+        return dx, dy, None, None, None, None
+
+
+class QkvRopeFn(torch.autograd.Function):
+    """`triton_ops.qkv_rope` on its kernel, differentiable in the packed qkv."""
+
+    @staticmethod
+    def forward(ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = qkv.shape
+        # v written by the kernel too, not handed back as a view of qkv (an autograd function's
+        # output viewing its input would be tied to that input's version).
+        out = tuple(_alloc((b, heads, t, head_dim), qkv.dtype, qkv.device)
+                    for heads in (num_heads, num_kv_heads, num_kv_heads))
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = qkv.dtype
+        return _qkv_rope_triton(qkv, cos, sin, num_heads, num_kv_heads, head_dim, out)
+
+    @staticmethod
+    def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        return rope_grad(dq, dk, dv, cos, sin, ctx.dtype), None, None, None, None, None
+
+
+class GegluFn(torch.autograd.Function):
+    """`triton_ops.geglu` on its kernel, differentiable in gate_up."""
+
+    @staticmethod
+    def forward(ctx: Any, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        return _geglu_triton(gate_up)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        return geglu_grad(gate_up, dout)
+
+
+class SplitAttentionFn(torch.autograd.Function):
+    """`triton_attention.attention_split` over (cached, new) key parts on the split-KV kernel
+    (`run`: the launch, made by the caller), differentiable in q and the new keys and values."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cached: torch.Tensor,
+                v_cached: torch.Tensor, mask: torch.Tensor, scale: float | None,
+                run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(q, k_new, v_new, k_cached, v_cached, mask)
+        ctx.scale = scale
+        return run()
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k_new, v_new, k_cached, v_cached, mask = ctx.saved_tensors
+        need = ctx.needs_input_grad[:3]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(n) for t, n in zip((q, k_new, v_new), need)]
+            k = torch.cat((k_cached, leaves[1]), dim=2)
+            v = torch.cat((v_cached, leaves[2]), dim=2)
+            out = attention(leaves[0], k, v, mask, ctx.scale)
+            wanted = [t for t, n in zip(leaves, need) if n]
+            grads = iter(torch.autograd.grad(out, wanted, dout))
+        return (*(next(grads) if n else None for n in need), None, None, None, None, None)

@@ -1,0 +1,254 @@
+"""Backward passes of the fused ops (`layers/triton_grad.py`): each kernel's gradient against autograd
+through the op's reference, the routing (which calls take the kernels' backward, which the
+reference's), the action-expert stack's vector-Jacobian product and the engine's exact RTC mode.
+
+Without a GPU the kernels run under `TRITON_INTERPRET=1` (set by `conftest.py`); every kernel test
+skips with the reason where triton is absent.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_cudagraph import _inputs, _rel, _rtc
+from test_triton_ops import (  # noqa: F401  (poisoned, tiny: fixtures)
+    DEVICE,
+    DTYPES,
+    _blocks,
+    _randn,
+    _stack_inputs,
+    kernels,
+    poisoned,
+    tiny,
+)
+
+from phyai_edge.engines.cudagraph import CudaGraphEngine
+from phyai_edge.layers import fused_stacks, triton_grad, triton_ops
+from phyai_edge.layers.rotary import rope_cos_sin
+from phyai_edge.layers.triton_attention import attention_split
+
+GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def poisoned_grads(poisoned, monkeypatch):  # noqa: F811
+    """The forward and gradient kernels' outputs start as NaN."""
+
+    def alloc(shape, dtype, device):
+        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(triton_grad, "_alloc", alloc)
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """Counts of each gradient launcher's calls (and of the attention's recomputation)."""
+    calls: dict[str, int] = {}
+    for name in ("ada_norm_grad", "rope_grad", "geglu_grad", "attention"):
+        fn = getattr(triton_grad, name)
+
+        def spy(*a, _fn=fn, _name=name, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(triton_grad, name, spy)
+    return calls
+
+
+def _grads(fn, inputs, cotangents):
+    """d <outputs, cotangents> / d inputs, with fresh leaves."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    loss = sum((o.float() * c.float()).sum() for o, c in zip(outs, cotangents) if c is not None)
+    return torch.autograd.grad(loss, leaves)
+
+
+def _check_grads(got, ref, dtype) -> None:
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        assert torch.isfinite(g).all(), "gradient not fully written (NaN poison left)"
+        assert _rel(g.float(), r.float()) < GRAD_TOL[dtype], _rel(g.float(), r.float())
+
+
+# -- each op ----------------------------------------------------------------------------------------
+NORM_SHAPES = [(1, 50, 1024), (2, 7, 96), (3, 5, 1000)]
+
+
+@kernels
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_batch", [True, False])
+def test_ada_rms_norm_grad(poisoned_grads, spies, shape, dtype, per_batch) -> None:
+    b, _, n = shape
+    mb = b if per_batch else 1
+    x = _randn(*shape, dtype=dtype, seed=1)
+    scale, shift = _randn(mb, 1, n, dtype=dtype, seed=2, scale=0.3), _randn(mb, 1, n, dtype=dtype, seed=3)
+    dh = _randn(*shape, dtype=dtype, seed=4)
+    got = _grads(lambda t: triton_ops.ada_rms_norm(t, scale, shift, 1e-6, "triton"), [x], [dh])
+    ref = _grads(lambda t: triton_ops.ada_rms_norm(t, scale, shift, 1e-6, "reference"), [x], [dh])
+    _check_grads(got, ref, dtype)
+    assert spies == {"ada_norm_grad": 1}
+
+
+@kernels
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("used", ["both", "normed only", "residual only"])
+def test_residual_ada_rms_norm_grad(poisoned_grads, spies, shape, dtype, used) -> None:
+    """Both outputs carry a gradient (a block's residual feeds the next block), or only the normed
+    one (the last block's residual feeds nothing), or only the residual."""
+    b, _, n = shape
+    x, y = _randn(*shape, dtype=dtype, seed=1), _randn(*shape, dtype=dtype, seed=5, scale=2.0)
+    gate, scale, shift = (_randn(b, 1, n, dtype=dtype, seed=s, scale=0.3) for s in (6, 7, 8))
+    dres = _randn(*shape, dtype=dtype, seed=9) if used != "normed only" else None
+    dh = _randn(*shape, dtype=dtype, seed=10) if used != "residual only" else None
+    got = _grads(lambda s, t: triton_ops.residual_ada_rms_norm(s, t, gate, scale, shift, 1e-6, "triton"), [x, y],
+                 [dres, dh])
+    ref = _grads(lambda s, t: triton_ops.residual_ada_rms_norm(s, t, gate, scale, shift, 1e-6, "reference"),
+                 [x, y], [dres, dh])
+    _check_grads(got, ref, dtype)
+    assert spies == {"ada_norm_grad": 1}
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(8, 1, 32), (2, 2, 16), (3, 1, 6)])
+@pytest.mark.parametrize("per_batch", [True, False])
+def test_qkv_rope_grad(poisoned_grads, spies, dtype, heads, per_batch) -> None:
+    num_heads, num_kv, d = heads
+    b, t = 2, 5
+    qkv = _randn(b, t, (num_heads + 2 * num_kv) * d, dtype=dtype, seed=1)
+    positions = torch.arange(t, device=DEVICE)[None] + (torch.tensor([[3], [11]], device=DEVICE) if per_batch else 4)
+    cos, sin = rope_cos_sin(positions, d, 10000.0, dtype)
+    cot = [_randn(b, num_heads, t, d, dtype=dtype, seed=2), _randn(b, num_kv, t, d, dtype=dtype, seed=3),
+           _randn(b, num_kv, t, d, dtype=dtype, seed=4)]
+    got = _grads(lambda q: triton_ops.qkv_rope(q, cos, sin, num_heads, num_kv, d, "triton"), [qkv], cot)
+    ref = _grads(lambda q: triton_ops.qkv_rope(q, cos, sin, num_heads, num_kv, d, "reference"), [qkv], cot)
+    _check_grads(got, ref, dtype)
+    assert spies == {"rope_grad": 1}
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 50, 2 * 4096), (2, 3, 2 * 33)])
+def test_geglu_grad(poisoned_grads, spies, dtype, shape) -> None:
+    gate_up = _randn(*shape, dtype=dtype, seed=1, scale=2.0)  # both tails of the GELU
+    dout = _randn(*shape[:-1], shape[-1] // 2, dtype=dtype, seed=2)
+    got = _grads(lambda g: triton_ops.geglu(g, "triton"), [gate_up], [dout])
+    ref = _grads(lambda g: triton_ops.geglu(g, "reference"), [gate_up], [dout])
+    _check_grads(got, ref, dtype)
+    assert spies == {"geglu_grad": 1}
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_attention_grad(spies, dtype) -> None:
+    """Queries and the step's own keys / values differentiated; the cached prefix part constant and
+    partly masked (a sample with padded prompt keys)."""
+    b, h, t, p, d = 2, 4, 6, 9, 16
+    q = _randn(b, h, t, d, dtype=dtype, seed=1)
+    k_new, v_new = _randn(b, 1, t, d, dtype=dtype, seed=2), _randn(b, 1, t, d, dtype=dtype, seed=3)
+    k_cached, v_cached = _randn(b, 1, p, d, dtype=dtype, seed=4), _randn(b, 1, p, d, dtype=dtype, seed=5)
+    mask = torch.ones(b, 1, 1, p + t, dtype=torch.bool, device=DEVICE)
+    mask[1, ..., p - 4 : p] = False
+    dout = _randn(b, h, t, d, dtype=dtype, seed=6)
+
+    def run(backend):
+        return lambda qq, kk, vv: attention_split(qq, (k_cached, kk), (v_cached, vv), mask, backend=backend)
+
+    got = _grads(run("triton"), [q, k_new, v_new], [dout])
+    ref = _grads(run("reference"), [q, k_new, v_new], [dout])
+    _check_grads(got, ref, dtype)
+    assert spies == {"attention": 1}
+    with torch.no_grad():  # the forward is the split kernel's, not the recomputation's
+        out = attention_split(q, (k_cached, k_new), (v_cached, v_new), mask, backend="triton")
+    fwd = attention_split(q.requires_grad_(True), (k_cached, k_new), (v_cached, v_new), mask, backend="triton")
+    assert type(fwd.grad_fn).__name__ == "SplitAttentionFnBackward"
+    assert torch.equal(fwd.detach(), out)
+
+
+# -- routing ----------------------------------------------------------------------------------------
+@kernels
+def test_gradients_the_kernels_do_not_give_take_the_reference(spies) -> None:
+    """A gradient for a modulation, the rotary tables or the cached keys is the reference's (the
+    kernels' backward differentiates activations only); no gradient at all runs the plain kernel."""
+    x = _randn(2, 5, 64, seed=1).requires_grad_(True)
+    scale, shift = _randn(2, 1, 64, seed=2).requires_grad_(True), _randn(2, 1, 64, seed=3)
+    out = triton_ops.ada_rms_norm(x, scale, shift, 1e-6, backend="triton")
+    assert "AdaRmsNormFn" not in type(out.grad_fn).__name__
+    gs = torch.autograd.grad(out.sum(), scale)[0]
+    sc = scale.detach().requires_grad_(True)
+    ref = torch.autograd.grad(triton_ops.ada_rms_norm(x, sc, shift, 1e-6, backend="reference").sum(), sc)[0]
+    assert torch.allclose(gs, ref)
+    with torch.no_grad():
+        assert triton_ops.ada_rms_norm(x, scale, shift, 1e-6, backend="triton").grad_fn is None
+    assert type(triton_ops.ada_rms_norm(x, scale.detach(), shift, 1e-6, backend="triton").grad_fn).__name__ == \
+        "AdaRmsNormFnBackward"
+
+    qkv = _randn(1, 3, 3 * 16, seed=4).requires_grad_(True)
+    cos, sin = rope_cos_sin(torch.arange(3, device=DEVICE)[None], 16, 10000.0, torch.float32)
+    q, _, _ = triton_ops.qkv_rope(qkv, cos.requires_grad_(True), sin, 1, 1, 16, "triton")
+    assert "QkvRopeFn" not in type(q.grad_fn).__name__
+    k_cached = _randn(1, 1, 4, 16, seed=5).requires_grad_(True)
+    new = _randn(1, 1, 3, 16, seed=6).requires_grad_(True)
+    mask = torch.ones(1, 1, 1, 7, dtype=torch.bool, device=DEVICE)
+    att = attention_split(_randn(1, 2, 3, 16, seed=7), (k_cached, new), (k_cached.detach(), new), mask,
+                          backend="triton")
+    assert "SplitAttentionFn" not in type(att.grad_fn).__name__
+    torch.autograd.grad(att.sum(), k_cached)  # the reference's gradient reaches the cached keys
+    assert spies == {}
+
+
+# -- the action-expert stack and the engine -----------------------------------------------------------
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_stack_vjp(poisoned_grads, spies, dtype) -> None:
+    """The expert stack's input gradient (what exact guidance takes) on the kernels, small-M GEMM
+    routing on, against autograd through the reference path; every op on its kernel's backward."""
+    blocks = _blocks(dtype)
+    x, *rest = _stack_inputs(blocks, dtype)
+    cot = _randn(*x.shape, dtype=dtype, seed=21)
+
+    def stack(backend, gemm):
+        return lambda t: fused_stacks.adaptive_block_stack(blocks, t, *rest, 1e-6, backend=backend,
+                                                           gemm_backend=gemm)
+
+    (got,) = _grads(stack("triton", "triton"), [x], [cot])
+    n = len(blocks)
+    assert spies == {"ada_norm_grad": 2 * n + 1, "rope_grad": n, "geglu_grad": n, "attention": n}
+    (ref,) = _grads(stack("reference", None), [x], [cot])
+    assert torch.isfinite(got).all()
+    if dtype == torch.float32:
+        assert _rel(got, ref) < 1e-5
+        return
+    # bf16: judge both against the float32 gradient and hold the kernels to the reference's error
+    truth_blocks = [copy.deepcopy(b).float() for b in blocks]
+    for b in truth_blocks:
+        b.self_attn.fuse()
+        b.mlp.fuse()
+    f32 = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in (x, *rest[:5])]
+    (truth,) = _grads(lambda t: fused_stacks.adaptive_block_stack(truth_blocks, t, *f32[1:], *rest[5:], 1e-6),
+                      [f32[0]], [cot])
+    err, ref_err = _rel(got.float(), truth), _rel(ref.float(), truth)
+    assert err < 3e-2 and err < 1.5 * ref_err, (err, ref_err)
+
+
+@kernels
+def test_engine_exact_guidance_on_the_kernels(tiny, spies) -> None:  # noqa: F811
+    """The engine's exact RTC mode (a VJP every flow step) runs its forward and backward on the
+    kernels and gives eager's chunk (fp32)."""
+    base, eager = tiny
+    fast = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops=True)
+    inputs = _inputs(base, 2, 3, [9, 30], masked_view=True)
+    noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
+    rtc = _rtc(base, 2, "guided")
+    out, ref = fast.run(inputs, noise=noise, rtc=rtc), eager.run(inputs, noise=noise, rtc=rtc)
+    steps, depth = base.solver.num_steps, len(base.module.expert_layers)
+    assert spies == {"ada_norm_grad": steps * (2 * depth + 1), "rope_grad": steps * depth,
+                     "geglu_grad": steps * depth, "attention": steps * depth}
+    assert _rel(out.cpu(), ref.cpu()) < 1e-5
+    unguided = fast.run(inputs, noise=noise)
+    assert _rel(out.cpu(), unguided.cpu()) > 1e-3  # the guidance changed the chunk
