@@ -163,8 +163,9 @@ def time_fn(fn: Any, device: str, reps: int = 20) -> float:
 
 
 def sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  device: str) -> dict[str, Any]:
-    """The same attention under each SDPA backend (with its mask, and without one for scale)."""
+                  device: str, grad: bool = False) -> dict[str, Any]:
+    """The same attention under each SDPA backend (with its mask, and without one for scale);
+    `grad`: also forward + backward with the mask for q, k and v (exact RTC guidance's VJP)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -181,6 +182,20 @@ def sdpa_backends(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                                                         device)
             except Exception as exc:  # a backend that refuses the shape: say why
                 out[f"{name}_{label}_ms"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+        if grad:
+            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+            dout = torch.randn_like(q)
+
+            def fwd_bwd(leaves=leaves, dout=dout):
+                with torch.enable_grad():  # the caller profiles under no_grad
+                    o = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+                    return torch.autograd.grad(o, leaves, dout)
+
+            try:
+                with sdpa_kernel([backend]):
+                    out[f"{name}_fwd_bwd_ms"] = time_fn(fwd_bwd, device)
+            except Exception as exc:
+                out[f"{name}_fwd_bwd_ms"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
     return out
 
 
@@ -195,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtc-modes", default="",
                     help="comma-separated RTC solver modes (inpaint, guided-approx, guided) whose run / loop / "
                          "_load_rtc times join the host breakdown (GPU only)")
+    ap.add_argument("--vjp", action="store_true",
+                    help="also profile the denoise step with its vector-Jacobian product (exact RTC guidance)")
     ap.add_argument("--host-only", action="store_true",
                     help="only the stage times and the host breakdown of engine.run (no per-stage profiles)")
     args = ap.parse_args(argv)
@@ -255,6 +272,19 @@ def main(argv: list[str] | None = None) -> int:
             say(f"batch {b} {name}: {p['kernels']} kernels, kernel sum {p['kernel_ms']:.3f} ms, "
                 f"eager wall {p['wall_ms']:.3f} ms; top: "
                 + "; ".join(f"{t['name'][:40]} x{t['count']} {t['ms']:.3f}" for t in p["top"][:5]))
+        if args.vjp:
+            # Exact RTC guidance's step: the velocity and its vector-Jacobian product for the noisy
+            # actions, as the engine's guided loop takes it (the masked loop; layers/triton_grad.py).
+            def vjp_step(xt=xt, tt=tt, kc=kc, vc=vc, pmask=pmask, mod=mod, step=step):
+                with torch.enable_grad():
+                    x_in = xt.detach().requires_grad_(True)
+                    vel = step(x_in, tt, kc, vc, pmask, modulation=mod)
+                    return torch.autograd.grad(vel, x_in, torch.ones_like(vel))
+
+            entry["eager_profile"]["denoise_step_vjp"] = p = profile_call(vjp_step, dev, top=24)
+            say(f"batch {b} denoise step + VJP: {p['kernels']} kernels, kernel sum {p['kernel_ms']:.3f} ms, "
+                f"eager wall {p['wall_ms']:.3f} ms; top: "
+                + "; ".join(f"{t['name'][:40]} x{t['count']} {t['ms']:.3f}" for t in p["top"][:8]))
         graph, _ = gs.loops.get(("none", adapter.solver, "dense" if joined else ""), (None, None))
         if graph is not None:
             entry["loop_replay_profile"] = p = profile_call(graph.replay, dev, top=8)
@@ -269,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             k_all, v_all = torch.cat([kc[0], k], dim=2), torch.cat([vc[0], v], dim=2)
             groups = e.num_heads // e.num_kv_heads
             qf = q.reshape(b, e.num_kv_heads, groups * q.shape[2], e.head_dim)
-            entry["sdpa_expert"] = sdpa_backends(qf, k_all, v_all, emask, dev)
+            entry["sdpa_expert"] = sdpa_backends(qf, k_all, v_all, emask, dev, grad=args.vjp)
             t = pmask.shape[1]
             gq = pc.num_heads // pc.num_kv_heads
             qp = torch.randn(b, pc.num_kv_heads, gq * t, pc.head_dim, device=dev, dtype=kc.dtype)

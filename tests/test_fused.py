@@ -139,7 +139,7 @@ def test_second_engine_that_would_change_the_weights_is_refused():
 
 
 def test_concat_is_torch_cat() -> None:
-    from phyai_edge.layers.fused_stacks import concat
+    from phyai_edge.layers.attention import concat
 
     g = torch.Generator().manual_seed(0)
     a, b, c = (torch.randn(2, n, 5, generator=g).to(torch.bfloat16) for n in (3, 1, 4))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,3 +99,19 @@ def _prefer_cudnn(q: torch.Tensor) -> contextlib.AbstractContextManager:
         return sdpa_kernel(order, set_priority=True)
     except TypeError:  # a torch without set_priority: its own order
         return contextlib.nullcontext()
+
+
+def concat(parts: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """`torch.cat(parts, dim)` as one buffer and a copy per part. On the H200 CUDA's cat took its
+    unvectorised kernel for the PI0.5 prefix's images + prompt (bf16, along the token axis): 0.50 ms
+    at batch 32, ~10x what the copies move at the memory bandwidth."""
+    if len({p.dtype for p in parts}) != 1:
+        return torch.cat(list(parts), dim)  # cat's type promotion
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    out = parts[0].new_empty(shape)
+    at = 0
+    for p in parts:
+        out.narrow(dim, at, p.shape[dim]).copy_(p)
+        at += p.shape[dim]
+    return out

@@ -52,23 +52,6 @@ from phyai_edge.layers.triton_ops import (
 )
 
 
-# -- joining token embeddings -----------------------------------------------------------------------
-def concat(parts: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """`torch.cat(parts, dim)` as one buffer and a copy per part. On the H200 CUDA's cat took its
-    unvectorised kernel for the PI0.5 prefix's images + prompt (bf16, along the token axis): 0.50 ms
-    at batch 32, ~10x what the copies move at the memory bandwidth."""
-    if len({p.dtype for p in parts}) != 1:
-        return torch.cat(list(parts), dim)  # cat's type promotion
-    shape = list(parts[0].shape)
-    shape[dim] = sum(p.shape[dim] for p in parts)
-    out = parts[0].new_empty(shape)
-    at = 0
-    for p in parts:
-        out.narrow(dim, at, p.shape[dim]).copy_(p)
-        at += p.shape[dim]
-    return out
-
-
 # -- a stack of adaptive Gemma blocks on the fused ops --------------------------------------------
 def _qkv_projection(attn: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     """The packed (B, T, (H + 2 Hkv) D) projection: the fused GEMM, or its parts concatenated."""

@@ -17,26 +17,26 @@ kernel and whose backward is one kernel more, for the gradients of its activatio
   gradient of the QKV projection's output (`_rope_grad_kernel`).
 - `GegluFn`: `d gate = dout * up * gelu'(gate)`, `d up = dout * gelu(gate)`, packed as the fused
   gate/up output (`_geglu_grad_kernel`).
-- `SplitAttentionFn`: the split-KV kernel forward; backward recomputes the attention with SDPA on
-  the joined keys and takes its gradient for the queries and the step's own keys and values (the
-  cached prefix keys are constants): SDPA's fused backward, a few kernels.
 
 The projections need nothing here: a call needing a gradient takes `F.linear` (cuBLAS), whose
-backward for the input alone is one GEMM. The ops in `layers.triton_ops` / `layers.triton_attention`
-choose these functions when their inputs need a gradient (`triton_dispatch.needs_grad`); the
-references stay what autograd differentiates on the reference backend. Each backward is tested
-against autograd through the reference (`tests/test_triton_grad.py`, the kernels under
-`TRITON_INTERPRET=1`).
+backward for the input alone is one GEMM. Nor does the attention: such a call takes SDPA over the
+joined keys (`triton_attention.attention_split`), whose fused forward keeps the log-sum-exp its
+fused backward reads. (The split-KV kernel's forward with a backward recomputing SDPA's forward was
+measured slower on the H200: its own time came on top of the same two SDPA kernels.)
+
+The ops in `layers.triton_ops` choose these functions when their inputs need a gradient
+(`triton_dispatch.needs_grad`); the references stay what autograd differentiates on the reference
+backend. Each backward is tested against autograd through the reference
+(`tests/test_triton_grad.py`, the kernels under `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from phyai_edge.layers.attention import attention
 from phyai_edge.layers.triton_dispatch import launch_options, tl, triton
 from phyai_edge.layers.triton_ops import (
     _block,
@@ -286,29 +286,3 @@ class GegluFn(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> torch.Tensor:
         (gate_up,) = ctx.saved_tensors
         return geglu_grad(gate_up, dout)
-
-
-class SplitAttentionFn(torch.autograd.Function):
-    """`triton_attention.attention_split` over (cached, new) key parts on the split-KV kernel
-    (`run`: the launch, made by the caller), differentiable in q and the new keys and values."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cached: torch.Tensor,
-                v_cached: torch.Tensor, mask: torch.Tensor, scale: float | None,
-                run: Callable[[], torch.Tensor]) -> torch.Tensor:
-        ctx.save_for_backward(q, k_new, v_new, k_cached, v_cached, mask)
-        ctx.scale = scale
-        return run()
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k_new, v_new, k_cached, v_cached, mask = ctx.saved_tensors
-        need = ctx.needs_input_grad[:3]
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(n) for t, n in zip((q, k_new, v_new), need)]
-            k = torch.cat((k_cached, leaves[1]), dim=2)
-            v = torch.cat((v_cached, leaves[2]), dim=2)
-            out = attention(leaves[0], k, v, mask, ctx.scale)
-            wanted = [t for t, n in zip(leaves, need) if n]
-            grads = iter(torch.autograd.grad(out, wanted, dout))
-        return (*(next(grads) if n else None for n in need), None, None, None, None, None)

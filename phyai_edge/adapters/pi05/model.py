@@ -309,6 +309,7 @@ class PI05Model(nn.Module):
         Engine options choose them (`CudaGraphEngine(triton_ops=True, triton_gemm=...)`); the
         model's own stage methods stay the reference."""
         from phyai_edge.layers import fused_stacks
+        from phyai_edge.layers.attention import concat
         from phyai_edge.layers.triton_attention import stack_attention
 
         def embed_images(images):
@@ -342,7 +343,7 @@ class PI05Model(nn.Module):
                 ko, vo = fused_stacks.check_kv_out(out, k.shape, k.dtype)
                 return ko.copy_(k), vo.copy_(v), mask
             p = self.cfg.prefix
-            x, mask = self.embed_prefix(image_embeds, image_mask, tokens, token_mask, concat=fused_stacks.concat)
+            x, mask = self.embed_prefix(image_embeds, image_mask, tokens, token_mask, concat=concat)
             positions = torch.cumsum(mask.long(), dim=1) - 1
             cos, sin = rope_cos_sin(positions, p.head_dim, p.rope_theta, self.compute_dtype)
             k, v = fused_stacks.plain_block_stack(self.prefix_layers, x, cos, sin, mask[:, None, None, :], backend,
