@@ -47,7 +47,7 @@ def poisoned_grads(poisoned, monkeypatch):  # noqa: F811
 def spies(monkeypatch):
     """Counts of each gradient launcher's calls."""
     calls: dict[str, int] = {}
-    for name in ("ada_norm_grad", "rope_grad", "geglu_grad"):
+    for name in ("ada_norm_grad", "rope_grad", "geglu_grad", "split_attention_grad"):
         fn = getattr(triton_grad, name)
 
         def spy(*a, _fn=fn, _name=name, **k):
@@ -144,30 +144,41 @@ def test_geglu_grad(poisoned_grads, spies, dtype, shape) -> None:
     assert spies == {"geglu_grad": 1}
 
 
+@kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_split_attention_grad_through_joined_keys(dtype) -> None:
-    """A call needing a gradient takes SDPA over the (cached, new) keys joined by copies: the
-    gradient reaches the queries and the step's own keys and values as through `torch.cat`."""
-    b, h, t, p, d = 2, 4, 6, 9, 16
+@pytest.mark.parametrize("shape", [(2, 4, 1, 6, 9, 16), (1, 8, 1, 50, 70, 32), (2, 4, 2, 5, 33, 16)])
+def test_split_attention_grad(poisoned_grads, spies, dtype, shape) -> None:
+    """Queries and the step's own keys / values differentiated through the split kernel's
+    backward; the cached prefix part constant, partly masked in one sample and wholly masked in
+    another (its rows then attend to every key, as in the forward)."""
+    b, h, hkv, t, p, d = shape
     q = _randn(b, h, t, d, dtype=dtype, seed=1)
-    k_new, v_new = _randn(b, 1, t, d, dtype=dtype, seed=2), _randn(b, 1, t, d, dtype=dtype, seed=3)
-    k_cached, v_cached = _randn(b, 1, p, d, dtype=dtype, seed=4), _randn(b, 1, p, d, dtype=dtype, seed=5)
+    k_new, v_new = _randn(b, hkv, t, d, dtype=dtype, seed=2), _randn(b, hkv, t, d, dtype=dtype, seed=3)
+    k_cached, v_cached = _randn(b, hkv, p, d, dtype=dtype, seed=4), _randn(b, hkv, p, d, dtype=dtype, seed=5)
     mask = torch.ones(b, 1, 1, p + t, dtype=torch.bool, device=DEVICE)
-    mask[1, ..., p - 4 : p] = False
+    mask[-1, ..., p - 4 : p] = False
+    if b > 1:
+        mask[0] = False
     dout = _randn(b, h, t, d, dtype=dtype, seed=6)
-    got = _grads(lambda qq, kk, vv: attention_split(qq, (k_cached, kk), (v_cached, vv), mask, backend="auto"),
+    got = _grads(lambda qq, kk, vv: attention_split(qq, (k_cached, kk), (v_cached, vv), mask, backend="triton"),
                  [q, k_new, v_new], [dout])
     ref = _grads(lambda qq, kk, vv: attention(qq, torch.cat([k_cached, kk], 2), torch.cat([v_cached, vv], 2), mask),
                  [q, k_new, v_new], [dout])
-    for g, r in zip(got, ref):
-        assert torch.equal(g, r)
+    _check_grads(got, ref, dtype)
+    assert spies == {"split_attention_grad": 1}
+    with torch.no_grad():  # the forward is the split kernel's
+        plain = attention_split(q, (k_cached, k_new), (v_cached, v_new), mask, backend="triton")
+    fwd = attention_split(q.clone().requires_grad_(True), (k_cached, k_new), (v_cached, v_new), mask,
+                          backend="triton")
+    assert type(fwd.grad_fn).__name__ == "SplitAttentionFnBackward"
+    assert torch.equal(fwd.detach(), plain)
 
 
 # -- routing ----------------------------------------------------------------------------------------
 @kernels
 def test_gradients_the_kernels_do_not_give_take_the_reference(spies) -> None:
-    """A gradient for a modulation or the rotary tables is the reference's (the kernels' backward
-    differentiates activations only); no gradient at all runs the plain kernel."""
+    """A gradient for a modulation, the rotary tables or the cached keys is the reference's (the
+    kernels' backward differentiates activations only); no gradient at all runs the plain kernel."""
     x = _randn(2, 5, 64, seed=1).requires_grad_(True)
     scale, shift = _randn(2, 1, 64, seed=2).requires_grad_(True), _randn(2, 1, 64, seed=3)
     out = triton_ops.ada_rms_norm(x, scale, shift, 1e-6, backend="triton")
@@ -185,6 +196,13 @@ def test_gradients_the_kernels_do_not_give_take_the_reference(spies) -> None:
     cos, sin = rope_cos_sin(torch.arange(3, device=DEVICE)[None], 16, 10000.0, torch.float32)
     q, _, _ = triton_ops.qkv_rope(qkv, cos.requires_grad_(True), sin, 1, 1, 16, "triton")
     assert "QkvRopeFn" not in type(q.grad_fn).__name__
+    k_cached = _randn(1, 1, 4, 16, seed=5).requires_grad_(True)
+    new = _randn(1, 1, 3, 16, seed=6).requires_grad_(True)
+    mask = torch.ones(1, 1, 1, 7, dtype=torch.bool, device=DEVICE)
+    att = attention_split(_randn(1, 2, 3, 16, seed=7), (k_cached, new), (k_cached.detach(), new), mask,
+                          backend="triton")
+    assert "SplitAttentionFn" not in type(att.grad_fn).__name__
+    torch.autograd.grad(att.sum(), k_cached)  # SDPA's gradient reaches the cached keys
     assert spies == {}
 
 
@@ -204,7 +222,7 @@ def test_block_stack_vjp(poisoned_grads, spies, dtype) -> None:
 
     (got,) = _grads(stack("triton", "triton"), [x], [cot])
     n = len(blocks)
-    assert spies == {"ada_norm_grad": 2 * n + 1, "rope_grad": n, "geglu_grad": n}
+    assert spies == {"ada_norm_grad": 2 * n + 1, "rope_grad": n, "geglu_grad": n, "split_attention_grad": n}
     (ref,) = _grads(stack("reference", None), [x], [cot])
     assert torch.isfinite(got).all()
     if dtype == torch.float32:
@@ -240,7 +258,7 @@ def test_engine_exact_guidance_on_the_kernels(tiny, spies) -> None:  # noqa: F81
     passes = spies.get("rope_grad", 0) // (steps * depth)
     assert passes >= 1
     assert spies == {"ada_norm_grad": passes * steps * (2 * depth + 1), "rope_grad": passes * steps * depth,
-                     "geglu_grad": passes * steps * depth}
+                     "geglu_grad": passes * steps * depth, "split_attention_grad": passes * steps * depth}
     assert _rel(out.cpu(), ref.cpu()) < 1e-5
     unguided = fast.run(inputs, noise=noise)
     assert _rel(out.cpu(), unguided.cpu()) > 1e-3  # the guidance changed the chunk

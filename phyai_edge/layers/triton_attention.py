@@ -38,6 +38,7 @@ from phyai_edge.layers.triton_dispatch import (
     _use_triton,
     interpret_mode,
     launch_options,
+    needs_grad,
     tl,
     triton,
 )
@@ -398,10 +399,10 @@ def attention_split(
     `config`: the kernel's tiling (None: `default_config` by shape).
     `tickets`: where the in-kernel merge takes its counters (None: a fresh zeroed buffer)."""
     ks, vs = _parts(k), _parts(v)
-    # A call needing a gradient (exact RTC guidance) takes SDPA over the joined keys: its fused
-    # forward keeps what its fused backward needs. The kernel's forward with a recomputing backward
-    # was slower on the H200 (the split kernel's time on top of the same SDPA forward and backward).
-    if not (kernel_takes(q, mask) and _use_triton(backend, q, *ks, *vs)):
+    # A call needing a gradient (exact RTC guidance) for q and the new keys / values takes the kernel
+    # with a backward of its own (`triton_grad.SplitAttentionFn`); one for the cached part, SDPA.
+    if not (kernel_takes(q, mask) and not needs_grad(ks[0], vs[0])
+            and _use_triton(backend, q, *ks, *vs, differentiable=True)):
         k_all = ks[0] if ks[1].shape[2] == 0 else concat(ks, dim=2)
         v_all = vs[0] if vs[1].shape[2] == 0 else concat(vs, dim=2)
         return attention(q, k_all, v_all, mask, scale)
@@ -411,10 +412,17 @@ def attention_split(
         key_mask = kernel_key_mask(mask, b)
     # Query heads sharing a KV head are folded into the rows, as `attention` does (a view for
     # contiguous q), so K and V are read once per KV head.
-    qf = q.reshape(b, hkv, (hq // hkv) * tq, d)
-    out = _split_attention_triton(qf, ks, vs, key_mask, scale if scale is not None else 1.0 / math.sqrt(d), splits, tq,
-                                  config, tickets)
-    return out.transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
+    sm_scale = scale if scale is not None else 1.0 / math.sqrt(d)
+
+    def run() -> torch.Tensor:  # (B, Tq, Hq, D)
+        qf = q.reshape(b, hkv, (hq // hkv) * tq, d)
+        return _split_attention_triton(qf, ks, vs, key_mask, sm_scale, splits, tq, config, tickets)
+
+    if needs_grad(q, ks[1], vs[1]):
+        from phyai_edge.layers.triton_grad import SplitAttentionFn
+
+        return SplitAttentionFn.apply(q, ks[1], vs[1], ks[0], vs[0], key_mask, sm_scale, run)
+    return run().transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
 
 
 def stack_attention(mask: torch.Tensor, batch: int, backend: str) -> Callable[..., torch.Tensor]:

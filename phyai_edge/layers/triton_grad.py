@@ -18,13 +18,17 @@ kernel and whose backward is one kernel more, for the gradients of its activatio
 - `GegluFn`: `d gate = dout * up * gelu'(gate)`, `d up = dout * gelu(gate)`, packed as the fused
   gate/up output (`_geglu_grad_kernel`).
 
-The projections need nothing here: a call needing a gradient takes `F.linear` (cuBLAS), whose
-backward for the input alone is one GEMM. Nor does the attention: such a call takes SDPA over the
-joined keys (`triton_attention.attention_split`), whose fused forward keeps the log-sum-exp its
-fused backward reads. (The split-KV kernel's forward with a backward recomputing SDPA's forward was
-measured slower on the H200: its own time came on top of the same two SDPA kernels.)
+- `SplitAttentionFn`: the split-KV kernel's forward (`triton_attention`), and a backward of two
+  kernels over the same two-part keys (the cached prefix, a constant, and the step's own):
+  `_attn_dq_kernel` takes each folded query row's log-sum-exp in a first pass over the keys, then
+  dq = scale * sum p (dp - delta) k with dp = dO v and delta = rowsum(dO o); `_attn_dkv_kernel` gives
+  the step's own keys and values theirs over every query row, with those statistics. No key is
+  copied (SDPA would need the two parts joined) and no forward is recomputed.
 
-The ops in `layers.triton_ops` choose these functions when their inputs need a gradient
+The projections need nothing here: a call needing a gradient takes `F.linear` (cuBLAS), whose
+backward for the input alone is one GEMM.
+
+The ops in `layers.triton_ops` and `triton_attention.attention_split` choose these functions when their inputs need a gradient
 (`triton_dispatch.needs_grad`); the references stay what autograd differentiates on the reference
 backend. Each backward is tested against autograd through the reference
 (`tests/test_triton_grad.py`, the kernels under `TRITON_INTERPRET=1`).
@@ -37,7 +41,8 @@ from typing import Any
 
 import torch
 
-from phyai_edge.layers.triton_dispatch import launch_options, tl, triton
+from phyai_edge.layers.triton_attention import _sm_count
+from phyai_edge.layers.triton_dispatch import interpret_mode, launch_options, tl, triton
 from phyai_edge.layers.triton_ops import (
     _block,
     _geglu_triton,
@@ -286,3 +291,184 @@ class GegluFn(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> torch.Tensor:
         (gate_up,) = ctx.saved_tensors
         return geglu_grad(gate_up, dout)
+
+
+# -- the split attention's backward -----------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """a @ b with float32 accumulation (operands upcast under the interpreter, which has no bf16
+        dot; IEEE for float32 operands on a GPU, so no TF32 rounding)."""
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _attn_dq_kernel(
+        q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, dq_ptr, lse_ptr, delta_ptr,
+        rows, keys1, keys, tq, groups, scale_log2, scale,
+        sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, sdq_b, sdq_h, sdq_t,
+        sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
+        HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """One (query block, batch x KV head) program: the rows' log-sum-exp (a first pass over the
+        keys), then dq = scale * sum_keys p (dp - delta) k with dp = dO v and delta = rowsum(dO o).
+        Row r of the folded query is (head h * groups + r // tq, token r % tq)."""
+        pdl_enter(PDL)
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // HKV
+        h = bh % HKV
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        live = r < rows
+        head = h * groups + r // tq
+        tok = r % tq
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (b * sq_b + head * sq_h + tok * sq_t)[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        do = tl.load(do_ptr + (b * sdo_b + head * sdo_h + tok * sdo_t)[:, None] + d[None, :], mask=live[:, None],
+                     other=0.0)
+        o = tl.load(o_ptr + (b * so_b + head * so_h + tok * so_t)[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        for n0 in range(0, keys, BLOCK_N):  # pass 1: the softmax statistics
+            c = n0 + tl.arange(0, BLOCK_N)
+            first = c < keys1
+            second = (c >= keys1) & (c < keys)
+            kt = (tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=first[None, :], other=0.0)
+                  + tl.load(k2_ptr + b * sk2_b + h * sk2_h + (c - keys1)[None, :] * sk2_n + d[:, None],
+                            mask=second[None, :], other=0.0))
+            ok = (first | second) & (tl.load(m_ptr + b * sm_b + c, mask=first | second, other=0) != 0)
+            s = tl.where(ok[None, :], _dot(q, kt, UPCAST, IEEE) * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+            m_i = m_new
+        lse = m_i + tl.log2(tl.maximum(l_i, 1e-30))
+        dq = tl.zeros([BLOCK_M, D], tl.float32)
+        for n0 in range(0, keys, BLOCK_N):  # pass 2: the gradient
+            c = n0 + tl.arange(0, BLOCK_N)
+            first = c < keys1
+            second = (c >= keys1) & (c < keys)
+            kt = (tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=first[None, :], other=0.0)
+                  + tl.load(k2_ptr + b * sk2_b + h * sk2_h + (c - keys1)[None, :] * sk2_n + d[:, None],
+                            mask=second[None, :], other=0.0))
+            vt = (tl.load(v_ptr + b * sv_b + h * sv_h + c[None, :] * sv_n + d[:, None], mask=first[None, :], other=0.0)
+                  + tl.load(v2_ptr + b * sv2_b + h * sv2_h + (c - keys1)[None, :] * sv2_n + d[:, None],
+                            mask=second[None, :], other=0.0))
+            ok = (first | second) & (tl.load(m_ptr + b * sm_b + c, mask=first | second, other=0) != 0)
+            p = tl.where(ok[None, :], tl.exp2(_dot(q, kt, UPCAST, IEEE) * scale_log2 - lse[:, None]), 0.0)
+            ds = p * (_dot(do, vt, UPCAST, IEEE) - delta[:, None])
+            dq += _dot(ds.to(kt.dtype), tl.trans(kt), UPCAST, IEEE)
+        tl.store(dq_ptr + (b * sdq_b + head * sdq_h + tok * sdq_t)[:, None] + d[None, :],
+                 (dq * scale).to(dq_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(lse_ptr + bh * rows + r, lse, mask=live)
+        tl.store(delta_ptr + bh * rows + r, delta, mask=live)
+
+    @triton.jit
+    def _attn_dkv_kernel(
+        q_ptr, do_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+        rows, keys1, keys2, tq, groups, scale_log2, scale,
+        sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
+        sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
+        HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """One (block of the new keys, batch x KV head) program: dv = sum_rows p dO and
+        dk = scale * sum_rows p (dp - delta) q over every folded query row, with the rows'
+        log-sum-exp and delta from `_attn_dq_kernel`. The cached keys get no gradient."""
+        pdl_enter(PDL)
+        pid_n = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // HKV
+        h = bh % HKV
+        c2 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        inb = c2 < keys2
+        d = tl.arange(0, D)
+        kb = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[:, None] * sk2_n + d[None, :], mask=inb[:, None], other=0.0)
+        vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None], other=0.0)
+        ok = inb & (tl.load(m_ptr + b * sm_b + keys1 + c2, mask=inb, other=0) != 0)
+        dk = tl.zeros([BLOCK_N, D], tl.float32)
+        dv = tl.zeros([BLOCK_N, D], tl.float32)
+        for m0 in range(0, rows, BLOCK_M):
+            r = m0 + tl.arange(0, BLOCK_M)
+            live = r < rows
+            head = h * groups + r // tq
+            tok = r % tq
+            q = tl.load(q_ptr + (b * sq_b + head * sq_h + tok * sq_t)[:, None] + d[None, :], mask=live[:, None],
+                        other=0.0)
+            do = tl.load(do_ptr + (b * sdo_b + head * sdo_h + tok * sdo_t)[:, None] + d[None, :],
+                         mask=live[:, None], other=0.0)
+            lse = tl.load(lse_ptr + bh * rows + r, mask=live, other=0.0)
+            delta = tl.load(delta_ptr + bh * rows + r, mask=live, other=0.0)
+            p = tl.exp2(_dot(q, tl.trans(kb), UPCAST, IEEE) * scale_log2 - lse[:, None])
+            p = tl.where(live[:, None] & ok[None, :], p, 0.0)
+            dv += _dot(tl.trans(p.to(do.dtype)), do, UPCAST, IEEE)
+            ds = p * (_dot(do, tl.trans(vb), UPCAST, IEEE) - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST, IEEE)
+        tl.store(dk_ptr + b * sdk_b + h * sdk_h + c2[:, None] * sdk_n + d[None, :], (dk * scale).to(dk_ptr.dtype.element_ty),
+                 mask=inb[:, None])
+        tl.store(dv_ptr + b * sdv_b + h * sdv_h + c2[:, None] * sdv_n + d[None, :], dv.to(dv_ptr.dtype.element_ty),
+                 mask=inb[:, None])
+
+
+def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.Tensor, v_cached: torch.Tensor,
+                         v_new: torch.Tensor, key_mask: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `triton_attention.attention_split` over (cached, new) keys for q (B, Hq, Tq, D)
+    and the new keys and values (B, Hkv, Tn, D), from its output `out` and that output's gradient
+    `dout` (both (B, Hq, Tq, D), any strides with a unit last one); key_mask (B, N1 + N2) uint8 as
+    the forward read it (`kernel_key_mask`). Two kernels: dq with each row's statistics, then dk / dv."""
+    b, hq, tq, d = q.shape
+    hkv = k_new.shape[1]
+    groups = hq // hkv
+    rows = groups * tq
+    keys1, keys2 = k_cached.shape[2], k_new.shape[2]
+    q, dout, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, dout, out))
+    dq = _alloc((b, hq, tq, d), q.dtype, q.device)
+    dk = _alloc((b, hkv, keys2, d), k_new.dtype, q.device)
+    dv = _alloc((b, hkv, keys2, d), v_new.dtype, q.device)
+    lse = _alloc((b * hkv, rows), torch.float32, q.device)
+    delta = _alloc((b * hkv, rows), torch.float32, q.device)
+    common = dict(UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, **launch_options(q))
+    scale_log2 = scale * 1.4426950408889634
+    strides4 = [s for t in (q, dout, out, dq) for s in t.stride()[:3]]
+    bm = 32 if b * hkv * triton.cdiv(rows, 32) >= _sm_count(q.device) else 16
+    _attn_dq_kernel[(triton.cdiv(rows, bm), b * hkv)](
+        q, dout, out, k_cached, v_cached, k_new, v_new, key_mask, dq, lse, delta,
+        rows, keys1, keys1 + keys2, tq, groups, scale_log2, scale, *strides4,
+        *k_cached.stride()[:3], *v_cached.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3], key_mask.stride(0),
+        HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=64, num_warps=8 if d >= 128 else 4, **common,
+    )
+    bn = 16
+    _attn_dkv_kernel[(triton.cdiv(keys2, bn), b * hkv)](
+        q, dout, k_new, v_new, key_mask, lse, delta, dk, dv,
+        rows, keys1, keys2, tq, groups, scale_log2, scale,
+        *q.stride()[:3], *dout.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3], key_mask.stride(0),
+        *dk.stride()[:3], *dv.stride()[:3],
+        HKV=hkv, D=d, BLOCK_M=32, BLOCK_N=bn, num_warps=4, **common,
+    )
+    return dq, dk, dv
+
+
+class SplitAttentionFn(torch.autograd.Function):
+    """`triton_attention.attention_split` over (cached, new) key parts on the split-KV kernel
+    (`run`: its launch, made by the caller, returning the (B, Tq, Hq, D) buffer), differentiable
+    in q and the new keys and values by `split_attention_grad`."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cached: torch.Tensor,
+                v_cached: torch.Tensor, key_mask: torch.Tensor, scale: float, run: Any) -> torch.Tensor:
+        out = run().transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
+        ctx.save_for_backward(q, k_new, v_new, k_cached, v_cached, key_mask, out)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k_new, v_new, k_cached, v_cached, key_mask, out = ctx.saved_tensors
+        dq, dk, dv = split_attention_grad(q, k_cached, k_new, v_cached, v_new, key_mask, out, dout, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
