@@ -208,6 +208,10 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # backward (`layers/triton_grad.py`). Only the RTC rows differ.
         ("triton+gemm, reference VJP", {"triton_ops": True, "triton_gemm": True, "_kernel_backward": False,
                                         "_same_as": "triton+gemm"}, shapes),
+        # the same, but the VJP's attention as SDPA over the joined keys (its own fused backward)
+        # instead of the split kernel and its backward (`triton_attention.GRAD_ON_KERNEL = False`)
+        ("triton+gemm, SDPA VJP attention", {"triton_ops": True, "triton_gemm": True, "_sdpa_vjp": True,
+                                             "_same_as": "triton+gemm"}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -272,6 +276,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
     against eager fp32's)."""
     from phyai_edge.engines import cudagraph
     from phyai_edge.engines.cudagraph import CudaGraphEngine
+    from phyai_edge.layers import triton_attention as attn_mod
     from phyai_edge.layers import triton_gemm_tma as tma_mod
     from phyai_edge.layers.fp8 import fp8_linears
     from phyai_edge.layers.triton_attention import set_inline_merge
@@ -290,12 +295,14 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         no_context = kw.pop("_no_context", False)
         bucket_only = kw.pop("_bucket_only", False)
         kernel_backward = kw.pop("_kernel_backward", True)
+        grad_on_kernel = not kw.pop("_sdpa_vjp", False)
         geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
             continue
         pdl_before = set_pdl(pdl)  # the kernels are launched and captured with these settings
         backward_before = set_kernel_backward(kernel_backward)
+        attn_grad_before, attn_mod.GRAD_ON_KERNEL = attn_mod.GRAD_ON_KERNEL, grad_on_kernel
         merge_before = set_inline_merge(inline)
         tma_before = ({} if tma_routes is None else
                       {op: set_route(op, op in tma_routes) for op in ("geglu", "qkv_rope", "linear")})
@@ -362,6 +369,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         finally:
             set_pdl(pdl_before)
             set_kernel_backward(backward_before)
+            attn_mod.GRAD_ON_KERNEL = attn_grad_before
             set_inline_merge(merge_before)
             for op, on in tma_before.items():
                 set_route(op, on)

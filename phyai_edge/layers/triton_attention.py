@@ -375,6 +375,11 @@ def _parts(x: KV) -> tuple[torch.Tensor, torch.Tensor]:
     return x
 
 
+# False: a call needing a gradient takes SDPA over the joined keys instead of the kernel and its
+# backward (`triton_grad.SplitAttentionFn`); benchmarks time both.
+GRAD_ON_KERNEL = True
+
+
 def kernel_key_mask(mask: torch.Tensor, batch: int) -> torch.Tensor:
     """A key-only mask (B or 1, 1, 1, Tk) as the kernel reads it: (B, Tk) uint8, a row with no
     allowed key opened to all keys (`_full_rows`). A stack of layers shares one mask, so it
@@ -402,7 +407,7 @@ def attention_split(
     # A call needing a gradient (exact RTC guidance) for q and the new keys / values takes the kernel
     # with a backward of its own (`triton_grad.SplitAttentionFn`); one for the cached part, SDPA.
     if not (kernel_takes(q, mask) and not needs_grad(ks[0], vs[0])
-            and _use_triton(backend, q, *ks, *vs, differentiable=True)):
+            and _use_triton(backend, q, *ks, *vs, differentiable=GRAD_ON_KERNEL)):
         k_all = ks[0] if ks[1].shape[2] == 0 else concat(ks, dim=2)
         v_all = vs[0] if vs[1].shape[2] == 0 else concat(vs, dim=2)
         return attention(q, k_all, v_all, mask, scale)
