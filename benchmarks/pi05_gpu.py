@@ -208,10 +208,13 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # backward (`layers/triton_grad.py`). Only the RTC rows differ.
         ("triton+gemm, reference VJP", {"triton_ops": True, "triton_gemm": True, "_kernel_backward": False,
                                         "_same_as": "triton+gemm"}, shapes),
-        # the same, but the VJP's attention as SDPA over the joined keys (its own fused backward)
-        # instead of the split kernel and its backward (`triton_attention.GRAD_ON_KERNEL = False`)
-        ("triton+gemm, SDPA VJP attention", {"triton_ops": True, "triton_gemm": True, "_sdpa_vjp": True,
+        # the VJP's attention always as SDPA over the joined keys (its own fused backward), or always
+        # on the split kernel and its backward (`triton_attention.GRAD_ON_KERNEL`); the default
+        # chooses by shape
+        ("triton+gemm, SDPA VJP attention", {"triton_ops": True, "triton_gemm": True, "_vjp_attention": False,
                                              "_same_as": "triton+gemm"}, shapes),
+        ("triton+gemm, kernel VJP attention", {"triton_ops": True, "triton_gemm": True, "_vjp_attention": True,
+                                               "_same_as": "triton+gemm"}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -295,7 +298,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         no_context = kw.pop("_no_context", False)
         bucket_only = kw.pop("_bucket_only", False)
         kernel_backward = kw.pop("_kernel_backward", True)
-        grad_on_kernel = not kw.pop("_sdpa_vjp", False)
+        grad_on_kernel = kw.pop("_vjp_attention", None)
         geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")

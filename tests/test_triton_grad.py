@@ -25,7 +25,7 @@ from test_triton_ops import (  # noqa: F401  (poisoned, tiny: fixtures)
 )
 
 from phyai_edge.engines.cudagraph import CudaGraphEngine
-from phyai_edge.layers import fused_stacks, triton_grad, triton_ops
+from phyai_edge.layers import fused_stacks, triton_attention, triton_grad, triton_ops
 from phyai_edge.layers.attention import attention
 from phyai_edge.layers.rotary import rope_cos_sin
 from phyai_edge.layers.triton_attention import attention_split
@@ -147,10 +147,11 @@ def test_geglu_grad(poisoned_grads, spies, dtype, shape) -> None:
 @kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 4, 1, 6, 9, 16), (1, 8, 1, 50, 70, 32), (2, 4, 2, 5, 33, 16)])
-def test_split_attention_grad(poisoned_grads, spies, dtype, shape) -> None:
+def test_split_attention_grad(poisoned_grads, spies, dtype, shape, monkeypatch) -> None:
     """Queries and the step's own keys / values differentiated through the split kernel's
     backward; the cached prefix part constant, partly masked in one sample and wholly masked in
     another (its rows then attend to every key, as in the forward)."""
+    monkeypatch.setattr(triton_attention, "GRAD_ON_KERNEL", True)  # at every shape
     b, h, hkv, t, p, d = shape
     q = _randn(b, h, t, d, dtype=dtype, seed=1)
     k_new, v_new = _randn(b, hkv, t, d, dtype=dtype, seed=2), _randn(b, hkv, t, d, dtype=dtype, seed=3)
@@ -172,6 +173,25 @@ def test_split_attention_grad(poisoned_grads, spies, dtype, shape) -> None:
                           backend="triton")
     assert type(fwd.grad_fn).__name__ == "SplitAttentionFnBackward"
     assert torch.equal(fwd.detach(), plain)
+
+
+@kernels
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_vjp_attention_by_shape(spies, batch) -> None:
+    """By default the split kernel's backward serves small batches (batch x KV heads up to
+    `GRAD_KERNEL_MAX_HEADS`) and SDPA over the joined keys the rest; the gradients agree."""
+    q = _randn(batch, 2, 3, 16, seed=1)
+    k_new, v_new = _randn(batch, 1, 3, 16, seed=2), _randn(batch, 1, 3, 16, seed=3)
+    k_cached, v_cached = _randn(batch, 1, 5, 16, seed=4), _randn(batch, 1, 5, 16, seed=5)
+    mask = torch.ones(batch, 1, 1, 8, dtype=torch.bool, device=DEVICE)
+    dout = _randn(batch, 2, 3, 16, seed=6)
+    got = _grads(lambda qq, kk, vv: attention_split(qq, (k_cached, kk), (v_cached, vv), mask, backend="triton"),
+                 [q, k_new, v_new], [dout])
+    ref = _grads(lambda qq, kk, vv: attention(qq, torch.cat([k_cached, kk], 2), torch.cat([v_cached, vv], 2), mask),
+                 [q, k_new, v_new], [dout])
+    _check_grads(got, ref, torch.float32)
+    on_kernel = batch <= triton_attention.GRAD_KERNEL_MAX_HEADS
+    assert spies == ({"split_attention_grad": 1} if on_kernel else {})
 
 
 # -- routing ----------------------------------------------------------------------------------------

@@ -375,9 +375,18 @@ def _parts(x: KV) -> tuple[torch.Tensor, torch.Tensor]:
     return x
 
 
-# False: a call needing a gradient takes SDPA over the joined keys instead of the kernel and its
-# backward (`triton_grad.SplitAttentionFn`); benchmarks time both.
-GRAD_ON_KERNEL = True
+# Where a call needing a gradient (exact RTC guidance) takes the split kernel with its backward
+# (`triton_grad.SplitAttentionFn`) rather than SDPA over the joined keys: None by shape, up to
+# GRAD_KERNEL_MAX_HEADS (batch x KV heads); True / False always / never (benchmarks time each). On
+# the H200 (2026-12-03) the kernel's backward won at batch 1 (a guided chunk 44.0 vs 47.5 ms: cuDNN's
+# fused kernels tile 400 query rows into 7 programs) and lost from batch 8 (110.8 vs 100.7 ms: its
+# dq pass is ~60 TFLOP/s there); batches 2-7 are unmeasured.
+GRAD_ON_KERNEL: bool | None = None
+GRAD_KERNEL_MAX_HEADS = 2
+
+
+def _grad_on_kernel(batch_heads: int) -> bool:
+    return GRAD_ON_KERNEL if GRAD_ON_KERNEL is not None else batch_heads <= GRAD_KERNEL_MAX_HEADS
 
 
 def kernel_key_mask(mask: torch.Tensor, batch: int) -> torch.Tensor:
@@ -405,9 +414,10 @@ def attention_split(
     `tickets`: where the in-kernel merge takes its counters (None: a fresh zeroed buffer)."""
     ks, vs = _parts(k), _parts(v)
     # A call needing a gradient (exact RTC guidance) for q and the new keys / values takes the kernel
-    # with a backward of its own (`triton_grad.SplitAttentionFn`); one for the cached part, SDPA.
+    # with a backward of its own (`triton_grad.SplitAttentionFn`) at small batches (`GRAD_ON_KERNEL`),
+    # else SDPA over the joined keys (cuDNN's fused forward and backward); one for the cached part, SDPA.
     if not (kernel_takes(q, mask) and not needs_grad(ks[0], vs[0])
-            and _use_triton(backend, q, *ks, *vs, differentiable=GRAD_ON_KERNEL)):
+            and _use_triton(backend, q, *ks, *vs, differentiable=_grad_on_kernel(q.shape[0] * ks[0].shape[1]))):
         k_all = ks[0] if ks[1].shape[2] == 0 else concat(ks, dim=2)
         v_all = vs[0] if vs[1].shape[2] == 0 else concat(vs, dim=2)
         return attention(q, k_all, v_all, mask, scale)
