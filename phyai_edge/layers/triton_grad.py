@@ -4,9 +4,10 @@ The exact `guided` RTC mode takes, every flow step, a vector-Jacobian product of
 velocity with respect to the noisy actions: a backward pass through the action expert for the
 input gradient only (the weights, the prefix's KV cache, the rotary tables and the time
 modulations are constants). Without a backward for the kernels that pass ran every op on its
-plain-torch reference, forward and backward (on the H200 a batch-1 chunk took +352-356% over the
-unguided one). Here each fused op the expert uses gets an autograd function whose forward is its
-kernel and whose backward is one kernel more, for the gradients of its activation inputs only:
+plain-torch reference, forward and backward (on the H200 a batch-1 chunk took +352-362% over the
+unguided one; now +166-170%, batch 8 +109% -> +51%, batch 32 +67% -> +36%: benchmarks/RESULTS.md).
+Here each fused op the expert uses gets an autograd function whose forward is its kernel and whose
+backward is one kernel more, for the gradients of its activation inputs only:
 
 - `AdaRmsNormFn`, `ResidualAdaRmsNormFn`: the adaptive RMSNorm's input gradient
   `rstd * (g - xhat * mean(g * xhat))` with `g = dout * (1 + scale)`, added to the gradient that
@@ -17,21 +18,22 @@ kernel and whose backward is one kernel more, for the gradients of its activatio
   gradient of the QKV projection's output (`_rope_grad_kernel`).
 - `GegluFn`: `d gate = dout * up * gelu'(gate)`, `d up = dout * gelu(gate)`, packed as the fused
   gate/up output (`_geglu_grad_kernel`).
-
 - `SplitAttentionFn`: the split-KV kernel's forward (`triton_attention`), and a backward of two
   kernels over the same two-part keys (the cached prefix, a constant, and the step's own):
   `_attn_dq_kernel` takes each folded query row's log-sum-exp in a first pass over the keys, then
   dq = scale * sum p (dp - delta) k with dp = dO v and delta = rowsum(dO o); `_attn_dkv_kernel` gives
   the step's own keys and values theirs over every query row, with those statistics. No key is
-  copied (SDPA would need the two parts joined) and no forward is recomputed.
+  copied (SDPA would need the two parts joined) and no forward is recomputed. Chosen by shape
+  (`triton_attention.GRAD_ON_KERNEL`): on the H200 it won at batch 1 and lost from batch 8 to SDPA
+  over the joined keys, whose fused backward reads what its fused forward kept.
 
 The projections need nothing here: a call needing a gradient takes `F.linear` (cuBLAS), whose
 backward for the input alone is one GEMM.
 
-The ops in `layers.triton_ops` and `triton_attention.attention_split` choose these functions when their inputs need a gradient
-(`triton_dispatch.needs_grad`); the references stay what autograd differentiates on the reference
-backend. Each backward is tested against autograd through the reference
-(`tests/test_triton_grad.py`, the kernels under `TRITON_INTERPRET=1`).
+The ops in `layers.triton_ops` and `triton_attention.attention_split` choose these functions when
+their inputs need a gradient (`triton_dispatch.needs_grad`); the references stay what autograd
+differentiates on the reference backend. Each backward is tested against autograd through the
+reference (`tests/test_triton_grad.py`, the kernels under `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
