@@ -30,11 +30,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
+from phyai_edge.layers import triton_grad
 from phyai_edge.layers.attention import _full_rows, attention, concat
 from phyai_edge.layers.triton_dispatch import (
+    _sm_count,
     _use_triton,
     interpret_mode,
     launch_options,
@@ -43,18 +46,8 @@ from phyai_edge.layers.triton_dispatch import (
     triton,
 )
 
-_SM_COUNT: dict[int, int] = {}
 MIN_KEYS_PER_SPLIT = 128  # below this a split's merge traffic costs more than its parallelism buys
 ONE_PASS_BLOCK_M = 64  # query rows per program of SDPA's one-pass (cuDNN / flash) kernels
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: small shapes still split, so the merge is exercised
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 @dataclass(frozen=True)
@@ -434,8 +427,6 @@ def attention_split(
         return _split_attention_triton(qf, ks, vs, key_mask, sm_scale, splits, tq, config, tickets)
 
     if needs_grad(q, ks[1], vs[1]):
-        from phyai_edge.layers.triton_grad import SplitAttentionFn
-
         return SplitAttentionFn.apply(q, ks[1], vs[1], ks[0], vs[0], key_mask, sm_scale, run)
     return run().transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
 
@@ -454,3 +445,23 @@ def stack_attention(mask: torch.Tensor, batch: int, backend: str) -> Callable[..
 
     attend.key_mask = key_mask  # type: ignore[attr-defined]  # for `triton_expert_layer`, which reads the mask itself
     return attend
+
+
+class SplitAttentionFn(torch.autograd.Function):
+    """`triton_attention.attention_split` over (cached, new) key parts on the split-KV kernel
+    (`run`: its launch, made by the caller, returning the (B, Tq, Hq, D) buffer), differentiable
+    in q and the new keys and values by `split_attention_grad`."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cached: torch.Tensor,
+                v_cached: torch.Tensor, key_mask: torch.Tensor, scale: float, run: Any) -> torch.Tensor:
+        out = run().transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
+        ctx.save_for_backward(q, k_new, v_new, k_cached, v_cached, key_mask, out)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k_new, v_new, k_cached, v_cached, key_mask, out = ctx.saved_tensors
+        dq, dk, dv = triton_grad.split_attention_grad(q, k_cached, k_new, v_cached, v_new, key_mask, out, dout, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None

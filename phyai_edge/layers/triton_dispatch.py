@@ -98,6 +98,47 @@ def _use_triton(backend: str, *tensors: torch.Tensor, differentiable: bool = Fal
     return resolve_backend(backend, tensors[0].device) == "triton"
 
 
+# -- launch shapes, shared by the kernel modules -------------------------------------------------
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors on a CUDA device (cached); 8 elsewhere."""
+    if device.type != "cuda":
+        return 8  # the interpreter: small shapes still split, so the merge is exercised
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A (..., width) tensor as (rows, width) with unit column stride (a view when it can be)."""
+    t = t.reshape(-1, width)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _per_batch(m: torch.Tensor, batch: int, width: int) -> tuple[torch.Tensor, int]:
+    """A (B or 1, 1, width) modulation as (B or 1, width) rows and its batch stride (0: broadcast)."""
+    rows = _rows(m, width)
+    if rows.shape[0] not in (1, batch):
+        raise ValueError(f"modulation of shape {tuple(m.shape)} does not broadcast over batch {batch}")
+    return rows, (rows.stride(0) if rows.shape[0] > 1 else 0)
+
+
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _row_warps(elements: int) -> int:
+    """Warps for a program holding `elements` of each row tensor in registers: 8 from 2048 (SigLIP's
+    1152-wide rows), so a thread holds 8 floats of each rather than 16 (Triton's layer-norm
+    tutorial's rule), rounded down to a power of two (Triton's requirement; the interpreter does not
+    check it)."""
+    warps = max(elements // 256, 1)
+    return min(1 << (warps.bit_length() - 1), 8)
+
+
 # -- programmatic dependent launch ------------------------------------------------------------------
 # A CUDA-graph replay of a batch-1 denoise step is ~150 small dependent kernels, each 3-10 us, and
 # each waits for its predecessor to finish completely before it is even launched. With PDL (sm_90+)

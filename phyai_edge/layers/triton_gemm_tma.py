@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from phyai_edge.layers.triton_dispatch import _use_triton, interpret_mode, tl, triton
+from phyai_edge.layers.triton_dispatch import _sm_count, _use_triton, interpret_mode, tl, triton
 from phyai_edge.layers.triton_gemm import linear_geglu_ref, linear_qkv_rope_ref, linear_ref
 from phyai_edge.layers.triton_ops import check_out_buffer
 
@@ -159,11 +159,6 @@ def takes(op: str, linear: torch.nn.Module | None, h: torch.Tensor) -> bool:
     if torch.is_grad_enabled() and h.requires_grad:
         return False
     return torch.cuda.get_device_capability(h.device) >= (9, 0)
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(idx).multi_processor_count
 
 
 if triton is not None:

@@ -6,19 +6,20 @@ input gradient only (the weights, the prefix's KV cache, the rotary tables and t
 modulations are constants). Without a backward for the kernels that pass ran every op on its
 plain-torch reference, forward and backward (on the H200 a batch-1 chunk took +352-362% over the
 unguided one; now +166-170%, batch 8 +109% -> +51%, batch 32 +67% -> +36%: benchmarks/RESULTS.md).
-Here each fused op the expert uses gets an autograd function whose forward is its kernel and whose
-backward is one kernel more, for the gradients of its activation inputs only:
+Here are the backward kernels of the autograd functions that the fused ops use when a gradient is
+needed (each function lives beside its forward op and kernel; this module needs only
+`triton_dispatch`), for the gradients of the activation inputs only:
 
-- `AdaRmsNormFn`, `ResidualAdaRmsNormFn`: the adaptive RMSNorm's input gradient
+- `triton_ops.AdaRmsNormFn`, `triton_ops.ResidualAdaRmsNormFn`: the adaptive RMSNorm's input gradient
   `rstd * (g - xhat * mean(g * xhat))` with `g = dout * (1 + scale)`, added to the gradient that
   reaches the residual stream from below, and for the gated residual `x + y * gate` the same sum
   times the gate for y: one kernel (`_ada_norm_grad_kernel`).
-- `QkvRopeFn`: RoPE is a rotation per (d, d + D/2) pair, so its transpose is the rotation back:
+- `triton_ops.QkvRopeFn`: RoPE is a rotation per (d, d + D/2) pair, so its transpose is the rotation back:
   the kernel reads dq, dk, dv through their strides and writes the packed (B, T, (H + 2 Hkv) D)
   gradient of the QKV projection's output (`_rope_grad_kernel`).
-- `GegluFn`: `d gate = dout * up * gelu'(gate)`, `d up = dout * gelu(gate)`, packed as the fused
+- `triton_ops.GegluFn`: `d gate = dout * up * gelu'(gate)`, `d up = dout * gelu(gate)`, packed as the fused
   gate/up output (`_geglu_grad_kernel`).
-- `SplitAttentionFn`: the split-KV kernel's forward (`triton_attention`), and a backward of two
+- `triton_attention.SplitAttentionFn`: the split-KV kernel's forward, and a backward of two
   kernels over the same two-part keys (the cached prefix, a constant, and the step's own):
   `_attn_dq_kernel` takes each folded query row's log-sum-exp in a first pass over the keys, then
   dq = scale * sum p (dp - delta) k with dp = dO v and delta = rowsum(dO o); `_attn_dkv_kernel` gives
@@ -30,7 +31,7 @@ backward is one kernel more, for the gradients of its activation inputs only:
 The projections need nothing here: a call needing a gradient takes `F.linear` (cuBLAS), whose
 backward for the input alone is one GEMM.
 
-The ops in `layers.triton_ops` and `triton_attention.attention_split` choose these functions when
+The ops in `layers.triton_ops` and `triton_attention.attention_split` choose those functions when
 their inputs need a gradient (`triton_dispatch.needs_grad`); the references stay what autograd
 differentiates on the reference backend. Each backward is tested against autograd through the
 reference (`tests/test_triton_grad.py`, the kernels under `TRITON_INTERPRET=1`).
@@ -39,20 +40,19 @@ reference (`tests/test_triton_grad.py`, the kernels under `TRITON_INTERPRET=1`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from phyai_edge.layers.triton_attention import _sm_count
-from phyai_edge.layers.triton_dispatch import interpret_mode, launch_options, tl, triton
-from phyai_edge.layers.triton_ops import (
+from phyai_edge.layers.triton_dispatch import (
     _block,
-    _geglu_triton,
     _per_batch,
-    _qkv_rope_triton,
-    _residual_ada_norm_triton,
     _row_warps,
     _rows,
+    _sm_count,
+    interpret_mode,
+    launch_options,
+    tl,
+    triton,
 )
 
 # -- kernels --------------------------------------------------------------------------------------
@@ -221,80 +221,6 @@ def geglu_grad(gate_up: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# -- autograd functions (what the ops call when their inputs need a gradient) ---------------------
-class AdaRmsNormFn(torch.autograd.Function):
-    """`triton_ops.ada_rms_norm` on its kernel, differentiable in x."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
-        ctx.save_for_backward(x, scale)
-        ctx.eps = eps
-        return _residual_ada_norm_triton(x, None, None, scale, shift, eps)[1]
-
-    @staticmethod
-    def backward(ctx: Any, dh: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, scale = ctx.saved_tensors
-        dx, _ = ada_norm_grad(x, dh, None, scale, None, ctx.eps)
-        return dx, None, None, None
-
-
-class ResidualAdaRmsNormFn(torch.autograd.Function):
-    """`triton_ops.residual_ada_rms_norm` on its kernel, differentiable in x and y."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
-                shift: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        res, out = _residual_ada_norm_triton(x, y, gate, scale, shift, eps)
-        ctx.save_for_backward(res, gate, scale)
-        ctx.eps, ctx.y_dtype = eps, y.dtype
-        # The last block's residual feeds nothing: its gradient arrives as None, not as zeros.
-        ctx.set_materialize_grads(False)
-        return res, out
-
-    @staticmethod
-    def backward(ctx: Any, dres: torch.Tensor | None, dh: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        res, gate, scale = ctx.saved_tensors
-        if dh is None:
-            dh = torch.zeros_like(res)
-        dx, dy = ada_norm_grad(res, dh, dres, scale, gate, ctx.eps, ctx.y_dtype)
-        return dx, dy, None, None, None, None
-
-
-class QkvRopeFn(torch.autograd.Function):
-    """`triton_ops.qkv_rope` on its kernel, differentiable in the packed qkv."""
-
-    @staticmethod
-    def forward(ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, t, _ = qkv.shape
-        # v written by the kernel too, not handed back as a view of qkv (an autograd function's
-        # output viewing its input would be tied to that input's version).
-        out = tuple(_alloc((b, heads, t, head_dim), qkv.dtype, qkv.device)
-                    for heads in (num_heads, num_kv_heads, num_kv_heads))
-        ctx.save_for_backward(cos, sin)
-        ctx.dtype = qkv.dtype
-        return _qkv_rope_triton(qkv, cos, sin, num_heads, num_kv_heads, head_dim, out)
-
-    @staticmethod
-    def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        cos, sin = ctx.saved_tensors
-        return rope_grad(dq, dk, dv, cos, sin, ctx.dtype), None, None, None, None, None
-
-
-class GegluFn(torch.autograd.Function):
-    """`triton_ops.geglu` on its kernel, differentiable in gate_up."""
-
-    @staticmethod
-    def forward(ctx: Any, gate_up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate_up)
-        return _geglu_triton(gate_up)
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> torch.Tensor:
-        (gate_up,) = ctx.saved_tensors
-        return geglu_grad(gate_up, dout)
-
-
 # -- the split attention's backward -----------------------------------------------------------------
 if triton is not None:
 
@@ -456,21 +382,4 @@ def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.T
     return dq, dk, dv
 
 
-class SplitAttentionFn(torch.autograd.Function):
-    """`triton_attention.attention_split` over (cached, new) key parts on the split-KV kernel
-    (`run`: its launch, made by the caller, returning the (B, Tq, Hq, D) buffer), differentiable
-    in q and the new keys and values by `split_attention_grad`."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cached: torch.Tensor,
-                v_cached: torch.Tensor, key_mask: torch.Tensor, scale: float, run: Any) -> torch.Tensor:
-        out = run().transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
-        ctx.save_for_backward(q, k_new, v_new, k_cached, v_cached, key_mask, out)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k_new, v_new, k_cached, v_cached, key_mask, out = ctx.saved_tensors
-        dq, dk, dv = split_attention_grad(q, k_cached, k_new, v_cached, v_new, key_mask, out, dout, ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+#END

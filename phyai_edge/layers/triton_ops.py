@@ -50,14 +50,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from phyai_edge.layers import triton_grad
 from phyai_edge.layers.mlp import gelu_tanh
 from phyai_edge.layers.norm import ada_rms_norm_ref, layer_norm_ref
 from phyai_edge.layers.rotary import apply_rope
 from phyai_edge.layers.triton_dispatch import (  # noqa: F401  (re-exported: the ops' public dispatch API)
     BACKENDS,
+    _block,
+    _per_batch,
+    _row_warps,
+    _rows,
     _use_triton,
     interpret_mode,
     launch_options,
@@ -68,20 +74,6 @@ from phyai_edge.layers.triton_dispatch import (  # noqa: F401  (re-exported: the
     triton_available,
     triton_status,
 )
-
-
-def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    """A (..., width) tensor as (rows, width) with unit column stride (a view when it can be)."""
-    t = t.reshape(-1, width)
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _per_batch(m: torch.Tensor, batch: int, width: int) -> tuple[torch.Tensor, int]:
-    """A (B or 1, 1, width) modulation as (B or 1, width) rows and its batch stride (0: broadcast)."""
-    rows = _rows(m, width)
-    if rows.shape[0] not in (1, batch):
-        raise ValueError(f"modulation of shape {tuple(m.shape)} does not broadcast over batch {batch}")
-    return rows, (rows.stride(0) if rows.shape[0] > 1 else 0)
 
 
 def _empty(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
@@ -105,19 +97,6 @@ class SplitSums:
         for s in range(1, self.parts.shape[0]):  # split order, as the reducing kernel adds
             acc += self.parts[s]
         return acc.to(self.dtype).view(self.shape)
-
-
-def _block(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
-
-
-def _row_warps(elements: int) -> int:
-    """Warps for a program holding `elements` of each row tensor in registers: 8 from 2048 (SigLIP's
-    1152-wide rows), so a thread holds 8 floats of each rather than 16 (Triton's layer-norm
-    tutorial's rule), rounded down to a power of two (Triton's requirement; the interpreter does not
-    check it)."""
-    warps = max(elements // 256, 1)
-    return min(1 << (warps.bit_length() - 1), 8)
 
 
 # -- references -----------------------------------------------------------------------------------
@@ -397,8 +376,6 @@ def ada_rms_norm(
     if needs_grad(scale, shift) or not _use_triton(backend, x, scale, shift, differentiable=True):
         return ada_rms_norm_ref(x, scale, shift, eps)
     if needs_grad(x):
-        from phyai_edge.layers.triton_grad import AdaRmsNormFn
-
         return AdaRmsNormFn.apply(x, scale, shift, eps)
     return _residual_ada_norm_triton(x, None, None, scale, shift, eps)[1]
 
@@ -421,8 +398,6 @@ def residual_ada_rms_norm(
     if needs_grad(gate, scale, shift) or not _use_triton(backend, x, yt, gate, scale, shift, differentiable=True):
         return residual_ada_rms_norm_ref(x, y.total() if isinstance(y, SplitSums) else y, gate, scale, shift, eps)
     if needs_grad(x, yt):
-        from phyai_edge.layers.triton_grad import ResidualAdaRmsNormFn
-
         return ResidualAdaRmsNormFn.apply(x, y.total() if isinstance(y, SplitSums) else y, gate, scale, shift, eps)
     return _residual_ada_norm_triton(x, y, gate, scale, shift, eps)
 
@@ -454,8 +429,6 @@ def qkv_rope(
             return q, k, v
         return out[0].copy_(q), out[1].copy_(k), out[2].copy_(v)
     if needs_grad(qkv):
-        from phyai_edge.layers.triton_grad import QkvRopeFn
-
         return QkvRopeFn.apply(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
     return _qkv_rope_triton(qkv, cos, sin, num_heads, num_kv_heads, head_dim, out)
 
@@ -524,8 +497,6 @@ def geglu(gate_up: torch.Tensor, backend: str = "reference") -> torch.Tensor:
     if not _use_triton(backend, gate_up, differentiable=True):
         return geglu_ref(gate_up)
     if needs_grad(gate_up):
-        from phyai_edge.layers.triton_grad import GegluFn
-
         return GegluFn.apply(gate_up)
     return _geglu_triton(gate_up)
 
@@ -587,3 +558,76 @@ def bias_gelu(y: torch.Tensor, bias: torch.Tensor | None = None, backend: str = 
         HAS_BIAS=bias is not None, BLOCK=block, **launch_options(src),
     )
     return out
+
+
+# -- autograd functions: the kernels above, differentiated by `layers.triton_grad`'s kernels ------
+class AdaRmsNormFn(torch.autograd.Function):
+    """`triton_ops.ada_rms_norm` on its kernel, differentiable in x."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, scale)
+        ctx.eps = eps
+        return _residual_ada_norm_triton(x, None, None, scale, shift, eps)[1]
+
+    @staticmethod
+    def backward(ctx: Any, dh: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, scale = ctx.saved_tensors
+        dx, _ = triton_grad.ada_norm_grad(x, dh, None, scale, None, ctx.eps)
+        return dx, None, None, None
+
+
+class ResidualAdaRmsNormFn(torch.autograd.Function):
+    """`triton_ops.residual_ada_rms_norm` on its kernel, differentiable in x and y."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
+                shift: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        res, out = _residual_ada_norm_triton(x, y, gate, scale, shift, eps)
+        ctx.save_for_backward(res, gate, scale)
+        ctx.eps, ctx.y_dtype = eps, y.dtype
+        # The last block's residual feeds nothing: its gradient arrives as None, not as zeros.
+        ctx.set_materialize_grads(False)
+        return res, out
+
+    @staticmethod
+    def backward(ctx: Any, dres: torch.Tensor | None, dh: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        res, gate, scale = ctx.saved_tensors
+        if dh is None:
+            dh = torch.zeros_like(res)
+        dx, dy = triton_grad.ada_norm_grad(res, dh, dres, scale, gate, ctx.eps, ctx.y_dtype)
+        return dx, dy, None, None, None, None
+
+
+class QkvRopeFn(torch.autograd.Function):
+    """`triton_ops.qkv_rope` on its kernel, differentiable in the packed qkv."""
+
+    @staticmethod
+    def forward(ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = qkv.shape
+        # v written by the kernel too, not handed back as a view of qkv (an autograd function's
+        # output viewing its input would be tied to that input's version).
+        out = tuple(_empty((b, heads, t, head_dim), qkv) for heads in (num_heads, num_kv_heads, num_kv_heads))
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = qkv.dtype
+        return _qkv_rope_triton(qkv, cos, sin, num_heads, num_kv_heads, head_dim, out)
+
+    @staticmethod
+    def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        return triton_grad.rope_grad(dq, dk, dv, cos, sin, ctx.dtype), None, None, None, None, None
+
+
+class GegluFn(torch.autograd.Function):
+    """`triton_ops.geglu` on its kernel, differentiable in gate_up."""
+
+    @staticmethod
+    def forward(ctx: Any, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        return _geglu_triton(gate_up)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        return triton_grad.geglu_grad(gate_up, dout)
