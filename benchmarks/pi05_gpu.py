@@ -358,10 +358,9 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
                     rr = time_engine(eng, x, n, g, dev, 3, reps)
                     rr["overhead"], rr["capture_s"] = rr["p50"] / r["p50"] - 1.0, time.perf_counter() - t0
                     if mode == "guided":  # the VJP's path judged against eager fp32's exact guidance
-                        ga = rtc_guidance(adapter, b, mode)
                         if (b, mode) not in refs:
-                            refs[(b, mode)] = eager32.run(xa, noise=na, rtc=ga)
-                        rr["vs_eager_fp32"] = par.err(eng.run(xa, noise=na, rtc=ga), refs[(b, mode)])
+                            refs[(b, mode)] = eager32.run(xa, noise=na, rtc=g)
+                        rr["vs_eager_fp32"] = par.err(eng.run(xa, noise=na, rtc=g), refs[(b, mode)])
                     r.setdefault("rtc", {})[mode] = rr
                     say(f"{section} {name} batch {b} RTC {mode}: p50 {rr['p50']:.2f} ms, "
                         f"overhead {100 * rr['overhead']:+.1f}% (capture {rr['capture_s']:.0f}s)")
