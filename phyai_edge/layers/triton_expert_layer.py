@@ -124,7 +124,7 @@ def takes(blocks: Sequence[nn.Module], x: torch.Tensor, mask: torch.Tensor, dtyp
 if triton is not None:
     from phyai_edge.layers.triton_attention import _attend_block
     from phyai_edge.layers.triton_gemm import _mma
-    from phyai_edge.layers.triton_ops import _gelu_tanh, _rope
+    from phyai_edge.layers.triton_math import _gelu_tanh, _rope
 
     @triton.jit
     def _grid_sync(bar_ptr, n_programs):

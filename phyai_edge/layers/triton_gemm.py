@@ -231,7 +231,7 @@ def linear_qkv_rope_ref(
 # -- kernels ---------------------------------------------------------------------------------------------
 if triton is not None:
     from phyai_edge.layers.triton_dispatch import pdl_enter
-    from phyai_edge.layers.triton_ops import _gelu_tanh, _rope
+    from phyai_edge.layers.triton_math import _gelu_tanh, _rope
 
     @triton.jit
     def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):

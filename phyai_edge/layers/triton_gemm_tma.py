@@ -162,7 +162,7 @@ def takes(op: str, linear: torch.nn.Module | None, h: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    from phyai_edge.layers.triton_ops import _gelu_tanh, _rope
+    from phyai_edge.layers.triton_math import _gelu_tanh, _rope
 
     @triton.jit
     def _tile_of(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):

@@ -58,6 +58,7 @@ from phyai_edge.layers.triton_dispatch import (
 # -- kernels --------------------------------------------------------------------------------------
 if triton is not None:
     from phyai_edge.layers.triton_dispatch import pdl_enter
+    from phyai_edge.layers.triton_math import _gelu_tanh_grad, _rope_transposed, _token_heads
 
     @triton.jit
     def _ada_norm_grad_kernel(
@@ -95,17 +96,8 @@ if triton is not None:
     ):
         pdl_enter(PDL)
         # One program a token, all its heads, as the forward kernel (`triton_ops._qkv_rope_kernel`).
-        bt = tl.program_id(0)
-        b = bt // seq_len
-        t = bt % seq_len
-        heads = tl.arange(0, HEADS)[:, None]
-        cols = tl.arange(0, BLOCK)[None, :]
-        m = cols < HALF
-        is_q = heads < num_heads
-        is_k = (heads >= num_heads) & (heads < num_heads + num_kv_heads)
+        b, t, heads, cols, m, is_q, is_k, qh, kh = _token_heads(seq_len, num_heads, num_kv_heads, HALF, BLOCK, HEADS)
         is_v = (heads >= num_heads + num_kv_heads) & (heads < num_heads + 2 * num_kv_heads)
-        qh = tl.minimum(heads, num_heads - 1)
-        kh = tl.maximum(heads - num_heads, 0)
         vh = tl.maximum(heads - num_heads - num_kv_heads, 0)
         src_q = dq_ptr + b * stride_q_b + qh * stride_q_h + t * stride_q_t + cols
         src_k = dk_ptr + b * stride_k_b + kh * stride_k_h + t * stride_k_t + cols
@@ -116,13 +108,7 @@ if triton is not None:
               + tl.load(src_k + HALF, mask=m & is_k, other=0.0).to(tl.float32))
         cs = cos_ptr + b * stride_cs_b + t * stride_cs_t + cols
         sn = sin_ptr + b * stride_sn_b + t * stride_sn_t + cols
-        c1 = tl.load(cs, mask=m, other=0.0).to(tl.float32)
-        c2 = tl.load(cs + HALF, mask=m, other=0.0).to(tl.float32)
-        s1 = tl.load(sn, mask=m, other=0.0).to(tl.float32)
-        s2 = tl.load(sn + HALF, mask=m, other=0.0).to(tl.float32)
-        # forward: (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2); this is its transpose
-        g1 = d1 * c1 + d2 * s2
-        g2 = d2 * c2 - d1 * s1
+        g1, g2 = _rope_transposed(d1, d2, cs, sn, m, HALF)
         v1 = tl.load(src_v, mask=m & is_v, other=0.0).to(tl.float32)
         v2 = tl.load(src_v + HALF, mask=m & is_v, other=0.0).to(tl.float32)
         g1 = tl.where(is_v, v1, g1)
@@ -142,11 +128,7 @@ if triton is not None:
         g = tl.load(gu_ptr + row * stride_in + cols, mask=m, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * stride_in + hidden + cols, mask=m, other=0.0).to(tl.float32)
         d = tl.load(dout_ptr + row * stride_dout + cols, mask=m, other=0.0).to(tl.float32)
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # as `triton_ops._gelu_tanh`
-        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)
-        th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-        gelu = 0.5 * g * (1.0 + th)
-        dgelu = 0.5 * (1.0 + th) + 0.5 * g * (1.0 - th * th) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+        gelu, dgelu = _gelu_tanh_grad(g)
         tl.store(dgu_ptr + row * stride_dgu + cols, (d * u * dgelu).to(dgu_ptr.dtype.element_ty), mask=m)
         tl.store(dgu_ptr + row * stride_dgu + hidden + cols, (d * gelu).to(dgu_ptr.dtype.element_ty), mask=m)
 
@@ -235,6 +217,27 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
+    def _folded_rows(ptr, b, head, tok, s_b, s_h, s_t, d):
+        """Pointers to folded query rows (head, token) of a (B, Hq, Tq, D) tensor, columns d."""
+        return ptr + (b * s_b + head * s_h + tok * s_t)[:, None] + d[None, :]
+
+    @triton.jit
+    def _two_part_keys_t(p1, p2, b, h, s1_b, s1_h, s1_n, s2_b, s2_h, s2_n, c, keys1, keys, d):
+        """Keys (or values) c of two parts, the first `keys1` from p1 and the rest to `keys` from p2,
+        as one (D, BLOCK_N) tile (zeros past `keys`), with no copy joining the parts."""
+        first = c < keys1
+        second = (c >= keys1) & (c < keys)
+        return (tl.load(p1 + b * s1_b + h * s1_h + c[None, :] * s1_n + d[:, None], mask=first[None, :], other=0.0)
+                + tl.load(p2 + b * s2_b + h * s2_h + (c - keys1)[None, :] * s2_n + d[:, None], mask=second[None, :],
+                          other=0.0))
+
+    @triton.jit
+    def _keys_allowed(m_ptr, b, sm_b, c, keys):
+        """Which keys c (< keys) the key mask (B, keys) uint8 allows."""
+        inb = c < keys
+        return inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
+
+    @triton.jit
     def _attn_dq_kernel(
         q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, dq_ptr, lse_ptr, delta_ptr,
         rows, keys1, keys, tq, groups, scale_log2, scale,
@@ -256,21 +259,16 @@ if triton is not None:
         head = h * groups + r // tq
         tok = r % tq
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + (b * sq_b + head * sq_h + tok * sq_t)[:, None] + d[None, :], mask=live[:, None], other=0.0)
-        do = tl.load(do_ptr + (b * sdo_b + head * sdo_h + tok * sdo_t)[:, None] + d[None, :], mask=live[:, None],
-                     other=0.0)
-        o = tl.load(o_ptr + (b * so_b + head * so_h + tok * so_t)[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        q = tl.load(_folded_rows(q_ptr, b, head, tok, sq_b, sq_h, sq_t, d), mask=live[:, None], other=0.0)
+        do = tl.load(_folded_rows(do_ptr, b, head, tok, sdo_b, sdo_h, sdo_t, d), mask=live[:, None], other=0.0)
+        o = tl.load(_folded_rows(o_ptr, b, head, tok, so_b, so_h, so_t, d), mask=live[:, None], other=0.0)
         delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         for n0 in range(0, keys, BLOCK_N):  # pass 1: the softmax statistics
             c = n0 + tl.arange(0, BLOCK_N)
-            first = c < keys1
-            second = (c >= keys1) & (c < keys)
-            kt = (tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=first[None, :], other=0.0)
-                  + tl.load(k2_ptr + b * sk2_b + h * sk2_h + (c - keys1)[None, :] * sk2_n + d[:, None],
-                            mask=second[None, :], other=0.0))
-            ok = (first | second) & (tl.load(m_ptr + b * sm_b + c, mask=first | second, other=0) != 0)
+            kt = _two_part_keys_t(k_ptr, k2_ptr, b, h, sk_b, sk_h, sk_n, sk2_b, sk2_h, sk2_n, c, keys1, keys, d)
+            ok = _keys_allowed(m_ptr, b, sm_b, c, keys)
             s = tl.where(ok[None, :], _dot(q, kt, UPCAST, IEEE) * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
@@ -279,20 +277,14 @@ if triton is not None:
         dq = tl.zeros([BLOCK_M, D], tl.float32)
         for n0 in range(0, keys, BLOCK_N):  # pass 2: the gradient
             c = n0 + tl.arange(0, BLOCK_N)
-            first = c < keys1
-            second = (c >= keys1) & (c < keys)
-            kt = (tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=first[None, :], other=0.0)
-                  + tl.load(k2_ptr + b * sk2_b + h * sk2_h + (c - keys1)[None, :] * sk2_n + d[:, None],
-                            mask=second[None, :], other=0.0))
-            vt = (tl.load(v_ptr + b * sv_b + h * sv_h + c[None, :] * sv_n + d[:, None], mask=first[None, :], other=0.0)
-                  + tl.load(v2_ptr + b * sv2_b + h * sv2_h + (c - keys1)[None, :] * sv2_n + d[:, None],
-                            mask=second[None, :], other=0.0))
-            ok = (first | second) & (tl.load(m_ptr + b * sm_b + c, mask=first | second, other=0) != 0)
+            kt = _two_part_keys_t(k_ptr, k2_ptr, b, h, sk_b, sk_h, sk_n, sk2_b, sk2_h, sk2_n, c, keys1, keys, d)
+            vt = _two_part_keys_t(v_ptr, v2_ptr, b, h, sv_b, sv_h, sv_n, sv2_b, sv2_h, sv2_n, c, keys1, keys, d)
+            ok = _keys_allowed(m_ptr, b, sm_b, c, keys)
             p = tl.where(ok[None, :], tl.exp2(_dot(q, kt, UPCAST, IEEE) * scale_log2 - lse[:, None]), 0.0)
             ds = p * (_dot(do, vt, UPCAST, IEEE) - delta[:, None])
             dq += _dot(ds.to(kt.dtype), tl.trans(kt), UPCAST, IEEE)
-        tl.store(dq_ptr + (b * sdq_b + head * sdq_h + tok * sdq_t)[:, None] + d[None, :],
-                 (dq * scale).to(dq_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(_folded_rows(dq_ptr, b, head, tok, sdq_b, sdq_h, sdq_t, d), (dq * scale).to(dq_ptr.dtype.element_ty),
+                 mask=live[:, None])
         tl.store(lse_ptr + bh * rows + r, lse, mask=live)
         tl.store(delta_ptr + bh * rows + r, delta, mask=live)
 
@@ -318,7 +310,7 @@ if triton is not None:
         d = tl.arange(0, D)
         kb = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[:, None] * sk2_n + d[None, :], mask=inb[:, None], other=0.0)
         vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None], other=0.0)
-        ok = inb & (tl.load(m_ptr + b * sm_b + keys1 + c2, mask=inb, other=0) != 0)
+        ok = _keys_allowed(m_ptr, b, sm_b, keys1 + c2, keys1 + keys2)
         dk = tl.zeros([BLOCK_N, D], tl.float32)
         dv = tl.zeros([BLOCK_N, D], tl.float32)
         for m0 in range(0, rows, BLOCK_M):
@@ -326,10 +318,8 @@ if triton is not None:
             live = r < rows
             head = h * groups + r // tq
             tok = r % tq
-            q = tl.load(q_ptr + (b * sq_b + head * sq_h + tok * sq_t)[:, None] + d[None, :], mask=live[:, None],
-                        other=0.0)
-            do = tl.load(do_ptr + (b * sdo_b + head * sdo_h + tok * sdo_t)[:, None] + d[None, :],
-                         mask=live[:, None], other=0.0)
+            q = tl.load(_folded_rows(q_ptr, b, head, tok, sq_b, sq_h, sq_t, d), mask=live[:, None], other=0.0)
+            do = tl.load(_folded_rows(do_ptr, b, head, tok, sdo_b, sdo_h, sdo_t, d), mask=live[:, None], other=0.0)
             lse = tl.load(lse_ptr + bh * rows + r, mask=live, other=0.0)
             delta = tl.load(delta_ptr + bh * rows + r, mask=live, other=0.0)
             p = tl.exp2(_dot(q, tl.trans(kb), UPCAST, IEEE) * scale_log2 - lse[:, None])

@@ -148,25 +148,7 @@ def bias_gelu_ref(y: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Te
 # -- kernels --------------------------------------------------------------------------------------
 if triton is not None:
     from phyai_edge.layers.triton_dispatch import pdl_enter
-
-    @triton.jit
-    def _gelu_tanh(g):
-        """GELU (tanh approximation) of a float32 block."""
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi)
-        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh(15) is 1 in float32; no exp overflow
-        th = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # tanh
-        return 0.5 * g * (1.0 + th)
-
-    @triton.jit
-    def _rope(x1, x2, cs, sn, mask, HALF: tl.constexpr):
-        """rotate_half RoPE on a head's two halves (float32 blocks): `cs` / `sn` point at the
-        first half of each row's cos / sin, the second half `HALF` further. Shared by the RoPE
-        kernel and the GEMM epilogues (`triton_gemm`, `triton_gemm_tma`), so all round alike."""
-        c1 = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cs + HALF, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(sn, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sn + HALF, mask=mask, other=0.0).to(tl.float32)
-        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2  # (x1, x2) -> x * cos + (-x2, x1) * sin
+    from phyai_edge.layers.triton_math import _gelu_tanh, _rope, _token_heads
 
     @triton.jit
     def _residual_ada_norm_kernel(
@@ -214,22 +196,13 @@ if triton is not None:
         # tile: the token's cos / sin are read once, not once per head. (One program per
         # (token, head) ran at about half the bandwidth: 134 vs 65 us at the batch-32 prefix's
         # 26112 tokens, H200.)
-        bt = tl.program_id(0)
-        b = bt // seq_len
-        t = bt % seq_len
-        heads = tl.arange(0, HEADS)[:, None]
-        cols = tl.arange(0, BLOCK)[None, :]
-        m = cols < HALF
-        is_q = heads < num_heads
-        is_k = (heads >= num_heads) & (heads < num_heads + num_kv_heads)
+        b, t, heads, cols, m, is_q, is_k, qh, kh = _token_heads(seq_len, num_heads, num_kv_heads, HALF, BLOCK, HEADS)
         src = qkv_ptr + b * stride_qkv_b + t * stride_qkv_t + heads * (2 * HALF) + cols
         x1 = tl.load(src, mask=m & (is_q | is_k), other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=m & (is_q | is_k), other=0.0).to(tl.float32)
         cs = cos_ptr + b * stride_cs_b + t * stride_cs_t + cols
         sn = sin_ptr + b * stride_sn_b + t * stride_sn_t + cols
         o1, o2 = _rope(x1, x2, cs, sn, m, HALF)
-        qh = tl.minimum(heads, num_heads - 1)
-        kh = tl.maximum(heads - num_heads, 0)
         dst_q = q_ptr + b * stride_q_b + qh * stride_q_h + t * stride_q_t + cols
         dst_k = k_ptr + b * stride_k_b + kh * stride_k_h + t * stride_k_t + cols
         tl.store(dst_q, o1.to(q_ptr.dtype.element_ty), mask=m & is_q)
