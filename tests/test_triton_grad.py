@@ -152,14 +152,8 @@ def test_split_attention_grad(poisoned_grads, spies, dtype, shape, monkeypatch) 
     backward; the cached prefix part constant, partly masked in one sample and wholly masked in
     another (its rows then attend to every key, as in the forward)."""
     monkeypatch.setattr(triton_attention, "GRAD_ON_KERNEL", True)  # at every shape
-    b, h, hkv, t, p, d = shape
-    q = _randn(b, h, t, d, dtype=dtype, seed=1)
-    k_new, v_new = _randn(b, hkv, t, d, dtype=dtype, seed=2), _randn(b, hkv, t, d, dtype=dtype, seed=3)
-    k_cached, v_cached = _randn(b, hkv, p, d, dtype=dtype, seed=4), _randn(b, hkv, p, d, dtype=dtype, seed=5)
-    mask = torch.ones(b, 1, 1, p + t, dtype=torch.bool, device=DEVICE)
-    mask[-1, ..., p - 4 : p] = False
-    if b > 1:
-        mask[0] = False
+    b, h, _, t, _, d = shape
+    q, k_new, v_new, k_cached, v_cached, mask = _attention_case(*shape, dtype)
     dout = _randn(b, h, t, d, dtype=dtype, seed=6)
     got = _grads(lambda qq, kk, vv: attention_split(qq, (k_cached, kk), (v_cached, vv), mask, backend="triton"),
                  [q, k_new, v_new], [dout])
@@ -175,11 +169,86 @@ def test_split_attention_grad(poisoned_grads, spies, dtype, shape, monkeypatch) 
     assert torch.equal(fwd.detach(), plain)
 
 
+def _attention_case(b, h, hkv, t, p, d, dtype):
+    q = _randn(b, h, t, d, dtype=dtype, seed=1)
+    k_new, v_new = _randn(b, hkv, t, d, dtype=dtype, seed=2), _randn(b, hkv, t, d, dtype=dtype, seed=3)
+    k_cached, v_cached = _randn(b, hkv, p, d, dtype=dtype, seed=4), _randn(b, hkv, p, d, dtype=dtype, seed=5)
+    mask = torch.ones(b, 1, 1, p + t, dtype=torch.bool, device=DEVICE)
+    mask[-1, ..., p - 4 : p] = False
+    if b > 1:
+        mask[0] = False  # a wholly masked sample: its rows attend to every key, as in the forward
+    return q, k_new, v_new, k_cached, v_cached, mask
+
+
+# Tilings of the backward on the interpreter's 8 "SMs": one range of each kind; dq's keys and dk / dv's
+# rows both split (the in-kernel merges); 64-row blocks on 8 warps (the large-batch tiling).
+GRAD_TILINGS = {
+    "whole": triton_grad.GradConfig(min_keys=1 << 20, min_rows=1 << 20),
+    "split": triton_grad.GradConfig(block_n=16, kv_block_m=16, min_keys=16, min_rows=16),
+    "big blocks": triton_grad.GradConfig(block_m=64, kv_block_m=64, warps=8),
+}
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiling", list(GRAD_TILINGS))
+def test_split_attention_grad_tilings(poisoned_grads, dtype, tiling) -> None:
+    """The backward launch against autograd through the reference for each tiling; where the work
+    is split, the partials are merged in range order, so two calls give the same bits, and the
+    merge counters are left at zero for the next call."""
+    b, h, hkv, t, p, d = 2, 4, 1, 20, 70, 32
+    q, k_new, v_new, k_cached, v_cached, mask = _attention_case(b, h, hkv, t, p, d, dtype)
+    dout = _randn(b, h, t, d, dtype=dtype, seed=6)
+    cfg = GRAD_TILINGS[tiling]
+    rows, keys = h // hkv * t, p + t
+    q_splits, _, kv_splits, _ = triton_grad.plan_grad(rows, keys, t, b * hkv, triton_grad._sm_count(q.device), cfg)
+    assert (q_splits > 1 and kv_splits > 1) if tiling == "split" else (q_splits == kv_splits == 1)
+    key_mask = triton_attention.kernel_key_mask(mask, b)
+    scale = d ** -0.5
+    lse = torch.empty(b * hkv, rows, dtype=torch.float32, device=DEVICE)
+    out = triton_attention._split_attention_triton(q.reshape(b, hkv, rows, d), (k_cached, k_new), (v_cached, v_new),
+                                                   key_mask, scale, None, t, lse_out=lse).transpose(1, 2)
+    tickets = triton_attention.Tickets(q.device)
+    got = triton_grad.split_attention_grad(q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout, scale,
+                                           tickets, cfg)
+    ref = _grads(lambda qq, kk, vv: attention(qq, torch.cat([k_cached, kk], 2), torch.cat([v_cached, vv], 2), mask),
+                 [q, k_new, v_new], [dout])
+    _check_grads(got, ref, dtype)
+    again = triton_grad.split_attention_grad(q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout, scale,
+                                             tickets, cfg)
+    assert all(torch.equal(a, g) for a, g in zip(again, got))
+    if tiling == "split":
+        assert tickets._buf is not None and int(tickets._buf.abs().sum()) == 0
+
+
+@kernels
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("inline_merge", [True, False])
+def test_forward_writes_each_rows_log_sum_exp(splits, inline_merge) -> None:
+    """What the backward reads instead of a pass of its own: the forward's log-sum-exp of each folded
+    row's scaled scores (base 2) over the keys it may attend, whether one program holds a row's keys,
+    the split kernel merges its splits or a second kernel does; a wholly masked row over every key."""
+    b, h, hkv, t, p, d = 2, 4, 2, 5, 40, 16
+    q, k_new, v_new, k_cached, v_cached, mask = _attention_case(b, h, hkv, t, p, d, torch.float32)
+    key_mask = triton_attention.kernel_key_mask(mask, b)
+    rows = h // hkv * t
+    lse = torch.full((b * hkv, rows), float("nan"), device=DEVICE)
+    cfg = triton_attention.SplitConfig(block_m=16, block_n=16, min_keys=16, inline_merge=inline_merge)
+    triton_attention._split_attention_triton(q.reshape(b, hkv, rows, d), (k_cached, k_new), (v_cached, v_new),
+                                             key_mask, 0.25, splits, t, cfg, lse_out=lse)
+    k = torch.cat([k_cached, k_new], 2)
+    scores = (q.reshape(b, hkv, rows, d) @ k.transpose(-1, -2)) * 0.25
+    scores = scores.masked_fill(key_mask[:, None, None, :] == 0, float("-inf"))
+    want = (torch.logsumexp(scores, -1) / torch.log(torch.tensor(2.0))).reshape(b * hkv, rows)
+    assert torch.allclose(lse, want, atol=1e-5, rtol=1e-5), (lse - want).abs().max()
+
+
 @kernels
 @pytest.mark.parametrize("batch", [1, 2, 3])
-def test_vjp_attention_by_shape(spies, batch) -> None:
-    """By default the split kernel's backward serves small batches (batch x KV heads up to
-    `GRAD_KERNEL_MAX_HEADS`) and SDPA over the joined keys the rest; the gradients agree."""
+def test_vjp_attention_by_shape(spies, monkeypatch, batch) -> None:
+    """By default the split kernel's backward serves batch x KV heads up to `GRAD_KERNEL_MAX_HEADS`
+    (2 here, so both sides of the rule run) and SDPA over the joined keys the rest; the gradients agree."""
+    monkeypatch.setattr(triton_attention, "GRAD_KERNEL_MAX_HEADS", 2)
     q = _randn(batch, 2, 3, 16, seed=1)
     k_new, v_new = _randn(batch, 1, 3, 16, seed=2), _randn(batch, 1, 3, 16, seed=3)
     k_cached, v_cached = _randn(batch, 1, 5, 16, seed=4), _randn(batch, 1, 5, 16, seed=5)

@@ -37,6 +37,7 @@ import torch
 from phyai_edge.layers import triton_grad
 from phyai_edge.layers.attention import _full_rows, attention, concat
 from phyai_edge.layers.triton_dispatch import (
+    Tickets,
     _sm_count,
     _use_triton,
     interpret_mode,
@@ -162,19 +163,21 @@ if triton is not None:
 
     @triton.jit
     def _split_attn_kernel(
-        q_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, o_ptr, lse_ptr, out_ptr, ticket_ptr,
+        q_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, o_ptr, lse_ptr, out_ptr, ticket_ptr, lse_out_ptr,
         rows, keys, keys1, keys_per_split, scale_log2, tq, splits,
         sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
         sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
         so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         FINAL: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        WS: tl.constexpr,
+        WS: tl.constexpr, LSE_OUT: tl.constexpr,
     ):
         """One (query block, key split, batch x KV head) program. FINAL (one split): the output
         goes straight to out. Else a float32 partial and its log-sum-exp (base 2) go to o / lse;
         with MERGE the last program of a query block to finish (its ticket counts the splits done)
-        merges all splits of that block into out, so no second kernel runs."""
+        merges all splits of that block into out, so no second kernel runs. LSE_OUT: each row's
+        whole log-sum-exp (base 2 of the scaled scores) also goes to lse_out (B x Hkv, rows), which
+        the backward (`triton_grad.split_attention_grad`) reads instead of recomputing it."""
         pdl_enter(PDL)
         pid_m = tl.program_id(0)
         split = tl.program_id(1)
@@ -218,6 +221,8 @@ if triton is not None:
         # to its (B, Tq, Hq, D) place, so the o-projection reads it without a transpose copy.
         o = o_ptr + split * so_s + b * so_b + h * so_h + ((r // tq) * so_g + (r % tq) * so_t)[:, None] + d[None, :]
         tl.store(o, out.to(o_ptr.dtype.element_ty), mask=r[:, None] < rows)
+        if FINAL and LSE_OUT:
+            tl.store(lse_out_ptr + bh * rows + r, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=r < rows)
         if not FINAL:
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
             tl.store(lse_ptr + split * sl_s + bh * sl_bh + r, lse, mask=r < rows)
@@ -229,16 +234,17 @@ if triton is not None:
                 ticket = ticket_ptr + bh * tl.num_programs(0) + pid_m
                 if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == splits - 1:
                     tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-                    _merge_rows(o_ptr, lse_ptr, out_ptr, b, h, bh, r, rows, splits, tq,
-                                so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t, D, BLOCK_M)
+                    _merge_rows(o_ptr, lse_ptr, out_ptr, lse_out_ptr, b, h, bh, r, rows, splits, tq,
+                                so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t, D, BLOCK_M, LSE_OUT)
 
     @triton.jit
-    def _merge_rows(p_ptr, lse_ptr, out_ptr, b, h, bh, r, rows, splits, tq,
+    def _merge_rows(p_ptr, lse_ptr, out_ptr, lse_out_ptr, b, h, bh, r, rows, splits, tq,
                     sp_s, sp_b, sp_h, sp_g, sp_t, sl_s, sl_bh, so_b, so_h, so_g, so_t,
-                    D: tl.constexpr, BLOCK_M: tl.constexpr):
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, LSE_OUT: tl.constexpr):
         """Merge the float32 partials of query rows r (each split's output weighted by its share
-        of the softmax mass, 2^(lse - max)) into out. The partials are read through L2 (".cg"):
-        other programs wrote them during this kernel."""
+        of the softmax mass, 2^(lse - max)) into out (and with LSE_OUT the rows' whole log-sum-exp
+        into lse_out). The partials are read through L2 (".cg"): other programs wrote them during
+        this kernel."""
         d = tl.arange(0, D)
         live = r < rows
         # row r of the folded query is (group r // tq, token r % tq)
@@ -260,18 +266,20 @@ if triton is not None:
         out = acc / tl.maximum(wsum, 1e-30)[:, None]
         dst = out_ptr + b * so_b + h * so_h + ((r // tq) * so_g + (r % tq) * so_t)[:, None] + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+        if LSE_OUT:
+            tl.store(lse_out_ptr + bh * rows + r, top + tl.log2(tl.maximum(wsum, 1e-30)), mask=live)
 
     @triton.jit
     def _merge_kernel(
-        p_ptr, lse_ptr, out_ptr, rows, splits, tq,
+        p_ptr, lse_ptr, out_ptr, lse_out_ptr, rows, splits, tq,
         sp_s, sp_b, sp_h, sp_g, sp_t, sl_s, sl_bh, so_b, so_h, so_g, so_t,
-        HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+        HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr, LSE_OUT: tl.constexpr,
     ):
         pdl_enter(PDL)
         bh = tl.program_id(1)
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        _merge_rows(p_ptr, lse_ptr, out_ptr, bh // HKV, bh % HKV, bh, r, rows, splits, tq,
-                    sp_s, sp_b, sp_h, sp_g, sp_t, sl_s, sl_bh, so_b, so_h, so_g, so_t, D, BLOCK_M)
+        _merge_rows(p_ptr, lse_ptr, out_ptr, lse_out_ptr, bh // HKV, bh % HKV, bh, r, rows, splits, tq,
+                    sp_s, sp_b, sp_h, sp_g, sp_t, sl_s, sl_bh, so_b, so_h, so_g, so_t, D, BLOCK_M, LSE_OUT)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -279,36 +287,15 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-class Tickets:
-    """Zeroed int32 counters for the in-kernel merge, handed out in slices. A kernel leaves its
-    slice at zero again, but each call still takes a fresh slice: two calls never share one, so
-    graphs replayed on different streams cannot race on a ticket. One zero-fill per `CHUNK`
-    tickets: a stack of layers shares one `Tickets` (`stack_attention`), so a CUDA graph of a
-    whole denoise step holds one or two fills, not one per layer."""
-
-    CHUNK = 8192
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._buf: torch.Tensor | None = None
-        self._used = 0
-
-    def take(self, n: int) -> torch.Tensor:
-        if self._buf is None or self._used + n > self._buf.numel():
-            self._buf = torch.zeros(max(self.CHUNK, n), dtype=torch.int32, device=self.device)
-            self._used = 0
-        out = self._buf[self._used:self._used + n]
-        self._used += n
-        return out
-
-
 def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tensor],
                             vs: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor,
                             scale: float, splits: int | None, tq: int,
-                            config: SplitConfig | None = None, tickets: Tickets | None = None) -> torch.Tensor:
+                            config: SplitConfig | None = None, tickets: Tickets | None = None,
+                            lse_out: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hkv, G * Tq, D) (the G query heads of each KV head folded into the rows), keys and
     values in two parts (B, Hkv, N1 / N2, D), key_mask (B, N1 + N2) uint8 (`kernel_key_mask`)
-    -> (B, Tq, Hkv * G, D)."""
+    -> (B, Tq, Hkv * G, D). `lse_out` (B x Hkv, G * Tq) float32: where each folded row's
+    log-sum-exp goes (base 2, of the scaled scores), for the backward."""
     b, hkv, rows, d = q.shape
     groups = rows // tq
     (k, k2), (v, v2) = ks, vs
@@ -339,8 +326,9 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
     ticket_buf = lse
     if merge:
         ticket_buf = (tickets if tickets is not None else Tickets(q.device)).take(grid[0] * grid[2])
+    lse_out_buf = lse_out if lse_out is not None else lse  # never read without LSE_OUT
     _split_attn_kernel[grid](
-        q, k, v, k2, v2, mask_u8, part, lse, out, ticket_buf,
+        q, k, v, k2, v2, mask_u8, part, lse, out, ticket_buf, lse_out_buf,
         rows, keys, keys1, per, scale * 1.4426950408889634, tq, splits,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
@@ -348,13 +336,14 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         *ps, lse.stride(0), lse.stride(1), *os_,
         HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, MERGE=merge, UPCAST=interpret_mode(),
         IEEE=q.dtype == torch.float32,
-        WS=cfg.warp_specialize, num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(q),
+        WS=cfg.warp_specialize, LSE_OUT=lse_out is not None, num_warps=cfg.warps, num_stages=cfg.stages,
+        **launch_options(q),
     )
     if not final and not merge:
         mb = 32
         _merge_kernel[(triton.cdiv(rows, mb), b * hkv)](
-            part, lse, out, rows, splits, tq, *ps, lse.stride(0), lse.stride(1), *os_,
-            HKV=hkv, D=d, BLOCK_M=mb, num_warps=4, **launch_options(q),
+            part, lse, out, lse_out_buf, rows, splits, tq, *ps, lse.stride(0), lse.stride(1), *os_,
+            HKV=hkv, D=d, BLOCK_M=mb, LSE_OUT=lse_out is not None, num_warps=4, **launch_options(q),
         )
     return out
 
@@ -371,11 +360,12 @@ def _parts(x: KV) -> tuple[torch.Tensor, torch.Tensor]:
 # Where a call needing a gradient (exact RTC guidance) takes the split kernel with its backward
 # (`triton_grad.SplitAttentionFn`) rather than SDPA over the joined keys: None by shape, up to
 # GRAD_KERNEL_MAX_HEADS (batch x KV heads); True / False always / never (benchmarks time each). On
-# the H200 (2026-12-03) the kernel's backward won at batch 1 (a guided chunk 44.0 vs 47.5 ms: cuDNN's
-# fused kernels tile 400 query rows into 7 programs) and lost from batch 8 (110.8 vs 100.7 ms: its
-# dq pass is ~60 TFLOP/s there); batches 2-7 are unmeasured.
+# the H200 (2026-12-04, benchmarks/attention_grad_gpu.py) PI0.5's expert attention forward + backward
+# took 52 / 70 / 83 / 129 / 164 / 223 us on the kernel against 120 / 127 / 133 / 153 / 215 / 343 us for
+# SDPA over the joined keys at batches 1 / 2 / 4 / 8 / 16 / 32 (1-16 before the default tiling, which
+# took 22-36% off the kernel's backward there); larger batches are unmeasured, so they keep SDPA.
 GRAD_ON_KERNEL: bool | None = None
-GRAD_KERNEL_MAX_HEADS = 2
+GRAD_KERNEL_MAX_HEADS = 32
 
 
 def _grad_on_kernel(batch_heads: int) -> bool:
@@ -407,7 +397,7 @@ def attention_split(
     `tickets`: where the in-kernel merge takes its counters (None: a fresh zeroed buffer)."""
     ks, vs = _parts(k), _parts(v)
     # A call needing a gradient (exact RTC guidance) for q and the new keys / values takes the kernel
-    # with a backward of its own (`triton_grad.SplitAttentionFn`) at small batches (`GRAD_ON_KERNEL`),
+    # with a backward of its own (`triton_grad.SplitAttentionFn`) up to a measured batch (`GRAD_ON_KERNEL`),
     # else SDPA over the joined keys (cuDNN's fused forward and backward); one for the cached part, SDPA.
     if not (kernel_takes(q, mask) and not needs_grad(ks[0], vs[0])
             and _use_triton(backend, q, *ks, *vs, differentiable=_grad_on_kernel(q.shape[0] * ks[0].shape[1]))):
@@ -422,12 +412,12 @@ def attention_split(
     # contiguous q), so K and V are read once per KV head.
     sm_scale = scale if scale is not None else 1.0 / math.sqrt(d)
 
-    def run() -> torch.Tensor:  # (B, Tq, Hq, D)
+    def run(lse_out: torch.Tensor | None = None) -> torch.Tensor:  # (B, Tq, Hq, D)
         qf = q.reshape(b, hkv, (hq // hkv) * tq, d)
-        return _split_attention_triton(qf, ks, vs, key_mask, sm_scale, splits, tq, config, tickets)
+        return _split_attention_triton(qf, ks, vs, key_mask, sm_scale, splits, tq, config, tickets, lse_out)
 
     if needs_grad(q, ks[1], vs[1]):
-        return SplitAttentionFn.apply(q, ks[1], vs[1], ks[0], vs[0], key_mask, sm_scale, run)
+        return SplitAttentionFn.apply(q, ks[1], vs[1], ks[0], vs[0], key_mask, sm_scale, run, tickets)
     return run().transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
 
 
@@ -449,19 +439,24 @@ def stack_attention(mask: torch.Tensor, batch: int, backend: str) -> Callable[..
 
 class SplitAttentionFn(torch.autograd.Function):
     """`triton_attention.attention_split` over (cached, new) key parts on the split-KV kernel
-    (`run`: its launch, made by the caller, returning the (B, Tq, Hq, D) buffer), differentiable
-    in q and the new keys and values by `split_attention_grad`."""
+    (`run(lse_out)`: its launch, made by the caller, returning the (B, Tq, Hq, D) buffer and
+    writing each folded row's log-sum-exp to lse_out), differentiable in q and the new keys and
+    values by `split_attention_grad`, which reads those log-sum-exps instead of recomputing them."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cached: torch.Tensor,
-                v_cached: torch.Tensor, key_mask: torch.Tensor, scale: float, run: Any) -> torch.Tensor:
-        out = run().transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
-        ctx.save_for_backward(q, k_new, v_new, k_cached, v_cached, key_mask, out)
-        ctx.scale = scale
+                v_cached: torch.Tensor, key_mask: torch.Tensor, scale: float, run: Any,
+                tickets: Tickets | None) -> torch.Tensor:
+        b, hq, tq, _ = q.shape
+        lse = torch.empty((b * k_new.shape[1], hq // k_new.shape[1] * tq), dtype=torch.float32, device=q.device)
+        out = run(lse).transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
+        ctx.save_for_backward(q, k_new, v_new, k_cached, v_cached, key_mask, out, lse)
+        ctx.scale, ctx.tickets = scale, tickets
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k_new, v_new, k_cached, v_cached, key_mask, out = ctx.saved_tensors
-        dq, dk, dv = triton_grad.split_attention_grad(q, k_cached, k_new, v_cached, v_new, key_mask, out, dout, ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        q, k_new, v_new, k_cached, v_cached, key_mask, out, lse = ctx.saved_tensors
+        dq, dk, dv = triton_grad.split_attention_grad(q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout,
+                                                      ctx.scale, ctx.tickets)
+        return dq, dk, dv, None, None, None, None, None, None

@@ -139,6 +139,31 @@ def _row_warps(elements: int) -> int:
     return min(1 << (warps.bit_length() - 1), 8)
 
 
+# -- counters for in-kernel merges ------------------------------------------------------------------
+class Tickets:
+    """Zeroed int32 counters for the in-kernel merges (the split attention's partial outputs, its
+    backward's partial gradients), handed out in slices. A kernel leaves its
+    slice at zero again, but each call still takes a fresh slice: two calls never share one, so
+    graphs replayed on different streams cannot race on a ticket. One zero-fill per `CHUNK`
+    tickets: a stack of layers shares one `Tickets` (`stack_attention`), so a CUDA graph of a
+    whole denoise step holds one or two fills, not one per layer."""
+
+    CHUNK = 8192
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buf: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        if self._buf is None or self._used + n > self._buf.numel():
+            self._buf = torch.zeros(max(self.CHUNK, n), dtype=torch.int32, device=self.device)
+            self._used = 0
+        out = self._buf[self._used:self._used + n]
+        self._used += n
+        return out
+
+
 # -- programmatic dependent launch ------------------------------------------------------------------
 # A CUDA-graph replay of a batch-1 denoise step is ~150 small dependent kernels, each 3-10 us, and
 # each waits for its predecessor to finish completely before it is even launched. With PDL (sm_90+)

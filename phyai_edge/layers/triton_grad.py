@@ -19,14 +19,17 @@ needed (each function lives beside its forward op and kernel; this module needs 
   gradient of the QKV projection's output (`_rope_grad_kernel`).
 - `triton_ops.GegluFn`: `d gate = dout * up * gelu'(gate)`, `d up = dout * gelu(gate)`, packed as the fused
   gate/up output (`_geglu_grad_kernel`).
-- `triton_attention.SplitAttentionFn`: the split-KV kernel's forward, and a backward of two
-  kernels over the same two-part keys (the cached prefix, a constant, and the step's own):
-  `_attn_dq_kernel` takes each folded query row's log-sum-exp in a first pass over the keys, then
-  dq = scale * sum p (dp - delta) k with dp = dO v and delta = rowsum(dO o); `_attn_dkv_kernel` gives
-  the step's own keys and values theirs over every query row, with those statistics. No key is
-  copied (SDPA would need the two parts joined) and no forward is recomputed. Chosen by shape
-  (`triton_attention.GRAD_ON_KERNEL`): on the H200 it won at batch 1 and lost from batch 8 to SDPA
-  over the joined keys, whose fused backward reads what its fused forward kept.
+- `triton_attention.SplitAttentionFn`: the split-KV kernel's forward, which also writes each folded
+  query row's log-sum-exp, and a backward of one launch over the same two-part keys (the cached
+  prefix, a constant, and the step's own): `_attn_bwd_kernel`. Its first programs give dq =
+  scale * sum p (dp - delta) k with p from the forward's log-sum-exp, dp = dO v and delta =
+  rowsum(dO o), each over a range of keys; the rest give the step's own keys and values theirs,
+  each over a range of query rows. Ranges are sized so a small batch still fills the GPU
+  (`plan_grad`); a block split over ranges writes float32 partials, and whichever of its programs
+  finishes last (a ticket counter) sums them in range order, so the result does not depend on
+  scheduling. No key is copied (SDPA would need the two parts joined) and no forward is recomputed.
+  Chosen by shape (`triton_attention.GRAD_ON_KERNEL`); on the H200 it beat SDPA over the joined
+  keys (cuDNN's fused forward and backward) at batches 1-16 of PI0.5's expert: benchmarks/RESULTS.md.
 
 The projections need nothing here: a call needing a gradient takes `F.linear` (cuBLAS), whose
 backward for the input alone is one GEMM.
@@ -40,10 +43,12 @@ reference (`tests/test_triton_grad.py`, the kernels under `TRITON_INTERPRET=1`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from phyai_edge.layers.triton_dispatch import (
+    Tickets,
     _block,
     _per_batch,
     _row_warps,
@@ -222,124 +227,202 @@ if triton is not None:
         return ptr + (b * s_b + head * s_h + tok * s_t)[:, None] + d[None, :]
 
     @triton.jit
-    def _two_part_keys_t(p1, p2, b, h, s1_b, s1_h, s1_n, s2_b, s2_h, s2_n, c, keys1, keys, d):
-        """Keys (or values) c of two parts, the first `keys1` from p1 and the rest to `keys` from p2,
-        as one (D, BLOCK_N) tile (zeros past `keys`), with no copy joining the parts."""
-        first = c < keys1
-        second = (c >= keys1) & (c < keys)
-        return (tl.load(p1 + b * s1_b + h * s1_h + c[None, :] * s1_n + d[:, None], mask=first[None, :], other=0.0)
-                + tl.load(p2 + b * s2_b + h * s2_h + (c - keys1)[None, :] * s2_n + d[:, None], mask=second[None, :],
-                          other=0.0))
-
-    @triton.jit
     def _keys_allowed(m_ptr, b, sm_b, c, keys):
         """Which keys c (< keys) the key mask (B, keys) uint8 allows."""
         inb = c < keys
         return inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
 
     @triton.jit
-    def _attn_dq_kernel(
-        q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, dq_ptr, lse_ptr, delta_ptr,
-        rows, keys1, keys, tq, groups, scale_log2, scale,
-        sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, sdq_b, sdq_h, sdq_t,
-        sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
-        HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    ):
-        """One (query block, batch x KV head) program: the rows' log-sum-exp (a first pass over the
-        keys), then dq = scale * sum_keys p (dp - delta) k with dp = dO v and delta = rowsum(dO o).
-        Row r of the folded query is (head h * groups + r // tq, token r % tq)."""
-        pdl_enter(PDL)
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // HKV
-        h = bh % HKV
-        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        live = r < rows
+    def _rows_in(q_ptr, do_ptr, o_ptr, lse_ptr, b, h, bh, r, end, rows, tq, groups,
+                 sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, d):
+        """Folded query rows r (< end) of one (batch, KV head) of `rows`: q, dO, the forward's
+        log-sum-exp and delta = rowsum(dO * O), all zero from `end`."""
+        live = r < end
         head = h * groups + r // tq
         tok = r % tq
-        d = tl.arange(0, D)
         q = tl.load(_folded_rows(q_ptr, b, head, tok, sq_b, sq_h, sq_t, d), mask=live[:, None], other=0.0)
         do = tl.load(_folded_rows(do_ptr, b, head, tok, sdo_b, sdo_h, sdo_t, d), mask=live[:, None], other=0.0)
         o = tl.load(_folded_rows(o_ptr, b, head, tok, so_b, so_h, so_t, d), mask=live[:, None], other=0.0)
-        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        for n0 in range(0, keys, BLOCK_N):  # pass 1: the softmax statistics
-            c = n0 + tl.arange(0, BLOCK_N)
-            kt = _two_part_keys_t(k_ptr, k2_ptr, b, h, sk_b, sk_h, sk_n, sk2_b, sk2_h, sk2_n, c, keys1, keys, d)
-            ok = _keys_allowed(m_ptr, b, sm_b, c, keys)
-            s = tl.where(ok[None, :], _dot(q, kt, UPCAST, IEEE) * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-            m_i = m_new
-        lse = m_i + tl.log2(tl.maximum(l_i, 1e-30))
-        dq = tl.zeros([BLOCK_M, D], tl.float32)
-        for n0 in range(0, keys, BLOCK_N):  # pass 2: the gradient
-            c = n0 + tl.arange(0, BLOCK_N)
-            kt = _two_part_keys_t(k_ptr, k2_ptr, b, h, sk_b, sk_h, sk_n, sk2_b, sk2_h, sk2_n, c, keys1, keys, d)
-            vt = _two_part_keys_t(v_ptr, v2_ptr, b, h, sv_b, sv_h, sv_n, sv2_b, sv2_h, sv2_n, c, keys1, keys, d)
-            ok = _keys_allowed(m_ptr, b, sm_b, c, keys)
-            p = tl.where(ok[None, :], tl.exp2(_dot(q, kt, UPCAST, IEEE) * scale_log2 - lse[:, None]), 0.0)
-            ds = p * (_dot(do, vt, UPCAST, IEEE) - delta[:, None])
-            dq += _dot(ds.to(kt.dtype), tl.trans(kt), UPCAST, IEEE)
-        tl.store(_folded_rows(dq_ptr, b, head, tok, sdq_b, sdq_h, sdq_t, d), (dq * scale).to(dq_ptr.dtype.element_ty),
-                 mask=live[:, None])
-        tl.store(lse_ptr + bh * rows + r, lse, mask=live)
-        tl.store(delta_ptr + bh * rows + r, delta, mask=live)
+        lse = tl.load(lse_ptr + bh * rows + r, mask=live, other=0.0)
+        return q, do, lse, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
 
     @triton.jit
-    def _attn_dkv_kernel(
-        q_ptr, do_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    def _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """One key block's share of dq / scale: sum_keys p (dp - delta) k, with p from the forward's
+        log-sum-exp and dp = dO v; kb, vb (BLOCK_N, D), ok the keys that may be attended."""
+        s = _dot(q, tl.trans(kb), UPCAST, IEEE) * scale_log2
+        p = tl.where(ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
+        ds = p * (_dot(do, tl.trans(vb), UPCAST, IEEE) - delta[:, None])
+        return acc + _dot(ds.to(kb.dtype), kb, UPCAST, IEEE)
+
+    @triton.jit
+    def _merge_partials(part_ptr, stride_split, splits, offs, mask):
+        """The sum of `splits` float32 partials at offs (split s at s * stride_split), in split order
+        (the same sum whichever program merges); read through L2: other programs wrote them."""
+        acc = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in range(1, splits):
+            acc += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        return acc
+
+    @triton.jit
+    def _last_of(ticket, splits):
+        """Every thread's stores issued, then one release-acquire ticket: True for the program that
+        draws the last one (it sees every split's writes), which also puts the ticket back to 0."""
+        tl.debug_barrier()
+        last = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == splits - 1
+        if last:
+            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+        return last
+
+    @triton.jit
+    def _attn_bwd_kernel(
+        q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr,
+        dq_ptr, dk_ptr, dv_ptr, pq_ptr, pkv_ptr, ticket_ptr,
         rows, keys1, keys2, tq, groups, scale_log2, scale,
-        sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
+        q_blocks, q_splits, keys_per_split, kv_blocks, kv_splits, rows_per_split,
+        sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, sdq_b, sdq_h, sdq_t,
+        sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
-        """One (block of the new keys, batch x KV head) program: dv = sum_rows p dO and
-        dk = scale * sum_rows p (dp - delta) q over every folded query row, with the rows'
-        log-sum-exp and delta from `_attn_dq_kernel`. The cached keys get no gradient."""
+        """The split attention's backward, two kinds of program in one launch (they need nothing from
+        each other: each row's log-sum-exp comes from the forward, delta is recomputed where needed).
+        Programs [0, q_blocks * q_splits): one (query block, key range): dq = scale * sum p (dp - delta) k
+        over its keys, one loop per key part. The rest: one (block of the step's own keys, row range):
+        dv = sum p dO and dk = scale * sum p (dp - delta) q over its rows. With more than one range,
+        float32 partials go to pq / pkv and the last program of a block (a ticket) sums them in range
+        order, so the result does not depend on which program finishes last. The cached keys get no
+        gradient. Row r of the folded query is (head h * groups + r // tq, token r % tq)."""
         pdl_enter(PDL)
-        pid_n = tl.program_id(0)
+        pid = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // HKV
         h = bh % HKV
-        c2 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        inb = c2 < keys2
         d = tl.arange(0, D)
-        kb = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[:, None] * sk2_n + d[None, :], mask=inb[:, None], other=0.0)
-        vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None], other=0.0)
-        ok = _keys_allowed(m_ptr, b, sm_b, keys1 + c2, keys1 + keys2)
-        dk = tl.zeros([BLOCK_N, D], tl.float32)
-        dv = tl.zeros([BLOCK_N, D], tl.float32)
-        for m0 in range(0, rows, BLOCK_M):
-            r = m0 + tl.arange(0, BLOCK_M)
+        keys = keys1 + keys2
+        if pid < q_blocks * q_splits:
+            blk = pid % q_blocks
+            split = pid // q_blocks
+            r = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+            q, do, lse, delta = _rows_in(q_ptr, do_ptr, o_ptr, lse_ptr, b, h, bh, r, rows, rows, tq, groups,
+                                         sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, d)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
+            start = split * keys_per_split
+            end = tl.minimum(start + keys_per_split, keys)
+            end1 = tl.minimum(end, keys1)
+            for n0 in range(start, end1, BLOCK_N):  # the cached part
+                c = n0 + tl.arange(0, BLOCK_N)
+                inb = c < end1
+                kb = tl.load(k_ptr + b * sk_b + h * sk_h + c[:, None] * sk_n + d[None, :], mask=inb[:, None], other=0.0)
+                vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
+                ok = inb & _keys_allowed(m_ptr, b, sm_b, c, keys)
+                acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
+            for n0 in range(tl.maximum(start, keys1), end, BLOCK_N):  # the step's own
+                c = n0 + tl.arange(0, BLOCK_N)
+                inb = c < end
+                c2 = c - keys1
+                kb = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[:, None] * sk2_n + d[None, :], mask=inb[:, None],
+                             other=0.0)
+                vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
+                             other=0.0)
+                ok = inb & _keys_allowed(m_ptr, b, sm_b, c, keys)
+                acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
             live = r < rows
-            head = h * groups + r // tq
-            tok = r % tq
-            q = tl.load(_folded_rows(q_ptr, b, head, tok, sq_b, sq_h, sq_t, d), mask=live[:, None], other=0.0)
-            do = tl.load(_folded_rows(do_ptr, b, head, tok, sdo_b, sdo_h, sdo_t, d), mask=live[:, None], other=0.0)
-            lse = tl.load(lse_ptr + bh * rows + r, mask=live, other=0.0)
-            delta = tl.load(delta_ptr + bh * rows + r, mask=live, other=0.0)
-            p = tl.exp2(_dot(q, tl.trans(kb), UPCAST, IEEE) * scale_log2 - lse[:, None])
-            p = tl.where(live[:, None] & ok[None, :], p, 0.0)
-            dv += _dot(tl.trans(p.to(do.dtype)), do, UPCAST, IEEE)
-            ds = p * (_dot(do, tl.trans(vb), UPCAST, IEEE) - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST, IEEE)
-        tl.store(dk_ptr + b * sdk_b + h * sdk_h + c2[:, None] * sdk_n + d[None, :], (dk * scale).to(dk_ptr.dtype.element_ty),
-                 mask=inb[:, None])
-        tl.store(dv_ptr + b * sdv_b + h * sdv_h + c2[:, None] * sdv_n + d[None, :], dv.to(dv_ptr.dtype.element_ty),
-                 mask=inb[:, None])
+            dst = _folded_rows(dq_ptr, b, h * groups + r // tq, r % tq, sdq_b, sdq_h, sdq_t, d)
+            if q_splits == 1:
+                tl.store(dst, (acc * scale).to(dq_ptr.dtype.element_ty), mask=live[:, None])
+            else:
+                offs = (bh * rows + r)[:, None] * D + d[None, :]
+                split_stride = tl.num_programs(1) * rows * D
+                tl.store(pq_ptr + split * split_stride + offs, acc, mask=live[:, None])
+                if _last_of(ticket_ptr + bh * q_blocks + blk, q_splits):
+                    acc = _merge_partials(pq_ptr, split_stride, q_splits, offs, live[:, None])
+                    tl.store(dst, (acc * scale).to(dq_ptr.dtype.element_ty), mask=live[:, None])
+        else:
+            j = pid - q_blocks * q_splits
+            blk = j % kv_blocks
+            split = j // kv_blocks
+            c2 = blk * KV_BLOCK_N + tl.arange(0, KV_BLOCK_N)
+            inb = c2 < keys2
+            kb = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[:, None] * sk2_n + d[None, :], mask=inb[:, None], other=0.0)
+            vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None], other=0.0)
+            ok = _keys_allowed(m_ptr, b, sm_b, keys1 + c2, keys)
+            dk = tl.zeros([KV_BLOCK_N, D], tl.float32)
+            dv = tl.zeros([KV_BLOCK_N, D], tl.float32)
+            r_start = split * rows_per_split
+            r_end = tl.minimum(r_start + rows_per_split, rows)
+            for m0 in range(r_start, r_end, KV_BLOCK_M):
+                r = m0 + tl.arange(0, KV_BLOCK_M)
+                q, do, lse, delta = _rows_in(q_ptr, do_ptr, o_ptr, lse_ptr, b, h, bh, r, r_end, rows, tq, groups,
+                                             sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, d)
+                p = tl.exp2(_dot(q, tl.trans(kb), UPCAST, IEEE) * scale_log2 - lse[:, None])
+                p = tl.where((r < r_end)[:, None] & ok[None, :], p, 0.0)
+                dv += _dot(tl.trans(p.to(do.dtype)), do, UPCAST, IEEE)
+                ds = p * (_dot(do, tl.trans(vb), UPCAST, IEEE) - delta[:, None])
+                dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST, IEEE)
+            dk_dst = dk_ptr + b * sdk_b + h * sdk_h + c2[:, None] * sdk_n + d[None, :]
+            dv_dst = dv_ptr + b * sdv_b + h * sdv_h + c2[:, None] * sdv_n + d[None, :]
+            if kv_splits == 1:
+                tl.store(dk_dst, (dk * scale).to(dk_ptr.dtype.element_ty), mask=inb[:, None])
+                tl.store(dv_dst, dv.to(dv_ptr.dtype.element_ty), mask=inb[:, None])
+            else:
+                offs = ((bh * 2) * keys2 + c2)[:, None] * D + d[None, :]  # (split, bh, dk | dv, key, D)
+                split_stride = tl.num_programs(1) * 2 * keys2 * D
+                tl.store(pkv_ptr + split * split_stride + offs, dk, mask=inb[:, None])
+                tl.store(pkv_ptr + split * split_stride + keys2 * D + offs, dv, mask=inb[:, None])
+                if _last_of(ticket_ptr + tl.num_programs(1) * q_blocks + bh * kv_blocks + blk, kv_splits):
+                    dk = _merge_partials(pkv_ptr, split_stride, kv_splits, offs, inb[:, None])
+                    dv = _merge_partials(pkv_ptr + keys2 * D, split_stride, kv_splits, offs, inb[:, None])
+                    tl.store(dk_dst, (dk * scale).to(dk_ptr.dtype.element_ty), mask=inb[:, None])
+                    tl.store(dv_dst, dv.to(dv_ptr.dtype.element_ty), mask=inb[:, None])
+
+
+@dataclass(frozen=True)
+class GradConfig:
+    """The attention backward's tiling: query rows and keys per dq block, the step's own keys and
+    query rows per dk / dv block, warps and pipeline stages, and the fewest keys (rows) a dq
+    (dk / dv) range may hold. `benchmarks/attention_grad_gpu.py` sweeps them on a GPU: on the H200
+    (2026-12-04) these defaults were the fastest of 38 tilings at batches 4, 8 and 16 of PI0.5's
+    expert and within 10% of the fastest at batches 1 and 2; one pipeline stage beat two or three,
+    and 64-row blocks on 8 warps lost by 20% at batch 16."""
+
+    block_m: int = 32
+    block_n: int = 64
+    kv_block_m: int = 32
+    kv_block_n: int = 16
+    warps: int = 4
+    stages: int = 1
+    min_keys: int = 128
+    min_rows: int = 64
+
+
+def plan_grad(rows: int, keys: int, keys2: int, groups: int, sms: int, cfg: GradConfig
+              ) -> tuple[int, int, int, int]:
+    """(dq key ranges, keys per range, dk / dv row ranges, rows per range): enough programs of
+    each kind for about two per SM, no dq range under `cfg.min_keys` keys and no dk / dv range
+    under `cfg.min_rows` rows, each range a whole number of blocks."""
+    q_programs = triton.cdiv(rows, cfg.block_m) * groups
+    q_splits = max(1, min(triton.cdiv(2 * sms, q_programs), keys // max(cfg.min_keys, 1)))
+    per_keys = triton.cdiv(triton.cdiv(keys, q_splits), cfg.block_n) * cfg.block_n
+    kv_programs = max(triton.cdiv(keys2, cfg.kv_block_n) * groups, 1)  # no new keys: no such program runs
+    kv_splits = max(1, min(triton.cdiv(sms, kv_programs), rows // max(cfg.min_rows, 1)))
+    per_rows = triton.cdiv(triton.cdiv(rows, kv_splits), cfg.kv_block_m) * cfg.kv_block_m
+    return triton.cdiv(keys, per_keys), per_keys, triton.cdiv(rows, per_rows), per_rows
 
 
 def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.Tensor, v_cached: torch.Tensor,
-                         v_new: torch.Tensor, key_mask: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         v_new: torch.Tensor, key_mask: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                         dout: torch.Tensor, scale: float, tickets: Tickets | None = None,
+                         config: GradConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `triton_attention.attention_split` over (cached, new) keys for q (B, Hq, Tq, D)
-    and the new keys and values (B, Hkv, Tn, D), from its output `out` and that output's gradient
-    `dout` (both (B, Hq, Tq, D), any strides with a unit last one); key_mask (B, N1 + N2) uint8 as
-    the forward read it (`kernel_key_mask`). Two kernels: dq with each row's statistics, then dk / dv."""
+    and the new keys and values (B, Hkv, Tn, D), from its output `out`, each folded row's
+    log-sum-exp `lse` (B x Hkv, Hq / Hkv x Tq) float32 as the forward wrote it (`lse_out`) and the
+    output's gradient `dout` (both (B, Hq, Tq, D), any strides with a unit last one); key_mask
+    (B, N1 + N2) uint8 as the forward read it (`kernel_key_mask`). One launch (`_attn_bwd_kernel`);
+    `tickets`: where its merges take their counters (None: a fresh zeroed buffer); `config`: its
+    tiling (None: the default `GradConfig`)."""
     b, hq, tq, d = q.shape
     hkv = k_new.shape[1]
     groups = hq // hkv
@@ -349,27 +432,26 @@ def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.T
     dq = _alloc((b, hq, tq, d), q.dtype, q.device)
     dk = _alloc((b, hkv, keys2, d), k_new.dtype, q.device)
     dv = _alloc((b, hkv, keys2, d), v_new.dtype, q.device)
-    lse = _alloc((b * hkv, rows), torch.float32, q.device)
-    delta = _alloc((b * hkv, rows), torch.float32, q.device)
-    common = dict(UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, **launch_options(q))
-    scale_log2 = scale * 1.4426950408889634
+    sms = _sm_count(q.device)
+    cfg = config or GradConfig()
+    q_splits, per_keys, kv_splits, per_rows = plan_grad(rows, keys1 + keys2, keys2, b * hkv, sms, cfg)
+    q_blocks, kv_blocks = triton.cdiv(rows, cfg.block_m), triton.cdiv(keys2, cfg.kv_block_n)
+    # float32 partials only where a block's work is split (else the kernel never reads them)
+    pq = _alloc((q_splits, b * hkv, rows, d), torch.float32, q.device) if q_splits > 1 else lse
+    pkv = _alloc((kv_splits, b * hkv, 2, keys2, d), torch.float32, q.device) if kv_splits > 1 else lse
+    if q_splits > 1 or kv_splits > 1:
+        ticket_buf = (tickets if tickets is not None else Tickets(q.device)).take(b * hkv * (q_blocks + kv_blocks))
+    else:
+        ticket_buf = lse
     strides4 = [s for t in (q, dout, out, dq) for s in t.stride()[:3]]
-    bm = 32 if b * hkv * triton.cdiv(rows, 32) >= _sm_count(q.device) else 16
-    _attn_dq_kernel[(triton.cdiv(rows, bm), b * hkv)](
-        q, dout, out, k_cached, v_cached, k_new, v_new, key_mask, dq, lse, delta,
-        rows, keys1, keys1 + keys2, tq, groups, scale_log2, scale, *strides4,
+    _attn_bwd_kernel[(q_blocks * q_splits + kv_blocks * kv_splits, b * hkv)](
+        q, dout, out, k_cached, v_cached, k_new, v_new, key_mask, lse, dq, dk, dv, pq, pkv, ticket_buf,
+        rows, keys1, keys2, tq, groups, scale * 1.4426950408889634, scale,
+        q_blocks, q_splits, per_keys, kv_blocks, kv_splits, per_rows, *strides4,
         *k_cached.stride()[:3], *v_cached.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3], key_mask.stride(0),
-        HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=64, num_warps=8 if d >= 128 else 4, **common,
-    )
-    bn = 16
-    _attn_dkv_kernel[(triton.cdiv(keys2, bn), b * hkv)](
-        q, dout, k_new, v_new, key_mask, lse, delta, dk, dv,
-        rows, keys1, keys2, tq, groups, scale_log2, scale,
-        *q.stride()[:3], *dout.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3], key_mask.stride(0),
         *dk.stride()[:3], *dv.stride()[:3],
-        HKV=hkv, D=d, BLOCK_M=32, BLOCK_N=bn, num_warps=4, **common,
+        HKV=hkv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=cfg.kv_block_m, KV_BLOCK_N=cfg.kv_block_n,
+        UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages,
+        **launch_options(q),
     )
     return dq, dk, dv
-
-
-#END

@@ -1,0 +1,183 @@
+"""The action expert's attention under exact RTC guidance: forward + backward, which kernel and
+which tiling, at each batch.
+
+One question, one run. For PI0.5's expert attention (50 queries x 8 heads on one KV head over 816
+cached prefix keys, a few of them masked, and the step's own 50 keys; head size 256) at batch 1, 2,
+4, 8, 16 and 32, time inside CUDA graphs (how the engine replays a guided step):
+- "sdpa": SDPA over the keys joined by copies, forward and backward by autograd (cuDNN on Hopper);
+- "kernel": the split kernel's forward and its backward (`triton_grad.split_attention_grad`) with the
+  default tiling, through autograd as the engine calls it;
+- the backward launch alone for the default tiling and every tiling of a sweep
+  (`triton_grad.GradConfig`), each checked against fp32 autograd first.
+Every gradient is checked against the fp32 reference (q, the new keys, the new values; relative
+Frobenius error). Prints one table per shape and the rule it suggests for
+`triton_attention.GRAD_KERNEL_MAX_HEADS`.
+
+`--fwd-bwd-only` times just "sdpa" and "kernel", which older trees also have, so one call can time
+an older checkout beside this one (PYTHONPATH=old_tree).
+
+    python benchmarks/attention_grad_gpu.py --json runs/attention_grad.json        # on the GPU
+    TRITON_INTERPRET=1 python benchmarks/attention_grad_gpu.py --device cpu --tiny   # plumbing check
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import time_calls  # benchmarks/ is on sys.path when this runs as a script
+
+from phyai_edge.layers import triton_attention as ta
+from phyai_edge.layers.attention import attention_ref
+
+BATCHES = (1, 2, 4, 8, 16, 32)
+CALLS = 10  # calls per captured graph
+
+
+def sweep(tiny: bool) -> list[Any]:
+    from phyai_edge.layers.triton_grad import GradConfig
+
+    if tiny:
+        return [GradConfig(block_n=16, min_keys=16, min_rows=16), GradConfig(block_m=32, kv_block_m=32)]
+    out = []
+    for bm, bn, warps, stages in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2, 3)):
+        if bm == 64 and warps == 4:  # a 64 x 256 float32 accumulator on 4 warps spills
+            continue
+        out.append(GradConfig(block_m=bm, block_n=bn, warps=warps, stages=stages, kv_block_m=min(bm, 64)))
+    for min_keys, min_rows, kbm in itertools.product((64, 256), (32, 128), (16, 64)):
+        out.append(GradConfig(min_keys=min_keys, min_rows=min_rows, kv_block_m=kbm))
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b).norm() / b.norm())
+
+
+def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[Any], fwd_bwd_only: bool,
+              tiny: bool) -> dict[str, Any]:
+    hq, tq, n1, n2, d = (4, 5, 60, 5, 32) if tiny else (8, 50, 816, 50, 256)
+    g = torch.Generator().manual_seed(b)
+    q, dout = (torch.randn(b, hq, tq, d, generator=g).to(device, dtype) for _ in range(2))
+    kc, vc = (torch.randn(b, 1, n1, d, generator=g).to(device, dtype) for _ in range(2))
+    kn, vn = (torch.randn(b, 1, n2, d, generator=g).to(device, dtype) for _ in range(2))
+    mask = torch.ones(b, 1, 1, n1 + n2, dtype=torch.bool, device=device)
+    mask[:, ..., n1 - max(n1 // 20, 1):n1] = False  # a few padded prompt keys, as a trimmed prompt leaves
+    key_mask = ta.kernel_key_mask(mask, b)
+    leaves32 = [t.float().requires_grad_(True) for t in (q, kn, vn)]
+    with torch.enable_grad():
+        out32 = attention_ref(leaves32[0], torch.cat([kc.float(), leaves32[1]], 2),
+                              torch.cat([vc.float(), leaves32[2]], 2), mask)
+        ref = torch.autograd.grad(out32, leaves32, dout.float())
+    leaves = [t.clone().requires_grad_(True) for t in (q, kn, vn)]
+
+    def fwd_bwd(on_kernel: bool):
+        def call() -> tuple[torch.Tensor, ...]:
+            before, ta.GRAD_ON_KERNEL = ta.GRAD_ON_KERNEL, on_kernel
+            try:
+                with torch.enable_grad():
+                    o = ta.attention_split(leaves[0], (kc, leaves[1]), (vc, leaves[2]), mask, backend="triton",
+                                           key_mask=key_mask)
+                    return torch.autograd.grad(o, leaves, dout)
+            finally:
+                ta.GRAD_ON_KERNEL = before
+        return call
+
+    rows: list[dict[str, Any]] = []
+
+    def timed(label: str, call: Any, extra: dict[str, Any] | None = None) -> None:
+        row: dict[str, Any] = {"variant": label, **(extra or {})}
+        try:
+            grads = call()
+            row["rel_err"] = max(rel(gr, r) for gr, r in zip(grads, ref))
+            if not math.isfinite(row["rel_err"]) or row["rel_err"] > 3e-2:
+                row["error"] = f"wrong result: relative error {row['rel_err']:.2e}"
+            else:
+                row["us"] = time_calls([call] * CALLS, device.type, replays=15)
+        except Exception as exc:  # a tiling the GPU cannot run (shared memory, registers): recorded, skipped
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        rows.append(row)
+
+    timed("sdpa (joined keys), fwd+bwd", fwd_bwd(False))
+    timed("kernel, fwd+bwd", fwd_bwd(True))
+    if not fwd_bwd_only:
+        from phyai_edge.layers import triton_grad as tg
+        from phyai_edge.layers.triton_dispatch import Tickets, _sm_count
+
+        rows_ = hq * tq
+        lse = torch.empty(b, rows_, dtype=torch.float32, device=device)
+        out = ta._split_attention_triton(q.reshape(b, 1, rows_, d), (kc, kn), (vc, vn), key_mask, d ** -0.5, None,
+                                         tq, lse_out=lse).transpose(1, 2)
+        tickets = Tickets(device)
+        sms = _sm_count(device)
+        default = tg.GradConfig()
+        for i, cfg in enumerate([default, *configs]):
+            def bwd(cfg: Any = cfg) -> tuple[torch.Tensor, ...]:
+                return tg.split_attention_grad(q, kc, kn, vc, vn, key_mask, out, lse, dout, d ** -0.5, tickets, cfg)
+
+            plan = tg.plan_grad(rows_, n1 + n2, n2, b, sms, cfg)
+            timed("backward, default" if i == 0 else "backward", bwd, {"config": cfg.__dict__, "plan": plan})
+    sweep_rows = [r for r in rows if r["variant"] == "backward" and "us" in r]
+    best = min(sweep_rows, key=lambda r: r["us"]) if sweep_rows else None
+    return {"batch": b, "rows": rows, "best": best}
+
+
+def print_batch(res: dict[str, Any]) -> None:
+    print(f"\nexpert attention, batch {res['batch']}")
+    print(f"  {'variant':34s} {'us':>9s} {'rel err':>9s}  config / plan (dq ranges, keys, dk-dv ranges, rows)")
+    shown = [r for r in res["rows"] if r["variant"] != "backward"] + ([res["best"]] if res["best"] else [])
+    for r in shown:
+        us = f"{r['us']:9.1f}" if "us" in r else f"{'-':>9s}"
+        err = f"{r['rel_err']:9.2e}" if "rel_err" in r else f"{'-':>9s}"
+        label = "backward, best of sweep" if r is res["best"] else r["variant"]
+        cfg = r.get("config")
+        tail = r.get("error", "") or (f"{cfg} {r.get('plan')}" if cfg else "")
+        print(f"  {label:34s} {us} {err}  {tail}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="small shapes and two tilings: plumbing check")
+    p.add_argument("--batches", default=None, help="comma-separated batches (default 1,2,4,8,16,32)")
+    p.add_argument("--fwd-bwd-only", action="store_true", help="only SDPA and the kernel through autograd")
+    p.add_argument("--no-sweep", action="store_true", help="the default tiling only")
+    p.add_argument("--json", type=Path, help="write every timing here")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    batches = tuple(int(x) for x in args.batches.split(",")) if args.batches else ((1, 2) if args.tiny else BATCHES)
+    configs = [] if (args.no_sweep or args.fwd_bwd_only) else sweep(args.tiny)
+    t0 = time.perf_counter()
+    results = []
+    meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    for b in batches:
+        res = run_batch(b, device, dtype, configs, args.fwd_bwd_only, args.tiny)
+        print_batch(res)
+        sys.stdout.flush()
+        results.append(res)
+        if args.json:  # after every batch, so a run cut short by a time limit keeps what it measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    # the rule the numbers give: the kernel's forward + backward against SDPA's, per batch
+    print("\nfwd+bwd, kernel vs sdpa (us):")
+    for res in results:
+        t = {r["variant"].split(",")[0]: r.get("us") for r in res["rows"] if "fwd+bwd" in r["variant"]}
+        k, s = t.get("kernel"), t.get("sdpa (joined keys)")
+        if k and s:
+            print(f"  batch {res['batch']:3d}: kernel {k:8.1f}  sdpa {s:8.1f}  -> {'kernel' if k < s else 'sdpa'}"
+                  f" ({s / k:.2f}x)")
+    print(f"\n{time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
