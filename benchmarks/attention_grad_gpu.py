@@ -6,9 +6,9 @@ cached prefix keys, a few of them masked, and the step's own 50 keys; head size 
 4, 8, 16 and 32, time inside CUDA graphs (how the engine replays a guided step):
 - "sdpa": SDPA over the keys joined by copies, forward and backward by autograd (cuDNN on Hopper);
 - "kernel": the split kernel's forward and its backward (`triton_grad.split_attention_grad`) with the
-  default route for the batch (`GEMM_GRAD_MIN_GROUPS`), through autograd as the engine calls it;
-- the backward alone on each route at its default tiling (one launch, `triton_grad.GradConfig`; score
-  gradient + cuBLAS, `triton_grad.GemmGradConfig`) and every tiling of a sweep.
+  default tiling, through autograd as the engine calls it;
+- the backward launch alone for the default tiling and every tiling of a sweep
+  (`triton_grad.GradConfig`), each checked against fp32 autograd first.
 Every gradient is checked against the fp32 reference (q, the new keys, the new values; relative
 Frobenius error). Prints one table per shape and the rule it suggests for
 `triton_attention.GRAD_KERNEL_MAX_HEADS`.
@@ -43,24 +43,18 @@ BATCHES = (1, 2, 4, 8, 16, 32)
 CALLS = 10  # calls per captured graph
 
 
-def sweep(tiny: bool, which: str) -> list[Any]:
-    from phyai_edge.layers.triton_grad import GemmGradConfig, GradConfig
+def sweep(tiny: bool) -> list[Any]:
+    from phyai_edge.layers.triton_grad import GradConfig
 
     if tiny:
-        return [GradConfig(block_n=16, min_keys=16, min_rows=16), GemmGradConfig(block_m=16, block_n=32, block_d=16)]
-    out: list[Any] = []
-    if which in ("all", "one-launch"):
-        for bm, bn, warps, stages in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2, 3)):
-            if bm == 64 and warps == 4:  # a 64 x 256 float32 accumulator on 4 warps spills
-                continue
-            out.append(GradConfig(block_m=bm, block_n=bn, warps=warps, stages=stages, kv_block_m=min(bm, 64)))
-        for min_keys, min_rows, kbm in itertools.product((64, 256), (32, 128), (16, 64)):
-            out.append(GradConfig(min_keys=min_keys, min_rows=min_rows, kv_block_m=kbm))
-    if which in ("all", "gemm"):
-        for bm, bn, bd, warps, stages in ((64, 64, 64, 4, 2), (64, 128, 64, 4, 2), (64, 128, 64, 8, 2),
-                                          (64, 128, 64, 8, 3), (128, 64, 64, 8, 2), (128, 128, 64, 8, 2),
-                                          (128, 128, 32, 8, 3), (64, 256, 32, 8, 2)):
-            out.append(GemmGradConfig(block_m=bm, block_n=bn, block_d=bd, warps=warps, stages=stages))
+        return [GradConfig(block_n=16, min_keys=16, min_rows=16), GradConfig(block_m=32, kv_block_m=32)]
+    out = []
+    for bm, bn, warps, stages in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2, 3)):
+        if bm == 64 and warps == 4:  # a 64 x 256 float32 accumulator on 4 warps spills
+            continue
+        out.append(GradConfig(block_m=bm, block_n=bn, warps=warps, stages=stages, kv_block_m=min(bm, 64)))
+    for min_keys, min_rows, kbm in itertools.product((64, 256), (32, 128), (16, 64)):
+        out.append(GradConfig(min_keys=min_keys, min_rows=min_rows, kv_block_m=kbm))
     return out
 
 
@@ -124,34 +118,29 @@ def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[An
                                          tq, lse_out=lse).transpose(1, 2)
         tickets = Tickets(device)
         sms = _sm_count(device)
-        defaults = {"backward, one launch, default": tg.GradConfig(), "backward, gemm, default": tg.GemmGradConfig()}
-        for label, cfg in [*defaults.items(), *(("backward", c) for c in configs)]:
+        default = tg.GradConfig()
+        for i, cfg in enumerate([default, *configs]):
             def bwd(cfg: Any = cfg) -> tuple[torch.Tensor, ...]:
                 return tg.split_attention_grad(q, kc, kn, vc, vn, key_mask, out, lse, dout, d ** -0.5, tickets, cfg)
 
-            gemm = isinstance(cfg, tg.GemmGradConfig)
-            plan = None if gemm else tg.plan_grad(rows_, n1 + n2, n2, b, sms, cfg)
-            timed(label, bwd, {"route": "gemm" if gemm else "one launch", "config": cfg.__dict__, "plan": plan})
-    best = {}
-    for route in ("one launch", "gemm"):
-        swept = [r for r in rows if r["variant"] == "backward" and r["route"] == route and "us" in r]
-        if swept:
-            best[route] = min(swept, key=lambda r: r["us"])
+            plan = tg.plan_grad(rows_, n1 + n2, n2, b, sms, cfg)
+            timed("backward, default" if i == 0 else "backward", bwd, {"config": cfg.__dict__, "plan": plan})
+    sweep_rows = [r for r in rows if r["variant"] == "backward" and "us" in r]
+    best = min(sweep_rows, key=lambda r: r["us"]) if sweep_rows else None
     return {"batch": b, "rows": rows, "best": best}
 
 
 def print_batch(res: dict[str, Any]) -> None:
     print(f"\nexpert attention, batch {res['batch']}")
-    print(f"  {'variant':44s} {'us':>9s} {'rel err':>9s}  config / plan (dq ranges, keys, dk-dv ranges, rows)")
-    best = {id(r): route for route, r in res["best"].items()}
-    shown = [r for r in res["rows"] if r["variant"] != "backward"] + list(res["best"].values())
+    print(f"  {'variant':34s} {'us':>9s} {'rel err':>9s}  config / plan (dq ranges, keys, dk-dv ranges, rows)")
+    shown = [r for r in res["rows"] if r["variant"] != "backward"] + ([res["best"]] if res["best"] else [])
     for r in shown:
         us = f"{r['us']:9.1f}" if "us" in r else f"{'-':>9s}"
         err = f"{r['rel_err']:9.2e}" if "rel_err" in r else f"{'-':>9s}"
-        label = f"backward, {best[id(r)]}, best of sweep" if id(r) in best else r["variant"]
+        label = "backward, best of sweep" if r is res["best"] else r["variant"]
         cfg = r.get("config")
         tail = r.get("error", "") or (f"{cfg} {r.get('plan')}" if cfg else "")
-        print(f"  {label:44s} {us} {err}  {tail}")
+        print(f"  {label:34s} {us} {err}  {tail}")
 
 
 def main() -> None:
@@ -160,15 +149,13 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="small shapes and two tilings: plumbing check")
     p.add_argument("--batches", default=None, help="comma-separated batches (default 1,2,4,8,16,32)")
     p.add_argument("--fwd-bwd-only", action="store_true", help="only SDPA and the kernel through autograd")
-    p.add_argument("--no-sweep", action="store_true", help="the default tilings only")
-    p.add_argument("--sweep", choices=("all", "one-launch", "gemm"), default="all",
-                   help="which route's tilings to sweep")
+    p.add_argument("--no-sweep", action="store_true", help="the default tiling only")
     p.add_argument("--json", type=Path, help="write every timing here")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16
     batches = tuple(int(x) for x in args.batches.split(",")) if args.batches else ((1, 2) if args.tiny else BATCHES)
-    configs = [] if (args.no_sweep or args.fwd_bwd_only) else sweep(args.tiny, args.sweep)
+    configs = [] if (args.no_sweep or args.fwd_bwd_only) else sweep(args.tiny)
     t0 = time.perf_counter()
     results = []
     meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",

@@ -181,13 +181,11 @@ def _attention_case(b, h, hkv, t, p, d, dtype):
 
 
 # Tilings of the backward on the interpreter's 8 "SMs": one range of each kind; dq's keys and dk / dv's
-# rows both split (the in-kernel merges); 64-row blocks on 8 warps; the score-gradient + GEMM route with
-# key tiles that straddle the two key parts (70 cached keys) and D read in two slices.
+# rows both split (the in-kernel merges); 64-row blocks on 8 warps (the large-batch tiling).
 GRAD_TILINGS = {
     "whole": triton_grad.GradConfig(min_keys=1 << 20, min_rows=1 << 20),
     "split": triton_grad.GradConfig(block_n=16, kv_block_m=16, min_keys=16, min_rows=16),
     "big blocks": triton_grad.GradConfig(block_m=64, kv_block_m=64, warps=8),
-    "gemm": triton_grad.GemmGradConfig(block_m=16, block_n=32, block_d=16, warps=4),
 }
 
 
@@ -203,10 +201,8 @@ def test_split_attention_grad_tilings(poisoned_grads, dtype, tiling) -> None:
     dout = _randn(b, h, t, d, dtype=dtype, seed=6)
     cfg = GRAD_TILINGS[tiling]
     rows, keys = h // hkv * t, p + t
-    if isinstance(cfg, triton_grad.GradConfig):
-        q_splits, _, kv_splits, _ = triton_grad.plan_grad(rows, keys, t, b * hkv, triton_grad._sm_count(q.device),
-                                                          cfg)
-        assert (q_splits > 1 and kv_splits > 1) if tiling == "split" else (q_splits == kv_splits == 1)
+    q_splits, _, kv_splits, _ = triton_grad.plan_grad(rows, keys, t, b * hkv, triton_grad._sm_count(q.device), cfg)
+    assert (q_splits > 1 and kv_splits > 1) if tiling == "split" else (q_splits == kv_splits == 1)
     key_mask = triton_attention.kernel_key_mask(mask, b)
     scale = d ** -0.5
     lse = torch.empty(b * hkv, rows, dtype=torch.float32, device=DEVICE)
@@ -223,45 +219,6 @@ def test_split_attention_grad_tilings(poisoned_grads, dtype, tiling) -> None:
     assert all(torch.equal(a, g) for a, g in zip(again, got))
     if tiling == "split":
         assert tickets._buf is not None and int(tickets._buf.abs().sum()) == 0
-
-
-@kernels
-@pytest.mark.parametrize("hkv", [1, 2])
-def test_attention_grad_route_by_groups(spies, monkeypatch, hkv) -> None:
-    """With no tiling given, batch x KV heads from `GEMM_GRAD_MIN_GROUPS` take the score-gradient +
-    GEMM route and fewer the one launch, with the same gradients (two KV heads: the grouped query
-    heads fold into rows the same way on both)."""
-    b, h, t, p, d = 2, 4, 6, 21, 16
-    q, k_new, v_new, k_cached, v_cached, mask = _attention_case(b, h, hkv, t, p, d, torch.float32)
-    dout = _randn(b, h, t, d, seed=6)
-    key_mask = triton_attention.kernel_key_mask(mask, b)
-    rows = h // hkv * t
-    lse = torch.empty(b * hkv, rows, dtype=torch.float32, device=DEVICE)
-    out = triton_attention._split_attention_triton(q.reshape(b, hkv, rows, d), (k_cached, k_new), (v_cached, v_new),
-                                                   key_mask, 0.25, None, t, lse_out=lse).transpose(1, 2)
-    ref = _grads(lambda qq, kk, vv: attention(qq, torch.cat([k_cached, kk], 2), torch.cat([v_cached, vv], 2), mask,
-                                              0.25), [q, k_new, v_new], [dout])
-    launched = []
-    for name in ("_attn_bwd_kernel", "_attn_ds_kernel"):
-        kernel = getattr(triton_grad, name)
-        monkeypatch.setattr(triton_grad, name, _Recording(kernel, name, launched))
-    for min_groups, route in ((b * hkv, "_attn_ds_kernel"), (b * hkv + 1, "_attn_bwd_kernel")):
-        monkeypatch.setattr(triton_grad, "GEMM_GRAD_MIN_GROUPS", min_groups)
-        launched.clear()
-        got = triton_grad.split_attention_grad(q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout, 0.25)
-        assert launched == [route]
-        _check_grads(got, ref, torch.float32)
-
-
-class _Recording:
-    """A Triton kernel stand-in that notes its name on each launch, then launches the kernel."""
-
-    def __init__(self, kernel, name: str, log: list[str]) -> None:
-        self.kernel, self.name, self.log = kernel, name, log
-
-    def __getitem__(self, grid):
-        self.log.append(self.name)
-        return self.kernel[grid]
 
 
 @kernels

@@ -378,69 +378,6 @@ if triton is not None:
                     tl.store(dk_dst, (dk * scale).to(dk_ptr.dtype.element_ty), mask=inb[:, None])
                     tl.store(dv_dst, dv.to(dv_ptr.dtype.element_ty), mask=inb[:, None])
 
-    @triton.jit
-    def _attn_ds_kernel(
-        q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, ds_ptr, pn_ptr,
-        rows, keys1, keys2, tq, groups, scale_log2, scale, n_blocks,
-        sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t,
-        sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
-        sds_bh, sds_r, spn_bh, spn_r,
-        HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    ):
-        """The score gradient of one (query block, key block) tile as a GEMM-shaped kernel, for the
-        backward's large-batch route (`split_attention_grad` with a `GemmGradConfig`): s = q k^T and
-        dp = dO v^T accumulated over D in BLOCK_D slices (both key parts: a tile may straddle them),
-        then ds = scale * p (dp - delta) with p from the forward's log-sum-exp, written (bf16 or the
-        inputs' dtype) for cuBLAS to contract with the keys and queries; p itself only for the step's
-        own keys (dv = p^T dO). delta = rowsum(dO * O) accumulates in the same D loop."""
-        pdl_enter(PDL)
-        pid = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // HKV
-        h = bh % HKV
-        r = (pid // n_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-        c = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-        keys = keys1 + keys2
-        live = r < rows
-        head = h * groups + r // tq
-        tok = r % tq
-        in1 = c < keys1
-        in2 = (c >= keys1) & (c < keys)
-        c2 = c - keys1
-        s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        dp = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        delta = tl.zeros([BLOCK_M], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            q = tl.load(_folded_rows(q_ptr, b, head, tok, sq_b, sq_h, sq_t, d), mask=live[:, None], other=0.0)
-            do = tl.load(_folded_rows(do_ptr, b, head, tok, sdo_b, sdo_h, sdo_t, d), mask=live[:, None], other=0.0)
-            o = tl.load(_folded_rows(o_ptr, b, head, tok, so_b, so_h, so_t, d), mask=live[:, None], other=0.0)
-            delta += tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-            # the two key parts by masked loads: a key is in exactly one, the other load gives zeros
-            kb = tl.load(k_ptr + b * sk_b + h * sk_h + c[:, None] * sk_n + d[None, :], mask=in1[:, None], other=0.0)
-            kb += tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[:, None] * sk2_n + d[None, :], mask=in2[:, None],
-                          other=0.0)
-            vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=in1[:, None], other=0.0)
-            vb += tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=in2[:, None],
-                          other=0.0)
-            s += _dot(q, tl.trans(kb), UPCAST, IEEE)
-            dp += _dot(do, tl.trans(vb), UPCAST, IEEE)
-        lse = tl.load(lse_ptr + bh * rows + r, mask=live, other=0.0)
-        ok = _keys_allowed(m_ptr, b, sm_b, c, keys)
-        p = tl.where(live[:, None] & ok[None, :], tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
-        ds = p * (dp - delta[:, None]) * scale
-        tl.store(ds_ptr + bh * sds_bh + r[:, None] * sds_r + c[None, :], ds.to(ds_ptr.dtype.element_ty),
-                 mask=live[:, None] & (c < keys)[None, :])
-        tl.store(pn_ptr + bh * spn_bh + r[:, None] * spn_r + c2[None, :], p.to(pn_ptr.dtype.element_ty),
-                 mask=live[:, None] & in2[None, :])
-
-
-# From this many (batch x KV head) groups the attention backward takes the score gradient + cuBLAS
-# route (`GemmGradConfig`) rather than the one launch (`GradConfig`): set from
-# benchmarks/attention_grad_gpu.py, which times both at each batch.
-GEMM_GRAD_MIN_GROUPS = 16
-
 
 @dataclass(frozen=True)
 class GradConfig:
@@ -461,22 +398,6 @@ class GradConfig:
     min_rows: int = 64
 
 
-
-@dataclass(frozen=True)
-class GemmGradConfig:
-    """The attention backward's large-batch route: `_attn_ds_kernel` writes the score gradient
-    (query rows x keys per batch and KV head) in tiles of block_m x block_n, reading D in block_d
-    slices, and cuBLAS contracts it (dq = ds k, dk = ds^T q, dv = p^T dO). Costs a (B x Hkv, rows,
-    keys) buffer of the inputs' dtype and five launches; pays where the one-launch kernel's 32-row
-    dq blocks leave the tensor cores idle (`GEMM_GRAD_MIN_GROUPS`)."""
-
-    block_m: int = 64
-    block_n: int = 128
-    block_d: int = 64
-    warps: int = 8
-    stages: int = 2
-
-
 def plan_grad(rows: int, keys: int, keys2: int, groups: int, sms: int, cfg: GradConfig
               ) -> tuple[int, int, int, int]:
     """(dq key ranges, keys per range, dk / dv row ranges, rows per range): enough programs of
@@ -494,33 +415,25 @@ def plan_grad(rows: int, keys: int, keys2: int, groups: int, sms: int, cfg: Grad
 def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.Tensor, v_cached: torch.Tensor,
                          v_new: torch.Tensor, key_mask: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                          dout: torch.Tensor, scale: float, tickets: Tickets | None = None,
-                         config: GradConfig | GemmGradConfig | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         config: GradConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `triton_attention.attention_split` over (cached, new) keys for q (B, Hq, Tq, D)
     and the new keys and values (B, Hkv, Tn, D), from its output `out`, each folded row's
     log-sum-exp `lse` (B x Hkv, Hq / Hkv x Tq) float32 as the forward wrote it (`lse_out`) and the
     output's gradient `dout` (both (B, Hq, Tq, D), any strides with a unit last one); key_mask
-    (B, N1 + N2) uint8 as the forward read it (`kernel_key_mask`). `config` picks the route and its
-    tiling: a `GradConfig`, one launch (`_attn_bwd_kernel`); a `GemmGradConfig`, the score gradient
-    in tiles then cuBLAS; None, the first up to `GEMM_GRAD_MIN_GROUPS` (batch x KV heads), else the
-    second, each with its default tiling. `tickets`: where the one launch's merges take their
-    counters (None: a fresh zeroed buffer)."""
+    (B, N1 + N2) uint8 as the forward read it (`kernel_key_mask`). One launch (`_attn_bwd_kernel`);
+    `tickets`: where its merges take their counters (None: a fresh zeroed buffer); `config`: its
+    tiling (None: the default `GradConfig`)."""
     b, hq, tq, d = q.shape
     hkv = k_new.shape[1]
     groups = hq // hkv
     rows = groups * tq
     keys1, keys2 = k_cached.shape[2], k_new.shape[2]
     q, dout, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, dout, out))
-    if config is None:
-        config = GemmGradConfig() if b * hkv >= GEMM_GRAD_MIN_GROUPS else GradConfig()
-    if isinstance(config, GemmGradConfig):
-        return _split_attention_grad_gemm(q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout, scale,
-                                          config)
     dq = _alloc((b, hq, tq, d), q.dtype, q.device)
     dk = _alloc((b, hkv, keys2, d), k_new.dtype, q.device)
     dv = _alloc((b, hkv, keys2, d), v_new.dtype, q.device)
     sms = _sm_count(q.device)
-    cfg = config
+    cfg = config or GradConfig()
     q_splits, per_keys, kv_splits, per_rows = plan_grad(rows, keys1 + keys2, keys2, b * hkv, sms, cfg)
     q_blocks, kv_blocks = triton.cdiv(rows, cfg.block_m), triton.cdiv(keys2, cfg.kv_block_n)
     # float32 partials only where a block's work is split (else the kernel never reads them)
@@ -542,40 +455,3 @@ def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.T
         **launch_options(q),
     )
     return dq, dk, dv
-
-
-def _split_attention_grad_gemm(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.Tensor, v_cached: torch.Tensor,
-                               v_new: torch.Tensor, key_mask: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                               dout: torch.Tensor, scale: float, cfg: GemmGradConfig
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`split_attention_grad`'s large-batch route: the score gradient ds = scale * p (dp - delta)
-    of every (folded row, key) from `_attn_ds_kernel`, then dq = ds k over each key part, dk = ds^T q
-    and dv = p^T dO over the step's own keys as batched cuBLAS GEMMs (float32 accumulation)."""
-    b, hq, tq, d = q.shape
-    hkv = k_new.shape[1]
-    groups = hq // hkv
-    rows, bh = groups * tq, b * hkv
-    keys1, keys2 = k_cached.shape[2], k_new.shape[2]
-    keys = keys1 + keys2
-    # rows of ds padded to 64 elements, so each batch's GEMM reads aligned rows
-    ds = _alloc((bh, rows, triton.cdiv(keys, 64) * 64), q.dtype, q.device)[:, :, :keys]
-    pn = _alloc((bh, rows, keys2), q.dtype, q.device)
-    n_blocks = triton.cdiv(keys, cfg.block_n)
-    strides3 = [s for t in (q, dout, out) for s in t.stride()[:3]]
-    _attn_ds_kernel[(triton.cdiv(rows, cfg.block_m) * n_blocks, bh)](
-        q, dout, out, k_cached, v_cached, k_new, v_new, key_mask, lse, ds, pn,
-        rows, keys1, keys2, tq, groups, scale * 1.4426950408889634, scale, n_blocks, *strides3,
-        *k_cached.stride()[:3], *v_cached.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3], key_mask.stride(0),
-        ds.stride(0), ds.stride(1), pn.stride(0), pn.stride(1),
-        HKV=hkv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=min(cfg.block_d, d),
-        UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages,
-        **launch_options(q),
-    )
-    # (B, Hkv, N, D) -> (B x Hkv, N, D): a view for one KV head, whatever the cache's strides
-    kc, kn = k_cached.reshape(bh, keys1, d), k_new.reshape(bh, keys2, d)
-    dq = torch.bmm(ds[:, :, :keys1], kc)
-    dq = torch.baddbmm(dq, ds[:, :, keys1:], kn)
-    dk = torch.bmm(ds[:, :, keys1:].transpose(1, 2), q.reshape(bh, rows, d))
-    dv = torch.bmm(pn.transpose(1, 2), dout.reshape(bh, rows, d))
-    return dq.view(b, hq, tq, d), dk.view(b, hkv, keys2, d), dv.view(b, hkv, keys2, d)
-
