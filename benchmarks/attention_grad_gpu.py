@@ -49,8 +49,10 @@ def sweep(tiny: bool) -> list[Any]:
     if tiny:
         return [GradConfig(block_n=16, min_keys=16, min_rows=16), GradConfig(block_m=32, kv_block_m=32)]
     out = []
-    for bm, bn, warps, stages in itertools.product((16, 32, 64), (32, 64), (4, 8), (1, 2, 3)):
-        if bm == 64 and warps == 4:  # a 64 x 256 float32 accumulator on 4 warps spills
+    # 64 rows on 4 warps is one warpgroup (Hopper's wgmma takes 64 rows a warpgroup) but holds a 64 x 256
+    # float32 accumulator in 128 registers a thread; 128 rows on 8 warps, two such warpgroups
+    for bm, bn, warps, stages in itertools.product((16, 32, 64, 128), (32, 64), (4, 8), (1, 2, 3)):
+        if bm == 128 and (warps == 4 or bn == 64):
             continue
         out.append(GradConfig(block_m=bm, block_n=bn, warps=warps, stages=stages, kv_block_m=min(bm, 64)))
     for min_keys, min_rows, kbm in itertools.product((64, 256), (32, 128), (16, 64)):
