@@ -152,12 +152,16 @@ def main() -> None:
     p.add_argument("--batches", default=None, help="comma-separated batches (default 1,2,4,8,16,32)")
     p.add_argument("--fwd-bwd-only", action="store_true", help="only SDPA and the kernel through autograd")
     p.add_argument("--no-sweep", action="store_true", help="the default tiling only")
+    p.add_argument("--block-m", default=None, help="comma-separated: sweep only tilings with these dq block rows")
     p.add_argument("--json", type=Path, help="write every timing here")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16
     batches = tuple(int(x) for x in args.batches.split(",")) if args.batches else ((1, 2) if args.tiny else BATCHES)
     configs = [] if (args.no_sweep or args.fwd_bwd_only) else sweep(args.tiny)
+    if args.block_m:
+        keep = {int(x) for x in args.block_m.split(",")}
+        configs = [c for c in configs if c.block_m in keep]
     t0 = time.perf_counter()
     results = []
     meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
