@@ -14,7 +14,7 @@ from phyai_edge.layers.siglip import SiglipAttention
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 1), (4, 2), (2, 2)])
