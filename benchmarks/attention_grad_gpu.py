@@ -129,6 +129,12 @@ def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[An
             timed("backward, default" if i == 0 else "backward", bwd, {"config": cfg.__dict__, "plan": plan})
     sweep_rows = [r for r in rows if r["variant"] == "backward" and "us" in r]
     best = min(sweep_rows, key=lambda r: r["us"]) if sweep_rows else None
+    # the backward's matmul FLOPs: dq recomputes scores, dp and ds k over every key; dk / dv recompute
+    # scores and dp and form p^T dO and ds^T q over the step's own keys
+    bwd_flops = 2 * d * b * (3 * hq * tq * (n1 + n2) + 4 * hq * tq * n2)
+    for r in rows:
+        if r["variant"].startswith("backward") and "us" in r:
+            r["tflops"] = bwd_flops / (r["us"] * 1e-6) / 1e12
     return {"batch": b, "rows": rows, "best": best}
 
 
@@ -142,7 +148,8 @@ def print_batch(res: dict[str, Any]) -> None:
         label = "backward, best of sweep" if r is res["best"] else r["variant"]
         cfg = r.get("config")
         tail = r.get("error", "") or (f"{cfg} {r.get('plan')}" if cfg else "")
-        print(f"  {label:34s} {us} {err}  {tail}")
+        tf = f" ({r['tflops']:.0f} TFLOP/s)" if "tflops" in r else ""
+        print(f"  {label:34s} {us} {err}  {tail}{tf}")
 
 
 def main() -> None:
