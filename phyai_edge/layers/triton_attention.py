@@ -134,6 +134,7 @@ def kernel_takes(q: torch.Tensor, mask: torch.Tensor) -> bool:
 
 if triton is not None:
     from phyai_edge.layers.triton_dispatch import pdl_enter
+    from phyai_edge.layers.triton_math import _keys_allowed, _last_of
 
     @triton.jit
     def _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr, IEEE: tl.constexpr):
@@ -204,7 +205,7 @@ if triton is not None:
             inb = c < end1
             kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=inb[None, :], other=0.0)
             vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
-            ok = inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
+            ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
             m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
             c = n0 + tl.arange(0, BLOCK_N)
@@ -214,7 +215,7 @@ if triton is not None:
                          other=0.0)
             vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
                          other=0.0)
-            ok = inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
+            ok = _keys_allowed(m_ptr, b, sm_b, c, end)
             m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # a split with no allowed key: 0, weighted 0 below
         # Row r of the folded query is (group r // tq, token r % tq): a final output goes straight
@@ -226,14 +227,10 @@ if triton is not None:
         if not FINAL:
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
             tl.store(lse_ptr + split * sl_s + bh * sl_bh + r, lse, mask=r < rows)
-            if MERGE:
-                # Every thread's stores are issued (the barrier), then one release-acquire ticket
-                # per program: the program that draws the last ticket sees every split's writes
-                # and merges; it also puts the ticket back to 0 for the next call.
-                tl.debug_barrier()
-                ticket = ticket_ptr + bh * tl.num_programs(0) + pid_m
-                if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                    tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+            # The program that draws a query block's last ticket merges its splits. Nested, not
+            # `and`: Triton evaluates both operands, and the ticket's atomics must not run without MERGE.
+            if MERGE:  # noqa: SIM102
+                if _last_of(ticket_ptr + bh * tl.num_programs(0) + pid_m, splits):
                     _merge_rows(o_ptr, lse_ptr, out_ptr, lse_out_ptr, b, h, bh, r, rows, splits, tq,
                                 so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t, D, BLOCK_M, LSE_OUT)
 

@@ -124,7 +124,7 @@ def takes(blocks: Sequence[nn.Module], x: torch.Tensor, mask: torch.Tensor, dtyp
 if triton is not None:
     from phyai_edge.layers.triton_attention import _attend_block
     from phyai_edge.layers.triton_gemm import _mma
-    from phyai_edge.layers.triton_math import _gelu_tanh, _rope
+    from phyai_edge.layers.triton_math import _gelu_tanh, _keys_allowed, _rope
 
     @triton.jit
     def _grid_sync(bar_ptr, n_programs):
@@ -222,7 +222,7 @@ if triton is not None:
             inb = c < TP
             kt = tl.load(kc_ptr + b * skc_b + h * skc_h + c[None, :] * skc_n + d[:, None], mask=inb[None, :], other=0.0)
             vb = tl.load(vc_ptr + b * svc_b + h * svc_h + c[:, None] * svc_n + d[None, :], mask=inb[:, None], other=0.0)
-            ok = inb & (tl.load(mask_ptr + b * sm_b + c, mask=inb, other=0) != 0)
+            ok = _keys_allowed(mask_ptr, b, sm_b, c, TP)
             m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         own = (b * NKV + h) * T
         for n0 in range(0, T, BN):
@@ -232,7 +232,7 @@ if triton is not None:
                          cache_modifier=".cg")
             vb = tl.load(v_ptr + (own + c)[:, None] * D + d[None, :], mask=inb[:, None], other=0.0,
                          cache_modifier=".cg")
-            ok = inb & (tl.load(mask_ptr + b * sm_b + TP + c, mask=inb, other=0) != 0)
+            ok = _keys_allowed(mask_ptr, b, sm_b, TP + c, TP + T)
             m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         g = r // T

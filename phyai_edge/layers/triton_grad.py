@@ -63,7 +63,13 @@ from phyai_edge.layers.triton_dispatch import (
 # -- kernels --------------------------------------------------------------------------------------
 if triton is not None:
     from phyai_edge.layers.triton_dispatch import pdl_enter
-    from phyai_edge.layers.triton_math import _gelu_tanh_grad, _rope_transposed, _token_heads
+    from phyai_edge.layers.triton_math import (
+        _gelu_tanh_grad,
+        _keys_allowed,
+        _last_of,
+        _rope_transposed,
+        _token_heads,
+    )
 
     @triton.jit
     def _ada_norm_grad_kernel(
@@ -227,12 +233,6 @@ if triton is not None:
         return ptr + (b * s_b + head * s_h + tok * s_t)[:, None] + d[None, :]
 
     @triton.jit
-    def _keys_allowed(m_ptr, b, sm_b, c, keys):
-        """Which keys c (< keys) the key mask (B, keys) uint8 allows."""
-        inb = c < keys
-        return inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
-
-    @triton.jit
     def _rows_in(q_ptr, do_ptr, o_ptr, lse_ptr, b, h, bh, r, end, rows, tq, groups,
                  sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, d):
         """Folded query rows r (< end) of one (batch, KV head) of `rows`: q, dO, the forward's
@@ -263,16 +263,6 @@ if triton is not None:
         for s in range(1, splits):
             acc += tl.load(part_ptr + s * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
         return acc
-
-    @triton.jit
-    def _last_of(ticket, splits):
-        """Every thread's stores issued, then one release-acquire ticket: True for the program that
-        draws the last one (it sees every split's writes), which also puts the ticket back to 0."""
-        tl.debug_barrier()
-        last = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == splits - 1
-        if last:
-            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-        return last
 
     @triton.jit
     def _attn_bwd_kernel(
@@ -317,7 +307,7 @@ if triton is not None:
                 inb = c < end1
                 kb = tl.load(k_ptr + b * sk_b + h * sk_h + c[:, None] * sk_n + d[None, :], mask=inb[:, None], other=0.0)
                 vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
-                ok = inb & _keys_allowed(m_ptr, b, sm_b, c, keys)
+                ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
                 acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
             for n0 in range(tl.maximum(start, keys1), end, BLOCK_N):  # the step's own
                 c = n0 + tl.arange(0, BLOCK_N)
@@ -327,7 +317,7 @@ if triton is not None:
                              other=0.0)
                 vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
                              other=0.0)
-                ok = inb & _keys_allowed(m_ptr, b, sm_b, c, keys)
+                ok = _keys_allowed(m_ptr, b, sm_b, c, end)
                 acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
             live = r < rows
             dst = _folded_rows(dq_ptr, b, h * groups + r // tq, r % tq, sdq_b, sdq_h, sdq_t, d)

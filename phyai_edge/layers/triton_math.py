@@ -1,7 +1,8 @@
 """Device functions the Triton kernel modules share, so a forward kernel, its GEMM-epilogue twins
 and its backward compute (and round) alike: GELU (tanh form) and its derivative, rotate-half RoPE
-and its transpose, and the one-program-a-token head tile of the RoPE kernels. Imported only where
-triton is installed."""
+and its transpose, the one-program-a-token head tile of the RoPE kernels, and the split attention's
+key-mask test and merge ticket (its forward and its backward). Imported only where triton is
+installed."""
 
 from __future__ import annotations
 
@@ -72,3 +73,20 @@ if triton is not None:
         qh = tl.minimum(heads, num_heads - 1)
         kh = tl.maximum(heads - num_heads, 0)
         return b, t, heads, cols, m, is_q, is_k, qh, kh
+
+    @triton.jit
+    def _keys_allowed(m_ptr, b, sm_b, c, keys):
+        """Which keys c (< keys) the key mask (B, keys) uint8 allows."""
+        inb = c < keys
+        return inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
+
+    @triton.jit
+    def _last_of(ticket, splits):
+        """Every thread's stores issued (the barrier), then one release-acquire ticket: True for the
+        program that draws the last of `splits` (it sees every split's writes), which also puts the
+        ticket back to 0 for the next call."""
+        tl.debug_barrier()
+        last = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == splits - 1
+        if last:
+            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+        return last
