@@ -6,9 +6,10 @@ cached prefix keys, a few of them masked, and the step's own 50 keys; head size 
 4, 8, 16 and 32, time inside CUDA graphs (how the engine replays a guided step):
 - "sdpa": SDPA over the keys joined by copies, forward and backward by autograd (cuDNN on Hopper);
 - "kernel": the split kernel's forward and its backward (`triton_grad.split_attention_grad`) with the
-  default tiling, through autograd as the engine calls it;
-- the backward launch alone for the default tiling and every tiling of a sweep
-  (`triton_grad.GradConfig`), each checked against fp32 autograd first.
+  tiling `triton_grad.grad_config` chooses for the shape, through autograd as the engine calls it;
+- the backward launch alone for that tiling ("default") and every tiling of a sweep
+  (`triton_grad.GradConfig`; `--focus`: a short one around the rule's two tilings), each checked
+  against fp32 autograd first.
 Every gradient is checked against the fp32 reference (q, the new keys, the new values; relative
 Frobenius error). Prints one table per shape and the rule it suggests for
 `triton_attention.GRAD_KERNEL_MAX_HEADS`.
@@ -43,16 +44,26 @@ BATCHES = (1, 2, 4, 8, 16, 32)
 CALLS = 10  # calls per captured graph
 
 
-def sweep(tiny: bool) -> list[Any]:
+def sweep(tiny: bool, focus: bool = False) -> list[Any]:
     from phyai_edge.layers.triton_grad import GradConfig
 
     if tiny:
         return [GradConfig(block_n=16, min_keys=16, min_rows=16), GradConfig(block_m=32, kv_block_m=32)]
     out = []
+    if focus:
+        # around the two tilings `grad_config` chooses between: the small one's range sizes and dk / dv
+        # blocks; the large ones with and without dq key ranges (min_keys 1024: one range)
+        for kbm, min_keys, min_rows in itertools.product((16, 32), (64, 128), (32, 64, 128)):
+            out.append(GradConfig(kv_block_m=kbm, min_keys=min_keys, min_rows=min_rows))
+        for bm, bn, warps, stages in ((64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 2), (128, 32, 8, 3)):
+            for min_keys in (128, 1024):
+                out.append(GradConfig(block_m=bm, block_n=bn, warps=warps, stages=stages, kv_block_m=64,
+                                      min_keys=min_keys))
+        return out
     # 64 rows on 4 warps is one warpgroup (Hopper's wgmma takes 64 rows a warpgroup) but holds a 64 x 256
     # float32 accumulator in 128 registers a thread; 128 rows on 8 warps, two such warpgroups
     for bm, bn, warps, stages in itertools.product((16, 32, 64, 128), (32, 64), (4, 8), (1, 2, 3)):
-        if bm == 128 and (warps == 4 or bn == 64):
+        if (bm == 128 and (warps == 4 or bn == 64)) or (bm == 64 and bn == 64 and stages == 3):  # the last: smem
             continue
         out.append(GradConfig(block_m=bm, block_n=bn, warps=warps, stages=stages, kv_block_m=min(bm, 64)))
     for min_keys, min_rows, kbm in itertools.product((64, 256), (32, 128), (16, 64)):
@@ -120,7 +131,7 @@ def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[An
                                          tq, lse_out=lse).transpose(1, 2)
         tickets = Tickets(device)
         sms = _sm_count(device)
-        default = tg.GradConfig()
+        default = tg.grad_config(rows_, b, sms)  # the rule's choice for this shape
         for i, cfg in enumerate([default, *configs]):
             def bwd(cfg: Any = cfg) -> tuple[torch.Tensor, ...]:
                 return tg.split_attention_grad(q, kc, kn, vc, vn, key_mask, out, lse, dout, d ** -0.5, tickets, cfg)
@@ -158,14 +169,15 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="small shapes and two tilings: plumbing check")
     p.add_argument("--batches", default=None, help="comma-separated batches (default 1,2,4,8,16,32)")
     p.add_argument("--fwd-bwd-only", action="store_true", help="only SDPA and the kernel through autograd")
-    p.add_argument("--no-sweep", action="store_true", help="the default tiling only")
+    p.add_argument("--no-sweep", action="store_true", help="the rule's tiling only")
+    p.add_argument("--focus", action="store_true", help="a short sweep around the tilings the rule chooses")
     p.add_argument("--block-m", default=None, help="comma-separated: sweep only tilings with these dq block rows")
     p.add_argument("--json", type=Path, help="write every timing here")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16
     batches = tuple(int(x) for x in args.batches.split(",")) if args.batches else ((1, 2) if args.tiny else BATCHES)
-    configs = [] if (args.no_sweep or args.fwd_bwd_only) else sweep(args.tiny)
+    configs = [] if (args.no_sweep or args.fwd_bwd_only) else sweep(args.tiny, args.focus)
     if args.block_m:
         keep = {int(x) for x in args.block_m.split(",")}
         configs = [c for c in configs if c.block_m in keep]

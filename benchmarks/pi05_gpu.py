@@ -215,6 +215,10 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
                                              "_same_as": "triton+gemm"}, shapes),
         ("triton+gemm, kernel VJP attention", {"triton_ops": True, "triton_gemm": True, "_vjp_attention": True,
                                                "_same_as": "triton+gemm"}, shapes),
+        # the attention backward's small-batch tiling at every batch (`triton_grad.grad_config` replaced);
+        # the default takes 64-row blocks where they fill the GPU
+        ("triton+gemm, small VJP tiling", {"triton_ops": True, "triton_gemm": True, "_small_vjp_tiling": True,
+                                           "_same_as": "triton+gemm"}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -281,6 +285,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.layers import triton_attention as attn_mod
     from phyai_edge.layers import triton_gemm_tma as tma_mod
+    from phyai_edge.layers import triton_grad as grad_mod
     from phyai_edge.layers.fp8 import fp8_linears
     from phyai_edge.layers.triton_attention import set_inline_merge
     from phyai_edge.layers.triton_dispatch import set_kernel_backward, set_pdl
@@ -299,6 +304,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         bucket_only = kw.pop("_bucket_only", False)
         kernel_backward = kw.pop("_kernel_backward", True)
         grad_on_kernel = kw.pop("_vjp_attention", None)
+        small_vjp_tiling = kw.pop("_small_vjp_tiling", False)
         geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
@@ -309,6 +315,9 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         merge_before = set_inline_merge(inline)
         tma_before = ({} if tma_routes is None else
                       {op: set_route(op, op in tma_routes) for op in ("geglu", "qkv_rope", "linear")})
+        grad_rule_before = grad_mod.grad_config
+        if small_vjp_tiling:
+            grad_mod.grad_config = lambda rows, groups, sms: grad_mod.GradConfig()
         geglu_before = tma_mod.geglu_config
         if geglu_rule is not None:
             tma_mod.geglu_config = geglu_rule
@@ -376,6 +385,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
             for op, on in tma_before.items():
                 set_route(op, on)
             tma_mod.geglu_config = geglu_before
+            grad_mod.grad_config = grad_rule_before
             cudagraph.EXACT_PROMPT_LENGTHS = exact_before
         sync(dev)
         if dev.startswith("cuda"):

@@ -181,12 +181,24 @@ def _attention_case(b, h, hkv, t, p, d, dtype):
 
 
 # Tilings of the backward on the interpreter's 8 "SMs": one range of each kind; dq's keys and dk / dv's
-# rows both split (the in-kernel merges); 64-row blocks on 8 warps (the large-batch tiling).
+# rows both split (the in-kernel merges); the large-batch tiling (64-row blocks, 64-row dk / dv blocks).
 GRAD_TILINGS = {
     "whole": triton_grad.GradConfig(min_keys=1 << 20, min_rows=1 << 20),
     "split": triton_grad.GradConfig(block_n=16, kv_block_m=16, min_keys=16, min_rows=16),
-    "big blocks": triton_grad.GradConfig(block_m=64, kv_block_m=64, warps=8),
+    "large": triton_grad.LARGE_GRAD,
 }
+
+
+@kernels
+def test_grad_tiling_by_shape() -> None:
+    """`grad_config` gives PI0.5's expert (400 folded rows a sample, one KV head) on the H200's 132 SMs
+    the large-batch tiling where its 64-row blocks give every SM a program (from batch 19), the
+    default below."""
+    assert triton_grad.grad_config(400, 32, 132) == triton_grad.LARGE_GRAD
+    assert triton_grad.grad_config(400, 19, 132) == triton_grad.LARGE_GRAD
+    assert triton_grad.grad_config(400, 18, 132) == triton_grad.GradConfig()
+    assert triton_grad.grad_config(400, 1, 132) == triton_grad.GradConfig()
+    assert triton_grad.LARGE_GRAD.block_m == 64 and triton_grad.GradConfig().block_m == 32
 
 
 @kernels

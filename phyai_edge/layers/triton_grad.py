@@ -373,10 +373,10 @@ if triton is not None:
 class GradConfig:
     """The attention backward's tiling: query rows and keys per dq block, the step's own keys and
     query rows per dk / dv block, warps and pipeline stages, and the fewest keys (rows) a dq
-    (dk / dv) range may hold. `benchmarks/attention_grad_gpu.py` sweeps them on a GPU: on the H200
-    (2026-12-04) these defaults were the fastest of 38 tilings at batches 4, 8 and 16 of PI0.5's
-    expert and within 10% of the fastest at batches 1 and 2; one pipeline stage beat two or three,
-    and 64-row blocks on 8 warps lost by 20% at batch 16."""
+    (dk / dv) range may hold. `benchmarks/attention_grad_gpu.py` sweeps them on a GPU; which one a
+    shape gets is `grad_config`'s rule. The defaults are the small-batch tiling: on the H200
+    (2026-12-04) the fastest of 38 at batches 4, 8 and 16 of PI0.5's expert and within 10% of the
+    fastest at batches 1 and 2 (one pipeline stage beat two or three)."""
 
     block_m: int = 32
     block_n: int = 64
@@ -386,6 +386,20 @@ class GradConfig:
     stages: int = 1
     min_keys: int = 128
     min_rows: int = 64
+
+
+# 64-row dq blocks on one warpgroup (4 warps: Hopper's wgmma takes 64 rows a warpgroup), two stages,
+# 64-row dk / dv blocks: on the H200 (2026-12-04) 152.5 us against the small tiling's 176.3 at PI0.5's
+# expert batch 32, but slower where its blocks leave SMs idle (batch 8: 62.8 vs 60.4)
+LARGE_GRAD = GradConfig(block_m=64, block_n=64, kv_block_m=64, stages=2)
+
+
+def grad_config(rows: int, groups: int, sms: int) -> GradConfig:
+    """The tiling `split_attention_grad` takes for `rows` folded query rows in each of `groups`
+    (batch x KV heads) on a GPU of `sms` SMs: `LARGE_GRAD` once its 64-row blocks alone give every SM
+    a program, the default `GradConfig` below that. A module attribute, so a benchmark can swap the
+    rule."""
+    return LARGE_GRAD if triton.cdiv(rows, LARGE_GRAD.block_m) * groups >= sms else GradConfig()
 
 
 def plan_grad(rows: int, keys: int, keys2: int, groups: int, sms: int, cfg: GradConfig
@@ -412,7 +426,7 @@ def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.T
     output's gradient `dout` (both (B, Hq, Tq, D), any strides with a unit last one); key_mask
     (B, N1 + N2) uint8 as the forward read it (`kernel_key_mask`). One launch (`_attn_bwd_kernel`);
     `tickets`: where its merges take their counters (None: a fresh zeroed buffer); `config`: its
-    tiling (None: the default `GradConfig`)."""
+    tiling (None: `grad_config`'s choice for the shape)."""
     b, hq, tq, d = q.shape
     hkv = k_new.shape[1]
     groups = hq // hkv
@@ -423,7 +437,7 @@ def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.T
     dk = _alloc((b, hkv, keys2, d), k_new.dtype, q.device)
     dv = _alloc((b, hkv, keys2, d), v_new.dtype, q.device)
     sms = _sm_count(q.device)
-    cfg = config or GradConfig()
+    cfg = config or grad_config(rows, b * hkv, sms)
     q_splits, per_keys, kv_splits, per_rows = plan_grad(rows, keys1 + keys2, keys2, b * hkv, sms, cfg)
     q_blocks, kv_blocks = triton.cdiv(rows, cfg.block_m), triton.cdiv(keys2, cfg.kv_block_n)
     # float32 partials only where a block's work is split (else the kernel never reads them)
