@@ -515,7 +515,7 @@ def main_seeded(args: argparse.Namespace) -> int:
         shapes = [(b, reps1 if b == 1 else max(reps32, 320 // b) if full else reps32) for b in args.batches]
         run_triton(res, adapter, dev, inputs_for, noise_for, eager32, shapes, args.budget_s,
                    compile=not args.no_compile, compile_baseline=not args.no_compile_baseline, fp8=not args.no_fp8,
-                   rtc_modes=() if args.no_rtc else ("inpaint", "guided-approx", "guided"), fp8_scales=scales,
+                   rtc_modes=() if args.no_rtc else tuple(args.rtc_modes.split(",")), fp8_scales=scales,
                    only=[v.strip() for v in args.variants.split(";")] if args.variants else None,
                    rtc_batches=tuple(args.rtc_batches))
         dump()
@@ -549,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --triton-only: also the prefix / all-projection fp8 engines with static activation "
                          "scales calibrated on one eager chunk")
     ap.add_argument("--no-rtc", action="store_true", help="with --triton-only: skip the RTC-mode timings")
+    ap.add_argument("--rtc-modes", default="inpaint,guided-approx,guided",
+                    help="with --triton-only: the RTC modes timed (comma-separated)")
     ap.add_argument("--rtc-batches", type=lambda v: [int(x) for x in v.split(",")], default=[1],
                     help="with --triton-only: the batches that get RTC-mode timings (default 1)")
     ap.add_argument("--fp8-only", action="store_true",
