@@ -358,11 +358,11 @@ def _parts(x: KV) -> tuple[torch.Tensor, torch.Tensor]:
 # (`triton_grad.SplitAttentionFn`) rather than SDPA over the joined keys: None by shape, up to
 # GRAD_KERNEL_MAX_HEADS (batch x KV heads); True / False always / never (benchmarks time each). On
 # the H200 (2026-12-04, benchmarks/attention_grad_gpu.py) PI0.5's expert attention forward + backward
-# took 52 / 70 / 83 / 129 / 164 / 223 us on the kernel against 120 / 127 / 133 / 153 / 215 / 343 us for
-# SDPA over the joined keys at batches 1 / 2 / 4 / 8 / 16 / 32 (1-16 before the default tiling, which
-# took 22-36% off the kernel's backward there); larger batches are unmeasured, so they keep SDPA.
+# took 32 / 91 / 140 / 164 / 202 / 329 us on the kernel against 120 / 151 / 216 / 279 / 340 / 592 us for
+# SDPA over the joined keys at batches 1 / 8 / 16 / 24 / 32 / 64; larger batches are unmeasured, so
+# they keep SDPA.
 GRAD_ON_KERNEL: bool | None = None
-GRAD_KERNEL_MAX_HEADS = 32
+GRAD_KERNEL_MAX_HEADS = 64
 
 
 def _grad_on_kernel(batch_heads: int) -> bool:

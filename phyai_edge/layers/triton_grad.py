@@ -388,18 +388,20 @@ class GradConfig:
     min_rows: int = 64
 
 
-# 64-row dq blocks on one warpgroup (4 warps: Hopper's wgmma takes 64 rows a warpgroup), two stages,
-# 64-row dk / dv blocks: on the H200 (2026-12-04) 152.5 us against the small tiling's 176.3 at PI0.5's
-# expert batch 32, but slower where its blocks leave SMs idle (batch 8: 62.8 vs 60.4)
-LARGE_GRAD = GradConfig(block_m=64, block_n=64, kv_block_m=64, stages=2)
+# 64-row dq blocks on one warpgroup (4 warps: Hopper's wgmma takes 64 rows a warpgroup) with three
+# stages, each over every key (one dq range: no float32 partials to write and merge), 64-row dk / dv
+# blocks. On the H200 (2026-12-04) at PI0.5's expert batch 16 / 24 / 32 / 64: 78.3 / 99.8 / 131.9 /
+# 231.8 us against the small tiling's 99.1 / 147.5 / 176.3 / 312.7; the same blocks with two dq key
+# ranges took 152.8 us at batch 32
+LARGE_GRAD = GradConfig(block_m=64, block_n=32, kv_block_m=64, stages=3, min_keys=1 << 30)
 
 
 def grad_config(rows: int, groups: int, sms: int) -> GradConfig:
     """The tiling `split_attention_grad` takes for `rows` folded query rows in each of `groups`
-    (batch x KV heads) on a GPU of `sms` SMs: `LARGE_GRAD` once its 64-row blocks alone give every SM
-    a program, the default `GradConfig` below that. A module attribute, so a benchmark can swap the
-    rule."""
-    return LARGE_GRAD if triton.cdiv(rows, LARGE_GRAD.block_m) * groups >= sms else GradConfig()
+    (batch x KV heads) on a GPU of `sms` SMs: `LARGE_GRAD` once its 64-row blocks give at least half
+    the SMs a program (PI0.5's expert from batch 10 on 132 SMs), the default `GradConfig` below that.
+    A module attribute, so a benchmark can swap the rule."""
+    return LARGE_GRAD if 2 * triton.cdiv(rows, LARGE_GRAD.block_m) * groups >= sms else GradConfig()
 
 
 def plan_grad(rows: int, keys: int, keys2: int, groups: int, sms: int, cfg: GradConfig
