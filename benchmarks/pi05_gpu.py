@@ -215,10 +215,11 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
                                              "_same_as": "triton+gemm"}, shapes),
         ("triton+gemm, kernel VJP attention", {"triton_ops": True, "triton_gemm": True, "_vjp_attention": True,
                                                "_same_as": "triton+gemm"}, shapes),
-        # the attention backward's small-batch tiling at every batch (`triton_grad.grad_config` replaced);
-        # the default takes 64-row blocks where they fill the GPU
-        ("triton+gemm, small VJP tiling", {"triton_ops": True, "triton_gemm": True, "_small_vjp_tiling": True,
-                                           "_same_as": "triton+gemm"}, shapes),
+        # the attention backward's tiling as the tenth session left it, 32-row blocks with key ranges of at
+        # least 128 keys at every batch (`triton_grad.grad_config` replaced); the default takes 64-row
+        # blocks over every key from batch 5 and shorter ranges below
+        ("triton+gemm, previous VJP tiling", {"triton_ops": True, "triton_gemm": True, "_previous_vjp_tiling": True,
+                                              "_same_as": "triton+gemm"}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -304,7 +305,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         bucket_only = kw.pop("_bucket_only", False)
         kernel_backward = kw.pop("_kernel_backward", True)
         grad_on_kernel = kw.pop("_vjp_attention", None)
-        small_vjp_tiling = kw.pop("_small_vjp_tiling", False)
+        previous_vjp_tiling = kw.pop("_previous_vjp_tiling", False)
         geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
@@ -316,8 +317,8 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         tma_before = ({} if tma_routes is None else
                       {op: set_route(op, op in tma_routes) for op in ("geglu", "qkv_rope", "linear")})
         grad_rule_before = grad_mod.grad_config
-        if small_vjp_tiling:
-            grad_mod.grad_config = lambda rows, groups, sms: grad_mod.GradConfig()
+        if previous_vjp_tiling:
+            grad_mod.grad_config = lambda rows, groups, sms: grad_mod.GradConfig(min_keys=128, min_rows=64)
         geglu_before = tma_mod.geglu_config
         if geglu_rule is not None:
             tma_mod.geglu_config = geglu_rule

@@ -375,8 +375,8 @@ class GradConfig:
     query rows per dk / dv block, warps and pipeline stages, and the fewest keys (rows) a dq
     (dk / dv) range may hold. `benchmarks/attention_grad_gpu.py` sweeps them on a GPU; which one a
     shape gets is `grad_config`'s rule. The defaults are the small-batch tiling: on the H200
-    (2026-12-04) the fastest of 38 at batches 4, 8 and 16 of PI0.5's expert and within 10% of the
-    fastest at batches 1 and 2 (one pipeline stage beat two or three)."""
+    (2026-12-04) the fastest of 20 at PI0.5's expert batches 1 and 4 (16.1 / 33.7 us; one pipeline
+    stage beat two or three in an earlier 38-tiling sweep)."""
 
     block_m: int = 32
     block_n: int = 64
@@ -384,24 +384,24 @@ class GradConfig:
     kv_block_n: int = 16
     warps: int = 4
     stages: int = 1
-    min_keys: int = 128
-    min_rows: int = 64
+    min_keys: int = 64
+    min_rows: int = 32
 
 
 # 64-row dq blocks on one warpgroup (4 warps: Hopper's wgmma takes 64 rows a warpgroup) with three
 # stages, each over every key (one dq range: no float32 partials to write and merge), 64-row dk / dv
-# blocks. On the H200 (2026-12-04) at PI0.5's expert batch 16 / 24 / 32 / 64: 78.3 / 99.8 / 131.9 /
-# 231.8 us against the small tiling's 99.1 / 147.5 / 176.3 / 312.7; the same blocks with two dq key
-# ranges took 152.8 us at batch 32
-LARGE_GRAD = GradConfig(block_m=64, block_n=32, kv_block_m=64, stages=3, min_keys=1 << 30)
+# blocks. On the H200 (2026-12-04) at PI0.5's expert batch 8 / 16 / 24 / 32 / 64: 48.9 / 78.1 / 99.8 /
+# 131.1 / 230.0 us against the small tiling's 60.6 / 99.1 / 147.5 / 176.3 / 312.7; the same blocks with
+# two dq key ranges took 152.8 us at batch 32; at batch 4 both tilings took 34.1
+LARGE_GRAD = GradConfig(block_m=64, block_n=32, kv_block_m=64, stages=3, min_keys=1 << 30, min_rows=64)
 
 
 def grad_config(rows: int, groups: int, sms: int) -> GradConfig:
     """The tiling `split_attention_grad` takes for `rows` folded query rows in each of `groups`
-    (batch x KV heads) on a GPU of `sms` SMs: `LARGE_GRAD` once its 64-row blocks give at least half
-    the SMs a program (PI0.5's expert from batch 10 on 132 SMs), the default `GradConfig` below that.
-    A module attribute, so a benchmark can swap the rule."""
-    return LARGE_GRAD if 2 * triton.cdiv(rows, LARGE_GRAD.block_m) * groups >= sms else GradConfig()
+    (batch x KV heads) on a GPU of `sms` SMs: `LARGE_GRAD` once its 64-row blocks give at least a
+    quarter of the SMs a program (PI0.5's expert from batch 5 on 132 SMs), the default `GradConfig`
+    below that. A module attribute, so a benchmark can swap the rule."""
+    return LARGE_GRAD if 4 * triton.cdiv(rows, LARGE_GRAD.block_m) * groups >= sms else GradConfig()
 
 
 def plan_grad(rows: int, keys: int, keys2: int, groups: int, sms: int, cfg: GradConfig
