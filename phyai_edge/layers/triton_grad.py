@@ -375,8 +375,8 @@ class GradConfig:
     query rows per dk / dv block, warps and pipeline stages, and the fewest keys (rows) a dq
     (dk / dv) range may hold. `benchmarks/attention_grad_gpu.py` sweeps them on a GPU; which one a
     shape gets is `grad_config`'s rule. The defaults are the small-batch tiling: on the H200
-    (2026-12-04) the fastest of 20 at PI0.5's expert batches 1 and 4 (16.1 / 33.7 us; one pipeline
-    stage beat two or three in an earlier 38-tiling sweep)."""
+    (2026-12-04) the fastest of 18, or tied with it, at PI0.5's expert batches 1 and 4 (16.1 / 33.7
+    us; one pipeline stage beat two or three in an earlier 38-tiling sweep)."""
 
     block_m: int = 32
     block_n: int = 64
