@@ -14,7 +14,9 @@ Every gradient is checked against the fp32 reference (q, the new keys, the new v
 Frobenius error). Prints one table per shape and the rule it suggests for
 `triton_attention.GRAD_KERNEL_MAX_HEADS`.
 
-`--fwd-bwd-only` times just "sdpa" and "kernel", which older trees also have, so one call can time
+`--engine-layout` hands the backward dO and the new values as the strided views the engine's guided
+step passes instead of contiguous tensors (in the step the kernel measured slower than here at batch
+8). `--fwd-bwd-only` times just "sdpa" and "kernel", which older trees also have, so one call can time
 an older checkout beside this one (PYTHONPATH=old_tree).
 
     python benchmarks/attention_grad_gpu.py --json runs/attention_grad.json        # on the GPU
@@ -76,13 +78,26 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b).norm() / b.norm())
 
 
+def engine_layout(dout: torch.Tensor, vn: torch.Tensor, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same values in the layouts the guided step hands the backward: dO the (B, Hq, Tq, D) view of
+    the o-projection's (B, Tq, Hq, D) input gradient, the new values a view of the packed QKV output
+    (token stride (Hq + 2) x D), as `triton_ops.qkv_rope` leaves them."""
+    b, d = dout.shape[0], dout.shape[3]
+    dout_view = dout.transpose(1, 2).contiguous().transpose(1, 2)
+    packed = torch.zeros(b, vn.shape[2], (hq + 2) * d, dtype=vn.dtype, device=vn.device)
+    packed[..., (hq + 1) * d:] = vn[:, 0]
+    return dout_view, packed[..., (hq + 1) * d:].reshape(b, vn.shape[2], 1, d).transpose(1, 2)
+
+
 def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[Any], fwd_bwd_only: bool,
-              tiny: bool) -> dict[str, Any]:
+              tiny: bool, engine_views: bool = False) -> dict[str, Any]:
     hq, tq, n1, n2, d = (4, 5, 60, 5, 32) if tiny else (8, 50, 816, 50, 256)
     g = torch.Generator().manual_seed(b)
     q, dout = (torch.randn(b, hq, tq, d, generator=g).to(device, dtype) for _ in range(2))
     kc, vc = (torch.randn(b, 1, n1, d, generator=g).to(device, dtype) for _ in range(2))
     kn, vn = (torch.randn(b, 1, n2, d, generator=g).to(device, dtype) for _ in range(2))
+    if engine_views:
+        dout, vn = engine_layout(dout, vn, hq)
     mask = torch.ones(b, 1, 1, n1 + n2, dtype=torch.bool, device=device)
     mask[:, ..., n1 - max(n1 // 20, 1):n1] = False  # a few padded prompt keys, as a trimmed prompt leaves
     key_mask = ta.kernel_key_mask(mask, b)
@@ -173,6 +188,8 @@ def main() -> None:
     p.add_argument("--no-sweep", action="store_true", help="the rule's tiling only")
     p.add_argument("--focus", action="store_true", help="a short sweep around the tilings the rule chooses")
     p.add_argument("--block-m", default=None, help="comma-separated: sweep only tilings with these dq block rows")
+    p.add_argument("--engine-layout", action="store_true",
+                   help="dO and the new values as the strided views the guided step passes (not contiguous)")
     p.add_argument("--json", type=Path, help="write every timing here")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -187,7 +204,7 @@ def main() -> None:
     meta = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     for b in batches:
-        res = run_batch(b, device, dtype, configs, args.fwd_bwd_only, args.tiny)
+        res = run_batch(b, device, dtype, configs, args.fwd_bwd_only, args.tiny, args.engine_layout)
         print_batch(res)
         sys.stdout.flush()
         results.append(res)
