@@ -358,9 +358,9 @@ def _parts(x: KV) -> tuple[torch.Tensor, torch.Tensor]:
 # (`triton_grad.SplitAttentionFn`) rather than SDPA over the joined keys: None by shape, up to
 # GRAD_KERNEL_MAX_HEADS (batch x KV heads); True / False always / never (benchmarks time each). On
 # the H200 (2026-12-04, benchmarks/attention_grad_gpu.py) PI0.5's expert attention forward + backward
-# took 32 / 91 / 140 / 164 / 202 / 329 us on the kernel against 120 / 151 / 216 / 279 / 340 / 592 us for
-# SDPA over the joined keys at batches 1 / 8 / 16 / 24 / 32 / 64; larger batches are unmeasured, so
-# they keep SDPA.
+# took 30 / 57 / 89 / 118 / 186 / 323 us on the kernel (the backward's tiling by `grad_config`) against
+# 120 / 133 / 152 / 216 / 340 / 594 us for SDPA over the joined keys at batches 1 / 4 / 8 / 16 / 32 / 64;
+# larger batches are unmeasured, so they keep SDPA.
 GRAD_ON_KERNEL: bool | None = None
 GRAD_KERNEL_MAX_HEADS = 64
 

@@ -5,7 +5,7 @@ velocity with respect to the noisy actions: a backward pass through the action e
 input gradient only (the weights, the prefix's KV cache, the rotary tables and the time
 modulations are constants). Without a backward for the kernels that pass ran every op on its
 plain-torch reference, forward and backward (on the H200 a batch-1 chunk took +352-362% over the
-unguided one; now +80%, batch 8 +109% -> +36%, batch 32 +67% -> +23-26%: benchmarks/RESULTS.md).
+unguided one; now +80%, batch 8 +109% -> +35%, batch 32 +67% -> +21.5%: benchmarks/RESULTS.md).
 Here are the backward kernels of the autograd functions that the fused ops use when a gradient is
 needed (each function lives beside its forward op and kernel; this module needs only
 `triton_dispatch`), for the gradients of the activation inputs only:
@@ -391,8 +391,8 @@ class GradConfig:
 # 64-row dq blocks on one warpgroup (4 warps: Hopper's wgmma takes 64 rows a warpgroup) with three
 # stages, each over every key (one dq range: no float32 partials to write and merge), 64-row dk / dv
 # blocks. On the H200 (2026-12-04) at PI0.5's expert batch 8 / 16 / 24 / 32 / 64: 48.9 / 78.1 / 99.8 /
-# 131.1 / 230.0 us against the small tiling's 60.6 / 99.1 / 147.5 / 176.3 / 312.7; the same blocks with
-# two dq key ranges took 152.8 us at batch 32; at batch 4 both tilings took 34.1
+# 131.1 / 230.0 us against 60.6 / 99.1 / 148.1 / 176.3 / 313.1 for the tenth session's 32-row tiling;
+# the same blocks with two dq key ranges took 152.8 us at batch 32; at batch 4 both tilings took 34.1
 LARGE_GRAD = GradConfig(block_m=64, block_n=32, kv_block_m=64, stages=3, min_keys=1 << 30, min_rows=64)
 
 
