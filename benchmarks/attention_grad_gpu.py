@@ -47,6 +47,7 @@ CALLS = 10  # calls per captured graph
 
 
 def sweep(tiny: bool, focus: bool = False) -> list[Any]:
+    from phyai_edge.layers.triton_dispatch import NO_SPLIT
     from phyai_edge.layers.triton_grad import GradConfig
 
     if tiny:
@@ -54,12 +55,12 @@ def sweep(tiny: bool, focus: bool = False) -> list[Any]:
     out = []
     if focus:
         # around the two tilings `grad_config` chooses between: the small one's range sizes and dk / dv
-        # blocks; the large ones with and without dq key ranges (min_keys 1 << 30: one range)
+        # blocks; the large ones with and without dq key ranges (min_keys NO_SPLIT: one range)
         for kbm, min_keys, min_rows in itertools.product((16, 32), (64, 128), (32, 128)):
             out.append(GradConfig(kv_block_m=kbm, min_keys=min_keys, min_rows=min_rows))
-        out.append(GradConfig(min_keys=1 << 30))
+        out.append(GradConfig(min_keys=NO_SPLIT))
         for bm, bn, warps, stages in ((64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 2), (128, 32, 8, 3)):
-            for min_keys in (128, 1 << 30):
+            for min_keys in (128, NO_SPLIT):
                 out.append(GradConfig(block_m=bm, block_n=bn, warps=warps, stages=stages, kv_block_m=64,
                                       min_keys=min_keys))
         return out

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from phyai_edge.layers import triton_attention as ta
-from phyai_edge.layers import triton_ops
+from phyai_edge.layers import triton_dispatch, triton_ops
 from phyai_edge.layers.attention import attention, attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -236,3 +236,45 @@ def test_big_blocks_never_split(poisoned):
                              backend="triton", config=cfg)
     assert torch.isfinite(out).all()
     assert _rel(out, attention_ref(q, k, v, mask)) < 2e-5
+
+
+class _RefusesBlockRows:
+    """A kernel stand-in that, like Triton on a GPU with too little shared memory, raises
+    `OutOfResources` at launch for tilings of `block_m` query rows and runs the real kernel otherwise."""
+
+    def __init__(self, kernel, block_m):
+        self.kernel, self.block_m, self.refused = kernel, block_m, 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            if kw["BLOCK_M"] == self.block_m:
+                self.refused += 1
+                raise triton_dispatch.OutOfResources(262144, 101376, "shared memory")
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@kernels
+def test_a_tiling_too_big_for_the_gpu_falls_back(monkeypatch, caplog):
+    """Where the shape's tiling does not fit the GPU (here: 128-row blocks refused, as an RTX GPU's
+    99 KB would), the next fallback tiling runs, gives that tiling's own result, is said once in the
+    log, and later calls go straight to it; when none fits, the error names the kernel."""
+    monkeypatch.setattr(triton_dispatch, "_DOES_NOT_FIT", set())
+    monkeypatch.setattr(ta, "default_config", lambda rows, groups, sms: ta.BIG_BLOCKS)
+    refusing = _RefusesBlockRows(ta._split_attn_kernel, ta.BIG_BLOCKS.block_m)
+    b, hq, hkv, tq, tk, d = 2, 8, 1, 5, 90, 32
+    q, k, v = _qkv(b, hq, hkv, tq, tk, d, torch.float32, seed=21)
+    mask = _key_mask(b, tk, seed=22)
+    want = ta.attention_split(q, k, v, mask, backend="triton", config=ta.FALLBACK_TILINGS[0])
+    monkeypatch.setattr(ta, "_split_attn_kernel", refusing)
+    with caplog.at_level("WARNING", logger="phyai_edge.layers.triton_dispatch"):
+        got = ta.attention_split(q, k, v, mask, backend="triton")
+        again = ta.attention_split(q, k, v, mask, backend="triton")
+    assert torch.equal(got, want) and torch.equal(again, want)
+    assert refusing.refused == 1
+    assert sum("does not fit this GPU" in r.getMessage() for r in caplog.records) == 1
+    assert _rel(got, attention_ref(q, k, v, mask)) < 2e-5
+    monkeypatch.setattr(ta, "FALLBACK_TILINGS", ())
+    monkeypatch.setattr(triton_dispatch, "_DOES_NOT_FIT", set())
+    with pytest.raises(RuntimeError, match="split attention: none of its tilings fits"):
+        ta.attention_split(q, k, v, mask, backend="triton")

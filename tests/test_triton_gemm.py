@@ -21,6 +21,7 @@ are judged against float64 on the same bf16 inputs: no further from it than the 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ from test_triton_ops import _blocks, _float32_truth, _stack_inputs, _stack_refer
 from phyai_edge.adapters.base import SolverSpec
 from phyai_edge.adapters.pi05 import builtin_adapter
 from phyai_edge.engines.cudagraph import CudaGraphEngine
-from phyai_edge.layers import fused_stacks, triton_ops
+from phyai_edge.layers import fused_stacks, triton_dispatch, triton_ops
 from phyai_edge.layers import triton_gemm as tg
 from phyai_edge.layers.rotary import rope_cos_sin
 
@@ -618,3 +619,51 @@ def test_linear_gelu_kernel(poisoned, launches, shape, dtype) -> None:
         _check_bf16(out, ref, tg.linear_gelu_ref(*_f64(h, w, bias)))
     with pytest.raises(ValueError, match="split_k"):
         tg.linear_gelu(h, w, "triton", bias=bias, config=tg.GemmConfig(16, 16, 16, split_k=2))
+
+
+class _RefusesStages:
+    """A kernel stand-in that, like Triton where a tiling's pipeline stages need more shared memory
+    than the GPU has, raises `OutOfResources` at launch for more than `most` stages."""
+
+    def __init__(self, kernel, most):
+        self.kernel, self.most, self.refused = kernel, most, 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            if kw["num_stages"] > self.most:
+                self.refused += 1
+                raise triton_dispatch.OutOfResources(114688, 101376, "shared memory")
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@kernels
+@pytest.mark.parametrize("op", ["linear", "geglu", "qkv_rope"])
+def test_tiling_with_too_many_stages_for_the_gpu_falls_back(monkeypatch, caplog, op):
+    """Where the shape's tiling needs more shared memory than the GPU has, the same tiling runs with
+    fewer pipeline stages (here: more than one refused), which gives the same bits, said once."""
+    monkeypatch.setattr(triton_dispatch, "_DOES_NOT_FIT", set())
+    h = _randn(1, 40, 64, seed=1)
+    cos, sin = _rope_inputs(1, 40, 32, torch.float32, "shared")
+    n = {"linear": 48, "geglu": 2 * 48, "qkv_rope": 4 * 32}[op]
+    weight = _weight(n, 64, torch.float32, seed=2)
+    kernel = {"linear": "_linear_kernel", "geglu": "_linear_geglu_kernel", "qkv_rope": "_linear_qkv_rope_kernel"}[op]
+
+    def call(config=None):
+        if op == "linear":
+            return (tg.linear(h, weight, "triton", config=config),)
+        if op == "geglu":
+            return (tg.linear_geglu(h, weight, "triton", config=config),)
+        return tg.linear_qkv_rope(h, weight, cos, sin, 2, 1, 32, "triton", config=config)
+
+    chosen = tg.default_config({"linear": "linear", "geglu": "geglu", "qkv_rope": "qkv_rope"}[op], 40,
+                               {"linear": n, "geglu": n // 2, "qkv_rope": n}[op])
+    assert chosen.num_stages > 1
+    want = call(replace(chosen, num_stages=1))
+    refusing = _RefusesStages(getattr(tg, kernel), 1)
+    monkeypatch.setattr(tg, kernel, refusing)
+    with caplog.at_level("WARNING", logger="phyai_edge.layers.triton_dispatch"):
+        got, again = call(), call()
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and all(torch.equal(g, w) for g, w in zip(again, want))
+    assert refusing.refused == (2 if chosen.num_stages > 2 else 1)  # each refused tiling tried once, ever
+    assert sum("does not fit this GPU" in r.getMessage() for r in caplog.records) == refusing.refused

@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 from test_cudagraph import _inputs, _rel, _rtc
+from test_triton_attention import _RefusesBlockRows
 from test_triton_ops import (  # noqa: F401  (poisoned, tiny: fixtures)
     DEVICE,
     DTYPES,
@@ -25,7 +26,7 @@ from test_triton_ops import (  # noqa: F401  (poisoned, tiny: fixtures)
 )
 
 from phyai_edge.engines.cudagraph import CudaGraphEngine
-from phyai_edge.layers import fused_stacks, triton_attention, triton_grad, triton_ops
+from phyai_edge.layers import fused_stacks, triton_attention, triton_dispatch, triton_grad, triton_ops
 from phyai_edge.layers.attention import attention
 from phyai_edge.layers.rotary import rope_cos_sin
 from phyai_edge.layers.triton_attention import attention_split
@@ -366,3 +367,30 @@ def test_engine_exact_guidance_on_the_kernels(tiny, spies) -> None:  # noqa: F81
     assert _rel(out.cpu(), ref.cpu()) < 1e-5
     unguided = fast.run(inputs, noise=noise)
     assert _rel(out.cpu(), unguided.cpu()) > 1e-3  # the guidance changed the chunk
+
+
+@kernels
+def test_backward_tiling_too_big_for_the_gpu_falls_back(monkeypatch, caplog) -> None:
+    """Where the large-batch tiling does not fit the GPU (its 64-row blocks refused at launch, as
+    Triton refuses a tiling that asks for more shared memory than the GPU has), the default
+    `GradConfig` runs instead, with that tiling's own gradients, said once in the log."""
+    monkeypatch.setattr(triton_dispatch, "_DOES_NOT_FIT", set())
+    monkeypatch.setattr(triton_grad, "grad_config", lambda rows, groups, sms: triton_grad.LARGE_GRAD)
+    b, h, hkv, t, p, d = 2, 4, 1, 20, 70, 32
+    q, k_new, v_new, k_cached, v_cached, mask = _attention_case(b, h, hkv, t, p, d, torch.float32)
+    dout = _randn(b, h, t, d, seed=6)
+    key_mask = triton_attention.kernel_key_mask(mask, b)
+    rows = h // hkv * t
+    lse = torch.empty(b * hkv, rows, dtype=torch.float32, device=DEVICE)
+    out = triton_attention._split_attention_triton(q.reshape(b, hkv, rows, d), (k_cached, k_new), (v_cached, v_new),
+                                                   key_mask, d ** -0.5, None, t, lse_out=lse).transpose(1, 2)
+    args = (q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout, d ** -0.5)
+    want = triton_grad.split_attention_grad(*args, config=triton_grad.GradConfig())
+    refusing = _RefusesBlockRows(triton_grad._attn_bwd_kernel, triton_grad.LARGE_GRAD.block_m)
+    monkeypatch.setattr(triton_grad, "_attn_bwd_kernel", refusing)
+    with caplog.at_level("WARNING", logger="phyai_edge.layers.triton_dispatch"):
+        got = triton_grad.split_attention_grad(*args)
+        again = triton_grad.split_attention_grad(*args)
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and all(torch.equal(g, w) for g, w in zip(again, want))
+    assert refusing.refused == 1
+    assert sum("attention backward: tiling" in r.getMessage() for r in caplog.records) == 1

@@ -37,10 +37,12 @@ import torch
 from phyai_edge.layers import triton_grad
 from phyai_edge.layers.attention import _full_rows, attention, concat
 from phyai_edge.layers.triton_dispatch import (
+    NO_SPLIT,
     Tickets,
     _sm_count,
     _use_triton,
     interpret_mode,
+    launch_fitting,
     launch_options,
     needs_grad,
     tl,
@@ -83,10 +85,14 @@ class SplitConfig:
 # vs 36.7 (64-row). Between the classes (expert b3-b4) the split 64-row tiling stays.
 FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=8, stages=2, min_keys=128, inline_merge=True)
 MANY_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=1, min_keys=64, inline_merge=False)
-NO_SPLIT = 1 << 30  # min_keys no key range reaches: one split
 MID_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=2, min_keys=NO_SPLIT, inline_merge=False)
 BIG_BLOCKS = SplitConfig(block_m=128, block_n=64, warps=8, stages=2, min_keys=NO_SPLIT, inline_merge=False)
 BIG_BLOCK_M = 128
+# Where the shape's tiling asks for more shared memory than the GPU has (compiled by Triton 3.9:
+# BIG_BLOCKS 128 KB, MID_BLOCKS 96 KB, FEW_BLOCKS 72 KB a block, against 99 KB on an RTX GPU, 163 KB
+# on Orin, 227 KB on Hopper), these are tried in order; the last asks for the least.
+SMALL_BLOCKS = SplitConfig(block_m=16, block_n=32, warps=4, stages=1, min_keys=64, inline_merge=False)
+FALLBACK_TILINGS = (MID_BLOCKS, FEW_BLOCKS, SMALL_BLOCKS)
 
 
 _INLINE_MERGE = True
@@ -292,13 +298,28 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
     """q (B, Hkv, G * Tq, D) (the G query heads of each KV head folded into the rows), keys and
     values in two parts (B, Hkv, N1 / N2, D), key_mask (B, N1 + N2) uint8 (`kernel_key_mask`)
     -> (B, Tq, Hkv * G, D). `lse_out` (B x Hkv, G * Tq) float32: where each folded row's
-    log-sum-exp goes (base 2, of the scaled scores), for the backward."""
+    log-sum-exp goes (base 2, of the scaled scores), for the backward. `config` None:
+    `default_config`'s tiling for the shape, or where that does not fit the GPU the first of
+    `FALLBACK_TILINGS` that does (`triton_dispatch.launch_fitting`)."""
+    def launch(cfg: SplitConfig) -> torch.Tensor:
+        return _split_attention_launch(q, ks, vs, key_mask, scale, splits, tq, cfg, tickets, lse_out)
+
+    if config is not None:
+        return launch(config)
+    b, hkv, rows, _ = q.shape
+    chosen = default_config(rows, b * hkv, _sm_count(q.device))
+    return launch_fitting("split attention", q.device, (chosen, *FALLBACK_TILINGS), launch)  # type: ignore[return-value]
+
+
+def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tensor],
+                            vs: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor, scale: float,
+                            splits: int | None, tq: int, cfg: SplitConfig, tickets: Tickets | None,
+                            lse_out: torch.Tensor | None) -> torch.Tensor:
     b, hkv, rows, d = q.shape
     groups = rows // tq
     (k, k2), (v, v2) = ks, vs
     keys1 = k.shape[2]
     keys = keys1 + k2.shape[2]
-    cfg = config or default_config(rows, b * hkv, _sm_count(q.device))
     bm, bn = cfg.block_m, cfg.block_n
     if splits is None:
         splits, per = plan_splits(rows, keys, b * hkv, _sm_count(q.device), bm, bn, cfg.min_keys)

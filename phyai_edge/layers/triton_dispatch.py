@@ -5,7 +5,10 @@ knows whether its CPU interpreter is on, and resolves a requested backend ("refe
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -16,6 +19,12 @@ except ImportError:  # pragma: no cover - exercised where triton is absent (CI)
     triton = None
     tl = None
 
+try:  # what a launch raises when a tiling asks for more shared memory (or registers) than the GPU has
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover - older triton, or none
+    class OutOfResources(Exception):  # type: ignore[no-redef]  # noqa: N818  (triton's name; never raised)
+        pass
+
 try:  # programmatic dependent launch (Hopper and later): present in triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -24,6 +33,7 @@ except ImportError:  # pragma: no cover - older triton, or none
     HAS_GDC = False
 
 BACKENDS = ("reference", "triton", "auto")
+log = logging.getLogger(__name__)
 
 
 # -- dispatcher ---------------------------------------------------------------------------------
@@ -110,6 +120,32 @@ def _sm_count(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+NO_SPLIT = 1 << 30  # a tiling's fewest keys (rows) per range that no range reaches: one range, no merge
+C = TypeVar("C")
+_DOES_NOT_FIT: set[tuple[str, int, object]] = set()  # (kernel, device index, tiling) that failed to fit
+
+
+def launch_fitting(kernel: str, device: torch.device, tilings: Sequence[C], launch: Callable[[C], object]) -> object:
+    """`launch(tiling)` with the first of `tilings` that fits `device`, returning what it returns.
+    The tilings are chosen on an H200 (227 KB of shared memory a block); an RTX GPU offers 99 KB and
+    Orin 163 KB, and how much a tiling asks for changes between Triton versions. Triton raises
+    `OutOfResources` at a shape's first launch (an engine's warm-up, before capture), before anything
+    is enqueued: that tiling is remembered for the device, said once in the log, and the next one
+    tried; later calls go straight to the one that fits."""
+    idx = -1 if device.type != "cuda" else device.index if device.index is not None else torch.cuda.current_device()
+    tried: list[str] = []
+    for tiling in dict.fromkeys(tilings):  # in order, without repeats
+        if (kernel, idx, tiling) in _DOES_NOT_FIT:
+            continue
+        try:
+            return launch(tiling)
+        except OutOfResources as exc:
+            _DOES_NOT_FIT.add((kernel, idx, tiling))
+            tried.append(f"{tiling}: {exc}")
+            log.warning("%s: tiling %s does not fit this GPU (%s); trying a smaller one", kernel, tiling, exc)
+    raise RuntimeError(f"{kernel}: none of its tilings fits this GPU: {'; '.join(tried) or 'all failed before'}")
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -55,8 +55,9 @@ Triton API present in both 3.6 (the GPU machine) and 3.9 (here): `tl.dot` with `
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,7 @@ from torch import nn
 from phyai_edge.layers.triton_dispatch import (
     _use_triton,
     interpret_mode,
+    launch_fitting,
     launch_options,
     needs_grad,
     tl,
@@ -458,39 +460,54 @@ def split_size(k: int, splits: int, block_k: int) -> int:
     return math.ceil(math.ceil(k / splits) / block_k) * block_k
 
 
+def _fitting(kernel: str, device: torch.device, config: GemmConfig | None, chosen: GemmConfig,
+             launch: Callable[[GemmConfig], Any]) -> Any:
+    """`launch(config)`, or with `config` None the shape's tiling, where it does not fit the GPU
+    (its pipeline stages' shared memory: an RTX GPU offers 99 KB a block against the H200's 227 KB)
+    the same tiling with two stages, then one (`triton_dispatch.launch_fitting`). Fewer stages only
+    change how far ahead the loads run, not the sums: the same bits."""
+    if config is not None:
+        return launch(config)
+    tilings = (chosen, replace(chosen, num_stages=min(chosen.num_stages, 2)), replace(chosen, num_stages=1))
+    return launch_fitting(kernel, device, tilings, launch)
+
+
 def _linear_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    cfg: GemmConfig | None, defer_sum: bool = False, gelu: bool = False) -> torch.Tensor | SplitSums:
     n, k = weight.shape
     a = _rows(h, k)
     m = a.shape[0]
-    cfg = cfg or default_config("gelu" if gelu else "linear", m, n)
-    out = _empty((*h.shape[:-1], n), h.dtype, h.device)
-    out2 = out.view(m, n)
-    # A split_k larger than K's blocks gives fewer splits.
-    per = split_size(k, cfg.split_k, cfg.block_k)
-    splits = math.ceil(k / per)
-    bias_arg = bias if bias is not None else a  # unused pointer: anything valid
-    flags = _flags(a, k, cfg)
-    grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), splits)
-    if splits == 1:
-        _linear_kernel[grid](a, weight, bias_arg, out2, m, n, k, per,
-                             a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), 0, out2.stride(0),
-                             HAS_BIAS=bias is not None, PARTIAL=False, GELU=gelu, **flags)
+
+    def launch(cfg: GemmConfig) -> torch.Tensor | SplitSums:
+        out = _empty((*h.shape[:-1], n), h.dtype, h.device)
+        out2 = out.view(m, n)
+        # A split_k larger than K's blocks gives fewer splits.
+        per = split_size(k, cfg.split_k, cfg.block_k)
+        splits = math.ceil(k / per)
+        bias_arg = bias if bias is not None else a  # unused pointer: anything valid
+        flags = _flags(a, k, cfg)
+        grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m), splits)
+        if splits == 1:
+            _linear_kernel[grid](a, weight, bias_arg, out2, m, n, k, per,
+                                 a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), 0, out2.stride(0),
+                                 HAS_BIAS=bias is not None, PARTIAL=False, GELU=gelu, **flags)
+            return out
+        if gelu:
+            raise ValueError("linear: a GELU epilogue needs the whole sums (split_k 1)")
+        part = _empty((splits, m, n), torch.float32, h.device)
+        _linear_kernel[grid](a, weight, bias_arg, part, m, n, k, per,
+                             a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), part.stride(0),
+                             part.stride(1), HAS_BIAS=False, PARTIAL=True, GELU=False, **flags)
+        if defer_sum and bias is None:
+            return SplitSums(part, tuple(out.shape), h.dtype)
+        rb_m, rb_n = 16, 128
+        _split_k_reduce_kernel[(triton.cdiv(n, rb_n), triton.cdiv(m, rb_m))](
+            part, bias_arg, out2, m, n, part.stride(0), part.stride(1), out2.stride(0),
+            SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=rb_m, BLOCK_N=rb_n, num_warps=4, **launch_options(part),
+        )
         return out
-    if gelu:
-        raise ValueError("linear: a GELU epilogue needs the whole sums (split_k 1)")
-    part = _empty((splits, m, n), torch.float32, h.device)
-    _linear_kernel[grid](a, weight, bias_arg, part, m, n, k, per,
-                         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), part.stride(0), part.stride(1),
-                         HAS_BIAS=False, PARTIAL=True, GELU=False, **flags)
-    if defer_sum and bias is None:
-        return SplitSums(part, tuple(out.shape), h.dtype)
-    rb_m, rb_n = 16, 128
-    _split_k_reduce_kernel[(triton.cdiv(n, rb_n), triton.cdiv(m, rb_m))](
-        part, bias_arg, out2, m, n, part.stride(0), part.stride(1), out2.stride(0),
-        SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=rb_m, BLOCK_N=rb_n, num_warps=4, **launch_options(part),
-    )
-    return out
+
+    return _fitting("small-M GEMM", h.device, cfg, default_config("gelu" if gelu else "linear", m, n), launch)
 
 
 def _geglu_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -499,16 +516,19 @@ def _geglu_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     hidden = two_h // 2
     a = _rows(h, k)
     m = a.shape[0]
-    cfg = cfg or default_config("geglu", m, hidden)
-    out = _empty((*h.shape[:-1], hidden), h.dtype, h.device)
-    out2 = out.view(m, hidden)
-    grid = (triton.cdiv(hidden, cfg.block_n) * triton.cdiv(m, cfg.block_m),)
-    _linear_geglu_kernel[grid](
-        a, weight, bias if bias is not None else a, out2, m, hidden, k,
-        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out2.stride(0),
-        HAS_BIAS=bias is not None, **_flags(a, k, cfg),
-    )
-    return out
+
+    def launch(cfg: GemmConfig) -> torch.Tensor:
+        out = _empty((*h.shape[:-1], hidden), h.dtype, h.device)
+        out2 = out.view(m, hidden)
+        grid = (triton.cdiv(hidden, cfg.block_n) * triton.cdiv(m, cfg.block_m),)
+        _linear_geglu_kernel[grid](
+            a, weight, bias if bias is not None else a, out2, m, hidden, k,
+            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out2.stride(0),
+            HAS_BIAS=bias is not None, **_flags(a, k, cfg),
+        )
+        return out
+
+    return _fitting("small-M GEMM + GeGLU", h.device, cfg, default_config("geglu", m, hidden), launch)
 
 
 def _cos_sin_rows(c: torch.Tensor, batch: int, t: int, d: int) -> tuple[torch.Tensor, int, int]:
@@ -529,22 +549,25 @@ def _qkv_rope_triton(h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
     width = weight.shape[0]
     a = _rows(h, k)
     m = a.shape[0]
-    cfg = cfg or default_config("qkv_rope", m, width)
     cos3, s_cb, s_ct = _cos_sin_rows(cos, b, t, head_dim)
     sin3, s_sb, s_st = _cos_sin_rows(sin, b, t, head_dim)
-    q = _empty((b, num_heads, t, head_dim), h.dtype, h.device)
-    kk = _empty((b, num_kv_heads, t, head_dim), h.dtype, h.device)
-    v = _empty((b, num_kv_heads, t, head_dim), h.dtype, h.device)
     half = head_dim // 2
-    tiles = triton.cdiv(half, cfg.block_n)
-    grid = ((num_heads + 2 * num_kv_heads) * tiles * triton.cdiv(m, cfg.block_m),)
-    _linear_qkv_rope_kernel[grid](
-        a, weight, bias if bias is not None else a, cos3, sin3, q, kk, v,
-        m, k, t, num_heads, num_kv_heads, tiles,
-        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), s_cb, s_ct, s_sb, s_st,
-        HALF=half, HAS_BIAS=bias is not None, **_flags(a, k, cfg),
-    )
-    return q, kk, v
+
+    def launch(cfg: GemmConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = _empty((b, num_heads, t, head_dim), h.dtype, h.device)
+        kk = _empty((b, num_kv_heads, t, head_dim), h.dtype, h.device)
+        v = _empty((b, num_kv_heads, t, head_dim), h.dtype, h.device)
+        tiles = triton.cdiv(half, cfg.block_n)
+        grid = ((num_heads + 2 * num_kv_heads) * tiles * triton.cdiv(m, cfg.block_m),)
+        _linear_qkv_rope_kernel[grid](
+            a, weight, bias if bias is not None else a, cos3, sin3, q, kk, v,
+            m, k, t, num_heads, num_kv_heads, tiles,
+            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), s_cb, s_ct, s_sb, s_st,
+            HALF=half, HAS_BIAS=bias is not None, **_flags(a, k, cfg),
+        )
+        return q, kk, v
+
+    return _fitting("small-M GEMM + RoPE", h.device, cfg, default_config("qkv_rope", m, width), launch)
 
 
 # -- the ops (dispatched) ----------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from phyai_edge.layers.triton_dispatch import (
+    NO_SPLIT,
     Tickets,
     _block,
     _per_batch,
@@ -55,6 +56,7 @@ from phyai_edge.layers.triton_dispatch import (
     _rows,
     _sm_count,
     interpret_mode,
+    launch_fitting,
     launch_options,
     tl,
     triton,
@@ -393,7 +395,11 @@ class GradConfig:
 # blocks. On the H200 (2026-12-04) at PI0.5's expert batch 8 / 16 / 24 / 32 / 64: 48.9 / 78.1 / 99.8 /
 # 131.1 / 230.0 us against 60.6 / 99.1 / 148.1 / 176.3 / 313.1 for the tenth session's 32-row tiling;
 # the same blocks with two dq key ranges took 152.8 us at batch 32; at batch 4 both tilings took 34.1
-LARGE_GRAD = GradConfig(block_m=64, block_n=32, kv_block_m=64, stages=3, min_keys=1 << 30, min_rows=64)
+LARGE_GRAD = GradConfig(block_m=64, block_n=32, kv_block_m=64, stages=3, min_keys=NO_SPLIT, min_rows=64)
+
+
+# the least shared memory: where neither tiling above fits the GPU (see `split_attention_grad`)
+SMALL_GRAD = GradConfig(block_m=16, block_n=32, kv_block_m=16)
 
 
 def grad_config(rows: int, groups: int, sms: int) -> GradConfig:
@@ -428,36 +434,43 @@ def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.T
     output's gradient `dout` (both (B, Hq, Tq, D), any strides with a unit last one); key_mask
     (B, N1 + N2) uint8 as the forward read it (`kernel_key_mask`). One launch (`_attn_bwd_kernel`);
     `tickets`: where its merges take their counters (None: a fresh zeroed buffer); `config`: its
-    tiling (None: `grad_config`'s choice for the shape)."""
+    tiling (None: `grad_config`'s choice for the shape, or where that does not fit the GPU the
+    default `GradConfig`, then `SMALL_GRAD`: `triton_dispatch.launch_fitting`)."""
     b, hq, tq, d = q.shape
     hkv = k_new.shape[1]
     groups = hq // hkv
     rows = groups * tq
     keys1, keys2 = k_cached.shape[2], k_new.shape[2]
     q, dout, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, dout, out))
-    dq = _alloc((b, hq, tq, d), q.dtype, q.device)
-    dk = _alloc((b, hkv, keys2, d), k_new.dtype, q.device)
-    dv = _alloc((b, hkv, keys2, d), v_new.dtype, q.device)
     sms = _sm_count(q.device)
-    cfg = config or grad_config(rows, b * hkv, sms)
-    q_splits, per_keys, kv_splits, per_rows = plan_grad(rows, keys1 + keys2, keys2, b * hkv, sms, cfg)
-    q_blocks, kv_blocks = triton.cdiv(rows, cfg.block_m), triton.cdiv(keys2, cfg.kv_block_n)
-    # float32 partials only where a block's work is split (else the kernel never reads them)
-    pq = _alloc((q_splits, b * hkv, rows, d), torch.float32, q.device) if q_splits > 1 else lse
-    pkv = _alloc((kv_splits, b * hkv, 2, keys2, d), torch.float32, q.device) if kv_splits > 1 else lse
-    if q_splits > 1 or kv_splits > 1:
-        ticket_buf = (tickets if tickets is not None else Tickets(q.device)).take(b * hkv * (q_blocks + kv_blocks))
-    else:
-        ticket_buf = lse
-    strides4 = [s for t in (q, dout, out, dq) for s in t.stride()[:3]]
-    _attn_bwd_kernel[(q_blocks * q_splits + kv_blocks * kv_splits, b * hkv)](
-        q, dout, out, k_cached, v_cached, k_new, v_new, key_mask, lse, dq, dk, dv, pq, pkv, ticket_buf,
-        rows, keys1, keys2, tq, groups, scale * 1.4426950408889634, scale,
-        q_blocks, q_splits, per_keys, kv_blocks, kv_splits, per_rows, *strides4,
-        *k_cached.stride()[:3], *v_cached.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3], key_mask.stride(0),
-        *dk.stride()[:3], *dv.stride()[:3],
-        HKV=hkv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=cfg.kv_block_m, KV_BLOCK_N=cfg.kv_block_n,
-        UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, num_warps=cfg.warps, num_stages=cfg.stages,
-        **launch_options(q),
-    )
-    return dq, dk, dv
+
+    def launch(cfg: GradConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dq = _alloc((b, hq, tq, d), q.dtype, q.device)
+        dk = _alloc((b, hkv, keys2, d), k_new.dtype, q.device)
+        dv = _alloc((b, hkv, keys2, d), v_new.dtype, q.device)
+        q_splits, per_keys, kv_splits, per_rows = plan_grad(rows, keys1 + keys2, keys2, b * hkv, sms, cfg)
+        q_blocks, kv_blocks = triton.cdiv(rows, cfg.block_m), triton.cdiv(keys2, cfg.kv_block_n)
+        # float32 partials only where a block's work is split (else the kernel never reads them)
+        pq = _alloc((q_splits, b * hkv, rows, d), torch.float32, q.device) if q_splits > 1 else lse
+        pkv = _alloc((kv_splits, b * hkv, 2, keys2, d), torch.float32, q.device) if kv_splits > 1 else lse
+        if q_splits > 1 or kv_splits > 1:
+            ticket_buf = (tickets if tickets is not None else Tickets(q.device)).take(b * hkv * (q_blocks + kv_blocks))
+        else:
+            ticket_buf = lse
+        strides4 = [s for t in (q, dout, out, dq) for s in t.stride()[:3]]
+        _attn_bwd_kernel[(q_blocks * q_splits + kv_blocks * kv_splits, b * hkv)](
+            q, dout, out, k_cached, v_cached, k_new, v_new, key_mask, lse, dq, dk, dv, pq, pkv, ticket_buf,
+            rows, keys1, keys2, tq, groups, scale * 1.4426950408889634, scale,
+            q_blocks, q_splits, per_keys, kv_blocks, kv_splits, per_rows, *strides4,
+            *k_cached.stride()[:3], *v_cached.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3],
+            key_mask.stride(0), *dk.stride()[:3], *dv.stride()[:3],
+            HKV=hkv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=cfg.kv_block_m,
+            KV_BLOCK_N=cfg.kv_block_n, UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, num_warps=cfg.warps,
+            num_stages=cfg.stages, **launch_options(q),
+        )
+        return dq, dk, dv
+
+    if config is not None:
+        return launch(config)
+    chosen = grad_config(rows, b * hkv, sms)
+    return launch_fitting("attention backward", q.device, (chosen, GradConfig(), SMALL_GRAD), launch)  # type: ignore[return-value]
