@@ -308,7 +308,7 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         return launch(config)
     b, hkv, rows, _ = q.shape
     chosen = default_config(rows, b * hkv, _sm_count(q.device))
-    return launch_fitting("split attention", q.device, (chosen, *FALLBACK_TILINGS), launch)  # type: ignore[return-value]
+    return launch_fitting("split attention", q.device, (chosen, *FALLBACK_TILINGS), launch)
 
 
 def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tensor],

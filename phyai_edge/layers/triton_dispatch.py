@@ -124,10 +124,11 @@ def _sm_count(device: torch.device) -> int:
 
 NO_SPLIT = 1 << 30  # a tiling's fewest keys (rows) per range that no range reaches: one range, no merge
 C = TypeVar("C")
+R = TypeVar("R")
 _DOES_NOT_FIT: set[tuple[str, int, object]] = set()  # (kernel, device index, tiling) that failed to fit
 
 
-def launch_fitting(kernel: str, device: torch.device, tilings: Sequence[C], launch: Callable[[C], object]) -> object:
+def launch_fitting(kernel: str, device: torch.device, tilings: Sequence[C], launch: Callable[[C], R]) -> R:
     """`launch(tiling)` with the first of `tilings` that fits `device`, returning what it returns.
     The tilings are chosen on an H200 (227 KB of shared memory a block); an RTX GPU offers 99 KB and
     Orin 163 KB, and how much a tiling asks for changes between Triton versions. Triton raises

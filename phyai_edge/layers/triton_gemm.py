@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -460,8 +460,11 @@ def split_size(k: int, splits: int, block_k: int) -> int:
     return math.ceil(math.ceil(k / splits) / block_k) * block_k
 
 
+R = TypeVar("R")
+
+
 def _fitting(kernel: str, device: torch.device, config: GemmConfig | None, chosen: GemmConfig,
-             launch: Callable[[GemmConfig], Any]) -> Any:
+             launch: Callable[[GemmConfig], R]) -> R:
     """`launch(config)`, or with `config` None the shape's tiling, where it does not fit the GPU
     (its pipeline stages' shared memory: an RTX GPU offers 99 KB a block against the H200's 227 KB)
     the same tiling with two stages, then one (`triton_dispatch.launch_fitting`). Fewer stages only

@@ -473,4 +473,4 @@ def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.T
     if config is not None:
         return launch(config)
     chosen = grad_config(rows, b * hkv, sms)
-    return launch_fitting("attention backward", q.device, (chosen, GradConfig(), SMALL_GRAD), launch)  # type: ignore[return-value]
+    return launch_fitting("attention backward", q.device, (chosen, GradConfig(), SMALL_GRAD), launch)
