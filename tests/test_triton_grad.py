@@ -237,6 +237,115 @@ def test_split_attention_grad_tilings(poisoned_grads, dtype, tiling) -> None:
         assert tickets._buf is not None and int(tickets._buf.abs().sum()) == 0
 
 
+class _KernelFlags:
+    """A kernel stand-in that records one constexpr flag of each launch and runs the real kernel."""
+
+    def __init__(self, kernel, flag):
+        self.kernel, self.flag, self.seen = kernel, flag, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append(kw[self.flag])
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def _kept_softmax(kept, lse, keys1, keys):
+    """p = p~ 2^(m - lse) for every (row, key) from what the forward kept (`KeptProbs`)."""
+    j = torch.arange(keys, device=DEVICE)
+    bn = kept.block_n
+    block = torch.where(j < keys1, j // bn, -(-keys1 // bn) + (j - keys1).clamp(min=0) // bn)
+    maxes = kept.maxes[:, block, :].transpose(1, 2)  # (B x Hkv, rows, keys)
+    return kept.probs[:, :, :keys].float() * torch.exp2(maxes - lse[:, :, None])
+
+
+# (forward, backward) key blocks: the same, and the backward's half the forward's. The 70 cached keys
+# end inside a forward block, so the step's own keys start a block of their own.
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("blocks", [(32, 32), (32, 16)])
+def test_backward_reads_the_probabilities_the_forward_kept(poisoned_grads, monkeypatch, dtype, blocks) -> None:
+    """Run as one split, the forward keeps each row's softmax numerators and running maxima, which give
+    the softmax; the backward's dq then reads them instead of recomputing the scores (the launch says
+    so) and gives the reference's gradients, and the recomputing launch's to within rounding."""
+    fwd_bn, bwd_bn = blocks
+    b, h, hkv, t, p, d = 2, 4, 1, 20, 70, 32
+    q, k_new, v_new, k_cached, v_cached, mask = _attention_case(b, h, hkv, t, p, d, dtype)
+    dout = _randn(b, h, t, d, dtype=dtype, seed=6)
+    key_mask = triton_attention.kernel_key_mask(mask, b)
+    rows, scale = h // hkv * t, d ** -0.5
+    lse = torch.empty(b * hkv, rows, dtype=torch.float32, device=DEVICE)
+    kept = triton_grad.KeptProbs()
+    fwd = triton_attention.SplitConfig(block_m=16, block_n=fwd_bn, min_keys=triton_dispatch.NO_SPLIT)
+    out = triton_attention._split_attention_triton(q.reshape(b, hkv, rows, d), (k_cached, k_new), (v_cached, v_new),
+                                                   key_mask, scale, None, t, fwd, lse_out=lse,
+                                                   kept=kept).transpose(1, 2)
+    assert kept.block_n == fwd_bn and kept.probs is not None and kept.probs.dtype == dtype
+    scores = (q.reshape(b, hkv, rows, d).float() @ torch.cat([k_cached, k_new], 2).float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(key_mask[:, None, None, :] == 0, float("-inf"))
+    want = torch.softmax(scores, -1).reshape(b * hkv, rows, p + t)
+    got_p = _kept_softmax(kept, lse, p, p + t)
+    assert torch.isfinite(got_p).all()
+    assert (got_p - want).abs().max() < (1e-5 if dtype == torch.float32 else 4e-3)
+
+    cfg = triton_grad.GradConfig(block_m=16, block_n=bwd_bn, kv_block_m=16, min_keys=triton_dispatch.NO_SPLIT,
+                                 min_rows=triton_dispatch.NO_SPLIT)
+    spy = _KernelFlags(triton_grad._attn_bwd_kernel, "KEPT_P")
+    monkeypatch.setattr(triton_grad, "_attn_bwd_kernel", spy)
+    args = (q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout, scale, None, cfg)
+    got = triton_grad.split_attention_grad(*args, kept=kept)
+    recomputed = triton_grad.split_attention_grad(*args)
+    assert spy.seen == [True, False]
+    ref = _grads(lambda qq, kk, vv: attention(qq, torch.cat([k_cached, kk], 2), torch.cat([v_cached, vv], 2), mask),
+                 [q, k_new, v_new], [dout])
+    _check_grads(got, ref, dtype)
+    assert all(_rel(g.float(), r.float()) < GRAD_TOL[dtype] for g, r in zip(got, recomputed))
+    assert torch.equal(got[1], recomputed[1]) and torch.equal(got[2], recomputed[2])  # dk, dv: not from p~
+
+
+@kernels
+def test_kept_probabilities_only_where_forward_and_backward_tile_alike(monkeypatch) -> None:
+    """A forward that splits the keys keeps nothing (and empties what it is handed); a backward whose dq
+    takes several key ranges, or key blocks that do not tile the forward's, recomputes; through
+    `attention_split` under a gradient the kept numerators reach the backward (and with
+    `KEEP_PROBS` off they are not kept), with the same gradients."""
+    b, h, hkv, t, p, d = 2, 4, 1, 20, 70, 32
+    q, k_new, v_new, k_cached, v_cached, mask = _attention_case(b, h, hkv, t, p, d, torch.float32)
+    dout = _randn(b, h, t, d, seed=6)
+    key_mask = triton_attention.kernel_key_mask(mask, b)
+    rows, scale = h // hkv * t, d ** -0.5
+    lse = torch.empty(b * hkv, rows, dtype=torch.float32, device=DEVICE)
+    kept = triton_grad.KeptProbs()
+    split = triton_attention.SplitConfig(block_m=16, block_n=16, min_keys=16)
+    triton_attention._split_attention_triton(q.reshape(b, hkv, rows, d), (k_cached, k_new), (v_cached, v_new),
+                                             key_mask, scale, 3, t, split, lse_out=lse, kept=kept)
+    assert kept.probs is None and kept.maxes is None
+    one = triton_attention.SplitConfig(block_m=16, block_n=16, min_keys=triton_dispatch.NO_SPLIT)
+    out = triton_attention._split_attention_triton(q.reshape(b, hkv, rows, d), (k_cached, k_new), (v_cached, v_new),
+                                                   key_mask, scale, None, t, one, lse_out=lse,
+                                                   kept=kept).transpose(1, 2)
+    assert kept.probs is not None and kept.block_n == 16
+    spy = _KernelFlags(triton_grad._attn_bwd_kernel, "KEPT_P")
+    monkeypatch.setattr(triton_grad, "_attn_bwd_kernel", spy)
+    args = (q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout, scale, None)
+    ranges = triton_grad.GradConfig(block_m=16, block_n=16, kv_block_m=16, min_keys=16, min_rows=16)
+    wider = triton_grad.GradConfig(block_m=16, block_n=32, kv_block_m=16, min_keys=triton_dispatch.NO_SPLIT)
+    for cfg in (ranges, wider):
+        triton_grad.split_attention_grad(*args, cfg, kept=kept)
+    assert spy.seen == [False, False]
+
+    spy.seen.clear()
+    fn = triton_attention.attention_split
+    cfg = triton_attention.SplitConfig(block_m=16, block_n=32, min_keys=triton_dispatch.NO_SPLIT)
+    grads = {}
+    for keep in (True, False):
+        monkeypatch.setattr(triton_attention, "KEEP_PROBS", keep)
+        grads[keep] = _grads(lambda qq, kk, vv: fn(qq, (k_cached, kk), (v_cached, vv), mask, backend="triton",
+                                                   config=cfg), [q, k_new, v_new], [dout])
+    assert spy.seen == [True, False]  # the default rule's one-range backward (32-key blocks) read them
+    _check_grads(grads[True], grads[False], torch.float32)
+
+
 @kernels
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("inline_merge", [True, False])
