@@ -7,10 +7,7 @@ cached prefix keys, a few of them masked, and the step's own 50 keys; head size 
 - "sdpa": SDPA over the keys joined by copies, forward and backward by autograd (cuDNN on Hopper);
 - "kernel": the split kernel's forward and its backward (`triton_grad.split_attention_grad`) with the
   tiling `triton_grad.grad_config` chooses for the shape, through autograd as the engine calls it;
-- "kernel (recomputed p)": the same with `triton_attention.KEEP_PROBS` off: the backward recomputes
-  the scores instead of reading the softmax numerators the forward kept (`triton_grad.KeptProbs`);
-- the backward launch alone for that tiling ("default"; "default, kept p": reading what the forward
-  kept, where it ran as one split) and every tiling of a sweep
+- the backward launch alone for that tiling ("default") and every tiling of a sweep
   (`triton_grad.GradConfig`; `--focus`: a short one around the rule's two tilings), each checked
   against fp32 autograd first.
 Every gradient is checked against the fp32 reference (q, the new keys, the new values; relative
@@ -112,17 +109,16 @@ def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[An
         ref = torch.autograd.grad(out32, leaves32, dout.float())
     leaves = [t.clone().requires_grad_(True) for t in (q, kn, vn)]
 
-    def fwd_bwd(on_kernel: bool, keep: bool = True):
+    def fwd_bwd(on_kernel: bool):
         def call() -> tuple[torch.Tensor, ...]:
             before, ta.GRAD_ON_KERNEL = ta.GRAD_ON_KERNEL, on_kernel
-            kept_before, ta.KEEP_PROBS = ta.KEEP_PROBS, keep
             try:
                 with torch.enable_grad():
                     o = ta.attention_split(leaves[0], (kc, leaves[1]), (vc, leaves[2]), mask, backend="triton",
                                            key_mask=key_mask)
                     return torch.autograd.grad(o, leaves, dout)
             finally:
-                ta.GRAD_ON_KERNEL, ta.KEEP_PROBS = before, kept_before
+                ta.GRAD_ON_KERNEL = before
         return call
 
     rows: list[dict[str, Any]] = []
@@ -142,25 +138,17 @@ def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[An
 
     timed("sdpa (joined keys), fwd+bwd", fwd_bwd(False))
     timed("kernel, fwd+bwd", fwd_bwd(True))
-    timed("kernel (recomputed p), fwd+bwd", fwd_bwd(True, keep=False))
     if not fwd_bwd_only:
         from phyai_edge.layers import triton_grad as tg
         from phyai_edge.layers.triton_dispatch import Tickets, _sm_count
 
         rows_ = hq * tq
         lse = torch.empty(b, rows_, dtype=torch.float32, device=device)
-        kept = tg.KeptProbs()  # what a forward of one split keeps for the backward (empty if it splits)
         out = ta._split_attention_triton(q.reshape(b, 1, rows_, d), (kc, kn), (vc, vn), key_mask, d ** -0.5, None,
-                                         tq, lse_out=lse, kept=kept).transpose(1, 2)
+                                         tq, lse_out=lse).transpose(1, 2)
         tickets = Tickets(device)
         sms = _sm_count(device)
         default = tg.grad_config(rows_, b, sms)  # the rule's choice for this shape
-        if kept.probs is not None:
-            def bwd_kept() -> tuple[torch.Tensor, ...]:
-                return tg.split_attention_grad(q, kc, kn, vc, vn, key_mask, out, lse, dout, d ** -0.5, tickets,
-                                               default, kept=kept)
-
-            timed("backward, default, kept p", bwd_kept, {"config": default.__dict__})
         for i, cfg in enumerate([default, *configs]):
             def bwd(cfg: Any = cfg) -> tuple[torch.Tensor, ...]:
                 return tg.split_attention_grad(q, kc, kn, vc, vn, key_mask, out, lse, dout, d ** -0.5, tickets, cfg)
@@ -173,7 +161,7 @@ def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[An
     # scores and dp and form p^T dO and ds^T q over the step's own keys
     bwd_flops = 2 * d * b * (3 * hq * tq * (n1 + n2) + 4 * hq * tq * n2)
     for r in rows:
-        if r["variant"].startswith("backward") and "kept p" not in r["variant"] and "us" in r:
+        if r["variant"].startswith("backward") and "us" in r:
             r["tflops"] = bwd_flops / (r["us"] * 1e-6) / 1e12
     return {"batch": b, "rows": rows, "best": best}
 

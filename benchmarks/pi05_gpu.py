@@ -220,10 +220,6 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # blocks over every key from batch 5 and shorter ranges below
         ("triton+gemm, previous VJP tiling", {"triton_ops": True, "triton_gemm": True, "_previous_vjp_tiling": True,
                                               "_same_as": "triton+gemm"}, shapes),
-        # the attention backward recomputes the scores (`triton_attention.KEEP_PROBS = False`); the
-        # default keeps the forward's softmax numerators where it runs as one split (batch 8 up)
-        ("triton+gemm, recomputed VJP p", {"triton_ops": True, "triton_gemm": True, "_keep_probs": False,
-                                           "_same_as": "triton+gemm"}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -310,7 +306,6 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         kernel_backward = kw.pop("_kernel_backward", True)
         grad_on_kernel = kw.pop("_vjp_attention", None)
         previous_vjp_tiling = kw.pop("_previous_vjp_tiling", False)
-        keep_probs = kw.pop("_keep_probs", True)
         geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
@@ -318,7 +313,6 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         pdl_before = set_pdl(pdl)  # the kernels are launched and captured with these settings
         backward_before = set_kernel_backward(kernel_backward)
         attn_grad_before, attn_mod.GRAD_ON_KERNEL = attn_mod.GRAD_ON_KERNEL, grad_on_kernel
-        keep_before, attn_mod.KEEP_PROBS = attn_mod.KEEP_PROBS, keep_probs
         merge_before = set_inline_merge(inline)
         tma_before = ({} if tma_routes is None else
                       {op: set_route(op, op in tma_routes) for op in ("geglu", "qkv_rope", "linear")})
@@ -387,7 +381,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         finally:
             set_pdl(pdl_before)
             set_kernel_backward(backward_before)
-            attn_mod.GRAD_ON_KERNEL, attn_mod.KEEP_PROBS = attn_grad_before, keep_before
+            attn_mod.GRAD_ON_KERNEL = attn_grad_before
             set_inline_merge(merge_before)
             for op, on in tma_before.items():
                 set_route(op, on)

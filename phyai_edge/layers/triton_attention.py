@@ -166,36 +166,25 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-        return m_new, l_i, acc, p
-
-    @triton.jit
-    def _keep_probs(pk_ptr, pm_ptr, bh, r, c, rows, inb, p, m, tile, sp_bh, sp_r, tiles):
-        """Keep one key block's softmax numerators p = 2^(s - m) (m: the row's running max after
-        this block) and m, for the backward (`triton_grad.KeptProbs`)."""
-        live = r < rows
-        tl.store(pk_ptr + bh * sp_bh + r[:, None] * sp_r + c[None, :], p.to(pk_ptr.dtype.element_ty),
-                 mask=live[:, None] & inb[None, :])
-        tl.store(pm_ptr + (bh * tiles + tile) * rows + r, m, mask=live)
+        return m_new, l_i, acc
 
     @triton.jit
     def _split_attn_kernel(
         q_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, o_ptr, lse_ptr, out_ptr, ticket_ptr, lse_out_ptr,
-        pk_ptr, pm_ptr, rows, keys, keys1, keys_per_split, scale_log2, tq, splits, sp_bh, sp_r, tiles,
+        rows, keys, keys1, keys_per_split, scale_log2, tq, splits,
         sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
         sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
         so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         FINAL: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        WS: tl.constexpr, LSE_OUT: tl.constexpr, KEEP_P: tl.constexpr,
+        WS: tl.constexpr, LSE_OUT: tl.constexpr,
     ):
         """One (query block, key split, batch x KV head) program. FINAL (one split): the output
         goes straight to out. Else a float32 partial and its log-sum-exp (base 2) go to o / lse;
         with MERGE the last program of a query block to finish (its ticket counts the splits done)
         merges all splits of that block into out, so no second kernel runs. LSE_OUT: each row's
         whole log-sum-exp (base 2 of the scaled scores) also goes to lse_out (B x Hkv, rows), which
-        the backward (`triton_grad.split_attention_grad`) reads instead of recomputing it. KEEP_P
-        (with FINAL): each key block's softmax numerators and running max also go to pk / pm, so
-        the backward's dq need not recompute the scores (`triton_grad.KeptProbs`)."""
+        the backward (`triton_grad.split_attention_grad`) reads instead of recomputing it."""
         pdl_enter(PDL)
         pid_m = tl.program_id(0)
         split = tl.program_id(1)
@@ -223,9 +212,7 @@ if triton is not None:
             kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=inb[None, :], other=0.0)
             vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
             ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
-            m_i, l_i, acc, p = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
-            if KEEP_P:  # one split: start is 0
-                _keep_probs(pk_ptr, pm_ptr, bh, r, c, rows, inb, p, m_i, n0 // BLOCK_N, sp_bh, sp_r, tiles)
+            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
             c = n0 + tl.arange(0, BLOCK_N)
             inb = c < end
@@ -235,10 +222,7 @@ if triton is not None:
             vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
                          other=0.0)
             ok = _keys_allowed(m_ptr, b, sm_b, c, end)
-            m_i, l_i, acc, p = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
-            if KEEP_P:  # the second part's blocks follow the first part's in pm
-                _keep_probs(pk_ptr, pm_ptr, bh, r, c, rows, inb, p, m_i,
-                            tl.cdiv(keys1, BLOCK_N) + (n0 - keys1) // BLOCK_N, sp_bh, sp_r, tiles)
+            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # a split with no allowed key: 0, weighted 0 below
         # Row r of the folded query is (group r // tq, token r % tq): a final output goes straight
         # to its (B, Tq, Hq, D) place, so the o-projection reads it without a transpose copy.
@@ -310,17 +294,15 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
                             vs: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor,
                             scale: float, splits: int | None, tq: int,
                             config: SplitConfig | None = None, tickets: Tickets | None = None,
-                            lse_out: torch.Tensor | None = None,
-                            kept: triton_grad.KeptProbs | None = None) -> torch.Tensor:
+                            lse_out: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hkv, G * Tq, D) (the G query heads of each KV head folded into the rows), keys and
     values in two parts (B, Hkv, N1 / N2, D), key_mask (B, N1 + N2) uint8 (`kernel_key_mask`)
     -> (B, Tq, Hkv * G, D). `lse_out` (B x Hkv, G * Tq) float32: where each folded row's
-    log-sum-exp goes (base 2, of the scaled scores), for the backward. `kept`: where a launch of
-    one split keeps its softmax numerators for the backward (left empty by a split launch). `config` None:
+    log-sum-exp goes (base 2, of the scaled scores), for the backward. `config` None:
     `default_config`'s tiling for the shape, or where that does not fit the GPU the first of
     `FALLBACK_TILINGS` that does (`triton_dispatch.launch_fitting`)."""
     def launch(cfg: SplitConfig) -> torch.Tensor:
-        return _split_attention_launch(q, ks, vs, key_mask, scale, splits, tq, cfg, tickets, lse_out, kept)
+        return _split_attention_launch(q, ks, vs, key_mask, scale, splits, tq, cfg, tickets, lse_out)
 
     if config is not None:
         return launch(config)
@@ -332,7 +314,7 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
 def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tensor],
                             vs: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor, scale: float,
                             splits: int | None, tq: int, cfg: SplitConfig, tickets: Tickets | None,
-                            lse_out: torch.Tensor | None, kept: triton_grad.KeptProbs | None = None) -> torch.Tensor:
+                            lse_out: torch.Tensor | None) -> torch.Tensor:
     b, hkv, rows, d = q.shape
     groups = rows // tq
     (k, k2), (v, v2) = ks, vs
@@ -363,24 +345,16 @@ def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
     if merge:
         ticket_buf = (tickets if tickets is not None else Tickets(q.device)).take(grid[0] * grid[2])
     lse_out_buf = lse_out if lse_out is not None else lse  # never read without LSE_OUT
-    keep = kept is not None and final
-    if keep:
-        kept.fill(b * hkv, rows, keys1, keys - keys1, bn, q.dtype, q.device)
-    elif kept is not None:
-        kept.clear()
-    pk, pm = (kept.probs, kept.maxes) if keep else (lse, lse)  # never read without KEEP_P
     _split_attn_kernel[grid](
-        q, k, v, k2, v2, mask_u8, part, lse, out, ticket_buf, lse_out_buf, pk, pm,
-        rows, keys, keys1, per, scale * 1.4426950408889634, tq, splits, pk.stride(0), pk.stride(1),
-        pm.shape[1] if keep else 0,
+        q, k, v, k2, v2, mask_u8, part, lse, out, ticket_buf, lse_out_buf,
+        rows, keys, keys1, per, scale * 1.4426950408889634, tq, splits,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
         v2.stride(0), v2.stride(1), v2.stride(2), mask_u8.stride(0),
         *ps, lse.stride(0), lse.stride(1), *os_,
         HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, MERGE=merge, UPCAST=interpret_mode(),
         IEEE=q.dtype == torch.float32,
-        WS=cfg.warp_specialize, LSE_OUT=lse_out is not None, KEEP_P=keep, num_warps=cfg.warps,
-        num_stages=cfg.stages,
+        WS=cfg.warp_specialize, LSE_OUT=lse_out is not None, num_warps=cfg.warps, num_stages=cfg.stages,
         **launch_options(q),
     )
     if not final and not merge:
@@ -456,9 +430,9 @@ def attention_split(
     # contiguous q), so K and V are read once per KV head.
     sm_scale = scale if scale is not None else 1.0 / math.sqrt(d)
 
-    def run(lse_out: torch.Tensor | None = None, kept: triton_grad.KeptProbs | None = None) -> torch.Tensor:
-        qf = q.reshape(b, hkv, (hq // hkv) * tq, d)  # -> (B, Tq, Hq, D)
-        return _split_attention_triton(qf, ks, vs, key_mask, sm_scale, splits, tq, config, tickets, lse_out, kept)
+    def run(lse_out: torch.Tensor | None = None) -> torch.Tensor:  # (B, Tq, Hq, D)
+        qf = q.reshape(b, hkv, (hq // hkv) * tq, d)
+        return _split_attention_triton(qf, ks, vs, key_mask, sm_scale, splits, tq, config, tickets, lse_out)
 
     if needs_grad(q, ks[1], vs[1]):
         return SplitAttentionFn.apply(q, ks[1], vs[1], ks[0], vs[0], key_mask, sm_scale, run, tickets)
@@ -481,19 +455,11 @@ def stack_attention(mask: torch.Tensor, batch: int, backend: str) -> Callable[..
     return attend
 
 
-# Whether the split forward, run as one split under a gradient, keeps its softmax numerators for
-# the backward (`triton_grad.KeptProbs`: the backward's dq then does two matrix products per key
-# block instead of three, for (B x Hkv) x rows x keys more bytes written and read). False: the
-# backward recomputes them (benchmarks time both).
-KEEP_PROBS = True
-
-
 class SplitAttentionFn(torch.autograd.Function):
     """`triton_attention.attention_split` over (cached, new) key parts on the split-KV kernel
-    (`run(lse_out, kept)`: its launch, made by the caller, returning the (B, Tq, Hq, D) buffer and
-    writing each folded row's log-sum-exp to lse_out and, run as one split, its softmax numerators
-    to kept), differentiable in q and the new keys and values by `split_attention_grad`, which
-    reads those instead of recomputing them."""
+    (`run(lse_out)`: its launch, made by the caller, returning the (B, Tq, Hq, D) buffer and
+    writing each folded row's log-sum-exp to lse_out), differentiable in q and the new keys and
+    values by `split_attention_grad`, which reads those log-sum-exps instead of recomputing them."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cached: torch.Tensor,
@@ -501,17 +467,14 @@ class SplitAttentionFn(torch.autograd.Function):
                 tickets: Tickets | None) -> torch.Tensor:
         b, hq, tq, _ = q.shape
         lse = torch.empty((b * k_new.shape[1], hq // k_new.shape[1] * tq), dtype=torch.float32, device=q.device)
-        kept = triton_grad.KeptProbs() if KEEP_PROBS else None
-        out = run(lse, kept).transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
-        probs, maxes = (kept.probs, kept.maxes) if kept is not None else (None, None)
-        ctx.save_for_backward(q, k_new, v_new, k_cached, v_cached, key_mask, out, lse, probs, maxes)
-        ctx.scale, ctx.tickets, ctx.block_n = scale, tickets, kept.block_n if kept is not None else 0
+        out = run(lse).transpose(1, 2)  # (B, Hq, Tq, D), a view of the (B, Tq, Hq, D) buffer
+        ctx.save_for_backward(q, k_new, v_new, k_cached, v_cached, key_mask, out, lse)
+        ctx.scale, ctx.tickets = scale, tickets
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k_new, v_new, k_cached, v_cached, key_mask, out, lse, probs, maxes = ctx.saved_tensors
-        kept = triton_grad.KeptProbs(probs, maxes, ctx.block_n) if probs is not None else None
+        q, k_new, v_new, k_cached, v_cached, key_mask, out, lse = ctx.saved_tensors
         dq, dk, dv = triton_grad.split_attention_grad(q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout,
-                                                      ctx.scale, ctx.tickets, kept=kept)
+                                                      ctx.scale, ctx.tickets)
         return dq, dk, dv, None, None, None, None, None, None

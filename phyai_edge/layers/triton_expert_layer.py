@@ -223,7 +223,7 @@ if triton is not None:
             kt = tl.load(kc_ptr + b * skc_b + h * skc_h + c[None, :] * skc_n + d[:, None], mask=inb[None, :], other=0.0)
             vb = tl.load(vc_ptr + b * svc_b + h * svc_h + c[:, None] * svc_n + d[None, :], mask=inb[:, None], other=0.0)
             ok = _keys_allowed(mask_ptr, b, sm_b, c, TP)
-            m_i, l_i, acc, _ = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         own = (b * NKV + h) * T
         for n0 in range(0, T, BN):
             c = n0 + tl.arange(0, BN)
@@ -233,7 +233,7 @@ if triton is not None:
             vb = tl.load(v_ptr + (own + c)[:, None] * D + d[None, :], mask=inb[:, None], other=0.0,
                          cache_modifier=".cg")
             ok = _keys_allowed(mask_ptr, b, sm_b, TP + c, TP + T)
-            m_i, l_i, acc, _ = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         g = r // T
         t = r % T

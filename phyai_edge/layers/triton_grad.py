@@ -254,24 +254,8 @@ if triton is not None:
         log-sum-exp and dp = dO v; kb, vb (BLOCK_N, D), ok the keys that may be attended."""
         s = _dot(q, tl.trans(kb), UPCAST, IEEE) * scale_log2
         p = tl.where(ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
-        return _dq_from_p(p, do, delta, kb, vb, acc, UPCAST, IEEE)
-
-    @triton.jit
-    def _dq_from_p(p, do, delta, kb, vb, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-        """`_dq_block` given the block's probabilities p (BLOCK_M, BLOCK_N)."""
         ds = p * (_dot(do, tl.trans(vb), UPCAST, IEEE) - delta[:, None])
         return acc + _dot(ds.to(kb.dtype), kb, UPCAST, IEEE)
-
-    @triton.jit
-    def _kept_p(pk_ptr, pm_ptr, bh, r, c, rows, inb, lse, tile, sp_bh, sp_r, tiles):
-        """Probabilities of rows r and keys c from what the forward kept (`KeptProbs`): its
-        numerators 2^(s - m) times 2^(m - lse), m the row's running max after the forward's key
-        block `tile`; 0 outside the rows and keys."""
-        live = r < rows
-        pt = tl.load(pk_ptr + bh * sp_bh + r[:, None] * sp_r + c[None, :], mask=live[:, None] & inb[None, :],
-                     other=0.0)
-        m = tl.load(pm_ptr + (bh * tiles + tile) * rows + r, mask=live, other=0.0)
-        return pt.to(tl.float32) * tl.exp2(m - lse)[:, None]
 
     @triton.jit
     def _merge_partials(part_ptr, stride_split, splits, offs, mask):
@@ -285,15 +269,15 @@ if triton is not None:
     @triton.jit
     def _attn_bwd_kernel(
         q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr,
-        dq_ptr, dk_ptr, dv_ptr, pq_ptr, pkv_ptr, ticket_ptr, pk_ptr, pm_ptr,
-        rows, keys1, keys2, tq, groups, scale_log2, scale, sp_bh, sp_r, tiles,
+        dq_ptr, dk_ptr, dv_ptr, pq_ptr, pkv_ptr, ticket_ptr,
+        rows, keys1, keys2, tq, groups, scale_log2, scale,
         q_blocks, q_splits, keys_per_split, kv_blocks, kv_splits, rows_per_split,
         sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, sdq_b, sdq_h, sdq_t,
         sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, KEPT_P: tl.constexpr, FWD_BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
         """The split attention's backward, two kinds of program in one launch (they need nothing from
         each other: each row's log-sum-exp comes from the forward, delta is recomputed where needed).
@@ -302,9 +286,7 @@ if triton is not None:
         dv = sum p dO and dk = scale * sum p (dp - delta) q over its rows. With more than one range,
         float32 partials go to pq / pkv and the last program of a block (a ticket) sums them in range
         order, so the result does not depend on which program finishes last. The cached keys get no
-        gradient. Row r of the folded query is (head h * groups + r // tq, token r % tq). KEPT_P (one
-        dq range, BLOCK_N dividing the forward's FWD_BLOCK_N): dq reads p from what the forward kept
-        (pk / pm, `KeptProbs`) instead of recomputing q k."""
+        gradient. Row r of the folded query is (head h * groups + r // tq, token r % tq)."""
         pdl_enter(PDL)
         pid = tl.program_id(0)
         bh = tl.program_id(1)
@@ -327,12 +309,8 @@ if triton is not None:
                 inb = c < end1
                 kb = tl.load(k_ptr + b * sk_b + h * sk_h + c[:, None] * sk_n + d[None, :], mask=inb[:, None], other=0.0)
                 vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
-                if KEPT_P:  # one range: start is 0
-                    p = _kept_p(pk_ptr, pm_ptr, bh, r, c, rows, inb, lse, n0 // FWD_BLOCK_N, sp_bh, sp_r, tiles)
-                    acc = _dq_from_p(p, do, delta, kb, vb, acc, UPCAST, IEEE)
-                else:
-                    ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
-                    acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
+                ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
+                acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
             for n0 in range(tl.maximum(start, keys1), end, BLOCK_N):  # the step's own
                 c = n0 + tl.arange(0, BLOCK_N)
                 inb = c < end
@@ -341,13 +319,8 @@ if triton is not None:
                              other=0.0)
                 vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
                              other=0.0)
-                if KEPT_P:  # the forward's second-part blocks follow its first-part ones
-                    tile = tl.cdiv(keys1, FWD_BLOCK_N) + (n0 - keys1) // FWD_BLOCK_N
-                    p = _kept_p(pk_ptr, pm_ptr, bh, r, c, rows, inb, lse, tile, sp_bh, sp_r, tiles)
-                    acc = _dq_from_p(p, do, delta, kb, vb, acc, UPCAST, IEEE)
-                else:
-                    ok = _keys_allowed(m_ptr, b, sm_b, c, end)
-                    acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
+                ok = _keys_allowed(m_ptr, b, sm_b, c, end)
+                acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
             live = r < rows
             dst = _folded_rows(dq_ptr, b, h * groups + r // tq, r % tq, sdq_b, sdq_h, sdq_t, d)
             if q_splits == 1:
@@ -396,34 +369,6 @@ if triton is not None:
                     dv = _merge_partials(pkv_ptr + keys2 * D, split_stride, kv_splits, offs, inb[:, None])
                     tl.store(dk_dst, (dk * scale).to(dk_ptr.dtype.element_ty), mask=inb[:, None])
                     tl.store(dv_dst, dv.to(dv_ptr.dtype.element_ty), mask=inb[:, None])
-
-
-@dataclass
-class KeptProbs:
-    """What the split attention's forward keeps for its backward when it runs as one split under a
-    gradient (`triton_attention.KEEP_PROBS`), so the backward's dq does two matrix products a key
-    block (dp = dO v, dq += ds k) instead of three (also s = q k): each folded row's softmax
-    numerators p~ = 2^(s - m) in the inputs' dtype (in bf16 the rounding the forward's p v product
-    already gave p), `probs` (B x Hkv, rows, keys rounded up to 64; the joined key order, cached
-    then new), and m, the row's running max after each of the forward's key blocks of `block_n`,
-    `maxes` (B x Hkv, blocks of the cached part then of the new part, rows) float32. The backward
-    takes p = p~ 2^(m - lse). Filled by the forward's launch (`fill`), emptied by a launch that
-    splits the keys (`clear`)."""
-
-    probs: torch.Tensor | None = None
-    maxes: torch.Tensor | None = None
-    block_n: int = 0
-
-    def fill(self, groups: int, rows: int, keys1: int, keys2: int, block_n: int, dtype: torch.dtype,
-             device: torch.device) -> None:
-        width = triton.cdiv(keys1 + keys2, 64) * 64  # 16-byte aligned rows
-        blocks = triton.cdiv(keys1, block_n) + triton.cdiv(keys2, block_n)
-        self.probs = _alloc((groups, rows, width), dtype, device)
-        self.maxes = _alloc((groups, blocks, rows), torch.float32, device)
-        self.block_n = block_n
-
-    def clear(self) -> None:
-        self.probs, self.maxes, self.block_n = None, None, 0
 
 
 @dataclass(frozen=True)
@@ -482,8 +427,7 @@ def plan_grad(rows: int, keys: int, keys2: int, groups: int, sms: int, cfg: Grad
 def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.Tensor, v_cached: torch.Tensor,
                          v_new: torch.Tensor, key_mask: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                          dout: torch.Tensor, scale: float, tickets: Tickets | None = None,
-                         config: GradConfig | None = None,
-                         kept: KeptProbs | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         config: GradConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `triton_attention.attention_split` over (cached, new) keys for q (B, Hq, Tq, D)
     and the new keys and values (B, Hkv, Tn, D), from its output `out`, each folded row's
     log-sum-exp `lse` (B x Hkv, Hq / Hkv x Tq) float32 as the forward wrote it (`lse_out`) and the
@@ -491,9 +435,7 @@ def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.T
     (B, N1 + N2) uint8 as the forward read it (`kernel_key_mask`). One launch (`_attn_bwd_kernel`);
     `tickets`: where its merges take their counters (None: a fresh zeroed buffer); `config`: its
     tiling (None: `grad_config`'s choice for the shape, or where that does not fit the GPU the
-    default `GradConfig`, then `SMALL_GRAD`: `triton_dispatch.launch_fitting`). `kept`: the forward's
-    softmax numerators (`KeptProbs`), read by dq instead of recomputing the scores where the tiling
-    gives one dq range whose key blocks tile the forward's; else ignored."""
+    default `GradConfig`, then `SMALL_GRAD`: `triton_dispatch.launch_fitting`)."""
     b, hq, tq, d = q.shape
     hkv = k_new.shape[1]
     groups = hq // hkv
@@ -516,19 +458,14 @@ def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.T
         else:
             ticket_buf = lse
         strides4 = [s for t in (q, dout, out, dq) for s in t.stride()[:3]]
-        use_kept = (kept is not None and kept.probs is not None and kept.maxes is not None and q_splits == 1
-                    and kept.block_n % cfg.block_n == 0)
-        pk, pm = (kept.probs, kept.maxes) if use_kept else (lse, lse)  # never read without KEPT_P
         _attn_bwd_kernel[(q_blocks * q_splits + kv_blocks * kv_splits, b * hkv)](
-            q, dout, out, k_cached, v_cached, k_new, v_new, key_mask, lse, dq, dk, dv, pq, pkv, ticket_buf, pk, pm,
-            rows, keys1, keys2, tq, groups, scale * 1.4426950408889634, scale, pk.stride(0), pk.stride(1),
-            pm.shape[1] if use_kept else 0,
+            q, dout, out, k_cached, v_cached, k_new, v_new, key_mask, lse, dq, dk, dv, pq, pkv, ticket_buf,
+            rows, keys1, keys2, tq, groups, scale * 1.4426950408889634, scale,
             q_blocks, q_splits, per_keys, kv_blocks, kv_splits, per_rows, *strides4,
             *k_cached.stride()[:3], *v_cached.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3],
             key_mask.stride(0), *dk.stride()[:3], *dv.stride()[:3],
             HKV=hkv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=cfg.kv_block_m,
-            KV_BLOCK_N=cfg.kv_block_n, UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, KEPT_P=use_kept,
-            FWD_BLOCK_N=kept.block_n if use_kept else 1, num_warps=cfg.warps,
+            KV_BLOCK_N=cfg.kv_block_n, UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, num_warps=cfg.warps,
             num_stages=cfg.stages, **launch_options(q),
         )
         return dq, dk, dv
