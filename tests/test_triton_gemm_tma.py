@@ -132,7 +132,7 @@ def test_linear_qkv_rope(shape, per_sample_cos, config) -> None:
 def test_linear_qkv_rope_writes_into_given_buffers(room) -> None:
     """k and v go straight into a stacked KV cache's slice: a contiguous one, or one with `room`
     positions after the prefix (the engine's cache for an unmasked action expert), which must stay
-    untouched."""
+    untouched; q into a given buffer of other strides."""
     b, t, k, heads, kv_heads, d = 2, 19, 40, 2, 1, 16
     h = _randn(b, t, k, dtype=torch.bfloat16, seed=13)
     w = _weight((heads + 2 * kv_heads) * d, k, torch.bfloat16, seed=14)
@@ -140,12 +140,16 @@ def test_linear_qkv_rope_writes_into_given_buffers(room) -> None:
     cos, sin = (c.to(DEVICE) for c in rope_cos_sin(positions, d, 10000.0, torch.bfloat16))
     cache = torch.full((2, 3, b, kv_heads, t + room, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     k_out, v_out = cache[0, 1, :, :, :t], cache[1, 1, :, :, :t]
-    _, k_, v = tma.linear_qkv_rope(h, w, cos, sin, heads, kv_heads, d, "triton", k_out=k_out, v_out=v_out,
-                                   config=QKV_CONFIGS["tiles"])
+    # q into a (B, T, H, D) buffer seen as (B, H, T, D): the layout SDPA folds without a copy
+    q_buf = torch.full((b, t, heads, d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    q_, k_, v = tma.linear_qkv_rope(h, w, cos, sin, heads, kv_heads, d, "triton", k_out=k_out, v_out=v_out,
+                                    q_out=q_buf.transpose(1, 2), config=QKV_CONFIGS["tiles"])
     assert k_.data_ptr() == cache[0, 1].data_ptr() and v.data_ptr() == cache[1, 1].data_ptr()
+    assert q_.data_ptr() == q_buf.data_ptr() and q_.shape == (b, heads, t, d) and torch.isfinite(q_buf).all()
     assert torch.isfinite(cache[:, 1, :, :, :t]).all()
     assert torch.isnan(cache[:, 1, :, :, t:]).all() and torch.isnan(cache[:, 0]).all() and torch.isnan(cache[:, 2]).all()
-    _, rk, rv = linear_qkv_rope_ref(h, w, cos, sin, heads, kv_heads, d)
+    rq, rk, rv = linear_qkv_rope_ref(h, w, cos, sin, heads, kv_heads, d)
+    assert (q_.float() - rq.float()).abs().max() < 0.05
     assert (k_out.float() - rk.float()).abs().max() < 0.05
     assert (v_out.float() - rv.float()).abs().max() < 0.05
     with pytest.raises(ValueError, match=r"k_out: a .* unit last stride"):

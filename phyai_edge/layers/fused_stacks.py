@@ -272,7 +272,10 @@ def plain_block_stack(
     last = len(blocks) - 1
     for i, block in enumerate(blocks):
         attn = block.self_attn
-        q, k, v = _prefix_qkv(attn, h, cos, sin, backend, ks[i], vs[i])
+        # Without a mask SDPA folds a (B, T, H, D) query token-major and hands its output back in the
+        # o-projection's layout; the split kernel folds a (B, H, T, D) one head-major. Either way no copy.
+        q_out = _query_buffer(attn, h) if dense else h.new_empty(h.shape[0], attn.num_heads, h.shape[1], attn.head_dim)
+        q, k, v = _prefix_qkv(attn, h, cos, sin, backend, ks[i], vs[i], q_out)
         if i == last:
             break
         y = _attend(attn, q, k, v, mask, attend, None, backend)
@@ -297,17 +300,18 @@ def check_kv_out(out: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, ...],
 
 
 def _prefix_qkv(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str,
-                k_out: torch.Tensor, v_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The prefix's q, k, v with RoPE, k and v written into `k_out` / `v_out`: one TMA GEMM with
+                k_out: torch.Tensor, v_out: torch.Tensor,
+                q_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prefix's q, k, v with RoPE, written into `q_out`, `k_out`, `v_out`: one TMA GEMM with
     RoPE in its epilogue where `triton_gemm_tma.takes` the projection (large batches on Hopper),
-    else the projection, `qkv_rope` and two copies."""
+    else the projection and `qkv_rope` (its kernel writes the three buffers)."""
     if (resolve_backend(backend, h.device) == "triton" and attn.qkv_proj is not None
             and triton_gemm_tma.takes("qkv_rope", attn.qkv_proj, h)):
         return triton_gemm_tma.linear_qkv_rope(h, attn.qkv_proj.weight, cos, sin, attn.num_heads,
-                                               attn.num_kv_heads, attn.head_dim, "triton", k_out=k_out, v_out=v_out)
-    q, k, v = qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                       backend)
-    return q, k_out.copy_(k), v_out.copy_(v)
+                                               attn.num_kv_heads, attn.head_dim, "triton", k_out=k_out, v_out=v_out,
+                                               q_out=q_out)
+    return qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim, backend,
+                    out=(q_out, k_out, v_out))
 
 
 # -- the SigLIP encoder on the fused ops ------------------------------------------------------------

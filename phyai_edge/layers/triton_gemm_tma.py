@@ -221,13 +221,15 @@ if triton is not None:
         a_desc, w_desc, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
         M, K, seq_len, num_heads, num_kv_heads,
         stride_cb, stride_ct, stride_sb, stride_st, stride_kv_b, stride_kv_h, stride_kv_t,
+        stride_q_b, stride_q_h, stride_q_t,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PROGRAMS: tl.constexpr, UPCAST: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
     ):
         # A tile is BLOCK_M tokens of one head (q, k or v): RoPE's pairs (d, d + D/2) are in the
         # same accumulator. Rows are (sample, token) pairs, so a tile may span two samples: the
         # (B, heads, T, D) outputs are written through pointers, not a descriptor. k and v share
-        # strides (a KV cache's two halves, possibly with room after the prefix: not contiguous).
+        # strides (a KV cache's two halves, possibly with room after the prefix: not contiguous); q
+        # has its own (a (B, T, H, D) buffer seen as (B, H, T, D) for SDPA's token-major folding).
         HALF: tl.constexpr = HEAD_DIM // 2
         tiles_m = tl.cdiv(M, BLOCK_M)
         heads = num_heads + 2 * num_kv_heads
@@ -257,7 +259,7 @@ if triton is not None:
                 o1 = x1
                 o2 = x2
             if head < num_heads:
-                dst = q_ptr + ((b * num_heads + head) * seq_len + t) * HEAD_DIM + cols
+                dst = q_ptr + b * stride_q_b + head * stride_q_h + t * stride_q_t + cols
             elif head < num_heads + num_kv_heads:
                 dst = k_ptr + b * stride_kv_b + (head - num_heads) * stride_kv_h + t * stride_kv_t + cols
             else:
@@ -380,22 +382,29 @@ def linear_qkv_rope(
     h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
     num_kv_heads: int, head_dim: int, backend: str = "reference", *, bias: torch.Tensor | None = None,
     config: TmaConfig | None = None, k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
+    q_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract of `triton_gemm.linear_qkv_rope_ref` (q (B, H, T, D); k, v (B, Hkv, T, D); cos,
     sin (B or 1, 1, T, D)), as one TMA GEMM with RoPE in its epilogue. `k_out` / `v_out`: (B, Hkv,
     T, D) buffers with a unit last stride to write k / v into (a slice of a stacked KV cache, which
-    may have room after the prefix: no later copy); both or neither, with the same strides. The
-    reference path copies into them. head_dim: a power of two, 16..256 (one tile's columns)."""
+    may have room after the prefix: no later copy); both or neither, with the same strides. `q_out`:
+    a (B, H, T, D) buffer with a unit last stride for q (a (B, T, H, D) buffer seen transposed, which
+    SDPA folds and hands back without copies). The reference path copies into them. head_dim: a
+    power of two, 16..256 (one tile's columns)."""
     _qkv_shapes(h, weight, cos, num_heads, num_kv_heads, head_dim)
     b, t, _ = h.shape
     kv_shape = (b, num_kv_heads, t, head_dim)
     for name, buf in (("k_out", k_out), ("v_out", v_out)):
         if buf is not None:
             check_out_buffer(name, buf, kv_shape, h.dtype)
+    if q_out is not None:
+        check_out_buffer("q_out", q_out, (b, num_heads, t, head_dim), h.dtype)
     if (k_out is None) != (v_out is None) or (k_out is not None and k_out.stride() != v_out.stride()):
         raise ValueError("k_out and v_out: both or neither, with the same strides")
     if not _use_triton(backend, h, weight, cos, sin):
         q, k, v = linear_qkv_rope_ref(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias)
+        if q_out is not None:
+            q = q_out.copy_(q)
         if k_out is not None:
             k = k_out.copy_(k)
         if v_out is not None:
@@ -414,7 +423,7 @@ def linear_qkv_rope(
     sin3 = sin3 if sin3.stride(-1) == 1 else sin3.contiguous()
     if cos3.shape[0] not in (1, b) or sin3.shape[0] != cos3.shape[0]:
         raise ValueError(f"cos / sin batch {cos3.shape[0]} / {sin3.shape[0]}: 1 or {b} expected")
-    q = torch.empty((b, num_heads, t, head_dim), dtype=h.dtype, device=h.device)
+    q = q_out if q_out is not None else torch.empty((b, num_heads, t, head_dim), dtype=h.dtype, device=h.device)
     k = k_out if k_out is not None else torch.empty(kv_shape, dtype=h.dtype, device=h.device)
     v = v_out if v_out is not None else torch.empty(kv_shape, dtype=h.dtype, device=h.device)
     m = a.shape[0]
@@ -432,7 +441,7 @@ def linear_qkv_rope(
             a_desc, w_desc, cos3, sin3, q, k, v,
             m, a.shape[1], t, num_heads, num_kv_heads,
             cos3.stride(0) if cos3.shape[0] > 1 else 0, cos3.stride(1),
-            sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1), *k.stride()[:3],
+            sin3.stride(0) if sin3.shape[0] > 1 else 0, sin3.stride(1), *k.stride()[:3], *q.stride()[:3],
             HEAD_DIM=head_dim, BLOCK_M=c.block_m, BLOCK_K=c.block_k, GROUP_M=c.group_m,
             PROGRAMS=programs, UPCAST=interpret_mode(), FLATTEN=c.flatten, WS=c.warp_specialize and _ws_works(),
             num_warps=c.warps, num_stages=c.stages,
