@@ -239,6 +239,21 @@ def test_cudagraph_engine_runs_the_toy(policy, batch, caplog):
     """CPU run of the cudagraph engine's generic path (static buffers from the toy's stage_specs,
     the per-chunk stages and the solver loop run eagerly, as they would be captured), every RTC
     mode, against the eager engine; as tests/test_cudagraph.py does for PI0.5."""
+    _check_cudagraph_toy(policy, batch, "cpu", caplog, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cudagraph_engine_captures_the_toy_on_a_gpu(policy, batch, caplog, monkeypatch):
+    """The same on a GPU: the per-chunk stages captured in one graph and each RTC mode's solver loop in
+    another, replayed, against the eager engine on the CPU (float32 both; TF32 off for the toy's
+    convolution)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    _check_cudagraph_toy(policy, batch, "cuda", caplog, atol=1e-4)
+
+
+def _check_cudagraph_toy(policy, batch, device, caplog, atol):
     import copy
     import logging
 
@@ -248,9 +263,10 @@ def test_cudagraph_engine_runs_the_toy(policy, batch, caplog):
     a = copy.copy(policy.adapter)
     a.module = copy.deepcopy(policy.adapter.module)
     with caplog.at_level(logging.INFO, logger="phyai_edge.engines.cudagraph"):
-        eng = CudaGraphEngine(a, device="cpu", dtype="float32")
+        eng = CudaGraphEngine(a, device=device, dtype="float32")
     assert eng.generic
-    assert sum("CUDA graphs need a CUDA device" in r.getMessage() for r in caplog.records) == 1
+    fallback = sum("CUDA graphs need a CUDA device" in r.getMessage() for r in caplog.records)
+    assert fallback == (1 if device == "cpu" else 0)
     eager = policy.engine
     obs = [toy_obs(a, seed=10 + i, missing="wrist" if i == 1 else None) for i in range(batch)]
     x = a.preprocess(obs)
@@ -268,17 +284,20 @@ def test_cudagraph_engine_runs_the_toy(policy, batch, caplog):
     free = eager.run(x, noise=n)
     for rtc in cases:
         want = eager.run(x, noise=n, rtc=rtc)
-        got = eng.run(x, noise=n, rtc=rtc)
+        got = eng.run(x, noise=n, rtc=rtc).cpu()
         assert got.shape == (batch, h, d)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
         if rtc is not None:  # the guidance did something, so the comparison is not of two free runs
             assert (got - free).abs().max() > 1e-3, rtc.mode
     assert set(eng.last_stage_ms) == {"encode_obs", "velocity", "solver_loop"}
+    if device != "cpu":  # every graph captured, none fell back to eager
+        said = [r.getMessage() for r in caplog.records]
+        assert not any("capture failed" in m or "eagerly" in m for m in said), said
     # Through the policy API too (the runtime unchanged: make_engine by name).
     from phyai_edge.engines.policy import Policy
 
     np.testing.assert_allclose(Policy(a, eng).infer(obs, noise=n).actions, policy.infer(obs, noise=n).actions,
-                               atol=1e-5, rtol=0)
+                               atol=atol, rtol=0)
 
 
 def test_cudagraph_engine_toy_bf16(policy):
