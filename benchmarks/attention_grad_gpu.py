@@ -8,7 +8,8 @@ cached prefix keys, a few of them masked, and the step's own 50 keys; head size 
 - "kernel": the split kernel's forward and its backward (`triton_grad.split_attention_grad`) with the
   tiling `triton_grad.grad_config` chooses for the shape, through autograd as the engine calls it;
 - the backward launch alone for that tiling ("default") and every tiling of a sweep
-  (`triton_grad.GradConfig`; `--focus`: a short one around the rule's two tilings), each checked
+  (`triton_grad.GradConfig`; `--focus`: a short one around the rule's two tilings; `--kv-focus`: the
+  dk / dv programs' key blocks, row blocks and row ranges around both), each checked
   against fp32 autograd first.
 Every gradient is checked against the fp32 reference (q, the new keys, the new values; relative
 Frobenius error). Prints one table per shape and the rule it suggests for
@@ -46,13 +47,22 @@ BATCHES = (1, 2, 4, 8, 16, 32)
 CALLS = 10  # calls per captured graph
 
 
-def sweep(tiny: bool, focus: bool = False) -> list[Any]:
+def sweep(tiny: bool, focus: bool = False, kv_focus: bool = False) -> list[Any]:
+    from dataclasses import replace
+
     from phyai_edge.layers.triton_dispatch import NO_SPLIT
-    from phyai_edge.layers.triton_grad import GradConfig
+    from phyai_edge.layers.triton_grad import LARGE_GRAD, GradConfig
 
     if tiny:
         return [GradConfig(block_n=16, min_keys=16, min_rows=16), GradConfig(block_m=32, kv_block_m=32)]
     out = []
+    if kv_focus:
+        # the step's own keys' programs (dk / dv), which earlier sweeps left at 16 keys a block: each
+        # block re-reads its rows' q, dO and O and recomputes delta, so fewer, wider blocks read less
+        for base in (GradConfig(), LARGE_GRAD):
+            for kbn, kbm, min_rows in itertools.product((16, 32, 64), (32, 64), (64, 128, NO_SPLIT)):
+                out.append(replace(base, kv_block_n=kbn, kv_block_m=kbm, min_rows=min_rows))
+        return out
     if focus:
         # around the two tilings `grad_config` chooses between: the small one's range sizes and dk / dv
         # blocks; the large ones with and without dq key ranges (min_keys NO_SPLIT: one range)
@@ -188,6 +198,8 @@ def main() -> None:
     p.add_argument("--fwd-bwd-only", action="store_true", help="only SDPA and the kernel through autograd")
     p.add_argument("--no-sweep", action="store_true", help="the rule's tiling only")
     p.add_argument("--focus", action="store_true", help="a short sweep around the tilings the rule chooses")
+    p.add_argument("--kv-focus", action="store_true",
+                   help="a sweep of the dk / dv programs' blocks and row ranges around both tilings")
     p.add_argument("--block-m", default=None, help="comma-separated: sweep only tilings with these dq block rows")
     p.add_argument("--engine-layout", action="store_true",
                    help="dO and the new values as the strided views the guided step passes (not contiguous)")
@@ -196,7 +208,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16
     batches = tuple(int(x) for x in args.batches.split(",")) if args.batches else ((1, 2) if args.tiny else BATCHES)
-    configs = [] if (args.no_sweep or args.fwd_bwd_only) else sweep(args.tiny, args.focus)
+    configs = [] if (args.no_sweep or args.fwd_bwd_only) else sweep(args.tiny, args.focus, args.kv_focus)
     if args.block_m:
         keep = {int(x) for x in args.block_m.split(",")}
         configs = [c for c in configs if c.block_m in keep]

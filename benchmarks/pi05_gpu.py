@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -215,9 +216,9 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
                                              "_same_as": "triton+gemm"}, shapes),
         ("triton+gemm, kernel VJP attention", {"triton_ops": True, "triton_gemm": True, "_vjp_attention": True,
                                                "_same_as": "triton+gemm"}, shapes),
-        # the attention backward's tiling as the tenth session left it, 32-row blocks with key ranges of at
-        # least 128 keys at every batch (`triton_grad.grad_config` replaced); the default takes 64-row
-        # blocks over every key from batch 5 and shorter ranges below
+        # the attention backward's tiling as the eleventh session left it: from batch 5 the dk / dv
+        # programs over row ranges of at least 64 rows (`triton_grad.LARGE_GRAD.min_rows` 64); the
+        # default gives each of them every row
         ("triton+gemm, previous VJP tiling", {"triton_ops": True, "triton_gemm": True, "_previous_vjp_tiling": True,
                                               "_same_as": "triton+gemm"}, shapes),
     ]
@@ -317,8 +318,9 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         tma_before = ({} if tma_routes is None else
                       {op: set_route(op, op in tma_routes) for op in ("geglu", "qkv_rope", "linear")})
         grad_rule_before = grad_mod.grad_config
+        large_before = grad_mod.LARGE_GRAD
         if previous_vjp_tiling:
-            grad_mod.grad_config = lambda rows, groups, sms: grad_mod.GradConfig(min_keys=128, min_rows=64)
+            grad_mod.LARGE_GRAD = dataclasses.replace(large_before, min_rows=64)
         geglu_before = tma_mod.geglu_config
         if geglu_rule is not None:
             tma_mod.geglu_config = geglu_rule
@@ -387,6 +389,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
                 set_route(op, on)
             tma_mod.geglu_config = geglu_before
             grad_mod.grad_config = grad_rule_before
+            grad_mod.LARGE_GRAD = large_before
             cudagraph.EXACT_PROMPT_LENGTHS = exact_before
         sync(dev)
         if dev.startswith("cuda"):

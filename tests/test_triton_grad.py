@@ -201,8 +201,9 @@ def test_grad_tiling_by_shape() -> None:
     assert triton_grad.grad_config(400, 4, 132) == triton_grad.GradConfig()
     assert triton_grad.grad_config(400, 1, 132) == triton_grad.GradConfig()
     assert large.block_m == 64 and triton_grad.GradConfig().block_m == 32
-    assert triton_grad.plan_grad(400, 866, 50, 32, 132, large)[0] == 1  # one dq range, whatever the batch
-    assert triton_grad.plan_grad(400, 866, 50, 5, 132, large)[0] == 1
+    for batch in (5, 8, 32, 64):  # one dq range and one dk / dv range, whatever the batch
+        q_splits, _, kv_splits, _ = triton_grad.plan_grad(400, 866, 50, batch, 132, large)
+        assert q_splits == kv_splits == 1
 
 
 @kernels

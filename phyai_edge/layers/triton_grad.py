@@ -391,11 +391,14 @@ class GradConfig:
 
 
 # 64-row dq blocks on one warpgroup (4 warps: Hopper's wgmma takes 64 rows a warpgroup) with three
-# stages, each over every key (one dq range: no float32 partials to write and merge), 64-row dk / dv
-# blocks. On the H200 (2026-12-04) at PI0.5's expert batch 8 / 16 / 24 / 32 / 64: 48.9 / 78.1 / 99.8 /
-# 131.1 / 230.0 us against 60.6 / 99.1 / 148.1 / 176.3 / 313.1 for the tenth session's 32-row tiling;
-# the same blocks with two dq key ranges took 152.8 us at batch 32; at batch 4 both tilings took 34.1
-LARGE_GRAD = GradConfig(block_m=64, block_n=32, kv_block_m=64, stages=3, min_keys=NO_SPLIT, min_rows=64)
+# stages, each over every key (one dq range: no float32 partials to write and merge), and 64-row dk /
+# dv blocks, each over every row (one dk / dv range, likewise). On the H200 (2026-12-04) at PI0.5's
+# expert batch 8 / 16 / 24 / 32 / 64: 48.9 / 78.1 / 99.8 / 131.1 / 230.0 us with dk / dv row ranges of
+# 64 rows or more, against 60.6 / 99.1 / 148.1 / 176.3 / 313.1 for the tenth session's 32-row tiling;
+# one dk / dv range then took 41.4 us at batch 8 and 118.2 at 32 (48.7 / 131.2 with the ranges, same
+# call); the same blocks with two dq key ranges took 152.8 us at batch 32; at batch 4 both tilings
+# took 34.1. Wider dk / dv key blocks (32, 64) were slower at every batch (e.g. 180.9 at 32).
+LARGE_GRAD = GradConfig(block_m=64, block_n=32, kv_block_m=64, stages=3, min_keys=NO_SPLIT, min_rows=NO_SPLIT)
 
 
 # the least shared memory: where neither tiling above fits the GPU (see `split_attention_grad`)
