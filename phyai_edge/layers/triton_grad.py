@@ -5,7 +5,7 @@ velocity with respect to the noisy actions: a backward pass through the action e
 input gradient only (the weights, the prefix's KV cache, the rotary tables and the time
 modulations are constants). Without a backward for the kernels that pass ran every op on its
 plain-torch reference, forward and backward (on the H200 a batch-1 chunk took +352-362% over the
-unguided one; now +80%, batch 8 +109% -> +35%, batch 32 +67% -> +21.5%: benchmarks/RESULTS.md).
+unguided one; now +76-80%, batch 8 +109% -> +33-35%, batch 32 +67% -> +21.5-22.8%, by machine: RESULTS.md).
 Here are the backward kernels of the autograd functions that the fused ops use when a gradient is
 needed (each function lives beside its forward op and kernel; this module needs only
 `triton_dispatch`), for the gradients of the activation inputs only:
