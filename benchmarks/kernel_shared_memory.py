@@ -11,12 +11,20 @@ it to 139776).
 
     python benchmarks/kernel_shared_memory.py                 # sm_87 (Orin), sm_89 (RTX 40), sm_90 (H100 / H200)
     python benchmarks/kernel_shared_memory.py --archs 87,120
+    python benchmarks/kernel_shared_memory.py --mma --archs 90   # which MMA instructions, and their waits
+
+`--mma` prints, per tiling and target, how many of the kernel's matrix products compile to Hopper's
+asynchronous warpgroup MMA (wgmma) and how many to the older synchronous mma.sync, and for the
+wgmma ones how many outstanding products each wait leaves in flight ("pendings"): 0 everywhere means
+every product is waited for right after it is issued, so the tensor cores idle while the softmax and
+the other elementwise work between products run.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import re
 from typing import Any
 
 import triton
@@ -63,18 +71,31 @@ def backward(cfg: tg.GradConfig) -> tuple[Any, dict[str, str], dict[str, Any]]:
     return tg._attn_bwd_kernel, _signature(tg._attn_bwd_kernel, ptrs, {"scale_log2", "scale"}), const
 
 
+def mma_report(kernel: Any) -> str:
+    """'wgmma W (waits leaving 0/1/.. in flight: ...), mma.sync M' from a compiled kernel's TTGIR."""
+    ttgir = kernel.asm.get("ttgir", "")
+    issued = len(re.findall(r"= ttng\.warp_group_dot ", ttgir))
+    pendings = sorted({int(x) for x in re.findall(r"ttng\.warp_group_dot_wait[^\n]*pendings = (\d+)", ttgir)})
+    synced = len(re.findall(r"= tt\.dot ", ttgir))
+    return f"wgmma {issued} (waits leave {pendings} in flight), other dots {synced}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", default="87,89,90", help="compute capabilities, e.g. 87,89,90,120")
+    p.add_argument("--mma", action="store_true", help="the matrix-product instructions and their waits instead")
     args = p.parse_args()
     archs = [int(a) for a in args.archs.split(",")]
     tilings = [(f"forward {n}", forward, getattr(ta, n)) for n in
                ("FEW_BLOCKS", "MANY_BLOCKS", "MID_BLOCKS", "BIG_BLOCKS", "SMALL_BLOCKS")]
     tilings += [("backward GradConfig()", backward, tg.GradConfig()), ("backward LARGE_GRAD", backward, tg.LARGE_GRAD),
                 ("backward SMALL_GRAD", backward, tg.SMALL_GRAD)]
-    print(f"triton {triton.__version__}; shared memory a block, bytes (* = over the GPU's limit)")
     heads = [" ".join((f"sm_{a}", NAMES.get(a, ""))) for a in archs]
-    print(f"  {'tiling':26s}" + "".join(f"{h:>22s}" for h in heads))
+    if args.mma:
+        print(f"triton {triton.__version__}; matrix products as compiled (TTGIR)")
+    else:
+        print(f"triton {triton.__version__}; shared memory a block, bytes (* = over the GPU's limit)")
+        print(f"  {'tiling':26s}" + "".join(f"{h:>22s}" for h in heads))
     for label, build, cfg in tilings:
         cells = []
         for arch in archs:
@@ -82,12 +103,17 @@ def main() -> None:
             try:
                 k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", arch, 32),
                                    options={"num_warps": cfg.warps, "num_stages": cfg.stages})
+                if args.mma:
+                    print(f"  {label:26s} sm_{arch}: {mma_report(k)}", flush=True)
+                    continue
                 over = "*" if k.metadata.shared > LIMITS.get(arch, 1 << 62) else " "
                 cells.append(f"{k.metadata.shared:>21d}{over}")
             except Exception as exc:  # a target this Triton cannot compile for
                 cells.append(f"{type(exc).__name__[:21]:>21s} ")
-        print(f"  {label:26s}" + "".join(cells), flush=True)
-    print("limits: " + ", ".join(f"sm_{a} {LIMITS[a]}" for a in archs if a in LIMITS))
+        if not args.mma:
+            print(f"  {label:26s}" + "".join(cells), flush=True)
+    if not args.mma:
+        print("limits: " + ", ".join(f"sm_{a} {LIMITS[a]}" for a in archs if a in LIMITS))
 
 
 if __name__ == "__main__":
