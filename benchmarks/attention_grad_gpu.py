@@ -7,7 +7,9 @@ cached prefix keys, a few of them masked, and the step's own 50 keys; head size 
 - "sdpa": SDPA over the keys joined by copies, forward and backward by autograd (cuDNN on Hopper);
 - "kernel": the split kernel's forward and its backward (`triton_grad.split_attention_grad`) with the
   tiling `triton_grad.grad_config` chooses for the shape, through autograd as the engine calls it;
-- the backward launch alone for that tiling ("default") and every tiling of a sweep
+- the backward launch alone for that tiling ("default"; "default, two launches": the same with dq's
+  programs and the new keys' programs launched apart, `GradConfig.separate_launches`) and every
+  tiling of a sweep
   (`triton_grad.GradConfig`; `--focus`: a short one around the rule's two tilings; `--kv-focus`: the
   dk / dv programs' key blocks, row blocks and row ranges around both), each checked
   against fp32 autograd first.
@@ -32,6 +34,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +51,6 @@ CALLS = 10  # calls per captured graph
 
 
 def sweep(tiny: bool, focus: bool = False, kv_focus: bool = False) -> list[Any]:
-    from dataclasses import replace
-
     from phyai_edge.layers.triton_dispatch import NO_SPLIT
     from phyai_edge.layers.triton_grad import LARGE_GRAD, GradConfig
 
@@ -165,6 +166,13 @@ def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[An
 
             plan = tg.plan_grad(rows_, n1 + n2, n2, b, sms, cfg)
             timed("backward, default" if i == 0 else "backward", bwd, {"config": cfg.__dict__, "plan": plan})
+            if i == 0:  # the same tiling with each kind of program in a launch of its own
+                two = replace(cfg, separate_launches=True)
+
+                def bwd_two(cfg: Any = two) -> tuple[torch.Tensor, ...]:
+                    return tg.split_attention_grad(q, kc, kn, vc, vn, key_mask, out, lse, dout, d ** -0.5, tickets, cfg)
+
+                timed("backward, default, two launches", bwd_two, {"config": two.__dict__, "plan": plan})
     sweep_rows = [r for r in rows if r["variant"] == "backward" and "us" in r]
     best = min(sweep_rows, key=lambda r: r["us"]) if sweep_rows else None
     # the backward's matmul FLOPs: dq recomputes scores, dp and ds k over every key; dk / dv recompute

@@ -221,6 +221,10 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # default gives each of them every row
         ("triton+gemm, previous VJP tiling", {"triton_ops": True, "triton_gemm": True, "_previous_vjp_tiling": True,
                                               "_same_as": "triton+gemm"}, shapes),
+        # the attention backward's two kinds of program in two launches (`GradConfig.separate_launches`, each
+        # kernel then asks only its own kind's shared memory); the default launches them together
+        ("triton+gemm, two VJP launches", {"triton_ops": True, "triton_gemm": True, "_separate_vjp_launches": True,
+                                           "_same_as": "triton+gemm"}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -307,6 +311,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         kernel_backward = kw.pop("_kernel_backward", True)
         grad_on_kernel = kw.pop("_vjp_attention", None)
         previous_vjp_tiling = kw.pop("_previous_vjp_tiling", False)
+        separate_vjp = kw.pop("_separate_vjp_launches", False)
         geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
@@ -321,6 +326,9 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         large_before = grad_mod.LARGE_GRAD
         if previous_vjp_tiling:
             grad_mod.LARGE_GRAD = dataclasses.replace(large_before, min_rows=64)
+        if separate_vjp:
+            grad_mod.grad_config = lambda rows, groups, sms, rule=grad_rule_before: dataclasses.replace(
+                rule(rows, groups, sms), separate_launches=True)
         geglu_before = tma_mod.geglu_config
         if geglu_rule is not None:
             tma_mod.geglu_config = geglu_rule

@@ -267,6 +267,106 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _dq_program(
+        q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, dq_ptr, pq_ptr, ticket_ptr,
+        pid, b, h, bh, rows, keys1, keys2, tq, groups, scale_log2, scale, q_blocks, q_splits, keys_per_split,
+        sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, sdq_b, sdq_h, sdq_t,
+        sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
+        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """One (query block, key range) program of `_attn_bwd_kernel`: dq = scale * sum p (dp - delta) k
+        over its keys, one loop per key part."""
+        d = tl.arange(0, D)
+        keys = keys1 + keys2
+        blk = pid % q_blocks
+        split = pid // q_blocks
+        r = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        q, do, lse, delta = _rows_in(q_ptr, do_ptr, o_ptr, lse_ptr, b, h, bh, r, rows, rows, tq, groups,
+                                     sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, d)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        start = split * keys_per_split
+        end = tl.minimum(start + keys_per_split, keys)
+        end1 = tl.minimum(end, keys1)
+        for n0 in range(start, end1, BLOCK_N):  # the cached part
+            c = n0 + tl.arange(0, BLOCK_N)
+            inb = c < end1
+            kb = tl.load(k_ptr + b * sk_b + h * sk_h + c[:, None] * sk_n + d[None, :], mask=inb[:, None], other=0.0)
+            vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
+            ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
+            acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
+        for n0 in range(tl.maximum(start, keys1), end, BLOCK_N):  # the step's own
+            c = n0 + tl.arange(0, BLOCK_N)
+            inb = c < end
+            c2 = c - keys1
+            kb = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[:, None] * sk2_n + d[None, :], mask=inb[:, None],
+                         other=0.0)
+            vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
+                         other=0.0)
+            ok = _keys_allowed(m_ptr, b, sm_b, c, end)
+            acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
+        live = r < rows
+        dst = _folded_rows(dq_ptr, b, h * groups + r // tq, r % tq, sdq_b, sdq_h, sdq_t, d)
+        if q_splits == 1:
+            tl.store(dst, (acc * scale).to(dq_ptr.dtype.element_ty), mask=live[:, None])
+        else:
+            offs = (bh * rows + r)[:, None] * D + d[None, :]
+            split_stride = tl.num_programs(1) * rows * D
+            tl.store(pq_ptr + split * split_stride + offs, acc, mask=live[:, None])
+            if _last_of(ticket_ptr + bh * q_blocks + blk, q_splits):
+                acc = _merge_partials(pq_ptr, split_stride, q_splits, offs, live[:, None])
+                tl.store(dst, (acc * scale).to(dq_ptr.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _dkdv_program(
+        q_ptr, do_ptr, o_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, dk_ptr, dv_ptr, pkv_ptr, ticket_ptr,
+        j, b, h, bh, rows, keys1, keys2, tq, groups, scale_log2, scale, q_blocks, kv_blocks, kv_splits,
+        rows_per_split,
+        sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
+        sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
+        D: tl.constexpr, KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """One (block of the step's own keys, row range) program of `_attn_bwd_kernel`: dv = sum p dO and
+        dk = scale * sum p (dp - delta) q over its rows."""
+        d = tl.arange(0, D)
+        keys = keys1 + keys2
+        blk = j % kv_blocks
+        split = j // kv_blocks
+        c2 = blk * KV_BLOCK_N + tl.arange(0, KV_BLOCK_N)
+        inb = c2 < keys2
+        kb = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[:, None] * sk2_n + d[None, :], mask=inb[:, None], other=0.0)
+        vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None], other=0.0)
+        ok = _keys_allowed(m_ptr, b, sm_b, keys1 + c2, keys)
+        dk = tl.zeros([KV_BLOCK_N, D], tl.float32)
+        dv = tl.zeros([KV_BLOCK_N, D], tl.float32)
+        r_start = split * rows_per_split
+        r_end = tl.minimum(r_start + rows_per_split, rows)
+        for m0 in range(r_start, r_end, KV_BLOCK_M):
+            r = m0 + tl.arange(0, KV_BLOCK_M)
+            q, do, lse, delta = _rows_in(q_ptr, do_ptr, o_ptr, lse_ptr, b, h, bh, r, r_end, rows, tq, groups,
+                                         sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, d)
+            p = tl.exp2(_dot(q, tl.trans(kb), UPCAST, IEEE) * scale_log2 - lse[:, None])
+            p = tl.where((r < r_end)[:, None] & ok[None, :], p, 0.0)
+            dv += _dot(tl.trans(p.to(do.dtype)), do, UPCAST, IEEE)
+            ds = p * (_dot(do, tl.trans(vb), UPCAST, IEEE) - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST, IEEE)
+        dk_dst = dk_ptr + b * sdk_b + h * sdk_h + c2[:, None] * sdk_n + d[None, :]
+        dv_dst = dv_ptr + b * sdv_b + h * sdv_h + c2[:, None] * sdv_n + d[None, :]
+        if kv_splits == 1:
+            tl.store(dk_dst, (dk * scale).to(dk_ptr.dtype.element_ty), mask=inb[:, None])
+            tl.store(dv_dst, dv.to(dv_ptr.dtype.element_ty), mask=inb[:, None])
+        else:
+            offs = ((bh * 2) * keys2 + c2)[:, None] * D + d[None, :]  # (split, bh, dk | dv, key, D)
+            split_stride = tl.num_programs(1) * 2 * keys2 * D
+            tl.store(pkv_ptr + split * split_stride + offs, dk, mask=inb[:, None])
+            tl.store(pkv_ptr + split * split_stride + keys2 * D + offs, dv, mask=inb[:, None])
+            if _last_of(ticket_ptr + tl.num_programs(1) * q_blocks + bh * kv_blocks + blk, kv_splits):
+                dk = _merge_partials(pkv_ptr, split_stride, kv_splits, offs, inb[:, None])
+                dv = _merge_partials(pkv_ptr + keys2 * D, split_stride, kv_splits, offs, inb[:, None])
+                tl.store(dk_dst, (dk * scale).to(dk_ptr.dtype.element_ty), mask=inb[:, None])
+                tl.store(dv_dst, dv.to(dv_ptr.dtype.element_ty), mask=inb[:, None])
+
+    @triton.jit
     def _attn_bwd_kernel(
         q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr,
         dq_ptr, dk_ptr, dv_ptr, pq_ptr, pkv_ptr, ticket_ptr,
@@ -277,98 +377,46 @@ if triton is not None:
         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+        UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PART: tl.constexpr,
     ):
-        """The split attention's backward, two kinds of program in one launch (they need nothing from
-        each other: each row's log-sum-exp comes from the forward, delta is recomputed where needed).
-        Programs [0, q_blocks * q_splits): one (query block, key range): dq = scale * sum p (dp - delta) k
-        over its keys, one loop per key part. The rest: one (block of the step's own keys, row range):
-        dv = sum p dO and dk = scale * sum p (dp - delta) q over its rows. With more than one range,
-        float32 partials go to pq / pkv and the last program of a block (a ticket) sums them in range
-        order, so the result does not depend on which program finishes last. The cached keys get no
-        gradient. Row r of the folded query is (head h * groups + r // tq, token r % tq)."""
+        """The split attention's backward: two kinds of program that need nothing from each other (each
+        row's log-sum-exp comes from the forward, delta is recomputed where needed). PART 0: both in one
+        launch, programs [0, q_blocks * q_splits) of the first kind (`_dq_program`: one query block
+        and key range each), the rest of the second (`_dkdv_program`: one block of the step's own keys
+        and row range each). PART 1 / 2: a launch of only the first / second kind, which compiles to
+        only that kind's shared memory. With more than one range, float32 partials go to pq / pkv and
+        the last program of a block (a ticket) sums them in range order, so the result does not depend
+        on which program finishes last. The cached keys get no gradient. Row r of the folded query is
+        (head h * groups + r // tq, token r % tq)."""
         pdl_enter(PDL)
         pid = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // HKV
         h = bh % HKV
-        d = tl.arange(0, D)
-        keys = keys1 + keys2
-        if pid < q_blocks * q_splits:
-            blk = pid % q_blocks
-            split = pid // q_blocks
-            r = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-            q, do, lse, delta = _rows_in(q_ptr, do_ptr, o_ptr, lse_ptr, b, h, bh, r, rows, rows, tq, groups,
-                                         sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, d)
-            acc = tl.zeros([BLOCK_M, D], tl.float32)
-            start = split * keys_per_split
-            end = tl.minimum(start + keys_per_split, keys)
-            end1 = tl.minimum(end, keys1)
-            for n0 in range(start, end1, BLOCK_N):  # the cached part
-                c = n0 + tl.arange(0, BLOCK_N)
-                inb = c < end1
-                kb = tl.load(k_ptr + b * sk_b + h * sk_h + c[:, None] * sk_n + d[None, :], mask=inb[:, None], other=0.0)
-                vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
-                ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
-                acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
-            for n0 in range(tl.maximum(start, keys1), end, BLOCK_N):  # the step's own
-                c = n0 + tl.arange(0, BLOCK_N)
-                inb = c < end
-                c2 = c - keys1
-                kb = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[:, None] * sk2_n + d[None, :], mask=inb[:, None],
-                             other=0.0)
-                vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
-                             other=0.0)
-                ok = _keys_allowed(m_ptr, b, sm_b, c, end)
-                acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
-            live = r < rows
-            dst = _folded_rows(dq_ptr, b, h * groups + r // tq, r % tq, sdq_b, sdq_h, sdq_t, d)
-            if q_splits == 1:
-                tl.store(dst, (acc * scale).to(dq_ptr.dtype.element_ty), mask=live[:, None])
-            else:
-                offs = (bh * rows + r)[:, None] * D + d[None, :]
-                split_stride = tl.num_programs(1) * rows * D
-                tl.store(pq_ptr + split * split_stride + offs, acc, mask=live[:, None])
-                if _last_of(ticket_ptr + bh * q_blocks + blk, q_splits):
-                    acc = _merge_partials(pq_ptr, split_stride, q_splits, offs, live[:, None])
-                    tl.store(dst, (acc * scale).to(dq_ptr.dtype.element_ty), mask=live[:, None])
+        if PART == 1:
+            _dq_program(q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, dq_ptr, pq_ptr, ticket_ptr,
+                        pid, b, h, bh, rows, keys1, keys2, tq, groups, scale_log2, scale, q_blocks, q_splits,
+                        keys_per_split, sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, sdq_b, sdq_h, sdq_t,
+                        sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
+                        D, BLOCK_M, BLOCK_N, UPCAST, IEEE)
+        elif PART == 2:
+            _dkdv_program(q_ptr, do_ptr, o_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, dk_ptr, dv_ptr, pkv_ptr, ticket_ptr,
+                          pid, b, h, bh, rows, keys1, keys2, tq, groups, scale_log2, scale, q_blocks, kv_blocks,
+                          kv_splits, rows_per_split, sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t,
+                          sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
+                          D, KV_BLOCK_M, KV_BLOCK_N, UPCAST, IEEE)
+        elif pid < q_blocks * q_splits:
+            _dq_program(q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, dq_ptr, pq_ptr, ticket_ptr,
+                        pid, b, h, bh, rows, keys1, keys2, tq, groups, scale_log2, scale, q_blocks, q_splits,
+                        keys_per_split, sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, sdq_b, sdq_h, sdq_t,
+                        sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
+                        D, BLOCK_M, BLOCK_N, UPCAST, IEEE)
         else:
-            j = pid - q_blocks * q_splits
-            blk = j % kv_blocks
-            split = j // kv_blocks
-            c2 = blk * KV_BLOCK_N + tl.arange(0, KV_BLOCK_N)
-            inb = c2 < keys2
-            kb = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[:, None] * sk2_n + d[None, :], mask=inb[:, None], other=0.0)
-            vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None], other=0.0)
-            ok = _keys_allowed(m_ptr, b, sm_b, keys1 + c2, keys)
-            dk = tl.zeros([KV_BLOCK_N, D], tl.float32)
-            dv = tl.zeros([KV_BLOCK_N, D], tl.float32)
-            r_start = split * rows_per_split
-            r_end = tl.minimum(r_start + rows_per_split, rows)
-            for m0 in range(r_start, r_end, KV_BLOCK_M):
-                r = m0 + tl.arange(0, KV_BLOCK_M)
-                q, do, lse, delta = _rows_in(q_ptr, do_ptr, o_ptr, lse_ptr, b, h, bh, r, r_end, rows, tq, groups,
-                                             sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, d)
-                p = tl.exp2(_dot(q, tl.trans(kb), UPCAST, IEEE) * scale_log2 - lse[:, None])
-                p = tl.where((r < r_end)[:, None] & ok[None, :], p, 0.0)
-                dv += _dot(tl.trans(p.to(do.dtype)), do, UPCAST, IEEE)
-                ds = p * (_dot(do, tl.trans(vb), UPCAST, IEEE) - delta[:, None])
-                dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST, IEEE)
-            dk_dst = dk_ptr + b * sdk_b + h * sdk_h + c2[:, None] * sdk_n + d[None, :]
-            dv_dst = dv_ptr + b * sdv_b + h * sdv_h + c2[:, None] * sdv_n + d[None, :]
-            if kv_splits == 1:
-                tl.store(dk_dst, (dk * scale).to(dk_ptr.dtype.element_ty), mask=inb[:, None])
-                tl.store(dv_dst, dv.to(dv_ptr.dtype.element_ty), mask=inb[:, None])
-            else:
-                offs = ((bh * 2) * keys2 + c2)[:, None] * D + d[None, :]  # (split, bh, dk | dv, key, D)
-                split_stride = tl.num_programs(1) * 2 * keys2 * D
-                tl.store(pkv_ptr + split * split_stride + offs, dk, mask=inb[:, None])
-                tl.store(pkv_ptr + split * split_stride + keys2 * D + offs, dv, mask=inb[:, None])
-                if _last_of(ticket_ptr + tl.num_programs(1) * q_blocks + bh * kv_blocks + blk, kv_splits):
-                    dk = _merge_partials(pkv_ptr, split_stride, kv_splits, offs, inb[:, None])
-                    dv = _merge_partials(pkv_ptr + keys2 * D, split_stride, kv_splits, offs, inb[:, None])
-                    tl.store(dk_dst, (dk * scale).to(dk_ptr.dtype.element_ty), mask=inb[:, None])
-                    tl.store(dv_dst, dv.to(dv_ptr.dtype.element_ty), mask=inb[:, None])
+            _dkdv_program(q_ptr, do_ptr, o_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, dk_ptr, dv_ptr, pkv_ptr, ticket_ptr,
+                          pid - q_blocks * q_splits, b, h, bh, rows, keys1, keys2, tq, groups, scale_log2, scale,
+                          q_blocks, kv_blocks, kv_splits, rows_per_split, sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t,
+                          so_b, so_h, so_t, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b, sdk_b, sdk_h, sdk_n,
+                          sdv_b, sdv_h, sdv_n, D, KV_BLOCK_M, KV_BLOCK_N, UPCAST, IEEE)
 
 
 @dataclass(frozen=True)
@@ -388,6 +436,11 @@ class GradConfig:
     stages: int = 1
     min_keys: int = 64
     min_rows: int = 32
+    # dq's programs and the step's own keys' programs in two launches instead of one: each kernel then
+    # asks only its own kind's shared memory (Triton 3.9, sm_90, `LARGE_GRAD`: dq alone 98304 bytes
+    # against 139776 for both kinds, so two dq programs could share an H200 SM and fill each other's
+    # MMA waits; `benchmarks/kernel_shared_memory.py`). Not yet timed on a GPU, so no rule sets it.
+    separate_launches: bool = False
 
 
 # 64-row dq blocks on one warpgroup (4 warps: Hopper's wgmma takes 64 rows a warpgroup) with three
@@ -461,16 +514,20 @@ def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.T
         else:
             ticket_buf = lse
         strides4 = [s for t in (q, dout, out, dq) for s in t.stride()[:3]]
-        _attn_bwd_kernel[(q_blocks * q_splits + kv_blocks * kv_splits, b * hkv)](
-            q, dout, out, k_cached, v_cached, k_new, v_new, key_mask, lse, dq, dk, dv, pq, pkv, ticket_buf,
-            rows, keys1, keys2, tq, groups, scale * 1.4426950408889634, scale,
-            q_blocks, q_splits, per_keys, kv_blocks, kv_splits, per_rows, *strides4,
-            *k_cached.stride()[:3], *v_cached.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3],
-            key_mask.stride(0), *dk.stride()[:3], *dv.stride()[:3],
-            HKV=hkv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=cfg.kv_block_m,
-            KV_BLOCK_N=cfg.kv_block_n, UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, num_warps=cfg.warps,
-            num_stages=cfg.stages, **launch_options(q),
-        )
+        # one launch of both kinds of program (PART 0), or one launch of each (PART 1, then 2)
+        parts = ((1, q_blocks * q_splits), (2, kv_blocks * kv_splits)) if cfg.separate_launches else \
+            ((0, q_blocks * q_splits + kv_blocks * kv_splits),)
+        for part, programs in parts:
+            _attn_bwd_kernel[(programs, b * hkv)](
+                q, dout, out, k_cached, v_cached, k_new, v_new, key_mask, lse, dq, dk, dv, pq, pkv, ticket_buf,
+                rows, keys1, keys2, tq, groups, scale * 1.4426950408889634, scale,
+                q_blocks, q_splits, per_keys, kv_blocks, kv_splits, per_rows, *strides4,
+                *k_cached.stride()[:3], *v_cached.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3],
+                key_mask.stride(0), *dk.stride()[:3], *dv.stride()[:3],
+                HKV=hkv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=cfg.kv_block_m,
+                KV_BLOCK_N=cfg.kv_block_n, UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, PART=part,
+                num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(q),
+            )
         return dq, dk, dv
 
     if config is not None:
