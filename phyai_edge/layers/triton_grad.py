@@ -393,6 +393,8 @@ if triton is not None:
         bh = tl.program_id(1)
         b = bh // HKV
         h = bh % HKV
+        # The one-kind launches branch on the constexpr alone, so each compiles (and asks shared memory
+        # for) only its own kind; the mixed launch repeats the same two calls behind a runtime test.
         if PART == 1:
             _dq_program(q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, dq_ptr, pq_ptr, ticket_ptr,
                         pid, b, h, bh, rows, keys1, keys2, tq, groups, scale_log2, scale, q_blocks, q_splits,
