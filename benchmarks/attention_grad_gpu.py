@@ -168,11 +168,8 @@ def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[An
             timed("backward, default" if i == 0 else "backward", bwd, {"config": cfg.__dict__, "plan": plan})
             if i == 0:  # the same tiling with each kind of program in a launch of its own
                 two = replace(cfg, separate_launches=True)
-
-                def bwd_two(cfg: Any = two) -> tuple[torch.Tensor, ...]:
-                    return tg.split_attention_grad(q, kc, kn, vc, vn, key_mask, out, lse, dout, d ** -0.5, tickets, cfg)
-
-                timed("backward, default, two launches", bwd_two, {"config": two.__dict__, "plan": plan})
+                timed("backward, default, two launches", lambda two=two: bwd(two),
+                      {"config": two.__dict__, "plan": plan})
     sweep_rows = [r for r in rows if r["variant"] == "backward" and "us" in r]
     best = min(sweep_rows, key=lambda r: r["us"]) if sweep_rows else None
     # the backward's matmul FLOPs: dq recomputes scores, dp and ds k over every key; dk / dv recompute

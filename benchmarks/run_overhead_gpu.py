@@ -33,12 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import parity_lerobot as par  # benchmarks/ is on sys.path when this runs as a script
-from pi05_gpu import VALID_TOKENS, seeded_adapter
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+from pi05_gpu import VALID_TOKENS, seeded_adapter, sync
 
 
 def measure(engine: Any, inputs: Any, noise: torch.Tensor, device: str, reps: int) -> dict[str, Any]:
