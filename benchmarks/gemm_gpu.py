@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from graph_timing import time_calls  # benchmarks/ is on sys.path when this runs as a script
+from graph_timing import l2_bytes, time_calls  # benchmarks/ is on sys.path when this runs as a script
 
 T0 = time.perf_counter()
 TOKENS = 50  # the expert's rows per sample (the action chunk)
@@ -191,12 +191,6 @@ def tma_sweep(op: str, rows: int, override: list[Any] | None = None) -> list[Any
 
 
 # -- timing --------------------------------------------------------------------------------------------------
-def l2_bytes(device: str) -> int:
-    if not device.startswith("cuda"):
-        return 0
-    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
-
-
 def max_abs(a: Any, b: Any) -> float:
     if isinstance(a, (tuple, list)):
         return max(max_abs(x, y) for x, y in zip(a, b))

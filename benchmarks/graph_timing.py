@@ -44,6 +44,14 @@ def time_calls(calls: list[Callable[[], Any]], device: str, replays: int = 20) -
     return ms * 1e3 / len(calls)
 
 
+def l2_bytes(device: str) -> int:
+    """The GPU's L2 cache in bytes (0 on a CPU): inputs cycled through copies larger than this are
+    read from memory, as a model's layers find them."""
+    if not device.startswith("cuda"):
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
+
+
 def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
     """Median milliseconds of one replay of a captured graph, each timed with CUDA events."""
     ms = []

@@ -62,12 +62,12 @@ def forward(cfg: ta.SplitConfig) -> tuple[Any, dict[str, str], dict[str, Any]]:
     return ta._split_attn_kernel, _signature(ta._split_attn_kernel, ptrs, {"scale_log2"}), const
 
 
-def backward(cfg: tg.GradConfig, part: int = 0) -> tuple[Any, dict[str, str], dict[str, Any]]:
+def backward(cfg: tg.GradConfig) -> tuple[Any, dict[str, str], dict[str, Any]]:
     ptrs = {**dict.fromkeys(("q_ptr", "do_ptr", "o_ptr", "k_ptr", "v_ptr", "k2_ptr", "v2_ptr", "dq_ptr", "dk_ptr",
                              "dv_ptr"), "*bf16"), "m_ptr": "*u8",
             **dict.fromkeys(("lse_ptr", "pq_ptr", "pkv_ptr"), "*fp32"), "ticket_ptr": "*i32"}
     const = dict(HKV=1, D=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=cfg.kv_block_m,
-                 KV_BLOCK_N=cfg.kv_block_n, UPCAST=False, IEEE=False, PDL=False, PART=part)
+                 KV_BLOCK_N=cfg.kv_block_n, UPCAST=False, IEEE=False, PDL=False)
     return tg._attn_bwd_kernel, _signature(tg._attn_bwd_kernel, ptrs, {"scale_log2", "scale"}), const
 
 
@@ -89,10 +89,7 @@ def main() -> None:
     tilings = [(f"forward {n}", forward, getattr(ta, n)) for n in
                ("FEW_BLOCKS", "MANY_BLOCKS", "MID_BLOCKS", "BIG_BLOCKS", "SMALL_BLOCKS")]
     tilings += [("backward GradConfig()", backward, tg.GradConfig()), ("backward LARGE_GRAD", backward, tg.LARGE_GRAD),
-                ("backward SMALL_GRAD", backward, tg.SMALL_GRAD),
-                # `GradConfig.separate_launches`: each kind of program in a launch of its own
-                ("  LARGE_GRAD, dq launch", lambda c: backward(c, 1), tg.LARGE_GRAD),
-                ("  LARGE_GRAD, dk / dv launch", lambda c: backward(c, 2), tg.LARGE_GRAD)]
+                ("backward SMALL_GRAD", backward, tg.SMALL_GRAD)]
     heads = [" ".join((f"sm_{a}", NAMES.get(a, ""))) for a in archs]
     if args.mma:
         print(f"triton {triton.__version__}; matrix products as compiled (TTGIR)")

@@ -221,10 +221,6 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # default gives each of them every row
         ("triton+gemm, previous VJP tiling", {"triton_ops": True, "triton_gemm": True, "_previous_vjp_tiling": True,
                                               "_same_as": "triton+gemm"}, shapes),
-        # the attention backward's two kinds of program in two launches (`GradConfig.separate_launches`, each
-        # kernel then asks only its own kind's shared memory); the default launches them together
-        ("triton+gemm, two VJP launches", {"triton_ops": True, "triton_gemm": True, "_separate_vjp_launches": True,
-                                           "_same_as": "triton+gemm"}, shapes),
     ]
     if fp8:
         variants.append(("triton+fp8 expert", {"triton_ops": True, "triton_gemm": False, "fp8": "expert"}, shapes))
@@ -311,7 +307,6 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         kernel_backward = kw.pop("_kernel_backward", True)
         grad_on_kernel = kw.pop("_vjp_attention", None)
         previous_vjp_tiling = kw.pop("_previous_vjp_tiling", False)
-        separate_vjp = kw.pop("_separate_vjp_launches", False)
         geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
@@ -322,13 +317,9 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         merge_before = set_inline_merge(inline)
         tma_before = ({} if tma_routes is None else
                       {op: set_route(op, op in tma_routes) for op in ("geglu", "qkv_rope", "linear")})
-        grad_rule_before = grad_mod.grad_config
         large_before = grad_mod.LARGE_GRAD
         if previous_vjp_tiling:
             grad_mod.LARGE_GRAD = dataclasses.replace(large_before, min_rows=64)
-        if separate_vjp:
-            grad_mod.grad_config = lambda rows, groups, sms, rule=grad_rule_before: dataclasses.replace(
-                rule(rows, groups, sms), separate_launches=True)
         geglu_before = tma_mod.geglu_config
         if geglu_rule is not None:
             tma_mod.geglu_config = geglu_rule
@@ -396,7 +387,6 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
             for op, on in tma_before.items():
                 set_route(op, on)
             tma_mod.geglu_config = geglu_before
-            grad_mod.grad_config = grad_rule_before
             grad_mod.LARGE_GRAD = large_before
             cudagraph.EXACT_PROMPT_LENGTHS = exact_before
         sync(dev)

@@ -239,33 +239,6 @@ def test_split_attention_grad_tilings(poisoned_grads, dtype, tiling) -> None:
 
 
 @kernels
-@pytest.mark.parametrize("tiling", ["split", "large"])
-def test_backward_in_two_launches_is_the_same_backward(poisoned_grads, tiling) -> None:
-    """`GradConfig.separate_launches`: dq's programs in one launch and the step's own keys' programs in
-    another (each kernel compiled for its own kind) give the one launch's gradients bit for bit, with the
-    ranges' merges (the "split" tiling) and the merge counters left at zero."""
-    from dataclasses import replace
-
-    b, h, hkv, t, p, d = 2, 4, 1, 20, 70, 32
-    q, k_new, v_new, k_cached, v_cached, mask = _attention_case(b, h, hkv, t, p, d, torch.bfloat16)
-    dout = _randn(b, h, t, d, dtype=torch.bfloat16, seed=6)
-    key_mask = triton_attention.kernel_key_mask(mask, b)
-    rows, scale = h // hkv * t, d ** -0.5
-    lse = torch.empty(b * hkv, rows, dtype=torch.float32, device=DEVICE)
-    out = triton_attention._split_attention_triton(q.reshape(b, hkv, rows, d), (k_cached, k_new), (v_cached, v_new),
-                                                   key_mask, scale, None, t, lse_out=lse).transpose(1, 2)
-    cfg = GRAD_TILINGS[tiling]
-    tickets = triton_attention.Tickets(q.device)
-    args = (q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout, scale, tickets)
-    one = triton_grad.split_attention_grad(*args, replace(cfg, separate_launches=False))
-    two = triton_grad.split_attention_grad(*args, replace(cfg, separate_launches=True))
-    assert all(torch.isfinite(g).all() for g in two)
-    assert all(torch.equal(a, g) for a, g in zip(one, two))
-    if tiling == "split":
-        assert tickets._buf is not None and int(tickets._buf.abs().sum()) == 0
-
-
-@kernels
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("inline_merge", [True, False])
 def test_forward_writes_each_rows_log_sum_exp(splits, inline_merge) -> None:

@@ -377,37 +377,22 @@ if triton is not None:
         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PART: tl.constexpr,
+        UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
-        """The split attention's backward: two kinds of program that need nothing from each other (each
-        row's log-sum-exp comes from the forward, delta is recomputed where needed). PART 0: both in one
-        launch, programs [0, q_blocks * q_splits) of the first kind (`_dq_program`: one query block
-        and key range each), the rest of the second (`_dkdv_program`: one block of the step's own keys
-        and row range each). PART 1 / 2: a launch of only the first / second kind, which compiles to
-        only that kind's shared memory. With more than one range, float32 partials go to pq / pkv and
-        the last program of a block (a ticket) sums them in range order, so the result does not depend
-        on which program finishes last. The cached keys get no gradient. Row r of the folded query is
-        (head h * groups + r // tq, token r % tq)."""
+        """The split attention's backward, two kinds of program in one launch (they need nothing from
+        each other: each row's log-sum-exp comes from the forward, delta is recomputed where needed).
+        Programs [0, q_blocks * q_splits) are `_dq_program`s (one query block and key range each),
+        the rest `_dkdv_program`s (one block of the step's own keys and row range each). With more
+        than one range, float32 partials go to pq / pkv and the last program of a block (a ticket)
+        sums them in range order, so the result does not depend on which program finishes last. The
+        cached keys get no gradient. Row r of the folded query is (head h * groups + r // tq, token
+        r % tq)."""
         pdl_enter(PDL)
         pid = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // HKV
         h = bh % HKV
-        # The one-kind launches branch on the constexpr alone, so each compiles (and asks shared memory
-        # for) only its own kind; the mixed launch repeats the same two calls behind a runtime test.
-        if PART == 1:
-            _dq_program(q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, dq_ptr, pq_ptr, ticket_ptr,
-                        pid, b, h, bh, rows, keys1, keys2, tq, groups, scale_log2, scale, q_blocks, q_splits,
-                        keys_per_split, sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, sdq_b, sdq_h, sdq_t,
-                        sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
-                        D, BLOCK_M, BLOCK_N, UPCAST, IEEE)
-        elif PART == 2:
-            _dkdv_program(q_ptr, do_ptr, o_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, dk_ptr, dv_ptr, pkv_ptr, ticket_ptr,
-                          pid, b, h, bh, rows, keys1, keys2, tq, groups, scale_log2, scale, q_blocks, kv_blocks,
-                          kv_splits, rows_per_split, sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t,
-                          sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
-                          D, KV_BLOCK_M, KV_BLOCK_N, UPCAST, IEEE)
-        elif pid < q_blocks * q_splits:
+        if pid < q_blocks * q_splits:
             _dq_program(q_ptr, do_ptr, o_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, dq_ptr, pq_ptr, ticket_ptr,
                         pid, b, h, bh, rows, keys1, keys2, tq, groups, scale_log2, scale, q_blocks, q_splits,
                         keys_per_split, sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, sdq_b, sdq_h, sdq_t,
@@ -438,11 +423,6 @@ class GradConfig:
     stages: int = 1
     min_keys: int = 64
     min_rows: int = 32
-    # dq's programs and the step's own keys' programs in two launches instead of one: each kernel then
-    # asks only its own kind's shared memory (Triton 3.9, sm_90, `LARGE_GRAD`: dq alone 98304 bytes
-    # against 139776 for both kinds, so two dq programs could share an H200 SM and fill each other's
-    # MMA waits; `benchmarks/kernel_shared_memory.py`). Not yet timed on a GPU, so no rule sets it.
-    separate_launches: bool = False
 
 
 # 64-row dq blocks on one warpgroup (4 warps: Hopper's wgmma takes 64 rows a warpgroup) with three
@@ -516,20 +496,16 @@ def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.T
         else:
             ticket_buf = lse
         strides4 = [s for t in (q, dout, out, dq) for s in t.stride()[:3]]
-        # one launch of both kinds of program (PART 0), or one launch of each (PART 1, then 2)
-        parts = ((1, q_blocks * q_splits), (2, kv_blocks * kv_splits)) if cfg.separate_launches else \
-            ((0, q_blocks * q_splits + kv_blocks * kv_splits),)
-        for part, programs in parts:
-            _attn_bwd_kernel[(programs, b * hkv)](
-                q, dout, out, k_cached, v_cached, k_new, v_new, key_mask, lse, dq, dk, dv, pq, pkv, ticket_buf,
-                rows, keys1, keys2, tq, groups, scale * 1.4426950408889634, scale,
-                q_blocks, q_splits, per_keys, kv_blocks, kv_splits, per_rows, *strides4,
-                *k_cached.stride()[:3], *v_cached.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3],
-                key_mask.stride(0), *dk.stride()[:3], *dv.stride()[:3],
-                HKV=hkv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=cfg.kv_block_m,
-                KV_BLOCK_N=cfg.kv_block_n, UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, PART=part,
-                num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(q),
-            )
+        _attn_bwd_kernel[(q_blocks * q_splits + kv_blocks * kv_splits, b * hkv)](
+            q, dout, out, k_cached, v_cached, k_new, v_new, key_mask, lse, dq, dk, dv, pq, pkv, ticket_buf,
+            rows, keys1, keys2, tq, groups, scale * 1.4426950408889634, scale,
+            q_blocks, q_splits, per_keys, kv_blocks, kv_splits, per_rows, *strides4,
+            *k_cached.stride()[:3], *v_cached.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3],
+            key_mask.stride(0), *dk.stride()[:3], *dv.stride()[:3],
+            HKV=hkv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=cfg.kv_block_m,
+            KV_BLOCK_N=cfg.kv_block_n, UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, num_warps=cfg.warps,
+            num_stages=cfg.stages, **launch_options(q),
+        )
         return dq, dk, dv
 
     if config is not None:
