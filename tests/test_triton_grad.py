@@ -349,6 +349,105 @@ def test_block_stack_vjp(poisoned_grads, spies, dtype) -> None:
     assert err < 6e-2, (err, ref_err)
 
 
+# -- the expert's keys in one buffer with room (`attention_joined`) ---------------------------------
+def _room(k_cached, t):
+    """`k_cached` copied into a buffer with `t` positions of room after it (NaN there)."""
+    b, hkv, p, d = k_cached.shape
+    buf = torch.full((b, hkv, p + t, d), float("nan"), dtype=k_cached.dtype, device=DEVICE)
+    buf[:, :, :p] = k_cached
+    return buf
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("forward", ["sdpa with lse", "split kernel"])
+def test_attention_joined_gradients(poisoned_grads, spies, monkeypatch, dtype, kv_heads, forward) -> None:
+    """Attention over buffers holding the prefix and room for the new keys: the new keys and values
+    land in the room, the output and the gradients of q and the new keys / values are those of
+    attention over the concatenated keys, with the backward reading the forward's log-sum-exp (SDPA's
+    natural-log one converted, or the split kernel's where SDPA has no such op)."""
+    if forward == "split kernel":
+        monkeypatch.setattr(triton_attention, "sdpa_with_lse", lambda *a: None)
+    b, h, t, p, d = 2, 4 * kv_heads, 6, 20, 32
+    q = _randn(b, h, t, d, dtype=dtype, seed=1)
+    k_new, v_new = _randn(b, kv_heads, t, d, dtype=dtype, seed=2), _randn(b, kv_heads, t, d, dtype=dtype, seed=3)
+    k_cached, v_cached = _randn(b, kv_heads, p, d, dtype=dtype, seed=4), _randn(b, kv_heads, p, d, dtype=dtype, seed=5)
+    keys, values = _room(k_cached, t), _room(v_cached, t)
+    dout = _randn(b, h, t, d, dtype=dtype, seed=6)
+    got = _grads(lambda qq, kk, vv: triton_attention.attention_joined(qq, kk, vv, keys, values), [q, k_new, v_new],
+                 [dout])
+    assert torch.equal(keys[:, :, p:], k_new) and torch.equal(values[:, :, p:], v_new)
+    assert torch.equal(keys[:, :, :p], k_cached) and torch.equal(values[:, :, :p], v_cached)
+    assert spies == {"split_attention_grad": 1}
+    full = torch.ones(b, 1, 1, p + t, dtype=torch.bool, device=DEVICE)
+    ref = _grads(lambda qq, kk, vv: attention(qq, torch.cat([k_cached, kk], 2), torch.cat([v_cached, vv], 2), full),
+                 [q, k_new, v_new], [dout])
+    _check_grads(got, ref, dtype)
+    with torch.no_grad():
+        out = triton_attention.attention_joined(q, k_new, v_new, keys, values)
+        want = attention(q, torch.cat([k_cached, k_new], 2), torch.cat([v_cached, v_new], 2), full)
+    assert _rel(out.float(), want.float()) < GRAD_TOL[dtype]
+
+
+@kernels
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_block_stack_vjp_over_joined_buffers(spies, monkeypatch, backend) -> None:
+    """A step that needs a gradient over a KV cache with room (exact guidance on the unmasked loop):
+    on the kernels each block's attention is `attention_joined` (its new keys copied into the room);
+    on the reference ops the buffers are ignored. Either way the input gradient is the masked
+    stack's over the two-part keys (fp32)."""
+    blocks = _blocks(torch.float32)
+    x, cos, sin, k_cache, v_cache, mask, mods, final = _stack_inputs(blocks, torch.float32)
+    mask = torch.ones_like(mask)
+    t, p = x.shape[1], k_cache.shape[3]
+    keys = torch.cat([k_cache, torch.full_like(k_cache[..., :t, :], float("nan"))], 3)
+    values = torch.cat([v_cache, torch.full_like(v_cache[..., :t, :], float("nan"))], 3)
+    joined_calls = []
+    real = fused_stacks.attention_joined
+    monkeypatch.setattr(fused_stacks, "attention_joined", lambda *a, **k: joined_calls.append(1) or real(*a, **k))
+    cot = _randn(*x.shape, seed=21)
+
+    def stack(joined):
+        return lambda xx: fused_stacks.adaptive_block_stack(
+            blocks, xx, cos, sin, keys[..., :p, :], values[..., :p, :], mask, mods, final, 1e-6, backend,
+            gemm_backend=backend, joined=joined)
+
+    (got,) = _grads(stack((keys, values)), [x], [cot])
+    n = len(blocks)
+    assert len(joined_calls) == (n if backend == "triton" else 0)
+    assert torch.isfinite(keys).all() == (backend == "triton")  # the room written only on the kernels
+    spies.clear()
+    (ref,) = _grads(stack(None), [x], [cot])
+    assert torch.isfinite(got).all() and _rel(got, ref) < 1e-5
+
+
+@kernels
+def test_engine_exact_guidance_on_the_unmasked_loop(tiny, monkeypatch) -> None:  # noqa: F811
+    """A full batch from the unmasked-expert threshold in exact RTC mode replays the unmasked loop,
+    each block's attention over the KV cache's room (`attention_joined`), and gives eager's chunk;
+    with `GUIDED_DENSE_EXPERT` off it keeps the masked loop, with the same chunk."""
+    from phyai_edge.engines import cudagraph
+
+    base, eager = tiny
+    monkeypatch.setattr(cudagraph, "DENSE_EXPERT_MIN_BATCH", 2)
+    joined_calls = []
+    real = fused_stacks.attention_joined
+    monkeypatch.setattr(fused_stacks, "attention_joined", lambda *a, **k: joined_calls.append(1) or real(*a, **k))
+    full = _inputs(base, 2, 3, [16, 16])
+    noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
+    rtc = _rtc(base, 2, "guided")
+    ref = eager.run(full, noise=noise, rtc=rtc)
+    for dense in (True, False):
+        monkeypatch.setattr(cudagraph, "GUIDED_DENSE_EXPERT", dense)
+        joined_calls.clear()
+        fast = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="triton")
+        out = fast.run(full, noise=noise, rtc=rtc)
+        assert (("guided", base.solver, "dense") in fast._graph_set(2, 3, 16).loops) == dense
+        assert (len(joined_calls) > 0) == dense
+        assert torch.isfinite(out).all() and _rel(out.cpu(), ref.cpu()) < 1e-5, dense
+
+
 @kernels
 def test_engine_exact_guidance_on_the_kernels(tiny, spies) -> None:  # noqa: F811
     """The engine's exact RTC mode (a VJP every flow step) runs its forward and backward on the
