@@ -166,13 +166,12 @@ def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[An
 
     rows: list[dict[str, Any]] = []
 
-    def timed(label: str, make: Any, extra: dict[str, Any] | None = None, want: Any = None) -> None:
-        """`make(i)`: the call on input set i; set 0 is checked (against `want`, else the masked
-        reference), then every set's call is timed."""
+    def timed(label: str, make: Any, extra: dict[str, Any] | None = None) -> None:
+        """`make(i)`: the call on input set i; set 0 is checked, then every set's call is timed."""
         row: dict[str, Any] = {"variant": label, **(extra or {})}
         try:
             grads = make(0)()
-            row["rel_err"] = max(rel(gr, r) for gr, r in zip(grads, ref if want is None else want))
+            row["rel_err"] = max(rel(gr, r) for gr, r in zip(grads, ref))
             if not math.isfinite(row["rel_err"]) or row["rel_err"] > 3e-2:
                 row["error"] = f"wrong result: relative error {row['rel_err']:.2e}"
             else:
@@ -184,29 +183,6 @@ def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[An
 
     timed("sdpa (joined keys), fwd+bwd", lambda i: fwd_bwd(False, i))
     timed("kernel, fwd+bwd", lambda i: fwd_bwd(True, i))
-    # the unmasked loop's guided step: keys and values in one buffer with room for the new ones
-    # (`attention_joined`: cuDNN's forward with its log-sum-exp, the kernel's backward); every
-    # key valid there, so it is checked against the reference with no keys masked
-    rooms = [tuple(torch.cat([c[n], torch.empty_like(c[n2])], 2) for n, n2 in (("kc", "kn"), ("vc", "vn")))
-             for c in sets]
-    full = torch.ones(b, 1, 1, n1 + n2, dtype=torch.bool, device=device)
-    with torch.enable_grad():
-        o_full = attention_ref(leaves32[0], torch.cat([c0["kc"].float(), leaves32[1]], 2),
-                               torch.cat([c0["vc"].float(), leaves32[2]], 2), full)
-        ref_full = torch.autograd.grad(o_full, leaves32, c0["dout"].float())
-    room_mask = torch.ones(b, n1 + n2, dtype=torch.uint8, device=device)
-
-    def joined(i: int) -> Any:
-        c, lv, (kr, vr) = sets[i], leaves[i], rooms[i]
-
-        def call() -> tuple[torch.Tensor, ...]:
-            with torch.enable_grad():
-                o = ta.attention_joined(lv[0], lv[1], lv[2], kr, vr, key_mask=room_mask)
-                return torch.autograd.grad(o, lv, c["dout"])
-        return call
-
-    if hasattr(ta, "attention_joined"):  # not in trees before it (`--fwd-bwd-only` times older ones)
-        timed("joined room, cudnn fwd + kernel bwd", joined, want=ref_full)
     if not fwd_bwd_only:
         from phyai_edge.layers import triton_grad as tg
         from phyai_edge.layers.triton_dispatch import Tickets, _sm_count

@@ -219,10 +219,6 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # the attention backward's tiling as the eleventh session left it: from batch 5 the dk / dv
         # programs over row ranges of at least 64 rows (`triton_grad.LARGE_GRAD.min_rows` 64); the
         # default gives each of them every row
-        # exact guidance on the masked loop (the split kernel's forward over the two key parts), as before
-        # `cudagraph.GUIDED_DENSE_EXPERT`; the default takes the unmasked loop for full batches from 8
-        ("triton+gemm, guided on the masked loop", {"triton_ops": True, "triton_gemm": True, "_guided_dense": False,
-                                                    "_same_as": "triton+gemm"}, shapes),
         ("triton+gemm, previous VJP tiling", {"triton_ops": True, "triton_gemm": True, "_previous_vjp_tiling": True,
                                               "_same_as": "triton+gemm"}, shapes),
     ]
@@ -311,7 +307,6 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         kernel_backward = kw.pop("_kernel_backward", True)
         grad_on_kernel = kw.pop("_vjp_attention", None)
         previous_vjp_tiling = kw.pop("_previous_vjp_tiling", False)
-        guided_dense = kw.pop("_guided_dense", True)
         geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
@@ -328,7 +323,6 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         geglu_before = tma_mod.geglu_config
         if geglu_rule is not None:
             tma_mod.geglu_config = geglu_rule
-        guided_dense_before, cudagraph.GUIDED_DENSE_EXPERT = cudagraph.GUIDED_DENSE_EXPERT, guided_dense
         exact_before = cudagraph.EXACT_PROMPT_LENGTHS
         if bucket_only:
             cudagraph.EXACT_PROMPT_LENGTHS = 0
@@ -395,7 +389,6 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
             tma_mod.geglu_config = geglu_before
             grad_mod.LARGE_GRAD = large_before
             cudagraph.EXACT_PROMPT_LENGTHS = exact_before
-            cudagraph.GUIDED_DENSE_EXPERT = guided_dense_before
         sync(dev)
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()

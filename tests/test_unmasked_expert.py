@@ -124,6 +124,10 @@ def test_block_stack_refuses_joined_buffers_that_do_not_fit() -> None:
     with torch.no_grad(), pytest.raises(ValueError, match=r"joined keys: .*room for the step's 6 tokens"):
         fused_stacks.adaptive_block_stack(blocks, x, cos, sin, k_cache, v_cache, mask, mods, final, 1e-6,
                                           joined=(keys, values))
+    keys, values = _joined(k_cache, v_cache, x.shape[1])
+    with pytest.raises(ValueError, match="not for a step that needs a gradient"):
+        fused_stacks.adaptive_block_stack(blocks, x.requires_grad_(True), cos, sin, k_cache, v_cache, mask, mods,
+                                          final, 1e-6, joined=(keys, values))
 
 
 def _counts(per_chunk: int) -> tuple[int, ...]:
@@ -143,9 +147,8 @@ def test_row_warps_are_powers_of_two() -> None:
 def test_engine_unmasked_expert_for_full_batches(tiny, monkeypatch, backend="reference") -> None:  # noqa: F811
     """From the batch threshold, a batch with every prompt token valid and every camera present
     runs the expert's attention unmasked over the cache with room; a padded batch, a missing
-    camera and a smaller batch keep the masked loop. All match the eager engine; the unmasked loop's
-    RTC guided-approx too, and exact guidance, whose reference ops ignore the room (its kernels' path:
-    `test_triton_grad.test_engine_exact_guidance_on_the_unmasked_loop`)."""
+    camera, a smaller batch and exact RTC guidance keep the masked loop. All match the eager
+    engine; the unmasked loop's RTC guided-approx too."""
     from phyai_edge.engines import cudagraph
 
     base, eager = tiny

@@ -29,9 +29,8 @@ What makes the PI0.5 path fast (each is exact, or equal within rounding, to the 
   the KV cache has room after the prefix for the chunk's own keys, each expert block writes its
   keys and values there (in its RoPE kernel) and attends to the one buffer with no mask (cuDNN's
   kernel on Hopper, faster than the split kernel from batch ~8), in a twin of the loop graph
-  chosen per call like the unmasked prefix. Exact RTC guidance too (`GUIDED_DENSE_EXPERT`): its step
-  copies the new keys into the room (the RoPE kernel writes them only where no gradient is taken)
-  and its attention backward reads the log-sum-exp of cuDNN's forward.
+  chosen per call like the unmasked prefix. Not for exact RTC guidance (its backward would read
+  keys the next block overwrites in place): that mode keeps the masked loop.
 - Adaptive-norm tables: every adaptive RMSNorm's scale/shift/gate depends on the flow time
   only, so they are computed once per solver time grid, not read from 37 conditioning
   matrices on every step.
@@ -91,10 +90,6 @@ DENSE_PREFIX_MIN_BATCH = 8
 # sixth session call 10): SDPA without a mask 27.2 vs the split kernel's 29.9 us a block at batch 8,
 # 29.0 vs 41.7 at 32, 55.6 vs 91.1 at 64, but 26.2 vs 13.8 at batch 1.
 DENSE_EXPERT_MIN_BATCH = 8
-# Exact RTC guidance on that loop too (`triton_attention.attention_joined`: the new keys copied into
-# the room, cuDNN's forward keeping each row's log-sum-exp, the split kernel's backward); False: the
-# guided step keeps the masked loop (the split kernel's forward). Benchmarks time both.
-GUIDED_DENSE_EXPERT = True
 # A batch whose prompts all have the same length keeps exactly that many positions (no padding, so
 # the unmasked graphs serve it) for at most this many lengths per (batch, views); later lengths are
 # rounded to the bucket as other batches are. Each length is a graph set (captured at first use).
@@ -338,8 +333,7 @@ class CudaGraphEngine(EngineBase):
         # Chosen per call from the masks, on the host.
         self.dense_prefix = bool(dense_prefix and triton_backend is not None and not self.generic)
         # A twin of the loop graph for the same batches whose action expert attends with no mask to
-        # a KV cache with room for its own keys, from DENSE_EXPERT_MIN_BATCH (exact RTC guidance too
-        # where GUIDED_DENSE_EXPERT).
+        # a KV cache with room for its own keys, from DENSE_EXPERT_MIN_BATCH (not in exact RTC mode).
         self.dense_expert = bool(dense_expert and triton_backend is not None and not self.generic)
         if compile:
             kw = {"mode": compile_mode} if compile_mode else {}
@@ -373,7 +367,7 @@ class CudaGraphEngine(EngineBase):
         gs = self._graph_set(batch, views, length)
         for mode in modes:
             self._loop_graph(gs, mode, self.adapter.solver)
-            if gs.kv_room is not None and (mode != "guided" or GUIDED_DENSE_EXPERT):
+            if gs.kv_room is not None and mode != "guided":
                 self._loop_graph(gs, mode, self.adapter.solver, dense=True)
 
     @torch.no_grad()
@@ -392,7 +386,7 @@ class CudaGraphEngine(EngineBase):
         # Every camera present and no padded prompt token (asked only where an unmasked graph exists:
         # each test waits for the device)
         dense_prefix, dense_expert = self._unmasked(b)
-        dense_expert = dense_expert and (mode != "guided" or GUIDED_DENSE_EXPERT)
+        dense_expert = dense_expert and mode != "guided"
         if dense_prefix or dense_expert:
             full = bool(x["image_mask"].all()) and bool(token_mask[:, :length].all())
             dense_prefix, dense_expert = dense_prefix and full, dense_expert and full

@@ -88,32 +88,6 @@ def attention_unmasked(
         return attention(q, k, v, None, scale)
 
 
-_LSE_SDPA_FAILED: set[str] = set()  # device types whose SDPA-with-LSE op refused once (not asked again)
-
-
-def sdpa_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """SDPA with no mask over q (B, H, Tq, D) and k, v (B, H, Tk, D) (one head count: fold grouped
-    queries first), also returning each query row's log-sum-exp of its scaled scores (natural log,
-    float32, B x H x Tq elements): cuDNN's fused forward on a GPU, the flash kernel on a CPU. What
-    a backward of our own reads instead of recomputing the softmax's normaliser. None where this
-    torch has no such op for these inputs (asked once per device type; the caller then takes
-    another forward)."""
-    kind = q.device.type
-    if kind in _LSE_SDPA_FAILED:
-        return None
-    try:
-        if q.is_cuda:
-            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, scale=scale)[:2]
-        else:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)
-    except (RuntimeError, AttributeError, NotImplementedError):
-        _LSE_SDPA_FAILED.add(kind)
-        return None
-    return out, lse
-
-
 def _prefer_cudnn(q: torch.Tensor) -> contextlib.AbstractContextManager:
     if not q.is_cuda:
         return contextlib.nullcontext()

@@ -37,13 +37,8 @@ import torch.nn.functional as F
 from phyai_edge.layers import triton_expert_layer, triton_gemm, triton_gemm_tma
 from phyai_edge.layers.attention import attention_unmasked
 from phyai_edge.layers.norm import Modulation
-from phyai_edge.layers.triton_attention import (
-    attention_joined,
-    joined_grad_takes,
-    kernel_key_mask,
-    stack_attention,
-)
-from phyai_edge.layers.triton_dispatch import Tickets, _use_triton, needs_grad, resolve_backend
+from phyai_edge.layers.triton_attention import kernel_key_mask, stack_attention
+from phyai_edge.layers.triton_dispatch import _use_triton, resolve_backend
 from phyai_edge.layers.triton_ops import (
     SplitSums,
     ada_rms_norm,
@@ -177,10 +172,7 @@ def adaptive_block_stack(
     prefix key is valid (`mask` is then not read): each block writes its own k / v into the
     last T positions (in the RoPE kernel, no copy) and attends to the whole buffer with no mask
     (`attention_unmasked`: cuDNN's kernel on Hopper, faster than the split kernel from batch ~8).
-    A step that needs a gradient (exact RTC guidance) writes them too, by a copy inside
-    `triton_attention.attention_joined` (cuDNN's forward keeping each row's log-sum-exp, the split
-    kernel's backward), where `joined_grad_takes` the call; where it does not (the reference ops,
-    the kernels' backward off), such a step ignores the buffers and attends over the two-part keys.
+    The buffers are written in place, so not for a step that needs a gradient.
 
     With `triton_expert_layer.set_enabled(True)` (off by default: measured slower on the H200),
     where `gemm_backend` runs the kernels and `triton_expert_layer.takes` the stack (batch 1: at
@@ -195,14 +187,6 @@ def adaptive_block_stack(
             key_mask = kernel_key_mask(mask, x.shape[0])
         return triton_expert_layer.persistent_block_stack(blocks, x, cos, sin, k_cache, v_cache, key_mask,
                                                           modulations, final, final_eps)
-    joined_grad = None  # (key mask, merge tickets) for a step with a gradient over the joined buffers
-    if joined is not None and needs_grad(x):
-        attn0 = blocks[0].self_attn
-        if joined_grad_takes(x, attn0.head_dim, attn0.num_kv_heads, backend):
-            joined_grad = (torch.ones(x.shape[0], joined[0].shape[3], dtype=torch.uint8, device=x.device),
-                           Tickets(x.device))
-        else:
-            joined = None
     if attend is None and joined is None:
         attend = stack_attention(mask, x.shape[0], backend)
     p = k_cache.shape[3]
@@ -215,13 +199,6 @@ def adaptive_block_stack(
             q, k, v = _qkv(attn, h, cos, sin, backend, gemm_backend)
             # The cached prefix and the step's own keys as two parts: no per-layer concatenation.
             y = _attend(attn, q, (k_cache[i], k), (v_cache[i], v), mask, attend, gemm_backend)
-        elif joined_grad is not None:
-            keys, values = joined[0][i], joined[1][i]
-            q, k, v = _qkv(attn, h, cos, sin, backend, gemm_backend)
-
-            def attend_joined(q, k, v, _mask, keys=keys, values=values):
-                return attention_joined(q, k, v, keys, values, tickets=joined_grad[1], key_mask=joined_grad[0])
-            y = _attend(attn, q, k, v, None, attend_joined, gemm_backend)
         else:
             keys, values = joined[0][i], joined[1][i]
             q, _, _ = _qkv(attn, h, cos, sin, backend, gemm_backend,
@@ -241,12 +218,14 @@ def adaptive_block_stack(
 
 def _check_joined(joined: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, x: torch.Tensor) -> None:
     """A ValueError unless `joined` are (blocks, B, Hkv, P + T, D) buffers extending `k_cache`
-    (blocks, B, Hkv, P, D) by x's T positions."""
+    (blocks, B, Hkv, P, D) by x's T positions, and no gradient is being taken."""
     want = (*k_cache.shape[:3], k_cache.shape[3] + x.shape[1], k_cache.shape[4])
     for name, buf in zip(("keys", "values"), joined):
         if tuple(buf.shape) != want or buf.dtype != k_cache.dtype:
             raise ValueError(f"joined {name}: a {want} {k_cache.dtype} buffer (the prefix cache with room for the "
                              f"step's {x.shape[1]} tokens) expected, got {tuple(buf.shape)} {buf.dtype}")
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError("joined KV buffers are written in place: not for a step that needs a gradient")
 
 
 def plain_block_stack(

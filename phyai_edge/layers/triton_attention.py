@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from phyai_edge.layers import triton_grad
-from phyai_edge.layers.attention import _full_rows, attention, concat, sdpa_with_lse
+from phyai_edge.layers.attention import _full_rows, attention, concat
 from phyai_edge.layers.triton_dispatch import (
     NO_SPLIT,
     Tickets,
@@ -478,67 +478,3 @@ class SplitAttentionFn(torch.autograd.Function):
         dq, dk, dv = triton_grad.split_attention_grad(q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout,
                                                       ctx.scale, ctx.tickets)
         return dq, dk, dv, None, None, None, None, None, None
-
-
-def joined_grad_takes(x: torch.Tensor, head_dim: int, kv_heads: int, backend: str) -> bool:
-    """`attention_joined` can run the attention of a stack over activations x (B, ...): a gradient
-    asked of x (exact RTC guidance), the kernels and their backward on for it, a head size the
-    backward takes, and batch x KV heads within the backward kernel's measured range
-    (`GRAD_KERNEL_MAX_HEADS`). Else the stack attends over the two-part keys with their mask."""
-    return (needs_grad(x) and head_dim in (16, 32, 64, 128, 256) and _grad_on_kernel(x.shape[0] * kv_heads)
-            and _use_triton(backend, x, differentiable=True))
-
-
-def attention_joined(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, keys: torch.Tensor,
-                     values: torch.Tensor, scale: float | None = None, tickets: Tickets | None = None,
-                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of q (B, Hq, Tq, D) over every position of `keys` / `values` (B, Hkv, P + Tn, D): buffers
-    holding a cached prefix that is all valid in their first P positions and room for the step's own
-    keys and values k_new / v_new (B, Hkv, Tn, D) after it (`fused_stacks.adaptive_block_stack(joined=)`),
-    differentiable in q and the new keys and values (`JoinedAttentionFn`; where `joined_grad_takes`).
-    `key_mask`: (B, P + Tn) uint8 ones, made once for a stack of layers (None: made here)."""
-    sm_scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if key_mask is None:
-        key_mask = torch.ones(q.shape[0], keys.shape[2], dtype=torch.uint8, device=q.device)
-    return JoinedAttentionFn.apply(q, k_new, v_new, keys, values, key_mask, sm_scale, tickets)
-
-
-class JoinedAttentionFn(torch.autograd.Function):
-    """The forward writes the new keys and values into the buffers' room and runs SDPA over the whole
-    buffers with no mask, keeping each folded row's log-sum-exp (`sdpa_with_lse`: cuDNN's fused
-    forward on a GPU, faster than the split kernel over the two key parts from batch 8); where that
-    op is missing, the split kernel over (prefix, new keys). The backward is the split kernel's
-    (`triton_grad.split_attention_grad`) over the buffers' prefix and the new keys, reading that
-    log-sum-exp. The buffers are constants here: no gradient flows into the cached prefix, and the
-    room is rewritten by the next step's forward, after this step's backward has read the prefix."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, key_mask: torch.Tensor, scale: float, tickets: Tickets | None) -> torch.Tensor:
-        b, hq, tq, d = q.shape
-        hkv, n2 = k_new.shape[1], k_new.shape[2]
-        p = keys.shape[2] - n2
-        rows = hq // hkv * tq
-        keys[:, :, p:].copy_(k_new)
-        values[:, :, p:].copy_(v_new)
-        got = sdpa_with_lse(q.reshape(b, hkv, rows, d), keys, values, scale)
-        if got is not None:
-            out = got[0].reshape(b, hq, tq, d)  # head-major folded rows: row r is (head r // tq, token r % tq)
-            # the backward's log-sum-exp is in base 2 (it takes exp2 of scores scaled by log2 e)
-            lse = got[1].reshape(b * hkv, rows).float() * 1.4426950408889634
-        else:
-            lse = torch.empty(b * hkv, rows, dtype=torch.float32, device=q.device)
-            out = _split_attention_triton(q.reshape(b, hkv, rows, d), (keys[:, :, :p], k_new), (values[:, :, :p], v_new),
-                                          key_mask, scale, None, tq, None, tickets, lse).transpose(1, 2)
-        ctx.save_for_backward(q, k_new, v_new, out, lse, key_mask)
-        ctx.prefix = (keys[:, :, :p], values[:, :, :p])  # constants (see the class docstring): not version-checked
-        ctx.scale, ctx.tickets = scale, tickets
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k_new, v_new, out, lse, key_mask = ctx.saved_tensors
-        k_cached, v_cached = ctx.prefix
-        dq, dk, dv = triton_grad.split_attention_grad(q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout,
-                                                      ctx.scale, ctx.tickets)
-        return dq, dk, dv, None, None, None, None, None
