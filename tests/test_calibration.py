@@ -14,8 +14,8 @@ import torch
 from phyai_edge.adapters.pi05 import builtin_adapter
 from phyai_edge.calibration import load_calibration_set, read_records, synthetic_observations
 from phyai_edge.calibration.fp8 import collect_amax, fake_fp8, load_scales, save_scales, scales_from_amax
-from phyai_edge.calibration.stage_inputs import collect_stage_inputs
 from phyai_edge.calibration.trt_calibrator import entropy_calibrator
+from phyai_edge.engines.stage_inputs import collect_stage_inputs
 
 
 @pytest.fixture

@@ -349,7 +349,7 @@ def _export_onnx(req: ExportRequest, adapter: Adapter, views: int, work: Path, c
         for b in req.batch_sizes:
             samples = None
             if quantised:
-                from phyai_edge.calibration.stage_inputs import collect_stage_inputs
+                from phyai_edge.engines.stage_inputs import collect_stage_inputs
 
                 samples = collect_stage_inputs(adapter, calib, batch_size=b, seed=req.seed)
             specs = twin.stage_specs(b, views)
@@ -377,7 +377,7 @@ def _export_tensorrt(req: ExportRequest, adapter: Adapter, views: int, work: Pat
 
     calibration = None
     if req.precision in ("int8", "fp8"):
-        from phyai_edge.calibration.stage_inputs import collect_stage_inputs
+        from phyai_edge.engines.stage_inputs import collect_stage_inputs
 
         calibration = collect_stage_inputs(adapter, calib, batch_size=req.batch_sizes[0], seed=req.seed)
     options = BuildOptions(precision=req.precision, int8_mode=req.int8_mode, timing_cache=req.timing_cache,
@@ -402,9 +402,9 @@ def _export_tensorrt(req: ExportRequest, adapter: Adapter, views: int, work: Pat
 def _fp8_scales(adapter: Adapter, work: Path, calib: list[Observation], held: list[Observation],
                 req: ExportRequest) -> dict[str, Any]:
     """Per-tensor fp8 scales from the calibration set, and their fake-quantised accuracy."""
-    from phyai_edge.calibration.accuracy import compare_engines, reference_engine
     from phyai_edge.calibration.fp8 import collect_amax, fake_fp8, save_scales, scales_from_amax
-    from phyai_edge.calibration.stage_inputs import collect_stage_inputs
+    from phyai_edge.engines.accuracy import compare_engines, reference_engine
+    from phyai_edge.engines.stage_inputs import collect_stage_inputs
 
     amax = collect_amax(adapter.module, lambda: collect_stage_inputs(adapter, calib, seed=req.seed, denoise_every=1))
     scales = scales_from_amax(amax)
@@ -441,7 +441,7 @@ def _validate(req: ExportRequest, adapter: Adapter, work: Path, manifest: dict[s
     dev = torch.device(req.device)
     if req.backend in ("tensorrt", "cudagraph") and dev.type != "cuda":
         return {"status": "skipped", "reason": f"{req.backend} engines need a CUDA device; none here"}
-    from phyai_edge.calibration.accuracy import compare_engines, reference_engine
+    from phyai_edge.engines.accuracy import compare_engines, reference_engine
 
     tol = TOLERANCE[req.precision]
     result: dict[str, Any] = {"reference": "eager float32 (fp64 time embedding)", "tolerance": tol,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from phyai_edge.adapters.base import Adapter, Observation
-from phyai_edge.calibration.stage_inputs import batches
+from phyai_edge.engines.stage_inputs import batches
 
 
 def reference_engine(adapter: Adapter, dtype: str = "float32", device: str = "cpu") -> Any:
