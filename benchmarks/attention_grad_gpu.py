@@ -9,16 +9,17 @@ cached prefix keys, a few of them masked, and the step's own 50 keys; head size 
   tiling `triton_grad.grad_config` chooses for the shape, through autograd as the engine calls it;
 - the backward launch alone for that tiling ("default") and every tiling of a sweep
   (`triton_grad.GradConfig`; `--focus`: a short one around the rule's two tilings; `--kv-focus`: the
-  dk / dv programs' key blocks, row blocks and row ranges around both), each checked
-  against fp32 autograd first.
+  dk / dv programs' key blocks, row blocks and row ranges around both; `--latency-focus`: the large
+  tiling's pipeline depth, key blocks and dq key ranges), each checked against fp32 autograd first.
 Every gradient is checked against the fp32 reference (q, the new keys, the new values; relative
 Frobenius error). Prints one table per shape and the rule it suggests for
 `triton_attention.GRAD_KERNEL_MAX_HEADS`.
 
 `--cold` cycles each timed call through copies of its inputs that together fill the L2 twice over,
 so keys and rows come from memory as in a guided step, where the 18 layers' inputs and weights pass
-through L2 between two calls; without it every call re-reads one set, cached after the first (the
-microbenchmark that found the backward at 41 us at batch 8 where the guided step's profile found 65).
+through L2 between two calls; without it every call re-reads one set, cached after the first. (At
+batch 8 cold cost the backward ~1 us: 41.6 -> 42.5, H200, 2026-12-04; inside the replayed guided loop
+it costs ~48.6, `pi05_gpu.py`'s stubbed-backward variant.)
 `--engine-layout` hands the backward dO and the new values as the strided views the engine's guided
 step passes instead of contiguous tensors (in the step the kernel measured slower than here at batch
 8). `--fwd-bwd-only` times just "sdpa" and "kernel", which older trees also have, so one call can time

@@ -13,8 +13,11 @@ with the small-M GEMMs), timed inside a CUDA graph:
   most any prefetching could give (not the same arithmetic, so no error column);
 - "cold + side-stream prefetch, N programs": a second captured stream, forked at each block's start,
   issues `prefetch.global.L2::evict_last` for the next block's weights and cached keys from N
-  programs while the block runs (the output checked bit-identical to "cold": prefetches move no data
-  a kernel sees).
+  programs while the block runs (its output compared with "cold"'s, expected identical: prefetches
+  change no value a kernel reads).
+
+Measured on the H200 (2026-12-04, RESULTS.md thirteenth session call 4): cold 811.4 us, warm bound
+754.2 (1.08x), prefetching 883-934 (slower, identical output).
 
     PYTHONPATH=$PWD python3 benchmarks/l2_prefetch_gpu.py --json $OUT/l2_prefetch.json   # on the GPU
 """
