@@ -47,13 +47,13 @@ LINE = 128  # bytes an L2 prefetch brings
 if triton is not None:
 
     @triton.jit
-    def _prefetch_l2_kernel(ptr, lines, LINES: tl.constexpr):  # noqa: N803  (a Triton compile-time constant)
-        """Asks L2 for `lines` 128-byte lines from ptr (a uint8 view), LINES at a time per program;
+    def _prefetch_l2_kernel(ptr, lines, LINES: tl.constexpr, LINE_BYTES: tl.constexpr):  # noqa: N803  (Triton constexprs)
+        """Asks L2 for `lines` lines of LINE_BYTES from ptr (a uint8 view), LINES at a time per program;
         fire and forget: no registers wait on the data."""
         start = tl.program_id(0) * LINES
         step = tl.num_programs(0) * LINES
         for first in range(start, lines, step):
-            at = tl.minimum(first + tl.arange(0, LINES), lines - 1).to(tl.int64) * 128
+            at = tl.minimum(first + tl.arange(0, LINES), lines - 1).to(tl.int64) * LINE_BYTES
             tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
                                       [ptr + at], dtype=tl.int32, is_pure=False, pack=1)
 
@@ -83,7 +83,7 @@ class SidePrefetch:
             with torch.cuda.stream(self.side):
                 for t in self.tensors[i + 1]:
                     lines = t.numel() * t.element_size() // LINE
-                    _prefetch_l2_kernel[(self.programs,)](t.view(torch.uint8).view(-1), lines, LINES=256,
+                    _prefetch_l2_kernel[(self.programs,)](t.view(torch.uint8).view(-1), lines, LINES=256, LINE_BYTES=LINE,
                                                           num_warps=4)
         return self.original(attn, *args, **kw)
 
