@@ -221,6 +221,9 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # default gives each of them every row
         ("triton+gemm, previous VJP tiling", {"triton_ops": True, "triton_gemm": True, "_previous_vjp_tiling": True,
                                               "_same_as": "triton+gemm"}, shapes),
+        # batch 1's adaptive norms as kernels of their own between the GEMMs
+        # (`fused_stacks.set_fold_norms(False)`); the default folds them into the small-M GEMMs
+        ("triton+gemm, norms unfolded", {"triton_ops": True, "triton_gemm": True, "_fold_norms": False}, shapes),
         # timing only (its guided chunks are wrong): the attention backward replaced by zero gradients
         # (same allocations), so the guided chunk's drop against the default is that backward's cost
         # inside the replayed graph (the eager profile overstated it: 56 us a call at batch 8 against 48.6)
@@ -295,6 +298,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
     from phyai_edge.layers import triton_gemm_tma as tma_mod
     from phyai_edge.layers import triton_grad as grad_mod
     from phyai_edge.layers.fp8 import fp8_linears
+    from phyai_edge.layers.fused_stacks import set_fold_norms
     from phyai_edge.layers.triton_attention import set_inline_merge
     from phyai_edge.layers.triton_dispatch import set_kernel_backward, set_pdl
     from phyai_edge.layers.triton_gemm_tma import set_route
@@ -314,11 +318,13 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         grad_on_kernel = kw.pop("_vjp_attention", None)
         previous_vjp_tiling = kw.pop("_previous_vjp_tiling", False)
         stub_vjp_attention = kw.pop("_stub_vjp_attention", False)
+        fold_norms = kw.pop("_fold_norms", True)
         geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
             continue
         pdl_before = set_pdl(pdl)  # the kernels are launched and captured with these settings
+        fold_before = set_fold_norms(fold_norms)
         backward_before = set_kernel_backward(kernel_backward)
         attn_grad_before, attn_mod.GRAD_ON_KERNEL = attn_mod.GRAD_ON_KERNEL, grad_on_kernel
         merge_before = set_inline_merge(inline)
@@ -392,6 +398,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
             say(f"{section} {name} failed: {exc}")
         finally:
             set_pdl(pdl_before)
+            set_fold_norms(fold_before)
             set_kernel_backward(backward_before)
             attn_mod.GRAD_ON_KERNEL = attn_grad_before
             set_inline_merge(merge_before)

@@ -340,6 +340,7 @@ class CudaGraphEngine(EngineBase):
             # Compiled steps make their own context: a per-chunk attention callable handed in as an
             # argument would be a new guard (a recompile) every chunk run without graphs.
             self._stages.pop("step_context", None)
+            self._stages.pop("fold_modulation", None)
             self._stages = {n: torch.compile(f, dynamic=False, **kw) for n, f in self._stages.items()}
         self._sets: dict[tuple[int, int, int], _GraphSet] = {}
         self._exact_lengths: dict[tuple[int, int], set[int]] = {}  # (batch, views) -> uniform prompt lengths kept
@@ -627,9 +628,12 @@ class CudaGraphEngine(EngineBase):
         """Adaptive-norm modulations for each time of the solver's grid (batch-independent)."""
         table = self._tables.get(solver)
         if table is None:
+            # A stage set may extend each entry with work of its own done once per flow time
+            # (PI0.5's small-M GEMMs: the folded norms' shift products).
+            extend = self._stages.get("fold_modulation", lambda entry: entry)
             with torch.no_grad():
                 table = [
-                    self.module.time_modulation(torch.full((1,), t, dtype=torch.float32, device=self.device))
+                    extend(self.module.time_modulation(torch.full((1,), t, dtype=torch.float32, device=self.device)))
                     if self.modulation_tables else None
                     for t in solver.times()
                 ]

@@ -38,9 +38,11 @@ from phyai_edge.layers import triton_expert_layer, triton_gemm, triton_gemm_tma
 from phyai_edge.layers.attention import attention_unmasked
 from phyai_edge.layers.norm import Modulation
 from phyai_edge.layers.triton_attention import kernel_key_mask, stack_attention
-from phyai_edge.layers.triton_dispatch import _use_triton, resolve_backend
+from phyai_edge.layers.triton_dispatch import _use_triton, needs_grad, resolve_backend
 from phyai_edge.layers.triton_ops import (
+    FoldedNorm,
     SplitSums,
+    ada_rms_fold,
     ada_rms_norm,
     bias_gelu,
     check_out_buffer,
@@ -133,6 +135,89 @@ def _project(linear: torch.nn.Module, h: torch.Tensor, gemm_backend: str | None,
     return linear(h)
 
 
+# Batch 1's norms folded into the GEMMs around them (`adaptive_block_stack(folded=)`); a switch for
+# the benchmarks that time both.
+_FOLD_NORMS = True
+
+
+def set_fold_norms(on: bool) -> bool:
+    """Whether `adaptive_block_stack` folds the adaptive norms into its small-M GEMMs where it is
+    handed `folded` tables (True, the default) or runs the norm kernels; returns the previous
+    setting."""
+    global _FOLD_NORMS
+    before, _FOLD_NORMS = _FOLD_NORMS, bool(on)
+    return before
+
+
+def fold_modulation(blocks: Sequence[torch.nn.Module],
+                    modulations: Sequence[tuple[Modulation, Modulation]]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The tabulated half of the folded norms (`triton_ops.FoldedNorm`) for one flow time: per block,
+    (input norm's shift @ W_qkv^T, post-attention norm's shift @ W_gate_up^T) in float32, (B or 1,
+    N) each, for `adaptive_block_stack(folded=)`. Computed once per solver time with the modulation
+    tables; None where a block's QKV or gate/up projection is not fused (nothing to fold into)."""
+    out = []
+    for block, ((_, shift_in, _), (_, shift_post, _)) in zip(blocks, modulations):
+        qkv, gate_up = block.self_attn.qkv_proj, block.mlp.gate_up
+        if qkv is None or gate_up is None:
+            return None
+        out.append(tuple(F.linear(sh.float().reshape(sh.shape[0], -1), lin.weight.float())
+                         for sh, lin in ((shift_in, qkv), (shift_post, gate_up))))
+    return out
+
+
+def _plain_small_linear(linear: torch.nn.Module | None, rows: int, dtype: torch.dtype) -> bool:
+    return (type(linear) is torch.nn.Linear and linear.bias is None and linear.weight.dtype == dtype
+            and triton_gemm.takes(rows, linear.weight))
+
+
+def _folds(blocks: Sequence[torch.nn.Module], x: torch.Tensor, gemm_backend: str | None,
+           folded: Sequence[Any] | None, joined: Any) -> bool:
+    """Whether the stack runs with its norms folded into the small-M GEMMs: tables given, the
+    switch on, the kernels' backend, no gradient, no joined KV buffers, and every block's four
+    projections plain bias-free linears that `triton_gemm.takes` (fused QKV and gate/up)."""
+    if (folded is None or not _FOLD_NORMS or joined is not None or gemm_backend is None or needs_grad(x)
+            or not _use_triton(gemm_backend, x) or len(folded) != len(blocks)):
+        return False
+    rows = x.numel() // x.shape[-1]
+    return all(_plain_small_linear(lin, rows, x.dtype)
+               for b in blocks for lin in (b.self_attn.qkv_proj, b.self_attn.o_proj, b.mlp.gate_up, b.mlp.down_proj))
+
+
+def _folded_block_stack(blocks: Sequence[torch.nn.Module], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
+                        modulations: Sequence[tuple[Modulation, Modulation]], final: Modulation, final_eps: float,
+                        backend: str, gemm_backend: str, attend: Callable[..., torch.Tensor],
+                        folded: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """`adaptive_block_stack` with each adaptive norm but the final one folded into the GEMMs around
+    it: o_proj and down finish the gated residual and start the next norm in their epilogue (one
+    kernel: `triton_gemm.linear_residual_fold`), QKV and gate/up finish it on their sums
+    (`norm=`). Five kernels a block instead of seven."""
+    tickets = getattr(attend, "tickets", None)
+    norm: FoldedNorm = ada_rms_fold(x, modulations[0][0][0], blocks[0].input_layernorm.eps, backend)
+    h = x
+    for i, block in enumerate(blocks):
+        attn, mlp = block.self_attn, block.mlp
+        (_, _, gate_in), (scale2, _, gate_post) = modulations[i]
+        bias_qkv, bias_gate_up = folded[i]
+        q, k, v = triton_gemm.linear_qkv_rope(norm.u, attn.qkv_proj.weight, cos, sin, attn.num_heads,
+                                              attn.num_kv_heads, attn.head_dim, gemm_backend, norm=norm,
+                                              norm_bias=bias_qkv)
+        out = attend(q, (k_cache[i], k), (v_cache[i], v), mask)
+        b, _, t, _ = out.shape
+        out = out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)
+        x, norm = triton_gemm.linear_residual_fold(out, attn.o_proj.weight, x, gate_in, scale2,
+                                                   block.post_attention_layernorm.eps, gemm_backend, tickets=tickets)
+        a = triton_gemm.linear_geglu(norm.u, mlp.gate_up.weight, gemm_backend, norm=norm, norm_bias=bias_gate_up)
+        if i + 1 < len(blocks):
+            x, norm = triton_gemm.linear_residual_fold(a, mlp.down_proj.weight, x, gate_post, modulations[i + 1][0][0],
+                                                       blocks[i + 1].input_layernorm.eps, gemm_backend,
+                                                       tickets=tickets)
+        else:  # the final norm feeds the action projection (not one of these GEMMs): its own kernel
+            y = triton_gemm.linear(a, mlp.down_proj.weight, gemm_backend, defer_sum=True)
+            x, h = residual_ada_rms_norm(x, y, gate_post, final[0], final[1], final_eps, backend)
+    return h
+
+
 def adaptive_block_stack(
     blocks: Sequence[torch.nn.Module],
     x: torch.Tensor,
@@ -148,6 +233,7 @@ def adaptive_block_stack(
     gemm_backend: str | None = None,
     attend: Callable[..., torch.Tensor] | None = None,
     joined: tuple[torch.Tensor, torch.Tensor] | None = None,
+    folded: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Adaptive `GemmaBlock`s over x (B, T, W), each attending to its cached prefix keys/values
     (`k_cache[i]`, `v_cache[i]`) and to itself, then the final adaptive norm (modulation `final`,
@@ -174,6 +260,12 @@ def adaptive_block_stack(
     (`attention_unmasked`: cuDNN's kernel on Hopper, faster than the split kernel from batch ~8).
     The buffers are written in place, so not for a step that needs a gradient.
 
+    `folded`: `fold_modulation(blocks, modulations)` made ahead (a table entry). Where the small-M
+    GEMMs take every projection (batch 1's 50 rows, no gradient, `set_fold_norms` on), each norm
+    but the final one is then folded into the GEMMs around it (`triton_ops.FoldedNorm`): o_proj and
+    down write the residual and the next norm's input, QKV and gate/up finish the norm on their
+    sums, and no norm kernel runs between them. Equal up to rounding.
+
     With `triton_expert_layer.set_enabled(True)` (off by default: measured slower on the H200),
     where `gemm_backend` runs the kernels and `triton_expert_layer.takes` the stack (batch 1: at
     most 64 rows), each block is one persistent kernel instead.
@@ -189,6 +281,9 @@ def adaptive_block_stack(
                                                           modulations, final, final_eps)
     if attend is None and joined is None:
         attend = stack_attention(mask, x.shape[0], backend)
+    if _folds(blocks, x, gemm_backend, folded, joined):
+        return _folded_block_stack(blocks, x, cos, sin, k_cache, v_cache, mask, modulations, final, final_eps,
+                                   backend, gemm_backend, attend, folded)
     p = k_cache.shape[3]
     scale, shift, _ = modulations[0][0]
     h = ada_rms_norm(x, scale, shift, blocks[0].input_layernorm.eps, backend)

@@ -452,6 +452,7 @@ def stack_attention(mask: torch.Tensor, batch: int, backend: str) -> Callable[..
                                key_mask=key_mask if m is mask else None, tickets=tickets)
 
     attend.key_mask = key_mask  # type: ignore[attr-defined]  # for `triton_expert_layer`, which reads the mask itself
+    attend.tickets = tickets  # type: ignore[attr-defined]  # shared with the stack's other in-kernel reductions
     return attend
 
 

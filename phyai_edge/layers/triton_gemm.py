@@ -64,6 +64,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from phyai_edge.layers.triton_dispatch import (
+    Tickets,
+    _per_batch,
     _use_triton,
     interpret_mode,
     launch_fitting,
@@ -72,7 +74,7 @@ from phyai_edge.layers.triton_dispatch import (
     tl,
     triton,
 )
-from phyai_edge.layers.triton_ops import SplitSums, bias_gelu_ref, geglu_ref, qkv_rope_ref
+from phyai_edge.layers.triton_ops import FoldedNorm, SplitSums, bias_gelu_ref, geglu_ref, qkv_rope_ref
 
 # Measured on an H200 (`benchmarks/gemm_gpu.py`, RESULTS.md): at M = 50 (batch 1) the kernels beat
 # cuBLAS (+ the separate RoPE / GeGLU kernel) on all four projections by 3-13%; at M = 400 and 1600
@@ -233,7 +235,7 @@ def linear_qkv_rope_ref(
 # -- kernels ---------------------------------------------------------------------------------------------
 if triton is not None:
     from phyai_edge.layers.triton_dispatch import pdl_enter
-    from phyai_edge.layers.triton_math import _gelu_tanh, _rope
+    from phyai_edge.layers.triton_math import _gelu_tanh, _last_of, _rope
 
     @triton.jit
     def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
@@ -263,6 +265,89 @@ if triton is not None:
         rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
         local = pid % per_group
         return first_m + local % rows_here, local // rows_here
+
+    @triton.jit
+    def _fold_rstd(stats_ptr, rm, m_ok, s_stm, stats_tiles, width, norm_eps, FOLD: tl.constexpr,
+                   STATS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+        """A folded norm's 1 / rms for rows rm (`triton_ops.FoldedNorm`): its producer's per-tile
+        sums of squares added, in float32; ones without FOLD."""
+        if FOLD:
+            st = tl.arange(0, STATS_BLOCK)
+            ss = tl.load(stats_ptr + rm[:, None] * s_stm + st[None, :], mask=m_ok[:, None] & (st < stats_tiles)[None, :],
+                         other=0.0)
+            rstd = tl.rsqrt((tl.sum(ss, axis=1) / width + norm_eps).to(tl.float32))
+        else:
+            rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+        return rstd
+
+    @triton.jit
+    def _residual_fold_epilogue(y, rm, rn, m_ok, n_ok, pid_n, x_ptr, gate_ptr, scale_ptr, res_ptr, u_ptr, stats_ptr,
+                                rows_per_batch, s_xm, s_gb, s_sb, s_rm, s_um, s_stm):
+        """The gated residual r = x + y gate of a (rows, columns) tile of the GEMM's float32 sums y,
+        rounded as the GEMM's own output and then the residual are, and the next adaptive norm left
+        folded: u = r (1 + scale) and the tile's sum of r^2 per row (column pid_n of stats)."""
+        ok = m_ok[:, None] & n_ok[None, :]
+        y = y.to(res_ptr.dtype.element_ty).to(tl.float32)
+        b = (rm // rows_per_batch)[:, None]
+        x = tl.load(x_ptr + rm[:, None] * s_xm + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + b * s_gb + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+        r = (x + y * g).to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + rm[:, None] * s_rm + rn[None, :], r, mask=ok)
+        rf = r.to(tl.float32)
+        sc = tl.load(scale_ptr + b * s_sb + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(u_ptr + rm[:, None] * s_um + rn[None, :], (rf * (1.0 + sc)).to(u_ptr.dtype.element_ty), mask=ok)
+        tl.store(stats_ptr + rm * s_stm + pid_n, tl.sum(rf * rf, axis=1), mask=m_ok)
+
+    @triton.jit
+    def _linear_residual_kernel(
+        a_ptr, w_ptr, part_ptr, ticket_ptr, x_ptr, gate_ptr, scale_ptr, res_ptr, u_ptr, stats_ptr,
+        M, N, K, k_per_split, rows_per_batch,
+        s_am, s_ak, s_wn, s_wk, s_ps, s_pm, s_xm, s_gb, s_sb, s_rm, s_um, s_stm,
+        SPLITS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """o_proj / down with the residual and the next norm's fold in the epilogue. Split K: each
+        split stores its float32 partial, and the last split of a tile to finish (a ticket per
+        tile) adds all of them in split order (as the reducing kernel would) and runs the epilogue,
+        so no second kernel reduces them and no norm kernel follows."""
+        pdl_enter(PDL)
+        pid = tl.program_id(0)
+        pid_m, pid_n = _tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        split = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        k0 = split * k_per_split
+        k_end = tl.minimum(k0 + k_per_split, K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(k0, k_end, BLOCK_K):
+            kk = k + rk
+            if EVEN_K:
+                a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None] * s_wk, mask=n_ok[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            else:
+                k_ok = kk < k_end
+                a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None] * s_wk, mask=n_ok[None, :] & k_ok[:, None],
+                            other=0.0, eviction_policy="evict_first")
+            acc = _mma(a, w, acc, UPCAST, IEEE)
+        if SPLITS == 1:
+            _residual_fold_epilogue(acc, rm, rn, m_ok, n_ok, pid_n, x_ptr, gate_ptr, scale_ptr, res_ptr, u_ptr,
+                                    stats_ptr, rows_per_batch, s_xm, s_gb, s_sb, s_rm, s_um, s_stm)
+        else:
+            ok = m_ok[:, None] & n_ok[None, :]
+            src = part_ptr + rm[:, None] * s_pm + rn[None, :]
+            tl.store(src + split * s_ps, acc, mask=ok)
+            if _last_of(ticket_ptr + pid, SPLITS):
+                y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in tl.static_range(SPLITS):  # split order: the same sum on every run
+                    y += tl.load(src + s * s_ps, mask=ok, other=0.0, cache_modifier=".cg")
+                _residual_fold_epilogue(y, rm, rn, m_ok, n_ok, pid_n, x_ptr, gate_ptr, scale_ptr, res_ptr, u_ptr,
+                                        stats_ptr, rows_per_batch, s_xm, s_gb, s_sb, s_rm, s_um, s_stm)
 
     @triton.jit
     def _linear_kernel(
@@ -326,11 +411,12 @@ if triton is not None:
 
     @triton.jit
     def _linear_geglu_kernel(
-        a_ptr, w_ptr, bias_ptr, out_ptr,
-        M, H, K,
-        s_am, s_ak, s_wn, s_wk, s_om,
+        a_ptr, w_ptr, bias_ptr, out_ptr, stats_ptr, nbias_ptr,
+        M, H, K, rows_per_batch, stats_tiles, width, norm_eps,
+        s_am, s_ak, s_wn, s_wk, s_om, s_stm, s_nbb,
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+        FOLD: tl.constexpr, STATS_BLOCK: tl.constexpr,
     ):
         pdl_enter(PDL)
         pid_m, pid_n = _tile(tl.program_id(0), M, H, BLOCK_M, BLOCK_N, GROUP_M)
@@ -339,6 +425,9 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < H
+        # FOLD: the input is a folded norm's u; its row factor is read before the loop (in flight
+        # with the first weight tiles) and applied to the sums after it, with the shift's W^T.
+        rstd = _fold_rstd(stats_ptr, rm, m_ok, s_stm, stats_tiles, width, norm_eps, FOLD, STATS_BLOCK, BLOCK_M)
         wg_ptr = w_ptr + rn[None, :] * s_wn
         wu_ptr = w_ptr + (rn + H)[None, :] * s_wn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -356,6 +445,11 @@ if triton is not None:
             wu = tl.load(wu_ptr + kk[:, None] * s_wk, mask=w_mask, other=0.0, eviction_policy="evict_first")
             acc_g = _mma(a, wg, acc_g, UPCAST, IEEE)
             acc_u = _mma(a, wu, acc_u, UPCAST, IEEE)
+        if FOLD:
+            nb = nbias_ptr + (rm // rows_per_batch)[:, None] * s_nbb + rn[None, :]
+            fold_ok = m_ok[:, None] & n_ok[None, :]
+            acc_g = acc_g * rstd[:, None] + tl.load(nb, mask=fold_ok, other=0.0)
+            acc_u = acc_u * rstd[:, None] + tl.load(nb + H, mask=fold_ok, other=0.0)
         if HAS_BIAS:
             acc_g += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(bias_ptr + H + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -365,12 +459,13 @@ if triton is not None:
 
     @triton.jit
     def _linear_qkv_rope_kernel(
-        a_ptr, w_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
-        M, K, seq_len, num_heads, num_kv_heads, tiles_per_half,
-        s_am, s_ak, s_wn, s_wk, s_cb, s_ct, s_sb, s_st,
+        a_ptr, w_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stats_ptr, nbias_ptr,
+        M, K, seq_len, num_heads, num_kv_heads, tiles_per_half, stats_tiles, width, norm_eps,
+        s_am, s_ak, s_wn, s_wk, s_cb, s_ct, s_sb, s_st, s_stm, s_nbb,
         HALF: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+        FOLD: tl.constexpr, STATS_BLOCK: tl.constexpr,
     ):
         pdl_enter(PDL)
         # Program (head, j) owns columns j*BLOCK_N.. of both halves of one head of the fused
@@ -387,6 +482,7 @@ if triton is not None:
         row1 = head * (2 * HALF) + d  # weight rows of the first half's columns
         w1_ptr = w_ptr + row1[None, :] * s_wn
         w2_ptr = w_ptr + (row1 + HALF)[None, :] * s_wn
+        rstd = _fold_rstd(stats_ptr, rm, m_ok, s_stm, stats_tiles, width, norm_eps, FOLD, STATS_BLOCK, BLOCK_M)
         acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -402,6 +498,11 @@ if triton is not None:
             w2 = tl.load(w2_ptr + kk[:, None] * s_wk, mask=w_mask, other=0.0, eviction_policy="evict_first")
             acc1 = _mma(a, w1, acc1, UPCAST, IEEE)
             acc2 = _mma(a, w2, acc2, UPCAST, IEEE)
+        if FOLD:
+            nb = nbias_ptr + (rm // seq_len)[:, None] * s_nbb + row1[None, :]
+            fold_ok = m_ok[:, None] & d_ok[None, :]
+            acc1 = acc1 * rstd[:, None] + tl.load(nb, mask=fold_ok, other=0.0)
+            acc2 = acc2 * rstd[:, None] + tl.load(nb + HALF, mask=fold_ok, other=0.0)
         if HAS_BIAS:
             acc1 += tl.load(bias_ptr + row1, mask=d_ok, other=0.0).to(tl.float32)[None, :]
             acc2 += tl.load(bias_ptr + row1 + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -513,21 +614,40 @@ def _linear_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return _fitting("small-M GEMM", h.device, cfg, default_config("gelu" if gelu else "linear", m, n), launch)
 
 
+def _fold_args(norm: FoldedNorm | None, norm_bias: torch.Tensor | None, a: torch.Tensor,
+               rows_per_batch: int) -> tuple[list[object], dict[str, object]]:
+    """The consumer kernels' folded-norm arguments: (stats, bias) pointers and their (tiles, width,
+    eps, row stride, bias batch stride), and the FOLD / STATS_BLOCK constexprs (unused pointers
+    without a norm: anything valid)."""
+    if norm is None:
+        return [a, a, 1, 1, 0.0, 0, 0], {"FOLD": False, "STATS_BLOCK": 1}
+    stats = norm.stats
+    batch = a.shape[0] // rows_per_batch
+    nb, s_nbb = norm_bias, (norm_bias.stride(0) if norm_bias.shape[0] > 1 else 0)
+    if nb.shape[0] not in (1, batch):
+        raise ValueError(f"norm_bias batch {nb.shape[0]} does not broadcast over batch {batch}")
+    return ([stats, nb, stats.shape[1], norm.u.shape[-1], float(norm.eps), stats.stride(0), s_nbb],
+            {"FOLD": True, "STATS_BLOCK": triton.next_power_of_2(stats.shape[1])})
+
+
 def _geglu_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  cfg: GemmConfig | None) -> torch.Tensor:
+                  cfg: GemmConfig | None, norm: FoldedNorm | None = None,
+                  norm_bias: torch.Tensor | None = None) -> torch.Tensor:
     two_h, k = weight.shape
     hidden = two_h // 2
     a = _rows(h, k)
     m = a.shape[0]
+    per_batch = h[0].numel() // k if h.dim() > 1 else m
+    (stats, nb, tiles, width, eps, s_stm, s_nbb), fold = _fold_args(norm, norm_bias, a, per_batch)
 
     def launch(cfg: GemmConfig) -> torch.Tensor:
         out = _empty((*h.shape[:-1], hidden), h.dtype, h.device)
         out2 = out.view(m, hidden)
         grid = (triton.cdiv(hidden, cfg.block_n) * triton.cdiv(m, cfg.block_m),)
         _linear_geglu_kernel[grid](
-            a, weight, bias if bias is not None else a, out2, m, hidden, k,
-            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out2.stride(0),
-            HAS_BIAS=bias is not None, **_flags(a, k, cfg),
+            a, weight, bias if bias is not None else a, out2, stats, nb, m, hidden, k, per_batch, tiles, width, eps,
+            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out2.stride(0), s_stm, s_nbb,
+            HAS_BIAS=bias is not None, **fold, **_flags(a, k, cfg),
         )
         return out
 
@@ -547,11 +667,13 @@ def _cos_sin_rows(c: torch.Tensor, batch: int, t: int, d: int) -> tuple[torch.Te
 
 def _qkv_rope_triton(h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      num_heads: int, num_kv_heads: int, head_dim: int, bias: torch.Tensor | None,
-                     cfg: GemmConfig | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     cfg: GemmConfig | None, norm: FoldedNorm | None = None,
+                     norm_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, t, k = h.shape
     width = weight.shape[0]
     a = _rows(h, k)
     m = a.shape[0]
+    fold_ptrs, fold = _fold_args(norm, norm_bias, a, t)
     cos3, s_cb, s_ct = _cos_sin_rows(cos, b, t, head_dim)
     sin3, s_sb, s_st = _cos_sin_rows(sin, b, t, head_dim)
     half = head_dim // 2
@@ -562,15 +684,53 @@ def _qkv_rope_triton(h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
         v = _empty((b, num_kv_heads, t, head_dim), h.dtype, h.device)
         tiles = triton.cdiv(half, cfg.block_n)
         grid = ((num_heads + 2 * num_kv_heads) * tiles * triton.cdiv(m, cfg.block_m),)
+        stats, nb, stiles, swidth, eps, s_stm, s_nbb = fold_ptrs
         _linear_qkv_rope_kernel[grid](
-            a, weight, bias if bias is not None else a, cos3, sin3, q, kk, v,
-            m, k, t, num_heads, num_kv_heads, tiles,
-            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), s_cb, s_ct, s_sb, s_st,
-            HALF=half, HAS_BIAS=bias is not None, **_flags(a, k, cfg),
+            a, weight, bias if bias is not None else a, cos3, sin3, q, kk, v, stats, nb,
+            m, k, t, num_heads, num_kv_heads, tiles, stiles, swidth, eps,
+            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), s_cb, s_ct, s_sb, s_st, s_stm, s_nbb,
+            HALF=half, HAS_BIAS=bias is not None, **fold, **_flags(a, k, cfg),
         )
         return q, kk, v
 
     return _fitting("small-M GEMM + RoPE", h.device, cfg, default_config("qkv_rope", m, width), launch)
+
+
+def _linear_residual_triton(h: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, gate: torch.Tensor,
+                            scale: torch.Tensor, eps: float, cfg: GemmConfig | None,
+                            tickets: Tickets | None) -> tuple[torch.Tensor, FoldedNorm]:
+    n, k = weight.shape
+    a = _rows(h, k)
+    m = a.shape[0]
+    batch = x.shape[0]
+    per_batch = m // batch
+    x2 = _rows(x, n)
+    g, s_gb = _per_batch(gate, batch, n)
+    sc, s_sb = _per_batch(scale, batch, n)
+
+    def launch(cfg: GemmConfig) -> tuple[torch.Tensor, FoldedNorm]:
+        res = _empty(x.shape, x.dtype, x.device)
+        u = _empty(x.shape, x.dtype, x.device)
+        res2, u2 = res.view(m, n), u.view(m, n)
+        per = split_size(k, cfg.split_k, cfg.block_k)
+        splits = math.ceil(k / per)
+        tiles_n = triton.cdiv(n, cfg.block_n)
+        stats = _empty((m, tiles_n), torch.float32, x.device)
+        grid = (tiles_n * triton.cdiv(m, cfg.block_m), splits)
+        if splits > 1:
+            part = _empty((splits, m, n), torch.float32, x.device)
+            ticket = (tickets if tickets is not None else Tickets(x.device)).take(grid[0])
+            s_ps, s_pm = part.stride(0), part.stride(1)
+        else:  # unused: anything valid
+            part, ticket, s_ps, s_pm = res2, stats, 0, 0
+        _linear_residual_kernel[grid](
+            a, weight, part, ticket, x2, g, sc, res2, u2, stats, m, n, k, per, per_batch,
+            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), s_ps, s_pm, x2.stride(0), s_gb, s_sb,
+            res2.stride(0), u2.stride(0), stats.stride(0), SPLITS=splits, **_flags(a, k, cfg),
+        )
+        return res, FoldedNorm(u, stats, float(eps))
+
+    return _fitting("small-M GEMM + residual", h.device, cfg, default_config("linear", m, n), launch)
 
 
 # -- the ops (dispatched) ----------------------------------------------------------------------------------
@@ -602,37 +762,98 @@ def linear_gelu(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference
     return _linear_triton(h, weight, bias, config, gelu=True)
 
 
+def folded_product_ref(norm: FoldedNorm, weight: torch.Tensor, norm_bias: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The product a folded norm's consumer computes, in float32 and then rounded to u's dtype:
+    (u W^T) rstd + norm_bias (+ bias), i.e. (rms_norm(r) (1 + scale) + shift) W^T up to rounding
+    when norm_bias = shift W^T (`triton_ops.FoldedNorm`). norm_bias (B or 1, N) float32."""
+    u = norm.u
+    y = F.linear(u.float(), weight.float()) * norm.rstd().view(*u.shape[:-1], 1)
+    y = y + norm_bias.float().view(norm_bias.shape[0], *([1] * (u.dim() - 2)), -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(u.dtype)
+
+
+def _check_norm(name: str, h: torch.Tensor, norm: FoldedNorm | None, norm_bias: torch.Tensor | None,
+                n: int) -> None:
+    if norm is None:
+        if norm_bias is not None:
+            raise ValueError(f"{name}: norm_bias without norm")
+        return
+    if norm.u.shape != h.shape:
+        raise ValueError(f"{name}: h {tuple(h.shape)} is not the folded norm's u {tuple(norm.u.shape)}")
+    if norm_bias is None or norm_bias.dim() != 2 or norm_bias.shape[1] != n or norm_bias.dtype != torch.float32:
+        got = None if norm_bias is None else (tuple(norm_bias.shape), norm_bias.dtype)
+        raise ValueError(f"{name}: norm_bias (B or 1, {n}) float32 expected with norm=, got {got}")
+    if norm.stats.shape[0] != h.numel() // h.shape[-1] or norm.stats.dtype != torch.float32:
+        raise ValueError(f"{name}: norm stats {tuple(norm.stats.shape)} {norm.stats.dtype} for {h.numel() // h.shape[-1]} rows")
+
+
 def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
-                 bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, config: GemmConfig | None = None,
+                 norm: FoldedNorm | None = None, norm_bias: torch.Tensor | None = None) -> torch.Tensor:
     """gelu_tanh(h @ Wg^T) * (h @ Wu^T) for h (..., K) and the fused gate/up weight (2 H, K) (gate
     rows first, as `GatedMLP.fuse` concatenates them) -> (..., H) in h.dtype; one kernel, the
-    activation applied to the float32 sums."""
+    activation applied to the float32 sums. `norm` (h being its u) with `norm_bias` (B or 1, 2 H)
+    = shift W^T: the input's adaptive norm finished on the sums (`triton_ops.FoldedNorm`)."""
     if weight.dim() == 2 and weight.shape[0] % 2:
         raise ValueError(f"linear_geglu: the fused gate/up weight has an odd row count {weight.shape[0]}")
-    if not (_use_triton(backend, h, weight, *_present(bias)) and kernel_takes(h, weight, bias)):
+    _check_norm("linear_geglu", h, norm, norm_bias, weight.shape[0])
+    if not (_use_triton(backend, h, weight, *_present(bias)) and kernel_takes(h, weight, bias)) or needs_grad(h):
+        if norm is not None:
+            return geglu_ref(folded_product_ref(norm, weight, norm_bias, bias))
         return linear_geglu_ref(h, weight, bias)
     if config is not None and config.split_k > 1:
         raise ValueError("linear_geglu: split_k > 1 is not supported (GeGLU needs the whole sums)")
-    return _geglu_triton(h, weight, bias, config)
+    return _geglu_triton(h, weight, bias, config, norm, norm_bias)
+
+
+def linear_residual_fold(h: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, gate: torch.Tensor,
+                         scale: torch.Tensor, eps: float, backend: str = "reference", *,
+                         config: GemmConfig | None = None,
+                         tickets: Tickets | None = None) -> tuple[torch.Tensor, FoldedNorm]:
+    """o_proj / down with what follows them in an adaptive Gemma block, in one kernel: y = h W^T,
+    the gated residual r = x + y gate (x (B, T, N); gate, scale (B or 1, 1, N)), and the next
+    adaptive norm of r left folded for the GEMM that reads it (`triton_ops.FoldedNorm`: u = r (1 +
+    scale), r^2 summed per row and column tile). Returns (r, the folded norm). Split K (the
+    tiling's `split_k`) is reduced inside the kernel by each tile's last split (`tickets`: where
+    its counters come from; None: a fresh zeroed buffer). No bias, no gradient."""
+    n = weight.shape[0] if weight.dim() == 2 else -1
+    if x.dim() != 3 or x.shape[-1] != n or h.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"linear_residual_fold: h {tuple(h.shape)}, weight {tuple(weight.shape)} and residual "
+                         f"{tuple(x.shape)} do not match")
+    if not (_use_triton(backend, h, weight, x, gate, scale) and kernel_takes(h, weight)) or needs_grad(h, x):
+        y = linear_ref(h, weight)
+        r = (x.float() + y.float() * gate.float()).to(x.dtype)
+        rf = r.float()
+        u = (rf * (1.0 + scale.float())).to(x.dtype)
+        return r, FoldedNorm(u, (rf * rf).sum(-1).reshape(-1, 1), float(eps))
+    return _linear_residual_triton(h, weight, x, gate, scale, eps, config, tickets)
 
 
 def linear_qkv_rope(
     h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
     num_kv_heads: int, head_dim: int, backend: str = "reference", *, bias: torch.Tensor | None = None,
-    config: GemmConfig | None = None,
+    config: GemmConfig | None = None, norm: FoldedNorm | None = None, norm_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused QKV projection of h (B, T, K) by weight ((H + 2 Hkv) D, K) with RoPE on q and k:
     the contract of `qkv_rope_ref(F.linear(h, weight), cos, sin, H, Hkv, D)` (q (B, H, T, D); k, v
     (B, Hkv, T, D)); cos, sin (B or 1, 1, T, D) as `rope_cos_sin` makes them. The kernel's q, k
-    and v are contiguous (the reference's v is a view)."""
+    and v are contiguous (the reference's v is a view). `norm` / `norm_bias`: as `linear_geglu`'s."""
     if head_dim % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
     if h.dim() != 3:
         raise ValueError(f"linear_qkv_rope: h (B, T, K) expected, got shape {tuple(h.shape)}")
     if weight.dim() == 2 and weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"qkv weight rows {weight.shape[0]} != (heads + 2 kv heads) * head_dim")
-    if not (_use_triton(backend, h, weight, cos, sin, *_present(bias)) and kernel_takes(h, weight, bias)):
+    _check_norm("linear_qkv_rope", h, norm, norm_bias, weight.shape[0])
+    if (not (_use_triton(backend, h, weight, cos, sin, *_present(bias)) and kernel_takes(h, weight, bias))
+            or needs_grad(h)):
+        if norm is not None:
+            return qkv_rope_ref(folded_product_ref(norm, weight, norm_bias, bias), cos, sin, num_heads, num_kv_heads,
+                                head_dim)
         return linear_qkv_rope_ref(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias)
     if config is not None and config.split_k > 1:
         raise ValueError("linear_qkv_rope: split_k > 1 is not supported")
-    return _qkv_rope_triton(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias, config)
+    return _qkv_rope_triton(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias, config, norm, norm_bias)

@@ -99,7 +99,33 @@ class SplitSums:
         return acc.to(self.dtype).view(self.shape)
 
 
+@dataclass(frozen=True)
+class FoldedNorm:
+    """An adaptive RMS norm of a residual r left for the GEMM that reads it to finish (the batch-1
+    small-M GEMMs of `triton_gemm`, `norm=`). Instead of rms_norm(r) (1 + scale) + shift, its
+    producer writes u = r (1 + scale) in r's dtype and float32 sums of r^2 per row, one column per
+    column tile it wrote (`stats` (rows, tiles)); the consumer GEMM scales each row of its float32
+    product u W^T by rsqrt(sum / width + eps) and adds shift W^T (a vector per flow step, tabulated
+    once: `fused_stacks.fold_modulation`). The row factor and the shift pass through the product
+    linearly, so this is the norm's result up to rounding (u is rounded where the normed value
+    was); what it saves is the norm's kernel between the two GEMMs."""
+
+    u: torch.Tensor
+    stats: torch.Tensor
+    eps: float
+
+    def rstd(self) -> torch.Tensor:
+        """(rows,) float32: 1 / rms of each row of r."""
+        return torch.rsqrt(self.stats.sum(-1) / self.u.shape[-1] + self.eps)
+
+
 # -- references -----------------------------------------------------------------------------------
+def ada_rms_fold_ref(x: torch.Tensor, scale: torch.Tensor, eps: float) -> FoldedNorm:
+    """`FoldedNorm` of x (B, T, N) for an adaptive norm with `scale` (B or 1, 1, N)."""
+    xf = x.float()
+    return FoldedNorm((xf * (1.0 + scale.float())).to(x.dtype), (xf * xf).sum(-1).reshape(-1, 1), float(eps))
+
+
 def residual_ref(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """`GemmaBlock._residual` with a gate, in the residual's dtype."""
     return x + y * gate.to(x.dtype)
@@ -152,11 +178,12 @@ if triton is not None:
 
     @triton.jit
     def _residual_ada_norm_kernel(
-        x_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, res_ptr, out_ptr,
+        x_ptr, y_ptr, gate_ptr, scale_ptr, shift_ptr, res_ptr, out_ptr, stats_ptr,
         n_cols, rows_per_batch, eps,
         stride_x, stride_y, stride_res, stride_out,
         stride_gate_b, stride_scale_b, stride_shift_b, stride_y_split,
         HAS_RESIDUAL: tl.constexpr, Y_SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+        FOLD: tl.constexpr,
     ):
         pdl_enter(PDL)
         row = tl.program_id(0)
@@ -176,12 +203,16 @@ if triton is not None:
             r = (x + y * g).to(res_ptr.dtype.element_ty)
             tl.store(res_ptr + row * stride_res + cols, r, mask=m)
             x = r.to(tl.float32)  # normalise the residual as stored (rounded), as the reference does
-        # float32 explicitly: under torch.compile a Python float argument arrives as fp64.
-        inv = tl.rsqrt((tl.sum(x * x, axis=0) / n_cols + eps).to(tl.float32))
         sc = tl.load(scale_ptr + b * stride_scale_b + cols, mask=m, other=0.0).to(tl.float32)
-        sh = tl.load(shift_ptr + b * stride_shift_b + cols, mask=m, other=0.0).to(tl.float32)
-        out = x * inv * (1.0 + sc) + sh
-        tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=m)
+        if FOLD:  # the norm left to the next GEMM (`FoldedNorm`): x (1 + scale) and the row's sum of squares
+            tl.store(out_ptr + row * stride_out + cols, (x * (1.0 + sc)).to(out_ptr.dtype.element_ty), mask=m)
+            tl.store(stats_ptr + row, tl.sum(x * x, axis=0))
+        else:
+            # float32 explicitly: under torch.compile a Python float argument arrives as fp64.
+            inv = tl.rsqrt((tl.sum(x * x, axis=0) / n_cols + eps).to(tl.float32))
+            sh = tl.load(shift_ptr + b * stride_shift_b + cols, mask=m, other=0.0).to(tl.float32)
+            out = x * inv * (1.0 + sc) + sh
+            tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _qkv_rope_kernel(
@@ -274,7 +305,7 @@ if triton is not None:
         tl.store(out_ptr + offs, _gelu_tanh(g).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _residual_ada_norm_triton(x, y, gate, scale, shift, eps):
+def _residual_ada_norm_triton(x, y, gate, scale, shift, eps, fold=False):
     b, n = x.shape[0], x.shape[-1]
     rows_per_batch = x[0].numel() // n
     x2 = _rows(x, n)
@@ -297,14 +328,15 @@ def _residual_ada_norm_triton(x, y, gate, scale, shift, eps):
         sy, sres = y2.stride(0), res2.stride(0)
     else:  # unused pointers: anything valid
         y2, g, res, res2, s_g, sy, sres = x2, sc, None, out2, 0, 0, 0
+    stats = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device) if fold else out2
     _residual_ada_norm_kernel[(x2.shape[0],)](
-        x2, y2, g, sc, sh, res2, out2,
+        x2, y2, g, sc, sh, res2, out2, stats,
         n, rows_per_batch, float(eps),
         x2.stride(0), sy, sres, out2.stride(0),
         s_g, s_sc, s_sh, s_split,
-        HAS_RESIDUAL=y is not None, Y_SPLITS=splits, BLOCK=_block(n), **launch_options(x2),
+        HAS_RESIDUAL=y is not None, Y_SPLITS=splits, BLOCK=_block(n), FOLD=fold, **launch_options(x2),
     )
-    return res, out
+    return res, (FoldedNorm(out, stats, float(eps)) if fold else out)
 
 
 def _layer_norm_triton(x, y, weight, bias, eps):
@@ -351,6 +383,13 @@ def ada_rms_norm(
     if needs_grad(x):
         return AdaRmsNormFn.apply(x, scale, shift, eps)
     return _residual_ada_norm_triton(x, None, None, scale, shift, eps)[1]
+
+
+def ada_rms_fold(x: torch.Tensor, scale: torch.Tensor, eps: float, backend: str = "reference") -> FoldedNorm:
+    """The adaptive norm of x (B, T, N) left folded for the next GEMM (`FoldedNorm`); no gradient."""
+    if needs_grad(x, scale) or not _use_triton(backend, x, scale):
+        return ada_rms_fold_ref(x, scale, eps)
+    return _residual_ada_norm_triton(x, None, None, scale, scale, eps, fold=True)[1]
 
 
 def residual_ada_rms_norm(

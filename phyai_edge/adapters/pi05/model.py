@@ -242,7 +242,7 @@ class PI05Model(nn.Module):
         """x_t (B, H, D) at flow time t (B,) -> velocity (B, H, D) float32.
 
         `modulation`: `time_modulation(t)` computed ahead (a table entry), or None to compute it."""
-        per_layer, final_mod = modulation if modulation is not None else self.time_modulation(t)
+        per_layer, final_mod = modulation[:2] if modulation is not None else self.time_modulation(t)
         x, cos, sin, mask = self.expert_inputs(x_t, prefix_mask)
         for i, layer in enumerate(self.expert_layers):
             q, k, v, gate = layer.project_kv(x, cos, sin, per_layer[i][0])
@@ -325,15 +325,23 @@ class PI05Model(nn.Module):
             return cos, sin, mask, stack_attention(mask, prefix_mask.shape[0], backend)
 
         def denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=None, context=None, joined=None):
-            per_layer, final_mod = modulation if modulation is not None else self.time_modulation(t)
+            # a table entry may carry the folded norms' part (`fold_modulation` below) as a third item
+            per_layer, final_mod, *folded = modulation if modulation is not None else self.time_modulation(t)
             x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
             cos, sin, mask, attend = context if context is not None else step_context(prefix_mask)
             out = fused_stacks.adaptive_block_stack(
                 self.expert_layers, x, cos, sin, k_cache, v_cache, mask, per_layer, final_mod,
                 self.expert_norm.eps, backend, gemm_backend=backend if gemm else None, attend=attend,
-                joined=joined,
+                joined=joined, folded=folded[0] if folded else None,
             )
             return self.expert_output(out)
+
+        def fold_modulation(modulation):
+            # A modulation table entry, extended once per flow time with what the small-M GEMMs need
+            # to finish the adaptive norms themselves (`fused_stacks.fold_modulation`).
+            per_layer, final_mod = modulation[:2]
+            folded = fused_stacks.fold_modulation(self.expert_layers, per_layer)
+            return (per_layer, final_mod) if folded is None else (per_layer, final_mod, folded)
 
         def encode_prefix(image_embeds, image_mask, tokens, token_mask, dense=False, out=None):
             if not self.attend_keys_only:  # the fused stack takes key-only masks
@@ -350,5 +358,8 @@ class PI05Model(nn.Module):
                                                   dense=dense, out=out)
             return k, v, mask
 
-        return {"embed_images": embed_images, "denoise_step": denoise_step, "encode_prefix": encode_prefix,
-                "step_context": step_context}
+        stages = {"embed_images": embed_images, "denoise_step": denoise_step, "encode_prefix": encode_prefix,
+                  "step_context": step_context}
+        if gemm:  # only the small-M GEMMs fold norms
+            stages["fold_modulation"] = fold_modulation
+        return stages
