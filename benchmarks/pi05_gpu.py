@@ -224,6 +224,14 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # batch 1's adaptive norms as kernels of their own between the GEMMs
         # (`fused_stacks.set_fold_norms(False)`); the default folds them into the small-M GEMMs
         ("triton+gemm, norms unfolded", {"triton_ops": True, "triton_gemm": True, "_fold_norms": False}, shapes),
+        # the residual-fold GEMM (o_proj / down with the residual and the next norm in the epilogue,
+        # `triton_gemm.RESIDUAL_CONFIG`) on other tilings than the plain linear's (64 x 32, split 4)
+        ("triton+gemm, fold split 2", {"triton_ops": True, "triton_gemm": True,
+                                       "_residual_config": (64, 32, 128, 4, 4, 2)}, shapes),
+        ("triton+gemm, fold 64x16 split 4", {"triton_ops": True, "triton_gemm": True,
+                                             "_residual_config": (64, 16, 128, 4, 4, 4)}, shapes),
+        ("triton+gemm, fold 64x16 no split", {"triton_ops": True, "triton_gemm": True,
+                                              "_residual_config": (64, 16, 128, 4, 4, 1)}, shapes),
         # timing only (its guided chunks are wrong): the attention backward replaced by zero gradients
         # (same allocations), so the guided chunk's drop against the default is that backward's cost
         # inside the replayed graph (the eager profile overstated it: 56 us a call at batch 8 against 48.6)
@@ -295,6 +303,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
     from phyai_edge.engines import cudagraph
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.layers import triton_attention as attn_mod
+    from phyai_edge.layers import triton_gemm as gemm_mod
     from phyai_edge.layers import triton_gemm_tma as tma_mod
     from phyai_edge.layers import triton_grad as grad_mod
     from phyai_edge.layers.fp8 import fp8_linears
@@ -319,12 +328,16 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         previous_vjp_tiling = kw.pop("_previous_vjp_tiling", False)
         stub_vjp_attention = kw.pop("_stub_vjp_attention", False)
         fold_norms = kw.pop("_fold_norms", True)
+        residual_config = kw.pop("_residual_config", None)
         geglu_rule = _geglu_rule(kw.pop("_geglu_tiles", False), kw.pop("_geglu_all_ws", False))
         if time.perf_counter() - par.T0 > budget_s:
             out.setdefault(name, f"skipped (budget: {time.perf_counter() - par.T0:.0f}s elapsed)")
             continue
         pdl_before = set_pdl(pdl)  # the kernels are launched and captured with these settings
         fold_before = set_fold_norms(fold_norms)
+        residual_before = gemm_mod.RESIDUAL_CONFIG
+        if residual_config is not None:
+            gemm_mod.RESIDUAL_CONFIG = gemm_mod.GemmConfig(*residual_config)
         backward_before = set_kernel_backward(kernel_backward)
         attn_grad_before, attn_mod.GRAD_ON_KERNEL = attn_mod.GRAD_ON_KERNEL, grad_on_kernel
         merge_before = set_inline_merge(inline)
@@ -399,6 +412,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         finally:
             set_pdl(pdl_before)
             set_fold_norms(fold_before)
+            gemm_mod.RESIDUAL_CONFIG = residual_before
             set_kernel_backward(backward_before)
             attn_mod.GRAD_ON_KERNEL = attn_grad_before
             set_inline_merge(merge_before)

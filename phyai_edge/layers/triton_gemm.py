@@ -177,6 +177,10 @@ CONFIGS: dict[str, GemmConfig] = {
 CONFIGS.update({f"gelu/{m}": CONFIGS[f"linear/{m}/wide"] for m in ("m16", "m64", "m256", "m1024", "mbig")})
 
 
+# The residual-fold GEMM's tiling (`linear_residual_fold`); None: the plain linear's for the shape.
+RESIDUAL_CONFIG: GemmConfig | None = None
+
+
 def default_config(op: str, rows: int, n: int) -> GemmConfig:
     return CONFIGS[shape_class(op, rows, n)]
 
@@ -281,20 +285,31 @@ if triton is not None:
         return rstd
 
     @triton.jit
-    def _residual_fold_epilogue(y, rm, rn, m_ok, n_ok, pid_n, x_ptr, gate_ptr, scale_ptr, res_ptr, u_ptr, stats_ptr,
-                                rows_per_batch, s_xm, s_gb, s_sb, s_rm, s_um, s_stm):
+    def _fold_bias(nbias_ptr, sample, cols, offset, m_ok, c_ok, s_nbb, FOLD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+        """A folded norm's shift W^T for rows of `sample` at columns `cols` and `cols + offset` (the
+        two accumulators' columns), as (BLOCK_M, BLOCK_N) float32 blocks; zeros without FOLD."""
+        if FOLD:
+            nb = nbias_ptr + sample[:, None] * s_nbb + cols[None, :]
+            ok = m_ok[:, None] & c_ok[None, :]
+            first = tl.load(nb, mask=ok, other=0.0)
+            second = tl.load(nb + offset, mask=ok, other=0.0)
+        else:
+            first = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            second = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        return first, second
+
+    @triton.jit
+    def _residual_fold_epilogue(y, x, g, sc, rm, rn, m_ok, n_ok, pid_n, res_ptr, u_ptr, stats_ptr, s_rm, s_um, s_stm):
         """The gated residual r = x + y gate of a (rows, columns) tile of the GEMM's float32 sums y,
         rounded as the GEMM's own output and then the residual are, and the next adaptive norm left
-        folded: u = r (1 + scale) and the tile's sum of r^2 per row (column pid_n of stats)."""
+        folded: u = r (1 + scale) and the tile's sum of r^2 per row (column pid_n of stats). x, g
+        (the gate) and sc (the scale): the tile's float32 operands, loaded by the caller."""
         ok = m_ok[:, None] & n_ok[None, :]
         y = y.to(res_ptr.dtype.element_ty).to(tl.float32)
-        b = (rm // rows_per_batch)[:, None]
-        x = tl.load(x_ptr + rm[:, None] * s_xm + rn[None, :], mask=ok, other=0.0).to(tl.float32)
-        g = tl.load(gate_ptr + b * s_gb + rn[None, :], mask=ok, other=0.0).to(tl.float32)
         r = (x + y * g).to(res_ptr.dtype.element_ty)
         tl.store(res_ptr + rm[:, None] * s_rm + rn[None, :], r, mask=ok)
         rf = r.to(tl.float32)
-        sc = tl.load(scale_ptr + b * s_sb + rn[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(u_ptr + rm[:, None] * s_um + rn[None, :], (rf * (1.0 + sc)).to(u_ptr.dtype.element_ty), mask=ok)
         tl.store(stats_ptr + rm * s_stm + pid_n, tl.sum(rf * rf, axis=1), mask=m_ok)
 
@@ -321,6 +336,13 @@ if triton is not None:
         n_ok = rn < N
         k0 = split * k_per_split
         k_end = tl.minimum(k0 + k_per_split, K)
+        # The epilogue's operands are loaded ahead of the loop, in flight with the first tiles: the
+        # last split's tail is then the partials' reads alone (wasted loads for the other splits).
+        ok = m_ok[:, None] & n_ok[None, :]
+        b = (rm // rows_per_batch)[:, None]
+        x = tl.load(x_ptr + rm[:, None] * s_xm + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + b * s_gb + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+        sc = tl.load(scale_ptr + b * s_sb + rn[None, :], mask=ok, other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in range(k0, k_end, BLOCK_K):
             kk = k + rk
@@ -336,18 +358,17 @@ if triton is not None:
                             other=0.0, eviction_policy="evict_first")
             acc = _mma(a, w, acc, UPCAST, IEEE)
         if SPLITS == 1:
-            _residual_fold_epilogue(acc, rm, rn, m_ok, n_ok, pid_n, x_ptr, gate_ptr, scale_ptr, res_ptr, u_ptr,
-                                    stats_ptr, rows_per_batch, s_xm, s_gb, s_sb, s_rm, s_um, s_stm)
+            _residual_fold_epilogue(acc, x, g, sc, rm, rn, m_ok, n_ok, pid_n, res_ptr, u_ptr, stats_ptr, s_rm, s_um,
+                                    s_stm)
         else:
-            ok = m_ok[:, None] & n_ok[None, :]
             src = part_ptr + rm[:, None] * s_pm + rn[None, :]
             tl.store(src + split * s_ps, acc, mask=ok)
             if _last_of(ticket_ptr + pid, SPLITS):
                 y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for s in tl.static_range(SPLITS):  # split order: the same sum on every run
                     y += tl.load(src + s * s_ps, mask=ok, other=0.0, cache_modifier=".cg")
-                _residual_fold_epilogue(y, rm, rn, m_ok, n_ok, pid_n, x_ptr, gate_ptr, scale_ptr, res_ptr, u_ptr,
-                                        stats_ptr, rows_per_batch, s_xm, s_gb, s_sb, s_rm, s_um, s_stm)
+                _residual_fold_epilogue(y, x, g, sc, rm, rn, m_ok, n_ok, pid_n, res_ptr, u_ptr, stats_ptr, s_rm, s_um,
+                                        s_stm)
 
     @triton.jit
     def _linear_kernel(
@@ -425,9 +446,10 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < H
-        # FOLD: the input is a folded norm's u; its row factor is read before the loop (in flight
-        # with the first weight tiles) and applied to the sums after it, with the shift's W^T.
+        # FOLD: the input is a folded norm's u; its row factor and the shift's W^T are read before
+        # the loop (in flight with the first weight tiles) and applied to the sums after it.
         rstd = _fold_rstd(stats_ptr, rm, m_ok, s_stm, stats_tiles, width, norm_eps, FOLD, STATS_BLOCK, BLOCK_M)
+        nb_g, nb_u = _fold_bias(nbias_ptr, rm // rows_per_batch, rn, H, m_ok, n_ok, s_nbb, FOLD, BLOCK_M, BLOCK_N)
         wg_ptr = w_ptr + rn[None, :] * s_wn
         wu_ptr = w_ptr + (rn + H)[None, :] * s_wn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -446,10 +468,8 @@ if triton is not None:
             acc_g = _mma(a, wg, acc_g, UPCAST, IEEE)
             acc_u = _mma(a, wu, acc_u, UPCAST, IEEE)
         if FOLD:
-            nb = nbias_ptr + (rm // rows_per_batch)[:, None] * s_nbb + rn[None, :]
-            fold_ok = m_ok[:, None] & n_ok[None, :]
-            acc_g = acc_g * rstd[:, None] + tl.load(nb, mask=fold_ok, other=0.0)
-            acc_u = acc_u * rstd[:, None] + tl.load(nb + H, mask=fold_ok, other=0.0)
+            acc_g = acc_g * rstd[:, None] + nb_g
+            acc_u = acc_u * rstd[:, None] + nb_u
         if HAS_BIAS:
             acc_g += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(bias_ptr + H + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -483,6 +503,7 @@ if triton is not None:
         w1_ptr = w_ptr + row1[None, :] * s_wn
         w2_ptr = w_ptr + (row1 + HALF)[None, :] * s_wn
         rstd = _fold_rstd(stats_ptr, rm, m_ok, s_stm, stats_tiles, width, norm_eps, FOLD, STATS_BLOCK, BLOCK_M)
+        nb1, nb2 = _fold_bias(nbias_ptr, rm // seq_len, row1, HALF, m_ok, d_ok, s_nbb, FOLD, BLOCK_M, BLOCK_N)
         acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -499,10 +520,8 @@ if triton is not None:
             acc1 = _mma(a, w1, acc1, UPCAST, IEEE)
             acc2 = _mma(a, w2, acc2, UPCAST, IEEE)
         if FOLD:
-            nb = nbias_ptr + (rm // seq_len)[:, None] * s_nbb + row1[None, :]
-            fold_ok = m_ok[:, None] & d_ok[None, :]
-            acc1 = acc1 * rstd[:, None] + tl.load(nb, mask=fold_ok, other=0.0)
-            acc2 = acc2 * rstd[:, None] + tl.load(nb + HALF, mask=fold_ok, other=0.0)
+            acc1 = acc1 * rstd[:, None] + nb1
+            acc2 = acc2 * rstd[:, None] + nb2
         if HAS_BIAS:
             acc1 += tl.load(bias_ptr + row1, mask=d_ok, other=0.0).to(tl.float32)[None, :]
             acc2 += tl.load(bias_ptr + row1 + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -730,7 +749,8 @@ def _linear_residual_triton(h: torch.Tensor, weight: torch.Tensor, x: torch.Tens
         )
         return res, FoldedNorm(u, stats, float(eps))
 
-    return _fitting("small-M GEMM + residual", h.device, cfg, default_config("linear", m, n), launch)
+    return _fitting("small-M GEMM + residual", h.device, cfg, RESIDUAL_CONFIG or default_config("linear", m, n),
+                    launch)
 
 
 # -- the ops (dispatched) ----------------------------------------------------------------------------------
