@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--reps", type=int, default=200, help="calls of each engine, alternated")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--builtin", action="store_true",
+                    help="the full preset as `phyai-edge bench` loads it (`builtin_adapter('full', device=)`), and "
+                         "`run` drawing its own noise, instead of this script's seeded adapter and fixed noise")
     args = ap.parse_args(argv)
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.engines.eager import EagerEngine
@@ -41,7 +44,12 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = args.device
     torch.backends.cuda.matmul.allow_tf32 = True
-    adapter = seeded_adapter(dev, args.tiny)
+    if args.builtin:
+        from phyai_edge.adapters.pi05 import builtin_adapter
+
+        adapter = builtin_adapter("tiny" if args.tiny else "full", device=dev)
+    else:
+        adapter = seeded_adapter(dev, args.tiny)
     cfg = adapter.cfg
     x = par.model_inputs(par.make_inputs(1, 3, [VALID_TOKENS], dev, seed=3, max_len=cfg.max_token_len,
                                          vocab=cfg.vocab_size))
@@ -67,10 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         for eng in engines.values():
             eng.run(x, noise=noise)
     sync(dev)
+    timed_noise = None if args.builtin else noise
     for _ in range(args.reps):
         for name, eng in engines.items():
             t0 = time.perf_counter()
-            eng.run(x, noise=noise)
+            eng.run(x, noise=timed_noise)
             sync(dev)
             walls[name].append((time.perf_counter() - t0) * 1e3)
             for k, v in eng.last_stage_ms.items():
