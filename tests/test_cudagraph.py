@@ -160,3 +160,22 @@ def test_host_staging_copies_through_reused_buffers() -> None:
     st.wait()  # nothing queued on a CPU: returns
     st.queued(torch.device("cpu"))
     assert st.done is None
+
+
+def test_float32_matmuls_in_tf32_restores_the_process_setting() -> None:
+    from phyai_edge.engines.cudagraph import float32_matmuls_in_tf32
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "ieee"
+        with float32_matmuls_in_tf32(True):
+            assert matmul.fp32_precision == "tf32"
+        assert matmul.fp32_precision == "ieee"
+        with float32_matmuls_in_tf32(False):
+            assert matmul.fp32_precision == "ieee"
+        with pytest.raises(RuntimeError, match="inside"), float32_matmuls_in_tf32(True):
+            raise RuntimeError("inside")
+        assert matmul.fp32_precision == "ieee"
+    finally:
+        matmul.fp32_precision = before

@@ -65,7 +65,8 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,35 @@ DENSE_EXPERT_MIN_BATCH = 8
 EXACT_PROMPT_LENGTHS = 4
 # The stage graph the PI0.5 path is written for; any other graph takes the generic path.
 PI05_STAGES = ("embed_images", "encode_prefix", "denoise_step")
+
+
+@contextmanager
+def float32_matmuls_in_tf32(on: bool) -> Iterator[None]:
+    """While open (with `on`), float32 matmuls may run in TF32 on tensor cores; the process's own
+    setting is restored after. A bf16 / fp16 engine captures its graphs inside it: the float32
+    layers it keeps (PI0.5's action projections) then replay as TF32 GEMMs, whose 10-bit mantissa
+    is finer than the bf16 activations around them, instead of cuBLAS's SIMT SGEMMs, which left
+    the batch-1 loop 0.32 ms slower on the H200 (`phyai-edge bench`, RESULTS.md 2026-12-04,
+    fourteenth session). A float32 engine is captured as the process says (its tests compare at
+    1e-4 and below)."""
+    matmul = torch.backends.cuda.matmul
+    if not on:
+        yield
+        return
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9; reading it is valid whichever API set it
+        before = matmul.fp32_precision
+        matmul.fp32_precision = "tf32"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = before
+    else:  # pragma: no cover - older torch
+        before = matmul.allow_tf32
+        matmul.allow_tf32 = True
+        try:
+            yield
+        finally:
+            matmul.allow_tf32 = before
 
 
 def prompt_bucket(token_mask: torch.Tensor, bucket: int, exact: bool = False) -> int:
@@ -537,17 +567,19 @@ class CudaGraphEngine(EngineBase):
         }
 
     def _capture(self, gs: _GraphSet | _StageSet, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
-        # Warm up on a side stream (allocator, cuBLAS handles, compilation), then capture.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=gs.pool):
-            out = fn()
-        torch.cuda.synchronize(self.device)
+        # Warm up on a side stream (allocator, cuBLAS handles, compilation), then capture; the
+        # GEMMs a graph replays are chosen here, float32 ones in TF32 for a reduced-precision engine.
+        with float32_matmuls_in_tf32(self.dtype != torch.float32):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=gs.pool):
+                out = fn()
+            torch.cuda.synchronize(self.device)
         return graph, out
 
     def _capture_dense_prefix(self, gs: _GraphSet) -> None:
