@@ -56,30 +56,39 @@ def main(argv: list[str] | None = None) -> int:
     noise = torch.randn(1, adapter.chunk_size, adapter.model_action_dim,
                         generator=torch.Generator().manual_seed(4)).to(dev)
     opts = {} if dev.startswith("cuda") else {"triton_ops": "triton", "triton_gemm": True}  # the interpreter
-    engines: dict[str, Any] = {}
-    for name, fold in (("folded", True), ("norm kernels", False)):
-        before = set_fold_norms(fold)  # consulted when the step is captured
+    folds = {"folded": True, "norm kernels": False}
+
+    def run(name: str, noise: torch.Tensor | None) -> torch.Tensor:
+        # The switch is read when the step is captured (GPU) or, with no graphs (a CPU), at every call.
+        before = set_fold_norms(folds[name])
         try:
-            eng = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", **opts)
-            eng.warmup(1, 3, VALID_TOKENS)
-            eng.run(x, noise=noise)
+            return engines[name].run(x, noise=noise)
         finally:
             set_fold_norms(before)
-        engines[name] = eng
+
+    engines: dict[str, Any] = {}
+    for name in folds:
+        engines[name] = CudaGraphEngine(copy.deepcopy(adapter), device=dev, dtype="bfloat16", **opts)
+        before = set_fold_norms(folds[name])
+        try:
+            engines[name].warmup(1, 3, VALID_TOKENS)
+        finally:
+            set_fold_norms(before)
+        run(name, noise)
     eager32 = EagerEngine(adapter, device=dev, dtype="float32")
     ref = eager32.run(x, noise=noise)
-    chunks = {name: eng.run(x, noise=noise) for name, eng in engines.items()}
+    chunks = {name: run(name, noise) for name in engines}
     walls: dict[str, list[float]] = {n: [] for n in engines}
     stages: dict[str, dict[str, list[float]]] = {n: {} for n in engines}
     for _ in range(3):  # warm
-        for eng in engines.values():
-            eng.run(x, noise=noise)
+        for name in engines:
+            run(name, noise)
     sync(dev)
     timed_noise = None if args.builtin else noise
     for _ in range(args.reps):
         for name, eng in engines.items():
             t0 = time.perf_counter()
-            eng.run(x, noise=timed_noise)
+            run(name, timed_noise)
             sync(dev)
             walls[name].append((time.perf_counter() - t0) * 1e3)
             for k, v in eng.last_stage_ms.items():

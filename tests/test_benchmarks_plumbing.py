@@ -49,3 +49,29 @@ def test_gpu_only_benchmark_imports_on_the_cpu() -> None:
     done = _run("l2_prefetch_gpu", ["--help"], timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "--programs" in done.stdout
+
+
+def test_ncu_stages_summarizes_a_recorded_run() -> None:
+    """`ncu_stages.py --parse` on the first batch-1 step it recorded on the H200 (RESULTS.md, fourteenth
+    session): the table names the step's kernels and sums what ncu measured."""
+    done = _run("ncu_stages", ["--parse", str(ROOT / "benchmarks/runs/ncu_b1_s14/denoise_step.csv")], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "denoise_step: 161 kernels, 1027.4 us alone under ncu" in done.stdout
+    assert "| `_split_attn_kernel` | 18 | 262.8 (14.60) |" in done.stdout
+
+
+def test_ncu_kernel_names_lose_their_templates() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from ncu_stages import short_name
+
+    assert short_name("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int, T2)") \
+        == "at::native::vectorized_elementwise_kernel"
+    assert short_name("_split_attn_kernel") == "_split_attn_kernel"
+
+
+def test_norm_fold_benchmark_imports_on_the_cpu() -> None:
+    """`norm_fold_gpu.py --tiny` takes minutes under the interpreter (the vision and prefix stages):
+    its arguments and imports here; its engines' code is `tests/test_norm_fold.py`'s."""
+    done = _run("norm_fold_gpu", ["--help"], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--builtin" in done.stdout
