@@ -75,3 +75,9 @@ def test_norm_fold_benchmark_imports_on_the_cpu() -> None:
     done = _run("norm_fold_gpu", ["--help"], timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "--builtin" in done.stdout
+
+
+def test_input_sets_benchmark_runs_tiny_on_the_cpu() -> None:
+    done = _run("input_sets_gpu", ["--tiny", "--device", "cpu", "--batch", "2", "--seconds", "0.5"], timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| bench CLI inputs |" in done.stdout and "| pi05_gpu.py inputs |" in done.stdout
