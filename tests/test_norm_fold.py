@@ -223,6 +223,20 @@ def test_fold_needs_fused_projections_and_no_gradient() -> None:
 
 
 @kernels
+def test_fp8_linears_are_not_folded() -> None:
+    """An fp8 expert keeps its own linears (and their activation scales): no fold, whatever the table says."""
+    from phyai_edge.layers.fp8 import convert_fp8
+
+    blocks = _blocks(torch.bfloat16)
+    args = _one_sample(_stack_inputs(blocks, torch.bfloat16))
+    folded = fused_stacks.fold_modulation(blocks, args[6])
+    assert folded is not None and fused_stacks._folds(blocks, args[0], "triton", folded, None)
+    holder = torch.nn.ModuleDict({"expert_layers": torch.nn.ModuleList(blocks)})
+    assert convert_fp8(holder, "expert") > 0
+    assert not fused_stacks._folds(blocks, args[0], "triton", folded, None)
+
+
+@kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_denoise_stage_with_a_folded_table_entry(poisoned, float32_routed, dtype) -> None:  # noqa: F811
     """The PI0.5 stage on the tiny preset at batch 1 with a table entry extended by `fold_modulation`
