@@ -187,7 +187,10 @@ def child(stage: str, batch: int, device: str, tiny: bool) -> None:
     }
     fn = calls[stage]
     cuda = device.startswith("cuda")
-    with torch.no_grad():
+    # as the engine's graphs run them: float32 matmuls (the action projections) in TF32
+    from phyai_edge.engines.cudagraph import float32_matmuls_in_tf32
+
+    with torch.no_grad(), float32_matmuls_in_tf32(True):
         fn()
         if cuda:
             torch.cuda.synchronize()

@@ -43,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     from phyai_edge.layers.fused_stacks import set_fold_norms
 
     dev = args.device
-    torch.backends.cuda.matmul.allow_tf32 = True
     if args.builtin:
         from phyai_edge.adapters.pi05 import builtin_adapter
 

@@ -507,7 +507,9 @@ def main_seeded(args: argparse.Namespace) -> int:
     say(f"seeded {'tiny' if args.tiny else 'full'} adapter on {dev}")
     full = not args.tiny
     reps1, reps32 = (50, 10) if full else (3, 2)
-    torch.backends.cuda.matmul.allow_tf32 = True
+    # float32 matmuls stay IEEE here: the eager float32 reference is then float32 arithmetic, and a
+    # bf16 engine captures its own graphs with TF32 (`cudagraph.float32_matmuls_in_tf32`), as the
+    # product runs them. Until the fourteenth session this script turned TF32 on for everything.
     torch.backends.cudnn.allow_tf32 = True
 
     def inputs_for(b: int, v: int, seed: int = 3) -> dict[str, torch.Tensor]:
@@ -639,7 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     adapter, policy = state["adapter"], state["lerobot"]
     cfg = adapter.cfg
     vocab, max_len = cfg.vocab_size, cfg.max_token_len
-    torch.backends.cuda.matmul.allow_tf32 = True  # timings: the runtime's own settings
+    # timings under the runtime's own settings: float32 matmuls IEEE in the process (a bf16 engine
+    # captures its graphs with TF32 itself), cuDNN's TF32 convolutions (torch's default)
+    torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = True
     full = not args.tiny
     reps1, reps8, reps32 = (50, 20, 10) if full else (3, 2, 2)

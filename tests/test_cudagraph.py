@@ -168,14 +168,20 @@ def test_float32_matmuls_in_tf32_restores_the_process_setting() -> None:
     matmul = torch.backends.cuda.matmul
     before = matmul.fp32_precision
     try:
+        for start in ("ieee", "none", "tf32"):
+            matmul.fp32_precision = start
+            with float32_matmuls_in_tf32(True):
+                assert matmul.fp32_precision == "tf32"
+            assert matmul.fp32_precision == start
+            with float32_matmuls_in_tf32(False):
+                assert matmul.fp32_precision == start
         matmul.fp32_precision = "ieee"
-        with float32_matmuls_in_tf32(True):
-            assert matmul.fp32_precision == "tf32"
-        assert matmul.fp32_precision == "ieee"
-        with float32_matmuls_in_tf32(False):
-            assert matmul.fp32_precision == "ieee"
         with pytest.raises(RuntimeError, match="inside"), float32_matmuls_in_tf32(True):
             raise RuntimeError("inside")
         assert matmul.fp32_precision == "ieee"
+        matmul.allow_tf32 = False  # a process that set the legacy flag reads it back unchanged
+        with float32_matmuls_in_tf32(True):
+            pass
+        assert matmul.allow_tf32 is False
     finally:
         matmul.fp32_precision = before

@@ -112,20 +112,20 @@ def float32_matmuls_in_tf32(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9; reading it is valid whichever API set it
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9: its own API only (mixing the two raises)
         before = matmul.fp32_precision
         matmul.fp32_precision = "tf32"
         try:
             yield
         finally:
             matmul.fp32_precision = before
-    else:  # pragma: no cover - older torch
-        before = matmul.allow_tf32
+    else:  # pragma: no cover - torch < 2.9
+        legacy = matmul.allow_tf32
         matmul.allow_tf32 = True
         try:
             yield
         finally:
-            matmul.allow_tf32 = before
+            matmul.allow_tf32 = legacy
 
 
 def prompt_bucket(token_mask: torch.Tensor, bucket: int, exact: bool = False) -> int:
