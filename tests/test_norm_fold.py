@@ -148,6 +148,19 @@ def test_folded_consumer_checks() -> None:
         tg.linear_geglu(norm.u, w, norm_bias=torch.zeros(1, 6))
     with pytest.raises(ValueError, match="is not the folded norm's u"):
         tg.linear_geglu(norm.u[:, :3], w, norm=norm, norm_bias=torch.zeros(1, 6))
+    with pytest.raises(ValueError, match="norm_bias"):  # float32 (B or 1, N) only
+        tg.linear_geglu(norm.u, w, norm=norm, norm_bias=torch.zeros(1, 6, dtype=torch.bfloat16))
+    short = triton_ops.FoldedNorm(norm.u, norm.stats[:2], norm.eps)
+    with pytest.raises(ValueError, match="norm stats"):
+        tg.linear_geglu(norm.u, w, norm=short, norm_bias=torch.zeros(1, 6))
+
+
+@kernels
+def test_folded_norm_bias_must_broadcast_over_the_batch() -> None:
+    _, _, _, norm = _folded_input(2, 5, 16, seed=3)
+    w = _weight(8, 16, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        tg.linear_geglu(norm.u, w, "triton", norm=norm, norm_bias=torch.zeros(3, 8, device=DEVICE))
 
 
 # -- the stack, the stage, the engine ----------------------------------------------------------------------
