@@ -271,6 +271,29 @@ if triton is not None:
         return first_m + local % rows_here, local // rows_here
 
     @triton.jit
+    def _linear_acc(a_ptr, w_ptr, rm, rn, m_ok, n_ok, k0, k_end, s_am, s_ak, s_wn, s_wk, EVEN_K: tl.constexpr,
+                    UPCAST: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """The float32 sums of a (rows rm, columns rn) tile of a @ w^T over K in [k0, k_end): the
+        plain linear's and the residual-fold linear's K loop (inlined into each)."""
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(k0, k_end, BLOCK_K):
+            kk = k + rk
+            if EVEN_K:  # no K mask: lets the loads vectorise along K
+                a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None] * s_wk, mask=n_ok[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            else:
+                k_ok = kk < k_end
+                a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None] * s_wk, mask=n_ok[None, :] & k_ok[:, None],
+                            other=0.0, eviction_policy="evict_first")
+            acc = _mma(a, w, acc, UPCAST, IEEE)
+        return acc
+
+    @triton.jit
     def _fold_rstd(stats_ptr, rm, m_ok, s_stm, stats_tiles, width, norm_eps, FOLD: tl.constexpr,
                    STATS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
         """A folded norm's 1 / rms for rows rm (`triton_ops.FoldedNorm`): its producer's per-tile
@@ -331,7 +354,6 @@ if triton is not None:
         split = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
         k0 = split * k_per_split
@@ -343,20 +365,8 @@ if triton is not None:
         x = tl.load(x_ptr + rm[:, None] * s_xm + rn[None, :], mask=ok, other=0.0).to(tl.float32)
         g = tl.load(gate_ptr + b * s_gb + rn[None, :], mask=ok, other=0.0).to(tl.float32)
         sc = tl.load(scale_ptr + b * s_sb + rn[None, :], mask=ok, other=0.0).to(tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(k0, k_end, BLOCK_K):
-            kk = k + rk
-            if EVEN_K:
-                a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None] * s_wk, mask=n_ok[None, :], other=0.0,
-                            eviction_policy="evict_first")
-            else:
-                k_ok = kk < k_end
-                a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=m_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None] * s_wk, mask=n_ok[None, :] & k_ok[:, None],
-                            other=0.0, eviction_policy="evict_first")
-            acc = _mma(a, w, acc, UPCAST, IEEE)
+        acc = _linear_acc(a_ptr, w_ptr, rm, rn, m_ok, n_ok, k0, k_end, s_am, s_ak, s_wn, s_wk, EVEN_K, UPCAST, IEEE,
+                          BLOCK_M, BLOCK_N, BLOCK_K)
         if SPLITS == 1:
             _residual_fold_epilogue(acc, x, g, sc, rm, rn, m_ok, n_ok, pid_n, res_ptr, u_ptr, stats_ptr, s_rm, s_um,
                                     s_stm)
@@ -384,25 +394,12 @@ if triton is not None:
         split = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
         k0 = split * k_per_split
         k_end = tl.minimum(k0 + k_per_split, K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(k0, k_end, BLOCK_K):
-            kk = k + rk
-            if EVEN_K:  # no K mask: lets the loads vectorise along K
-                a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None] * s_wk, mask=n_ok[None, :], other=0.0,
-                            eviction_policy="evict_first")
-            else:
-                k_ok = kk < k_end
-                a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=m_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                w = tl.load(w_ptr + rn[None, :] * s_wn + kk[:, None] * s_wk, mask=n_ok[None, :] & k_ok[:, None],
-                            other=0.0, eviction_policy="evict_first")
-            acc = _mma(a, w, acc, UPCAST, IEEE)
+        acc = _linear_acc(a_ptr, w_ptr, rm, rn, m_ok, n_ok, k0, k_end, s_am, s_ak, s_wn, s_wk, EVEN_K, UPCAST, IEEE,
+                          BLOCK_M, BLOCK_N, BLOCK_K)
         dst = out_ptr + split * s_os + rm[:, None] * s_om + rn[None, :]
         if PARTIAL:  # float32 partial sum; the reduce kernel adds the bias and casts
             tl.store(dst, acc, mask=m_ok[:, None] & n_ok[None, :])
