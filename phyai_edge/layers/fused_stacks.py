@@ -92,12 +92,18 @@ def _attend(attn: torch.nn.Module, q: torch.Tensor, k: Any, v: Any, mask: torch.
             backend: str = "reference") -> torch.Tensor | SplitSums:
     """`attn.attend(q, k, v, mask, attention_fn=attend)` with its o-projection through `_project`
     (the small-M Triton GEMM, or the TMA GEMM for large batches, where those take it)."""
+    out = _attention_rows(attn, q, k, v, mask, attend)
+    return _project(attn.o_proj, out.to(attn.o_proj.weight.dtype), gemm_backend, defer_sum=gemm_backend is not None,
+                    backend=backend)
+
+
+def _attention_rows(attn: torch.nn.Module, q: torch.Tensor, k: Any, v: Any, mask: torch.Tensor,
+                    attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """`attend(q, k, v, mask)` as the o-projection reads it: (B, T, H D)."""
     out = attend(q, k, v, mask)
     b, _, t, _ = out.shape
     # The split kernel's output is a transposed view of a (B, T, H, D) buffer: this reshape is free.
-    out = out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)
-    return _project(attn.o_proj, out.to(attn.o_proj.weight.dtype), gemm_backend, defer_sum=gemm_backend is not None,
-                    backend=backend)
+    return out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)
 
 
 def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str,
@@ -202,9 +208,7 @@ def _folded_block_stack(blocks: Sequence[torch.nn.Module], x: torch.Tensor, cos:
         q, k, v = triton_gemm.linear_qkv_rope(norm.u, attn.qkv_proj.weight, cos, sin, attn.num_heads,
                                               attn.num_kv_heads, attn.head_dim, gemm_backend, norm=norm,
                                               norm_bias=bias_qkv)
-        out = attend(q, (k_cache[i], k), (v_cache[i], v), mask)
-        b, _, t, _ = out.shape
-        out = out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)
+        out = _attention_rows(attn, q, (k_cache[i], k), (v_cache[i], v), mask, attend)
         x, norm = triton_gemm.linear_residual_fold(out, attn.o_proj.weight, x, gate_in, scale2,
                                                    block.post_attention_layernorm.eps, gemm_backend, tickets=tickets)
         a = triton_gemm.linear_geglu(norm.u, mlp.gate_up.weight, gemm_backend, norm=norm, norm_bias=bias_gate_up)
