@@ -638,10 +638,7 @@ def _fold_args(norm: FoldedNorm | None, norm_bias: torch.Tensor | None, a: torch
     if norm is None:
         return [a, a, 1, 1, 0.0, 0, 0], {"FOLD": False, "STATS_BLOCK": 1}
     stats = norm.stats
-    batch = a.shape[0] // rows_per_batch
-    nb, s_nbb = norm_bias, (norm_bias.stride(0) if norm_bias.shape[0] > 1 else 0)
-    if nb.shape[0] not in (1, batch):
-        raise ValueError(f"norm_bias batch {nb.shape[0]} does not broadcast over batch {batch}")
+    nb, s_nbb = _per_batch(norm_bias, a.shape[0] // rows_per_batch, norm_bias.shape[-1])  # a modulation's product
     return ([stats, nb, stats.shape[1], norm.u.shape[-1], float(norm.eps), stats.stride(0), s_nbb],
             {"FOLD": True, "STATS_BLOCK": triton.next_power_of_2(stats.shape[1])})
 
