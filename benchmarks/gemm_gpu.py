@@ -86,18 +86,19 @@ def sweep(op: str, rows: int, n: int, tiny: bool) -> list[Any]:
     from phyai_edge.layers.triton_gemm import GemmConfig, default_config
 
     if tiny:
-        picks = [(16, 16, 32, 4, 2, 2 if op == "linear" else 1)]
+        picks = [(16, 16, 32, 4, 2, 1 if op == "gelu" else 2)]
     elif rows <= 64:
         picks = {
             "linear": [(64, 32, 128, 4, 4, 1), (64, 32, 128, 4, 4, 2), (64, 32, 128, 4, 4, 8), (64, 64, 128, 4, 4, 4),
                        (64, 16, 128, 4, 4, 4), (64, 32, 256, 4, 3, 4), (64, 32, 64, 4, 5, 4), (32, 32, 128, 4, 4, 4),
                        (16, 32, 128, 4, 4, 4), (64, 64, 64, 4, 4, 8), (64, 32, 128, 8, 4, 4)],
-            "geglu": [(64, 16, 128, 4, 4, 1), (64, 32, 64, 4, 4, 1), (64, 32, 256, 4, 3, 1), (64, 64, 128, 4, 3, 1),
-                      (64, 64, 64, 4, 4, 1), (32, 32, 128, 4, 4, 1), (16, 32, 128, 4, 4, 1), (64, 32, 128, 8, 3, 1),
-                      (16, 16, 256, 4, 4, 1)],
-            "qkv_rope": [(64, 16, 256, 4, 3, 1), (64, 16, 64, 4, 5, 1), (64, 32, 128, 4, 4, 1), (64, 32, 64, 4, 4, 1),
-                         (32, 16, 128, 4, 4, 1), (16, 16, 128, 4, 4, 1), (16, 16, 256, 4, 4, 1), (64, 64, 64, 4, 3, 1),
-                         (64, 16, 128, 8, 4, 1)],
+            # split K (the tile's last split adds the partials and runs the epilogue) for more programs
+            "geglu": [(64, 32, 128, 4, 3, 2), (64, 32, 128, 4, 4, 2), (64, 32, 64, 4, 4, 2), (64, 32, 128, 4, 3, 4),
+                      (64, 16, 128, 4, 4, 2), (64, 64, 128, 4, 3, 2), (64, 64, 128, 4, 3, 4), (64, 32, 256, 4, 3, 1),
+                      (64, 16, 128, 4, 4, 1)],
+            "qkv_rope": [(64, 16, 128, 4, 4, 2), (64, 16, 128, 4, 3, 2), (64, 16, 64, 4, 4, 2), (64, 16, 128, 4, 4, 4),
+                         (64, 16, 64, 4, 5, 4), (64, 32, 128, 4, 4, 2), (64, 32, 128, 4, 4, 4), (64, 16, 256, 4, 3, 1),
+                         (64, 16, 64, 4, 5, 1)],
         }[op]
     elif rows > 2048:  # compute-bound: Hopper-sized tiles, grouped for L2 reuse (the 7th field)
         picks = {
@@ -203,6 +204,7 @@ def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadlin
     from phyai_edge.layers import triton_gemm as tg
     from phyai_edge.layers import triton_ops
     from phyai_edge.layers.rotary import rope_cos_sin
+    from phyai_edge.layers.triton_dispatch import Tickets
 
     op, n, k = shape["op"], shape["n"], shape["k"]
     batch = max(1, rows // shape.get("tokens", TOKENS))
@@ -218,6 +220,8 @@ def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadlin
     res: dict[str, Any] = {"shape": shape["name"], "op": op, "rows": rows, "n": n, "k": k, "weight_mb": wbytes / 1e6,
                            "copies": copies, "class": tg.shape_class(op, rows, n_class)}
     triton_epi = "triton" if triton_ops.triton_status(device)[0] else "reference"
+    # split-K tilings' tickets, shared by the calls as a stack shares them (no zero-fill per call)
+    tickets = Tickets(torch.device(device))
     if op == "qkv_rope":
         hq, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
         positions = torch.arange(t, device=device)[None, :] + 800 + torch.arange(batch, device=device)[:, None]
@@ -227,7 +231,7 @@ def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadlin
             return triton_ops.qkv_rope(F.linear(h, w), cos, sin, hq, hkv, d, triton_epi)
 
         def triton_fn(w: torch.Tensor, cfg: Any) -> Any:
-            return tg.linear_qkv_rope(h, w, cos, sin, hq, hkv, d, "triton", config=cfg)
+            return tg.linear_qkv_rope(h, w, cos, sin, hq, hkv, d, "triton", config=cfg, tickets=tickets)
 
         ref = tg.linear_qkv_rope_ref(h, w0, cos, sin, hq, hkv, d)
         exact = tg.linear_qkv_rope_ref(h.float(), w0.float(), cos.float(), sin.float(), hq, hkv, d)
@@ -247,7 +251,7 @@ def run_shape(shape: dict[str, Any], rows: int, device: str, tiny: bool, deadlin
             return triton_ops.geglu(F.linear(h, w), triton_epi)
 
         def triton_fn(w: torch.Tensor, cfg: Any) -> Any:
-            return tg.linear_geglu(h, w, "triton", config=cfg)
+            return tg.linear_geglu(h, w, "triton", config=cfg, tickets=tickets)
 
         ref = tg.linear_geglu_ref(h, w0)
         exact = tg.linear_geglu_ref(h.float(), w0.float())

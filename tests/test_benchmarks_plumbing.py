@@ -77,6 +77,32 @@ def test_norm_fold_benchmark_imports_on_the_cpu() -> None:
     assert "--builtin" in done.stdout
 
 
+def test_engine_ab_variants_set_their_knobs_and_put_them_back() -> None:
+    """`engine_ab_gpu.py --variants`: each knob parsed into the setting it names, active only inside
+    the variant's context; a knob it does not know is refused by name. (Its `--tiny` run takes
+    minutes under the interpreter; the engines' code is tested elsewhere.)"""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from engine_ab_gpu import parse_variants
+
+    from phyai_edge.layers import fused_stacks, triton_gemm
+
+    a, b = parse_variants("base; tuned: geglu/m64=64,32,128,4,3,2 + residual=64,16,128,4,4,4 + unfolded")
+    assert (a.name, a.fold, a.configs) == ("base", True, {})
+    assert b.configs["geglu/m64"] == triton_gemm.GemmConfig(64, 32, 128, 4, 3, 2)
+    before = triton_gemm.CONFIGS["geglu/m64"]
+    with b.active():
+        assert triton_gemm.CONFIGS["geglu/m64"].split_k == 2
+        assert (triton_gemm.RESIDUAL_CONFIG.block_n, triton_gemm.RESIDUAL_CONFIG.split_k) == (16, 4)
+        assert fused_stacks.set_fold_norms(False) is False  # the variant had turned it off
+    assert triton_gemm.CONFIGS["geglu/m64"] == before and triton_gemm.RESIDUAL_CONFIG is None
+    assert fused_stacks.set_fold_norms(True) is True
+    for bad in ("x:geglu/m65=64,32,128,4,3", "x:geglu/m64=64,32", "x;x"):
+        with pytest.raises(SystemExit):
+            parse_variants(bad)
+    done = _run("engine_ab_gpu", ["--help"], timeout=120)
+    assert done.returncode == 0 and "--variants" in done.stdout, done.stderr[-3000:]
+
+
 def test_input_sets_benchmark_runs_tiny_on_the_cpu() -> None:
     done = _run("input_sets_gpu", ["--tiny", "--device", "cpu", "--batch", "2", "--seconds", "0.5"], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -38,7 +38,7 @@ from phyai_edge.layers import triton_expert_layer, triton_gemm, triton_gemm_tma
 from phyai_edge.layers.attention import attention_unmasked
 from phyai_edge.layers.norm import Modulation
 from phyai_edge.layers.triton_attention import kernel_key_mask, stack_attention
-from phyai_edge.layers.triton_dispatch import _use_triton, needs_grad, resolve_backend
+from phyai_edge.layers.triton_dispatch import Tickets, _use_triton, needs_grad, resolve_backend
 from phyai_edge.layers.triton_ops import (
     FoldedNorm,
     SplitSums,
@@ -63,14 +63,15 @@ def _qkv_projection(attn: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 def _qkv(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str,
-         gemm_backend: str | None,
-         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+         gemm_backend: str | None, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+         tickets: Tickets | None = None) -> tuple[torch.Tensor, ...]:
     """q, k, v with RoPE: the fused QKV GEMM with RoPE in its epilogue where
     `triton_gemm.module_takes` the projection, else the projection then `qkv_rope`. `out`: (q, k, v)
-    buffers to write (as `qkv_rope`'s; the small-M GEMM's results are copied there)."""
+    buffers to write (as `qkv_rope`'s; the small-M GEMM's results are copied there). `tickets`: the
+    stack's counters for a split-K tiling's in-kernel sums."""
     if gemm_backend is not None and attn.qkv_proj is not None and triton_gemm.module_takes(attn.qkv_proj, h):
         qkv = triton_gemm.linear_qkv_rope(h, attn.qkv_proj.weight, cos, sin, attn.num_heads, attn.num_kv_heads,
-                                          attn.head_dim, gemm_backend, bias=attn.qkv_proj.bias)
+                                          attn.head_dim, gemm_backend, bias=attn.qkv_proj.bias, tickets=tickets)
         return qkv if out is None else tuple(o.copy_(r) for o, r in zip(out, qkv))
     return qkv_rope(_qkv_projection(attn, h), cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim, backend,
                     out=out)
@@ -106,14 +107,14 @@ def _attention_rows(attn: torch.nn.Module, q: torch.Tensor, k: Any, v: Any, mask
     return out.transpose(1, 2).reshape(b, t, attn.num_heads * attn.head_dim)
 
 
-def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str,
-         gemm_backend: str | None = None) -> torch.Tensor | SplitSums:
+def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str, gemm_backend: str | None = None,
+         tickets: Tickets | None = None) -> torch.Tensor | SplitSums:
     if mlp.gate_up is None:
         return mlp(h)
     if gemm_backend is None:
         return mlp.down_proj(geglu(mlp.gate_up(h), backend))
     if triton_gemm.module_takes(mlp.gate_up, h):
-        a = triton_gemm.linear_geglu(h, mlp.gate_up.weight, gemm_backend, bias=mlp.gate_up.bias)
+        a = triton_gemm.linear_geglu(h, mlp.gate_up.weight, gemm_backend, bias=mlp.gate_up.bias, tickets=tickets)
     else:
         a = geglu(mlp.gate_up(h), backend)
     return _project(mlp.down_proj, a, gemm_backend, defer_sum=True)
@@ -207,11 +208,12 @@ def _folded_block_stack(blocks: Sequence[torch.nn.Module], x: torch.Tensor, cos:
         bias_qkv, bias_gate_up = folded[i]
         q, k, v = triton_gemm.linear_qkv_rope(norm.u, attn.qkv_proj.weight, cos, sin, attn.num_heads,
                                               attn.num_kv_heads, attn.head_dim, gemm_backend, norm=norm,
-                                              norm_bias=bias_qkv)
+                                              norm_bias=bias_qkv, tickets=tickets)
         out = _attention_rows(attn, q, (k_cache[i], k), (v_cache[i], v), mask, attend)
         x, norm = triton_gemm.linear_residual_fold(out, attn.o_proj.weight, x, gate_in, scale2,
                                                    block.post_attention_layernorm.eps, gemm_backend, tickets=tickets)
-        a = triton_gemm.linear_geglu(norm.u, mlp.gate_up.weight, gemm_backend, norm=norm, norm_bias=bias_gate_up)
+        a = triton_gemm.linear_geglu(norm.u, mlp.gate_up.weight, gemm_backend, norm=norm, norm_bias=bias_gate_up,
+                                     tickets=tickets)
         if i + 1 < len(blocks):
             x, norm = triton_gemm.linear_residual_fold(a, mlp.down_proj.weight, x, gate_post, modulations[i + 1][0][0],
                                                        blocks[i + 1].input_layernorm.eps, gemm_backend,
@@ -289,22 +291,23 @@ def adaptive_block_stack(
         return _folded_block_stack(blocks, x, cos, sin, k_cache, v_cache, mask, modulations, final, final_eps,
                                    backend, gemm_backend, attend, folded)
     p = k_cache.shape[3]
+    tickets = getattr(attend, "tickets", None)
     scale, shift, _ = modulations[0][0]
     h = ada_rms_norm(x, scale, shift, blocks[0].input_layernorm.eps, backend)
     for i, block in enumerate(blocks):
         attn = block.self_attn
         (_, _, gate_in), (scale2, shift2, gate_post) = modulations[i]
         if joined is None:
-            q, k, v = _qkv(attn, h, cos, sin, backend, gemm_backend)
+            q, k, v = _qkv(attn, h, cos, sin, backend, gemm_backend, tickets=tickets)
             # The cached prefix and the step's own keys as two parts: no per-layer concatenation.
             y = _attend(attn, q, (k_cache[i], k), (v_cache[i], v), mask, attend, gemm_backend)
         else:
             keys, values = joined[0][i], joined[1][i]
             q, _, _ = _qkv(attn, h, cos, sin, backend, gemm_backend,
-                           out=(_query_buffer(attn, h), keys[:, :, p:], values[:, :, p:]))
+                           out=(_query_buffer(attn, h), keys[:, :, p:], values[:, :, p:]), tickets=tickets)
             y = _attend(attn, q, keys, values, None, attention_unmasked, gemm_backend)
         x, h = residual_ada_rms_norm(x, y, gate_in, scale2, shift2, block.post_attention_layernorm.eps, backend)
-        y = _mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend, gemm_backend)
+        y = _mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend, gemm_backend, tickets)
         if i + 1 < len(blocks):
             next_scale, next_shift, _ = modulations[i + 1][0]
             eps = blocks[i + 1].input_layernorm.eps

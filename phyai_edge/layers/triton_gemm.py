@@ -93,8 +93,10 @@ OPS = ("linear", "gelu", "geglu", "qkv_rope")
 class GemmConfig:
     """One kernel's tiling. `block_n` counts output columns: for `geglu` and `qkv_rope` a program
     holds two accumulators of that width (gate and up; the two rotary halves), so its weight tile
-    is 2 x block_n rows. `split_k` only applies to `linear` (the other epilogues are not linear in
-    the partial sums, or, for RoPE, would need the partials in q/k/v layout)."""
+    is 2 x block_n rows. `split_k` > 1 splits K: `linear` writes float32 partials that a second
+    kernel (or the consumer, `defer_sum`) adds; `geglu`, `qkv_rope` and the residual-fold linear add
+    them in the kernel (each tile's last split, counted by a ticket, then runs the epilogue); `gelu`
+    does not split."""
 
     block_m: int
     block_n: int
@@ -428,42 +430,58 @@ if triton is not None:
         tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _linear_geglu_kernel(
-        a_ptr, w_ptr, bias_ptr, out_ptr, stats_ptr, nbias_ptr,
-        M, H, K, rows_per_batch, stats_tiles, width, norm_eps,
-        s_am, s_ak, s_wn, s_wk, s_om, s_stm, s_nbb,
-        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-        FOLD: tl.constexpr, STATS_BLOCK: tl.constexpr,
-    ):
-        pdl_enter(PDL)
-        pid_m, pid_n = _tile(tl.program_id(0), M, H, BLOCK_M, BLOCK_N, GROUP_M)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; the matching up rows are H + rn
+    def _pair_acc(a_ptr, w1_ptr, w2_ptr, rm, m_ok, c_ok, k0, k_end, s_am, s_ak, s_wk, EVEN_K: tl.constexpr,
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+        """The two float32 accumulators of a paired-column tile over K in [k0, k_end): a @ w1^T and a @
+        w2^T, w1_ptr / w2_ptr pointing at the tile's two sets of weight rows (gate and up; a head's
+        two rotary halves). GeGLU's and QKV + RoPE's K loop (inlined into each)."""
         rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        n_ok = rn < H
-        # FOLD: the input is a folded norm's u; its row factor and the shift's W^T are read before
-        # the loop (in flight with the first weight tiles) and applied to the sums after it.
-        rstd = _fold_rstd(stats_ptr, rm, m_ok, s_stm, stats_tiles, width, norm_eps, FOLD, STATS_BLOCK, BLOCK_M)
-        nb_g, nb_u = _fold_bias(nbias_ptr, rm // rows_per_batch, rn, H, m_ok, n_ok, s_nbb, FOLD, BLOCK_M, BLOCK_N)
-        wg_ptr = w_ptr + rn[None, :] * s_wn
-        wu_ptr = w_ptr + (rn + H)[None, :] * s_wn
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(k0, k_end, BLOCK_K):
             kk = k + rk
             if EVEN_K:
                 a_mask = m_ok[:, None]
-                w_mask = n_ok[None, :]
+                w_mask = c_ok[None, :]
             else:
-                a_mask = m_ok[:, None] & (kk < K)[None, :]
-                w_mask = n_ok[None, :] & (kk < K)[:, None]
+                a_mask = m_ok[:, None] & (kk < k_end)[None, :]
+                w_mask = c_ok[None, :] & (kk < k_end)[:, None]
             a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=a_mask, other=0.0)
-            wg = tl.load(wg_ptr + kk[:, None] * s_wk, mask=w_mask, other=0.0, eviction_policy="evict_first")
-            wu = tl.load(wu_ptr + kk[:, None] * s_wk, mask=w_mask, other=0.0, eviction_policy="evict_first")
-            acc_g = _mma(a, wg, acc_g, UPCAST, IEEE)
-            acc_u = _mma(a, wu, acc_u, UPCAST, IEEE)
+            w1 = tl.load(w1_ptr + kk[:, None] * s_wk, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            w2 = tl.load(w2_ptr + kk[:, None] * s_wk, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc1 = _mma(a, w1, acc1, UPCAST, IEEE)
+            acc2 = _mma(a, w2, acc2, UPCAST, IEEE)
+        return acc1, acc2
+
+    @triton.jit
+    def _pair_partials(acc1, acc2, part_ptr, rm, cols, offset, m_ok, c_ok, split, s_ps, s_pm):
+        """Split K for a paired-column tile: this split's two float32 partials to columns `cols` and
+        `cols + offset` of its slice of part (the tile's last split adds them, `_pair_sums`)."""
+        ok = m_ok[:, None] & c_ok[None, :]
+        src = part_ptr + rm[:, None] * s_pm + cols[None, :] + split * s_ps
+        tl.store(src, acc1, mask=ok)
+        tl.store(src + offset, acc2, mask=ok)
+
+    @triton.jit
+    def _pair_sums(part_ptr, rm, cols, offset, m_ok, c_ok, s_ps, s_pm, SPLITS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The two whole float32 sums of a paired-column tile from its splits' partials, added in
+        split order (as the plain linear's reducing kernel adds them: the same sums on every run).
+        Read through L2 (".cg"): other programs wrote them during this kernel."""
+        ok = m_ok[:, None] & c_ok[None, :]
+        src = part_ptr + rm[:, None] * s_pm + cols[None, :]
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in tl.static_range(SPLITS):
+            acc1 += tl.load(src + s * s_ps, mask=ok, other=0.0, cache_modifier=".cg")
+            acc2 += tl.load(src + s * s_ps + offset, mask=ok, other=0.0, cache_modifier=".cg")
+        return acc1, acc2
+
+    @triton.jit
+    def _geglu_epilogue(acc_g, acc_u, rstd, nb_g, nb_u, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, H, s_om,
+                        HAS_BIAS: tl.constexpr, FOLD: tl.constexpr):
+        """A gate/up tile's whole float32 sums finished: the folded norm, the bias, gelu(gate) * up."""
         if FOLD:
             acc_g = acc_g * rstd[:, None] + nb_g
             acc_u = acc_u * rstd[:, None] + nb_u
@@ -475,47 +493,93 @@ if triton is not None:
                  mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
+    def _linear_geglu_kernel(
+        a_ptr, w_ptr, bias_ptr, out_ptr, stats_ptr, nbias_ptr, part_ptr, ticket_ptr,
+        M, H, K, k_per_split, rows_per_batch, stats_tiles, width, norm_eps,
+        s_am, s_ak, s_wn, s_wk, s_om, s_stm, s_nbb, s_ps, s_pm,
+        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+        FOLD: tl.constexpr, STATS_BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+    ):
+        """Gate/up with GeGLU in the epilogue. Split K (SPLITS > 1): each split stores its two float32
+        partials and the tile's last split to finish (a ticket per tile) adds them and runs the
+        epilogue, which needs the whole sums."""
+        pdl_enter(PDL)
+        pid_m, pid_n = _tile(tl.program_id(0), M, H, BLOCK_M, BLOCK_N, GROUP_M)
+        split = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; the matching up rows are H + rn
+        m_ok = rm < M
+        n_ok = rn < H
+        k0 = split * k_per_split
+        k_end = tl.minimum(k0 + k_per_split, K)
+        # FOLD: the input is a folded norm's u; its row factor and the shift's W^T are read before
+        # the loop (in flight with the first weight tiles) and applied to the sums after it.
+        rstd = _fold_rstd(stats_ptr, rm, m_ok, s_stm, stats_tiles, width, norm_eps, FOLD, STATS_BLOCK, BLOCK_M)
+        nb_g, nb_u = _fold_bias(nbias_ptr, rm // rows_per_batch, rn, H, m_ok, n_ok, s_nbb, FOLD, BLOCK_M, BLOCK_N)
+        acc_g, acc_u = _pair_acc(a_ptr, w_ptr + rn[None, :] * s_wn, w_ptr + (rn + H)[None, :] * s_wn, rm, m_ok, n_ok,
+                                 k0, k_end, s_am, s_ak, s_wk, EVEN_K, UPCAST, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        # Both branches written out (not an early return): Triton 3.6 compiles the code after a
+        # constexpr-guarded return too, and without a split the ticket is not an int32 buffer.
+        if SPLITS == 1:
+            _geglu_epilogue(acc_g, acc_u, rstd, nb_g, nb_u, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, H, s_om, HAS_BIAS,
+                            FOLD)
+        else:
+            _pair_partials(acc_g, acc_u, part_ptr, rm, rn, H, m_ok, n_ok, split, s_ps, s_pm)
+            if _last_of(ticket_ptr + tl.program_id(0), SPLITS):
+                acc_g, acc_u = _pair_sums(part_ptr, rm, rn, H, m_ok, n_ok, s_ps, s_pm, SPLITS, BLOCK_M, BLOCK_N)
+                _geglu_epilogue(acc_g, acc_u, rstd, nb_g, nb_u, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, H, s_om,
+                                HAS_BIAS, FOLD)
+
+    @triton.jit
     def _linear_qkv_rope_kernel(
-        a_ptr, w_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stats_ptr, nbias_ptr,
-        M, K, seq_len, num_heads, num_kv_heads, tiles_per_half, stats_tiles, width, norm_eps,
-        s_am, s_ak, s_wn, s_wk, s_cb, s_ct, s_sb, s_st, s_stm, s_nbb,
+        a_ptr, w_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stats_ptr, nbias_ptr, part_ptr, ticket_ptr,
+        M, K, k_per_split, seq_len, num_heads, num_kv_heads, tiles_per_half, stats_tiles, width, norm_eps,
+        s_am, s_ak, s_wn, s_wk, s_cb, s_ct, s_sb, s_st, s_stm, s_nbb, s_ps, s_pm,
         HALF: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-        FOLD: tl.constexpr, STATS_BLOCK: tl.constexpr,
+        FOLD: tl.constexpr, STATS_BLOCK: tl.constexpr, SPLITS: tl.constexpr,
     ):
+        """Fused QKV with RoPE in the epilogue. Split K (SPLITS > 1): as `_linear_geglu_kernel`, the
+        tile's last split adds the partials (the fused output's layout) and rotates the whole sums."""
         pdl_enter(PDL)
         # Program (head, j) owns columns j*BLOCK_N.. of both halves of one head of the fused
         # output (q heads, then k heads, then v heads), so rotate-half's partner is in registers.
         # Column tile pid_n counts (head, j) pairs: tiles_per_half * BLOCK_N columns per head.
         pid_m, pid_n = _tile(tl.program_id(0), M, (num_heads + 2 * num_kv_heads) * tiles_per_half * BLOCK_N,
                              BLOCK_M, BLOCK_N, GROUP_M)
+        split = tl.program_id(1)
         head = pid_n // tiles_per_half
         d = (pid_n % tiles_per_half) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         d_ok = d < HALF
         row1 = head * (2 * HALF) + d  # weight rows of the first half's columns
-        w1_ptr = w_ptr + row1[None, :] * s_wn
-        w2_ptr = w_ptr + (row1 + HALF)[None, :] * s_wn
+        k0 = split * k_per_split
+        k_end = tl.minimum(k0 + k_per_split, K)
         rstd = _fold_rstd(stats_ptr, rm, m_ok, s_stm, stats_tiles, width, norm_eps, FOLD, STATS_BLOCK, BLOCK_M)
         nb1, nb2 = _fold_bias(nbias_ptr, rm // seq_len, row1, HALF, m_ok, d_ok, s_nbb, FOLD, BLOCK_M, BLOCK_N)
-        acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            kk = k + rk
-            if EVEN_K:
-                a_mask = m_ok[:, None]
-                w_mask = d_ok[None, :]
-            else:
-                a_mask = m_ok[:, None] & (kk < K)[None, :]
-                w_mask = d_ok[None, :] & (kk < K)[:, None]
-            a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=a_mask, other=0.0)
-            w1 = tl.load(w1_ptr + kk[:, None] * s_wk, mask=w_mask, other=0.0, eviction_policy="evict_first")
-            w2 = tl.load(w2_ptr + kk[:, None] * s_wk, mask=w_mask, other=0.0, eviction_policy="evict_first")
-            acc1 = _mma(a, w1, acc1, UPCAST, IEEE)
-            acc2 = _mma(a, w2, acc2, UPCAST, IEEE)
+        acc1, acc2 = _pair_acc(a_ptr, w_ptr + row1[None, :] * s_wn, w_ptr + (row1 + HALF)[None, :] * s_wn, rm, m_ok,
+                               d_ok, k0, k_end, s_am, s_ak, s_wk, EVEN_K, UPCAST, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        if SPLITS == 1:
+            _qkv_rope_epilogue(acc1, acc2, rstd, nb1, nb2, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, head, d,
+                               row1, rm, m_ok, d_ok, seq_len, num_heads, num_kv_heads, s_cb, s_ct, s_sb, s_st,
+                               HALF, HAS_BIAS, FOLD)
+        else:
+            _pair_partials(acc1, acc2, part_ptr, rm, row1, HALF, m_ok, d_ok, split, s_ps, s_pm)
+            if _last_of(ticket_ptr + tl.program_id(0), SPLITS):
+                acc1, acc2 = _pair_sums(part_ptr, rm, row1, HALF, m_ok, d_ok, s_ps, s_pm, SPLITS, BLOCK_M, BLOCK_N)
+                _qkv_rope_epilogue(acc1, acc2, rstd, nb1, nb2, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, head,
+                                   d, row1, rm, m_ok, d_ok, seq_len, num_heads, num_kv_heads, s_cb, s_ct, s_sb, s_st,
+                                   HALF, HAS_BIAS, FOLD)
+
+    @triton.jit
+    def _qkv_rope_epilogue(acc1, acc2, rstd, nb1, nb2, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, head, d,
+                           row1, rm, m_ok, d_ok, seq_len, num_heads, num_kv_heads, s_cb, s_ct, s_sb, s_st,
+                           HALF: tl.constexpr, HAS_BIAS: tl.constexpr, FOLD: tl.constexpr):
+        """A QKV tile's whole float32 sums (two rotary halves of one head's columns d) finished: the
+        folded norm, the bias, RoPE on q and k heads, each head stored in its own tensor."""
         if FOLD:
             acc1 = acc1 * rstd[:, None] + nb1
             acc2 = acc2 * rstd[:, None] + nb2
@@ -643,9 +707,24 @@ def _fold_args(norm: FoldedNorm | None, norm_bias: torch.Tensor | None, a: torch
             {"FOLD": True, "STATS_BLOCK": triton.next_power_of_2(stats.shape[1])})
 
 
+def _split_buffers(k: int, m: int, width: int, tiles: int, cfg: GemmConfig, tickets: Tickets | None,
+                   device: torch.device, fallback: torch.Tensor) -> tuple[int, int, list[object]]:
+    """(splits, K per split, [partials, tickets, split stride, row stride]) for a paired-column
+    kernel (`_pair_sums`): float32 partials (splits, m, width) and one ticket per tile where K is
+    split (`tickets`: where the counters come from; None: a fresh zeroed buffer); unused pointers
+    (anything valid) where it is not."""
+    per = split_size(k, cfg.split_k, cfg.block_k)
+    splits = math.ceil(k / per)
+    if splits == 1:
+        return 1, per, [fallback, fallback, 0, 0]
+    part = _empty((splits, m, width), torch.float32, device)
+    ticket = (tickets if tickets is not None else Tickets(device)).take(tiles)
+    return splits, per, [part, ticket, part.stride(0), part.stride(1)]
+
+
 def _geglu_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   cfg: GemmConfig | None, norm: FoldedNorm | None = None,
-                  norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+                  norm_bias: torch.Tensor | None = None, tickets: Tickets | None = None) -> torch.Tensor:
     two_h, k = weight.shape
     hidden = two_h // 2
     a = _rows(h, k)
@@ -656,11 +735,13 @@ def _geglu_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     def launch(cfg: GemmConfig) -> torch.Tensor:
         out = _empty((*h.shape[:-1], hidden), h.dtype, h.device)
         out2 = out.view(m, hidden)
-        grid = (triton.cdiv(hidden, cfg.block_n) * triton.cdiv(m, cfg.block_m),)
-        _linear_geglu_kernel[grid](
-            a, weight, bias if bias is not None else a, out2, stats, nb, m, hidden, k, per_batch, tiles, width, eps,
-            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out2.stride(0), s_stm, s_nbb,
-            HAS_BIAS=bias is not None, **fold, **_flags(a, k, cfg),
+        n_tiles = triton.cdiv(hidden, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+        splits, per, (part, ticket, s_ps, s_pm) = _split_buffers(k, m, two_h, n_tiles, cfg, tickets, h.device, out2)
+        _linear_geglu_kernel[(n_tiles, splits)](
+            a, weight, bias if bias is not None else a, out2, stats, nb, part, ticket,
+            m, hidden, k, per, per_batch, tiles, width, eps,
+            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out2.stride(0), s_stm, s_nbb, s_ps, s_pm,
+            HAS_BIAS=bias is not None, SPLITS=splits, **fold, **_flags(a, k, cfg),
         )
         return out
 
@@ -680,8 +761,8 @@ def _cos_sin_rows(c: torch.Tensor, batch: int, t: int, d: int) -> tuple[torch.Te
 
 def _qkv_rope_triton(h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      num_heads: int, num_kv_heads: int, head_dim: int, bias: torch.Tensor | None,
-                     cfg: GemmConfig | None, norm: FoldedNorm | None = None,
-                     norm_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     cfg: GemmConfig | None, norm: FoldedNorm | None = None, norm_bias: torch.Tensor | None = None,
+                     tickets: Tickets | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, t, k = h.shape
     width = weight.shape[0]
     a = _rows(h, k)
@@ -696,13 +777,14 @@ def _qkv_rope_triton(h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
         kk = _empty((b, num_kv_heads, t, head_dim), h.dtype, h.device)
         v = _empty((b, num_kv_heads, t, head_dim), h.dtype, h.device)
         tiles = triton.cdiv(half, cfg.block_n)
-        grid = ((num_heads + 2 * num_kv_heads) * tiles * triton.cdiv(m, cfg.block_m),)
+        n_tiles = (num_heads + 2 * num_kv_heads) * tiles * triton.cdiv(m, cfg.block_m)
+        splits, per, (part, ticket, s_ps, s_pm) = _split_buffers(k, m, width, n_tiles, cfg, tickets, h.device, q)
         stats, nb, stiles, swidth, eps, s_stm, s_nbb = fold_ptrs
-        _linear_qkv_rope_kernel[grid](
-            a, weight, bias if bias is not None else a, cos3, sin3, q, kk, v, stats, nb,
-            m, k, t, num_heads, num_kv_heads, tiles, stiles, swidth, eps,
+        _linear_qkv_rope_kernel[(n_tiles, splits)](
+            a, weight, bias if bias is not None else a, cos3, sin3, q, kk, v, stats, nb, part, ticket,
+            m, k, per, t, num_heads, num_kv_heads, tiles, stiles, swidth, eps,
             a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), s_cb, s_ct, s_sb, s_st, s_stm, s_nbb,
-            HALF=half, HAS_BIAS=bias is not None, **fold, **_flags(a, k, cfg),
+            s_ps, s_pm, HALF=half, HAS_BIAS=bias is not None, SPLITS=splits, **fold, **_flags(a, k, cfg),
         )
         return q, kk, v
 
@@ -806,11 +888,14 @@ def _check_norm(name: str, h: torch.Tensor, norm: FoldedNorm | None, norm_bias: 
 
 def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
                  bias: torch.Tensor | None = None, config: GemmConfig | None = None,
-                 norm: FoldedNorm | None = None, norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+                 norm: FoldedNorm | None = None, norm_bias: torch.Tensor | None = None,
+                 tickets: Tickets | None = None) -> torch.Tensor:
     """gelu_tanh(h @ Wg^T) * (h @ Wu^T) for h (..., K) and the fused gate/up weight (2 H, K) (gate
     rows first, as `GatedMLP.fuse` concatenates them) -> (..., H) in h.dtype; one kernel, the
     activation applied to the float32 sums. `norm` (h being its u) with `norm_bias` (B or 1, 2 H)
-    = shift W^T: the input's adaptive norm finished on the sums (`triton_ops.FoldedNorm`)."""
+    = shift W^T: the input's adaptive norm finished on the sums (`triton_ops.FoldedNorm`). A tiling
+    with `split_k` > 1 splits K: the last split of each tile adds the float32 partials in split order
+    and runs the epilogue (`tickets`: as `linear_residual_fold`'s)."""
     if weight.dim() == 2 and weight.shape[0] % 2:
         raise ValueError(f"linear_geglu: the fused gate/up weight has an odd row count {weight.shape[0]}")
     _check_norm("linear_geglu", h, norm, norm_bias, weight.shape[0])
@@ -818,9 +903,7 @@ def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "referenc
         if norm is not None:
             return geglu_ref(folded_product_ref(norm, weight, norm_bias, bias))
         return linear_geglu_ref(h, weight, bias)
-    if config is not None and config.split_k > 1:
-        raise ValueError("linear_geglu: split_k > 1 is not supported (GeGLU needs the whole sums)")
-    return _geglu_triton(h, weight, bias, config, norm, norm_bias)
+    return _geglu_triton(h, weight, bias, config, norm, norm_bias, tickets)
 
 
 def linear_residual_fold(h: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, gate: torch.Tensor,
@@ -850,11 +933,13 @@ def linear_qkv_rope(
     h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
     num_kv_heads: int, head_dim: int, backend: str = "reference", *, bias: torch.Tensor | None = None,
     config: GemmConfig | None = None, norm: FoldedNorm | None = None, norm_bias: torch.Tensor | None = None,
+    tickets: Tickets | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused QKV projection of h (B, T, K) by weight ((H + 2 Hkv) D, K) with RoPE on q and k:
     the contract of `qkv_rope_ref(F.linear(h, weight), cos, sin, H, Hkv, D)` (q (B, H, T, D); k, v
     (B, Hkv, T, D)); cos, sin (B or 1, 1, T, D) as `rope_cos_sin` makes them. The kernel's q, k
-    and v are contiguous (the reference's v is a view). `norm` / `norm_bias`: as `linear_geglu`'s."""
+    and v are contiguous (the reference's v is a view). `norm` / `norm_bias`, split K and `tickets`:
+    as `linear_geglu`'s."""
     if head_dim % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
     if h.dim() != 3:
@@ -868,6 +953,5 @@ def linear_qkv_rope(
             return qkv_rope_ref(folded_product_ref(norm, weight, norm_bias, bias), cos, sin, num_heads, num_kv_heads,
                                 head_dim)
         return linear_qkv_rope_ref(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias)
-    if config is not None and config.split_k > 1:
-        raise ValueError("linear_qkv_rope: split_k > 1 is not supported")
-    return _qkv_rope_triton(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias, config, norm, norm_bias)
+    return _qkv_rope_triton(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias, config, norm, norm_bias,
+                            tickets)

@@ -1,0 +1,201 @@
+"""Which of several engine settings runs the batch-1 chunk fastest? Engines alternated, one run.
+
+Each variant is a cudagraph engine on the same seeded full-size PI0.5 (bf16, 3 cameras, 48 prompt
+tokens, 10 steps), captured under its own setting of module knobs: the small-M GEMM tilings
+(`triton_gemm.CONFIGS` entries, `triton_gemm.RESIDUAL_CONFIG`) and the batch-1 norm fold
+(`fused_stacks.set_fold_norms`). Their `run` calls are then alternated (A B C A B C ...) so that
+clock and host drift fall on all alike. Prints p50 / p90 of the wall-clock chunk and the CUDA-event
+stage times of each, each variant's ratio to the first, each chunk's error against eager float32
+and its largest difference from the first variant's chunk.
+
+A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
+  unfolded                  the adaptive norms as kernels of their own (the fold off)
+  <class>=bm,bn,bk,warps,stages[,split]
+                            that `triton_gemm.CONFIGS` entry (e.g. geglu/m64=64,32,128,4,3,2)
+  residual=bm,bn,bk,warps,stages[,split]
+                            `triton_gemm.RESIDUAL_CONFIG` (o_proj / down with the fold)
+
+    python benchmarks/engine_ab_gpu.py --variants "default;split qkv:qkv_rope/m64=64,16,128,4,4,2" --reps 150
+    python benchmarks/engine_ab_gpu.py --tiny --device cpu --reps 2 --variants "a;b:unfolded"   # plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import parity_lerobot as par
+from pi05_gpu import VALID_TOKENS, seeded_adapter, sync
+
+
+@dataclass
+class Variant:
+    name: str
+    fold: bool = True
+    configs: dict[str, Any] = field(default_factory=dict)  # CONFIGS key (or "residual") -> GemmConfig
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The knobs set, and put back after (they are read when the step is captured on a GPU, or
+        at every call where nothing is captured)."""
+        from phyai_edge.layers import triton_gemm
+        from phyai_edge.layers.fused_stacks import set_fold_norms
+
+        fold_before = set_fold_norms(self.fold)
+        saved = dict(triton_gemm.CONFIGS)
+        residual_before = triton_gemm.RESIDUAL_CONFIG
+        try:
+            for key, cfg in self.configs.items():
+                if key == "residual":
+                    triton_gemm.RESIDUAL_CONFIG = cfg
+                else:
+                    triton_gemm.CONFIGS[key] = cfg
+            yield
+        finally:
+            set_fold_norms(fold_before)
+            triton_gemm.CONFIGS.clear()
+            triton_gemm.CONFIGS.update(saved)
+            triton_gemm.RESIDUAL_CONFIG = residual_before
+
+
+def parse_variants(text: str) -> list[Variant]:
+    from phyai_edge.layers.triton_gemm import CONFIGS, GemmConfig
+
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        name, _, knobs = item.partition(":")
+        v = Variant(name.strip())
+        for knob in filter(None, (k.strip() for k in knobs.split("+"))):
+            if knob == "unfolded":
+                v.fold = False
+                continue
+            key, eq, spec = knob.partition("=")
+            if not eq or (key != "residual" and key not in CONFIGS):
+                raise SystemExit(f"--variants: unknown knob {knob!r} (unfolded, residual=..., or a CONFIGS key "
+                                 f"such as geglu/m64=...)")
+            fields = [int(x) for x in spec.split(",")]
+            if len(fields) not in (5, 6):
+                raise SystemExit(f"--variants: {knob!r} needs bm,bn,bk,warps,stages[,split]")
+            v.configs[key] = GemmConfig(*fields)
+        out.append(v)
+    if len({v.name for v in out}) != len(out) or not out:
+        raise SystemExit("--variants: give at least one variant, each with its own name")
+    return out
+
+
+def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin: bool = False) -> dict[str, Any]:
+    """Capture one engine per variant, alternate their calls `reps` times; every number returned."""
+    from phyai_edge.engines.cudagraph import CudaGraphEngine
+    from phyai_edge.engines.eager import EagerEngine
+
+    if builtin:
+        from phyai_edge.adapters.pi05 import builtin_adapter
+
+        adapter = builtin_adapter("tiny" if tiny else "full", device=device)
+    else:
+        adapter = seeded_adapter(device, tiny)
+    cfg = adapter.cfg
+    x = par.model_inputs(par.make_inputs(1, 3, [VALID_TOKENS], device, seed=3, max_len=cfg.max_token_len,
+                                         vocab=cfg.vocab_size))
+    noise = torch.randn(1, adapter.chunk_size, adapter.model_action_dim,
+                        generator=torch.Generator().manual_seed(4)).to(device)
+    opts = {} if device.startswith("cuda") else {"triton_ops": "triton", "triton_gemm": True}  # the interpreter
+    engines: dict[str, Any] = {}
+    by_name = {v.name: v for v in variants}
+
+    def run(name: str, nz: torch.Tensor | None) -> torch.Tensor:
+        with by_name[name].active():
+            return engines[name].run(x, noise=nz)
+
+    for v in variants:
+        engines[v.name] = CudaGraphEngine(copy.deepcopy(adapter), device=device, dtype="bfloat16", **opts)
+        with v.active():
+            engines[v.name].warmup(1, 3, VALID_TOKENS)
+        run(v.name, noise)
+    ref = EagerEngine(adapter, device=device, dtype="float32").run(x, noise=noise)
+    chunks = {name: run(name, noise) for name in engines}
+    walls: dict[str, list[float]] = {n: [] for n in engines}
+    stages: dict[str, dict[str, list[float]]] = {n: {} for n in engines}
+    for _ in range(3):  # warm
+        for name in engines:
+            run(name, noise)
+    sync(device)
+    timed_noise = None if builtin else noise
+    for _ in range(reps):
+        for name, eng in engines.items():
+            t0 = time.perf_counter()
+            run(name, timed_noise)
+            sync(device)
+            walls[name].append((time.perf_counter() - t0) * 1e3)
+            for k, val in eng.last_stage_ms.items():
+                stages[name].setdefault(k, []).append(val)
+
+    def q(v: list[float], p: float) -> float:
+        return sorted(v)[min(len(v) - 1, int(p * len(v)))]
+
+    first = variants[0].name
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "reps": reps,
+                           "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
+                           "engines": {}}
+    for v in variants:
+        name = v.name
+        st = {k: statistics.median(val) for k, val in stages[name].items()}
+        res["engines"][name] = {
+            "configs": {k: c.label() for k, c in v.configs.items()}, "fold": v.fold,
+            "p50": statistics.median(walls[name]), "p90": q(walls[name], 0.9), "stages_p50": st,
+            "vs_eager_fp32": par.err(chunks[name], ref),
+            "max_abs_vs_first": float((chunks[name] - chunks[first]).abs().max()),
+        }
+    base = res["engines"][first]
+    for e in res["engines"].values():
+        e["ratio_p50"] = e["p50"] / base["p50"]
+        e["ratio_loop"] = e["stages_p50"].get("solver_loop", 0) / max(base["stages_p50"].get("solver_loop", 1e-9), 1e-9)
+    return res
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = ["| engine | chunk p50 ms | p90 | vision / prefix / loop p50 ms | step p50 ms | chunk / first | loop / first "
+             "| vs eager fp32 max abs / scale | max abs vs first |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, e in res["engines"].items():
+        st = e["stages_p50"]
+        lines.append(f"| {name} | {e['p50']:.3f} | {e['p90']:.3f} | {st.get('embed_images', 0):.3f} / "
+                     f"{st.get('encode_prefix', 0):.3f} / {st.get('solver_loop', 0):.3f} | "
+                     f"{st.get('denoise_step', 0):.4f} | {e['ratio_p50']:.4f} | {e['ratio_loop']:.4f} | "
+                     f"{e['vs_eager_fp32']['max_abs_over_scale']:.2e} | {e['max_abs_vs_first']:.3e} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--reps", type=int, default=150, help="calls of each engine, alternated")
+    ap.add_argument("--variants", default="default;unfolded:unfolded", help="see above")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--builtin", action="store_true",
+                    help="the full preset as `phyai-edge bench` loads it (`builtin_adapter('full', device=)`), and "
+                         "`run` drawing its own noise, instead of this script's seeded adapter and fixed noise")
+    args = ap.parse_args(argv)
+    res = run_ab(parse_variants(args.variants), args.device, args.tiny, args.reps, args.builtin)
+    print(table(res))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
