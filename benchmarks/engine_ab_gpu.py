@@ -10,6 +10,7 @@ and its largest difference from the first variant's chunk.
 
 A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
   unfolded                  the adaptive norms as kernels of their own (the fold off)
+  plain-io                  the action projections as the model runs them (`set_fold_projections(False)`)
   <class>=bm,bn,bk,warps,stages[,split]
                             that `triton_gemm.CONFIGS` entry (e.g. geglu/m64=64,32,128,4,3,2)
   residual=bm,bn,bk,warps,stages[,split]
@@ -44,6 +45,7 @@ from pi05_gpu import VALID_TOKENS, seeded_adapter, sync
 class Variant:
     name: str
     fold: bool = True
+    fold_io: bool = True
     configs: dict[str, Any] = field(default_factory=dict)  # CONFIGS key (or "residual") -> GemmConfig
 
     @contextlib.contextmanager
@@ -51,9 +53,10 @@ class Variant:
         """The knobs set, and put back after (they are read when the step is captured on a GPU, or
         at every call where nothing is captured)."""
         from phyai_edge.layers import triton_gemm
-        from phyai_edge.layers.fused_stacks import set_fold_norms
+        from phyai_edge.layers.fused_stacks import set_fold_norms, set_fold_projections
 
         fold_before = set_fold_norms(self.fold)
+        io_before = set_fold_projections(self.fold_io)
         saved = dict(triton_gemm.CONFIGS)
         residual_before = triton_gemm.RESIDUAL_CONFIG
         try:
@@ -65,6 +68,7 @@ class Variant:
             yield
         finally:
             set_fold_norms(fold_before)
+            set_fold_projections(io_before)
             triton_gemm.CONFIGS.clear()
             triton_gemm.CONFIGS.update(saved)
             triton_gemm.RESIDUAL_CONFIG = residual_before
@@ -78,8 +82,11 @@ def parse_variants(text: str) -> list[Variant]:
         name, _, knobs = item.partition(":")
         v = Variant(name.strip())
         for knob in filter(None, (k.strip() for k in knobs.split("+"))):
-            if knob == "unfolded":
-                v.fold = False
+            if knob in ("unfolded", "plain-io"):
+                if knob == "unfolded":
+                    v.fold = False
+                else:
+                    v.fold_io = False
                 continue
             key, eq, spec = knob.partition("=")
             if not eq or (key != "residual" and key not in CONFIGS):
@@ -153,7 +160,7 @@ def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin:
         name = v.name
         st = {k: statistics.median(val) for k, val in stages[name].items()}
         res["engines"][name] = {
-            "configs": {k: c.label() for k, c in v.configs.items()}, "fold": v.fold,
+            "configs": {k: c.label() for k, c in v.configs.items()}, "fold": v.fold, "fold_io": v.fold_io,
             "p50": statistics.median(walls[name]), "p90": q(walls[name], 0.9), "stages_p50": st,
             "vs_eager_fp32": par.err(chunks[name], ref),
             "max_abs_vs_first": float((chunks[name] - chunks[first]).abs().max()),

@@ -102,6 +102,52 @@ def test_linear_residual_fold_checks() -> None:
         tg.linear_residual_fold(h, w, x, torch.zeros(1, 1, 6), torch.zeros(1, 1, 6), 1e-6)
 
 
+@kernels
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_fold_start_kernel(poisoned, out_dtype, bias) -> None:  # noqa: F811
+    """The input projection that starts the stream (float32 weights, as PI0.5's action projection):
+    r = (h W^T + b) in out_dtype, u and the row statistics of its first norm, against the reference
+    (projection, cast, `ada_rms_fold_ref`) and the norm they stand for against the unfolded one."""
+    batch, t, k, n = 2, 7, 24, 40
+    h, w = _randn(batch, t, k, seed=40), _weight(n, k, torch.float32, seed=41)
+    b = _randn(n, seed=42) if bias else None
+    scale, shift = _randn(1, 1, n, seed=43, scale=0.3), _randn(1, 1, n, seed=44)
+    r, norm = tg.linear_fold_start(h, w, b, scale, 1e-6, out_dtype, "triton", config=tg.GemmConfig(16, 16, 16))
+    want_r = F.linear(h, w, b).to(out_dtype)
+    want = triton_ops.ada_rms_fold_ref(want_r, scale, 1e-6)
+    assert r.dtype == norm.u.dtype == out_dtype and norm.stats.shape == (batch * t, 3)  # 40 columns in 16-wide tiles
+    assert torch.isfinite(r).all() and torch.isfinite(norm.u).all() and torch.isfinite(norm.stats).all()
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2  # bf16: the interpreter truncates where a GPU rounds
+    assert _rel(r.float(), want_r.float()) < tol and _rel(norm.u.float(), want.u.float()) < tol
+    assert torch.allclose(norm.stats.sum(-1), want.stats.sum(-1), rtol=tol)
+    normed = norm.u.float() * norm.rstd().view(batch, t, 1) + shift
+    assert _rel(normed, _unfolded(r, scale, shift, 1e-6)) < tol
+    ref_r, ref_norm = tg.linear_fold_start(h, w, b, scale, 1e-6, out_dtype, "reference")
+    assert torch.equal(ref_r, want_r) and torch.equal(ref_norm.u, want.u)
+
+
+@kernels
+@pytest.mark.parametrize("u_dtype", [torch.float32, torch.bfloat16])
+def test_linear_folded_kernel(poisoned, u_dtype) -> None:  # noqa: F811
+    """The output projection that finishes the final folded norm: float32 weights reading u in
+    float32 or bf16 (PI0.5's action output projection after the bf16 expert), with a bias, against the
+    unfolded norm then the linear, and against the reference path."""
+    batch, t, k, n = 2, 7, 48, 20
+    r, scale, shift, norm = _folded_input(batch, t, k, seed=50, dtype=u_dtype)
+    w, b = _weight(n, k, torch.float32, seed=53), _randn(n, seed=54)
+    nb = fused_stacks.fold_shift(shift, w)
+    out = tg.linear_folded(norm, w, nb, "triton", bias=b, out_dtype=torch.float32, config=tg.GemmConfig(16, 16, 16))
+    want = F.linear(_unfolded(r, scale, shift, 1e-6), w, b)
+    assert out.dtype == torch.float32 and out.shape == (batch, t, n) and torch.isfinite(out).all()
+    # bf16: u is rounded where the unfolded norm's output would be
+    assert _rel(out, want) < (1e-5 if u_dtype == torch.float32 else 1e-2)
+    ref = tg.linear_folded(norm, w, nb, "reference", bias=b)
+    assert ref.dtype == torch.float32 and _rel(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="norm_bias"):
+        tg.linear_folded(norm, w, nb[:, :3], "triton")
+
+
 # -- the consumers ----------------------------------------------------------------------------------------
 def _folded_input(batch, t, k, seed, dtype=torch.float32):
     r = _randn(batch, t, k, seed=seed, scale=2.0).to(dtype)
@@ -251,9 +297,16 @@ def test_fp8_linears_are_not_folded() -> None:
 
 @kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_denoise_stage_with_a_folded_table_entry(poisoned, float32_routed, dtype) -> None:  # noqa: F811
+def test_denoise_stage_with_a_folded_table_entry(poisoned, float32_routed, monkeypatch, dtype) -> None:  # noqa: F811
     """The PI0.5 stage on the tiny preset at batch 1 with a table entry extended by `fold_modulation`
-    (as the engine builds it), against the model's own step with the plain entry."""
+    (as the engine builds it), against the model's own step with the plain entry: the action
+    projections fold too (one input-projection kernel, one output-projection kernel, no norm kernel)."""
+    calls = {"norm": 0, "out": 0}
+    real_norm, real_out = triton_ops._residual_ada_norm_triton, tg._linear_folded_triton
+    monkeypatch.setattr(triton_ops, "_residual_ada_norm_triton",
+                        lambda *a, **kw: calls.__setitem__("norm", calls["norm"] + 1) or real_norm(*a, **kw))
+    monkeypatch.setattr(tg, "_linear_folded_triton",
+                        lambda *a, **kw: calls.__setitem__("out", calls["out"] + 1) or real_out(*a, **kw))
     model = _tiny_model(dtype)
     x_t, t, k_cache, v_cache, prefix_mask = _denoise_args(model, b=1)
     stages = model.triton_stages("triton", gemm=True)
@@ -262,7 +315,16 @@ def test_denoise_stage_with_a_folded_table_entry(poisoned, float32_routed, dtype
         extended = stages["fold_modulation"](entry)
         out = stages["denoise_step"](x_t, t, k_cache, v_cache, prefix_mask, modulation=extended)
         ref = model.denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=extended)
-    assert len(extended) == 3 and len(extended[2]) == model.cfg.expert.depth
+    assert calls == {"norm": 0, "out": 1}
+    before = fused_stacks.set_fold_projections(False)
+    try:  # the projections as the model runs them: the first fold and the final norm are kernels again
+        with torch.no_grad():
+            plain = stages["denoise_step"](x_t, t, k_cache, v_cache, prefix_mask, modulation=extended)
+    finally:
+        fused_stacks.set_fold_projections(before)
+    assert calls == {"norm": 2, "out": 1} and _rel(plain, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert len(extended) == 4 and len(extended[2]) == model.cfg.expert.depth
+    assert extended[3].shape == (1, model.cfg.max_action_dim)  # the final shift through the output projection
     assert torch.isfinite(out).all() and _rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
@@ -299,8 +361,9 @@ def test_engine_folds_its_batch_one_norms(monkeypatch) -> None:
     noise = torch.randn(1, tiny.chunk_size, tiny.model_action_dim, generator=torch.Generator().manual_seed(9))
     out = fast.run(inputs, noise=noise)
     table = fast._table(tiny.solver)
-    assert all(len(entry) == 3 for entry in table)
-    per_loop = (2 * tiny.cfg.expert.depth - 1) * tiny.solver.num_steps
+    assert all(len(entry) == 4 for entry in table)
+    # o_proj and down of every block, and the input projection starting the stream, each step
+    per_loop = (2 * tiny.cfg.expert.depth + 1) * tiny.solver.num_steps
     assert folds and len(folds) % per_loop == 0
     eager = EagerEngine(copy.deepcopy(tiny), device="cpu", dtype="float32")
     assert torch.isfinite(out).all() and _rel(out.cpu(), eager.run(inputs, noise=noise).cpu()) < 3e-2

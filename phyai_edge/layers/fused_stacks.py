@@ -156,6 +156,18 @@ def set_fold_norms(on: bool) -> bool:
     return before
 
 
+_FOLD_PROJECTIONS = True
+
+
+def set_fold_projections(on: bool) -> bool:
+    """Whether `projected_block_stack` folds its input and output projections into the folded
+    stack's first and last kernels (True, the default) or runs them as the model does; returns the
+    previous setting."""
+    global _FOLD_PROJECTIONS
+    before, _FOLD_PROJECTIONS = _FOLD_PROJECTIONS, bool(on)
+    return before
+
+
 def fold_modulation(blocks: Sequence[torch.nn.Module],
                     modulations: Sequence[tuple[Modulation, Modulation]]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """The tabulated half of the folded norms (`triton_ops.FoldedNorm`) for one flow time: per block,
@@ -167,9 +179,14 @@ def fold_modulation(blocks: Sequence[torch.nn.Module],
         qkv, gate_up = block.self_attn.qkv_proj, block.mlp.gate_up
         if qkv is None or gate_up is None:
             return None
-        out.append(tuple(F.linear(sh.float().reshape(sh.shape[0], -1), lin.weight.float())
-                         for sh, lin in ((shift_in, qkv), (shift_post, gate_up))))
+        out.append((fold_shift(shift_in, qkv.weight), fold_shift(shift_post, gate_up.weight)))
     return out
+
+
+def fold_shift(shift: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """shift (B or 1, 1, N) @ weight (M, N)^T in float32, (B or 1, M): the half of a folded norm
+    that its consumer adds (`triton_ops.FoldedNorm`), tabulated once per flow time."""
+    return F.linear(shift.float().reshape(shift.shape[0], -1), weight.float())
 
 
 def _plain_small_linear(linear: torch.nn.Module | None, rows: int, dtype: torch.dtype) -> bool:
@@ -178,29 +195,77 @@ def _plain_small_linear(linear: torch.nn.Module | None, rows: int, dtype: torch.
 
 
 def _folds(blocks: Sequence[torch.nn.Module], x: torch.Tensor, gemm_backend: str | None,
-           folded: Sequence[Any] | None, joined: Any) -> bool:
+           folded: Sequence[Any] | None, joined: Any, dtype: torch.dtype | None = None) -> bool:
     """Whether the stack runs with its norms folded into the small-M GEMMs: tables given, the
     switch on, the kernels' backend, no gradient, no joined KV buffers, and every block's four
-    projections plain bias-free linears that `triton_gemm.takes` (fused QKV and gate/up)."""
+    projections plain bias-free linears that `triton_gemm.takes` (fused QKV and gate/up). `dtype`:
+    the stream's, where x is not the stream (an input projection's input)."""
     if (folded is None or not _FOLD_NORMS or joined is not None or gemm_backend is None or needs_grad(x)
             or not _use_triton(gemm_backend, x) or len(folded) != len(blocks)):
         return False
     rows = x.numel() // x.shape[-1]
-    return all(_plain_small_linear(lin, rows, x.dtype)
+    return all(_plain_small_linear(lin, rows, dtype or x.dtype)
                for b in blocks for lin in (b.self_attn.qkv_proj, b.self_attn.o_proj, b.mlp.gate_up, b.mlp.down_proj))
+
+
+def _io_kernel_linear(linear: torch.nn.Module, x: torch.Tensor | None, features: int) -> bool:
+    """A projection the folded stack's first / last kernel can take: a plain `nn.Linear` (bias or
+    not) with a float weight the kernels read and `features` inputs (and, for the input side, x of
+    its dtype)."""
+    return (type(linear) is torch.nn.Linear and linear.weight.dtype in triton_gemm.KERNEL_DTYPES
+            and linear.in_features == features and (x is None or x.dtype == linear.weight.dtype))
+
+
+def projected_block_stack(in_proj: torch.nn.Module, out_proj: torch.nn.Module, x_in: torch.Tensor,
+                          dtype: torch.dtype, blocks: Sequence[torch.nn.Module], cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
+                          modulations: Sequence[tuple[Modulation, Modulation]], final: Modulation, final_eps: float,
+                          backend: str = "reference", gemm_backend: str | None = None,
+                          attend: Callable[..., torch.Tensor] | None = None,
+                          joined: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          folded: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                          folded_out: torch.Tensor | None = None) -> torch.Tensor:
+    """`out_proj(adaptive_block_stack(in_proj(x_in) in dtype, ...) in out_proj's dtype)` in float32:
+    an action expert with its input and output projections (PI0.5's float32 action projections
+    around the bf16 blocks). Where the stack folds its norms (`_folds`) and `folded_out` = the final
+    norm's shift @ out_proj.weight^T is given (`fold_shift`), the input projection also starts the
+    first norm's fold (`triton_gemm.linear_fold_start`: projection, cast and norm in one kernel),
+    the last down projection leaves the final norm folded, and the output projection finishes it
+    (`triton_gemm.linear_folded`): four kernels fewer a step. Otherwise the plain composition."""
+    rows = x_in.numel() // x_in.shape[-1]
+    if (_FOLD_PROJECTIONS and folded_out is not None and attend is not None and rows <= triton_gemm.MAX_ROWS
+            and _folds(blocks, x_in, gemm_backend, folded, joined, dtype)
+            and _io_kernel_linear(in_proj, x_in, x_in.shape[-1]) and _io_kernel_linear(out_proj, None, final[0].shape[-1])):
+        return _folded_block_stack(blocks, x_in, cos, sin, k_cache, v_cache, mask, modulations, final, final_eps,
+                                   backend, gemm_backend, attend, folded, io=(in_proj, out_proj, folded_out, dtype))
+    x = in_proj(x_in).to(dtype)
+    h = adaptive_block_stack(blocks, x, cos, sin, k_cache, v_cache, mask, modulations, final, final_eps, backend,
+                             gemm_backend, attend, joined, folded)
+    return out_proj(h.to(out_proj.weight.dtype)).float()
 
 
 def _folded_block_stack(blocks: Sequence[torch.nn.Module], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
                         modulations: Sequence[tuple[Modulation, Modulation]], final: Modulation, final_eps: float,
                         backend: str, gemm_backend: str, attend: Callable[..., torch.Tensor],
-                        folded: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                        folded: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                        io: tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, torch.dtype] | None = None,
+                        ) -> torch.Tensor:
     """`adaptive_block_stack` with each adaptive norm but the final one folded into the GEMMs around
     it: o_proj and down finish the gated residual and start the next norm in their epilogue (one
     kernel: `triton_gemm.linear_residual_fold`), QKV and gate/up finish it on their sums
-    (`norm=`). Five kernels a block instead of seven."""
+    (`norm=`). Five kernels a block instead of seven. `io` = (input projection, output projection,
+    final shift @ its weight^T, stream dtype): x is the input projection's input, the first and the
+    final norm fold too, and the output projection's float32 result is returned
+    (`projected_block_stack`)."""
     tickets = getattr(attend, "tickets", None)
-    norm: FoldedNorm = ada_rms_fold(x, modulations[0][0][0], blocks[0].input_layernorm.eps, backend)
+    first_scale, first_eps = modulations[0][0][0], blocks[0].input_layernorm.eps
+    if io is None:
+        norm: FoldedNorm = ada_rms_fold(x, first_scale, first_eps, backend)
+    else:
+        in_proj = io[0]
+        x, norm = triton_gemm.linear_fold_start(x, in_proj.weight, in_proj.bias, first_scale, first_eps, io[3],
+                                                gemm_backend)
     h = x
     for i, block in enumerate(blocks):
         attn, mlp = block.self_attn, block.mlp
@@ -214,13 +279,18 @@ def _folded_block_stack(blocks: Sequence[torch.nn.Module], x: torch.Tensor, cos:
                                                    block.post_attention_layernorm.eps, gemm_backend, tickets=tickets)
         a = triton_gemm.linear_geglu(norm.u, mlp.gate_up.weight, gemm_backend, norm=norm, norm_bias=bias_gate_up,
                                      tickets=tickets)
-        if i + 1 < len(blocks):
-            x, norm = triton_gemm.linear_residual_fold(a, mlp.down_proj.weight, x, gate_post, modulations[i + 1][0][0],
-                                                       blocks[i + 1].input_layernorm.eps, gemm_backend,
-                                                       tickets=tickets)
-        else:  # the final norm feeds the action projection (not one of these GEMMs): its own kernel
+        if i + 1 < len(blocks) or io is not None:
+            scale_next, eps_next = ((modulations[i + 1][0][0], blocks[i + 1].input_layernorm.eps) if i + 1 < len(blocks)
+                                    else (final[0], final_eps))
+            x, norm = triton_gemm.linear_residual_fold(a, mlp.down_proj.weight, x, gate_post, scale_next, eps_next,
+                                                       gemm_backend, tickets=tickets)
+        else:  # the final norm feeds a layer outside the stack: its own kernel
             y = triton_gemm.linear(a, mlp.down_proj.weight, gemm_backend, defer_sum=True)
             x, h = residual_ada_rms_norm(x, y, gate_post, final[0], final[1], final_eps, backend)
+    if io is not None:
+        out_proj, folded_out = io[1], io[2]
+        return triton_gemm.linear_folded(norm, out_proj.weight, folded_out, gemm_backend, bias=out_proj.bias,
+                                         out_dtype=torch.float32)
     return h
 
 

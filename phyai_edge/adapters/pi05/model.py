@@ -325,23 +325,26 @@ class PI05Model(nn.Module):
             return cos, sin, mask, stack_attention(mask, prefix_mask.shape[0], backend)
 
         def denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=None, context=None, joined=None):
-            # a table entry may carry the folded norms' part (`fold_modulation` below) as a third item
+            # a table entry may carry the folded norms' parts (`fold_modulation` below) as more items
             per_layer, final_mod, *folded = modulation if modulation is not None else self.time_modulation(t)
-            x = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.compute_dtype)
             cos, sin, mask, attend = context if context is not None else step_context(prefix_mask)
-            out = fused_stacks.adaptive_block_stack(
-                self.expert_layers, x, cos, sin, k_cache, v_cache, mask, per_layer, final_mod,
+            # the action projections around the expert, as `denoise_step` / `expert_output` run them
+            return fused_stacks.projected_block_stack(
+                self.action_in_proj, self.action_out_proj, x_t.to(self.action_in_proj.weight.dtype),
+                self.compute_dtype, self.expert_layers, cos, sin, k_cache, v_cache, mask, per_layer, final_mod,
                 self.expert_norm.eps, backend, gemm_backend=backend if gemm else None, attend=attend,
-                joined=joined, folded=folded[0] if folded else None,
+                joined=joined, folded=folded[0] if folded else None, folded_out=folded[1] if folded else None,
             )
-            return self.expert_output(out)
 
         def fold_modulation(modulation):
             # A modulation table entry, extended once per flow time with what the small-M GEMMs need
             # to finish the adaptive norms themselves (`fused_stacks.fold_modulation`).
+            # and the final norm's shift through the output projection (`fused_stacks.projected_block_stack`)
             per_layer, final_mod = modulation[:2]
             folded = fused_stacks.fold_modulation(self.expert_layers, per_layer)
-            return (per_layer, final_mod) if folded is None else (per_layer, final_mod, folded)
+            if folded is None:
+                return per_layer, final_mod
+            return per_layer, final_mod, folded, fused_stacks.fold_shift(final_mod[1], self.action_out_proj.weight)
 
         def encode_prefix(image_embeds, image_mask, tokens, token_mask, dense=False, out=None):
             if not self.attend_keys_only:  # the fused stack takes key-only masks
