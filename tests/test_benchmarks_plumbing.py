@@ -103,6 +103,25 @@ def test_engine_ab_variants_set_their_knobs_and_put_them_back() -> None:
     assert done.returncode == 0 and "--variants" in done.stdout, done.stderr[-3000:]
 
 
+def test_attention_timeline_summary_on_a_made_up_trace() -> None:
+    """`attention_timeline_gpu.py` runs on a GPU only; its summary of a trace, here two calls of two
+    programs whose phases are known, gives those phases back (and the script refuses a CPU by name)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from attention_timeline_gpu import summarize
+
+    # g_start, c_start, c_q, c_keys, c_ticket, c_merged, c_end, g_end, sm
+    call = [[1000, 0, 100, 1100, 1300, 0, 1350, 1700, 3],
+            [1500, 50, 150, 1150, 1350, 1950, 2000, 2600, 7]]
+    s = summarize([call, call])
+    p = s["phases_cycles"]
+    assert p["queries"]["median"] == 100 and p["keys"]["median"] == 1000 and p["ticket"]["median"] == 200
+    assert p["merge"]["n"] == 2 and p["merge"]["median"] == 600  # only the program that merged
+    assert s["programs"] == 2 and s["sms"] == 2 and s["span_ns_median"] == 1600
+    assert s["start_ns"]["max"] == 500 and s["timer_grain_ns"] == 500
+    done = _run("attention_timeline_gpu", ["--help"], timeout=120)
+    assert done.returncode == 0 and "--replays" in done.stdout, done.stderr[-3000:]
+
+
 def test_input_sets_benchmark_runs_tiny_on_the_cpu() -> None:
     done = _run("input_sets_gpu", ["--tiny", "--device", "cpu", "--batch", "2", "--seconds", "0.5"], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -49,6 +49,7 @@ from phyai_edge.layers.triton_dispatch import (
     triton,
 )
 
+TRACE_SLOTS = 9  # int64 per program of a traced split-kernel call (`_split_attn_kernel(TRACE=True)`)
 MIN_KEYS_PER_SPLIT = 128  # below this a split's merge traffic costs more than its parallelism buys
 ONE_PASS_BLOCK_M = 64  # query rows per program of SDPA's one-pass (cuDNN / flash) kernels
 
@@ -140,7 +141,7 @@ def kernel_takes(q: torch.Tensor, mask: torch.Tensor) -> bool:
 
 if triton is not None:
     from phyai_edge.layers.triton_dispatch import pdl_enter
-    from phyai_edge.layers.triton_math import _keys_allowed, _last_of
+    from phyai_edge.layers.triton_math import _clock, _clock_after, _keys_allowed, _last_of
 
     @triton.jit
     def _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr, IEEE: tl.constexpr):
@@ -170,22 +171,29 @@ if triton is not None:
 
     @triton.jit
     def _split_attn_kernel(
-        q_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, o_ptr, lse_ptr, out_ptr, ticket_ptr, lse_out_ptr,
+        q_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, o_ptr, lse_ptr, out_ptr, ticket_ptr, lse_out_ptr, trace_ptr,
         rows, keys, keys1, keys_per_split, scale_log2, tq, splits,
         sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
         sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
         so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         FINAL: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        WS: tl.constexpr, LSE_OUT: tl.constexpr,
+        WS: tl.constexpr, LSE_OUT: tl.constexpr, TRACE: tl.constexpr = False,
     ):
         """One (query block, key split, batch x KV head) program. FINAL (one split): the output
         goes straight to out. Else a float32 partial and its log-sum-exp (base 2) go to o / lse;
         with MERGE the last program of a query block to finish (its ticket counts the splits done)
         merges all splits of that block into out, so no second kernel runs. LSE_OUT: each row's
         whole log-sum-exp (base 2 of the scaled scores) also goes to lse_out (B x Hkv, rows), which
-        the backward (`triton_grad.split_attention_grad`) reads instead of recomputing it."""
+        the backward (`triton_grad.split_attention_grad`) reads instead of recomputing it. TRACE (a
+        GPU only; `benchmarks/attention_timeline_gpu.py`): each program writes TRACE_SLOTS int64 to
+        trace: %globaltimer and %clock64 at its start, %clock64 once its queries are loaded, once its
+        keys are done, once its ticket is drawn and once it has merged (0 where it does not), then
+        %clock64 and %globaltimer at its end, and its SM."""
         pdl_enter(PDL)
+        if TRACE:
+            g_start = tl.extra.cuda.globaltimer()
+            c_start = _clock()
         pid_m = tl.program_id(0)
         split = tl.program_id(1)
         bh = tl.program_id(2)
@@ -196,6 +204,8 @@ if triton is not None:
         q = tl.load(q_ptr + b * sq_b + h * sq_h + r[:, None] * sq_m + d[None, :], mask=r[:, None] < rows, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
+        if TRACE:
+            c_q = _clock_after(tl.sum(tl.sum(q.to(tl.float32), axis=1), axis=0))
         # A finite start: a block whose keys are all masked then gives p = 0, not exp(-inf + inf).
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -223,6 +233,10 @@ if triton is not None:
                          other=0.0)
             ok = _keys_allowed(m_ptr, b, sm_b, c, end)
             m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+        if TRACE:
+            c_keys = _clock_after(tl.sum(l_i, axis=0))
+            c_ticket = c_keys
+            c_merged = tl.full([], 0, tl.int64)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # a split with no allowed key: 0, weighted 0 below
         # Row r of the folded query is (group r // tq, token r % tq): a final output goes straight
         # to its (B, Tq, Hq, D) place, so the o-projection reads it without a transpose copy.
@@ -235,10 +249,26 @@ if triton is not None:
             tl.store(lse_ptr + split * sl_s + bh * sl_bh + r, lse, mask=r < rows)
             # The program that draws a query block's last ticket merges its splits. Nested, not
             # `and`: Triton evaluates both operands, and the ticket's atomics must not run without MERGE.
-            if MERGE:  # noqa: SIM102
-                if _last_of(ticket_ptr + bh * tl.num_programs(0) + pid_m, splits):
+            if MERGE:
+                last = _last_of(ticket_ptr + bh * tl.num_programs(0) + pid_m, splits)
+                if TRACE:
+                    c_ticket = _clock_after(last.to(tl.float32))
+                if last:
                     _merge_rows(o_ptr, lse_ptr, out_ptr, lse_out_ptr, b, h, bh, r, rows, splits, tq,
                                 so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t, D, BLOCK_M, LSE_OUT)
+                    if TRACE:
+                        c_merged = _clock()
+        if TRACE:
+            slot = trace_ptr + ((bh * tl.num_programs(1) + split) * tl.num_programs(0) + pid_m) * 9  # TRACE_SLOTS
+            tl.store(slot + 0, g_start)
+            tl.store(slot + 1, c_start)
+            tl.store(slot + 2, c_q)
+            tl.store(slot + 3, c_keys)
+            tl.store(slot + 4, c_ticket)
+            tl.store(slot + 5, c_merged)
+            tl.store(slot + 6, _clock())
+            tl.store(slot + 7, tl.extra.cuda.globaltimer())
+            tl.store(slot + 8, tl.extra.cuda.smid().to(tl.int64))
 
     @triton.jit
     def _merge_rows(p_ptr, lse_ptr, out_ptr, lse_out_ptr, b, h, bh, r, rows, splits, tq,
@@ -294,15 +324,16 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
                             vs: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor,
                             scale: float, splits: int | None, tq: int,
                             config: SplitConfig | None = None, tickets: Tickets | None = None,
-                            lse_out: torch.Tensor | None = None) -> torch.Tensor:
+                            lse_out: torch.Tensor | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hkv, G * Tq, D) (the G query heads of each KV head folded into the rows), keys and
     values in two parts (B, Hkv, N1 / N2, D), key_mask (B, N1 + N2) uint8 (`kernel_key_mask`)
     -> (B, Tq, Hkv * G, D). `lse_out` (B x Hkv, G * Tq) float32: where each folded row's
-    log-sum-exp goes (base 2, of the scaled scores), for the backward. `config` None:
+    log-sum-exp goes (base 2, of the scaled scores), for the backward. `trace`: an int64 buffer of
+    `TRACE_SLOTS` per program for a timeline (`_split_attn_kernel`'s TRACE; a GPU only). `config` None:
     `default_config`'s tiling for the shape, or where that does not fit the GPU the first of
     `FALLBACK_TILINGS` that does (`triton_dispatch.launch_fitting`)."""
     def launch(cfg: SplitConfig) -> torch.Tensor:
-        return _split_attention_launch(q, ks, vs, key_mask, scale, splits, tq, cfg, tickets, lse_out)
+        return _split_attention_launch(q, ks, vs, key_mask, scale, splits, tq, cfg, tickets, lse_out, trace)
 
     if config is not None:
         return launch(config)
@@ -314,7 +345,7 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
 def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tensor],
                             vs: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor, scale: float,
                             splits: int | None, tq: int, cfg: SplitConfig, tickets: Tickets | None,
-                            lse_out: torch.Tensor | None) -> torch.Tensor:
+                            lse_out: torch.Tensor | None, trace: torch.Tensor | None = None) -> torch.Tensor:
     b, hkv, rows, d = q.shape
     groups = rows // tq
     (k, k2), (v, v2) = ks, vs
@@ -345,8 +376,10 @@ def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
     if merge:
         ticket_buf = (tickets if tickets is not None else Tickets(q.device)).take(grid[0] * grid[2])
     lse_out_buf = lse_out if lse_out is not None else lse  # never read without LSE_OUT
+    if trace is not None and trace.numel() < grid[0] * grid[1] * grid[2] * TRACE_SLOTS:
+        raise ValueError(f"split attention trace: {trace.numel()} slots for {grid} programs x {TRACE_SLOTS}")
     _split_attn_kernel[grid](
-        q, k, v, k2, v2, mask_u8, part, lse, out, ticket_buf, lse_out_buf,
+        q, k, v, k2, v2, mask_u8, part, lse, out, ticket_buf, lse_out_buf, trace if trace is not None else lse,
         rows, keys, keys1, per, scale * 1.4426950408889634, tq, splits,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
@@ -354,8 +387,8 @@ def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         *ps, lse.stride(0), lse.stride(1), *os_,
         HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, MERGE=merge, UPCAST=interpret_mode(),
         IEEE=q.dtype == torch.float32,
-        WS=cfg.warp_specialize, LSE_OUT=lse_out is not None, num_warps=cfg.warps, num_stages=cfg.stages,
-        **launch_options(q),
+        WS=cfg.warp_specialize, LSE_OUT=lse_out is not None, TRACE=trace is not None, num_warps=cfg.warps,
+        num_stages=cfg.stages, **launch_options(q),
     )
     if not final and not merge:
         mb = 32

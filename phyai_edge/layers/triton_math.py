@@ -81,6 +81,20 @@ if triton is not None:
         return inb & (tl.load(m_ptr + b * sm_b + c, mask=inb, other=0) != 0)
 
     @triton.jit
+    def _clock():
+        """The SM's cycle counter (%clock64): for `TRACE` timelines only (a GPU; not the interpreter)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
+    def _clock_after(x):
+        """%clock64 read once the scalar x is known: the read sits in a branch on x, so it cannot be
+        issued before the loads and arithmetic x depends on have finished."""
+        t = tl.full([], 0, tl.int64)
+        if x != 3.0e38:
+            t = _clock()
+        return t
+
+    @triton.jit
     def _last_of(ticket, splits):
         """Every thread's stores issued (the barrier), then one release-acquire ticket: True for the
         program that draws the last of `splits` (it sees every split's writes), which also puts the
