@@ -12,6 +12,9 @@ global timer, when programs start and end relative to the first one (the launch 
 
     PYTHONPATH=$PWD python3 benchmarks/attention_timeline_gpu.py --json $OUT/attn_timeline.json   # H200
 
+`--variants "name:bm,bn,warps,stages,min_keys,inline,rotate;..."` traces other tilings of the same
+call (`SplitConfig`; "default" alone is the shape's `default_config`).
+
 GPU only (the clock reads are inline PTX, which Triton's interpreter does not run); the summary is
 tested on the CPU on a made-up trace (`tests/test_benchmarks_plumbing.py`).
 """
@@ -100,7 +103,24 @@ def table(name: str, s: dict[str, Any], us: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def run_shape(name: str, replays: int, calls: int) -> tuple[dict[str, Any], dict[str, float]]:
+def parse_variants(text: str) -> list[tuple[str, Any]]:
+    """'name' (the default tiling) or 'name:bm,bn,warps,stages,min_keys,inline,rotate', ';'-separated."""
+    from phyai_edge.layers.triton_attention import SplitConfig
+
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        name, _, spec = item.partition(":")
+        if not spec:
+            out.append((name.strip(), None))
+            continue
+        v = [int(x) for x in spec.split(",")]
+        if len(v) != 7:
+            raise SystemExit(f"--variants: {item!r} needs bm,bn,warps,stages,min_keys,inline,rotate")
+        out.append((name.strip(), SplitConfig(*v[:5], inline_merge=bool(v[5]), rotate=bool(v[6]))))
+    return out
+
+
+def run_shape(name: str, replays: int, calls: int, config: Any = None) -> tuple[dict[str, Any], dict[str, float]]:
     from graph_timing import time_calls
 
     from phyai_edge.layers import triton_attention as ta
@@ -114,7 +134,7 @@ def run_shape(name: str, replays: int, calls: int) -> tuple[dict[str, Any], dict
     mask = torch.ones(b, 1, 1, n1 + n2, dtype=torch.bool, device=dev)
     key_mask = ta.kernel_key_mask(mask, b)
     qf = q.reshape(b, 1, hq * tq, d)
-    cfg = ta.default_config(hq * tq, b, ta._sm_count(dev))
+    cfg = config or ta.default_config(hq * tq, b, ta._sm_count(dev))
     splits, _ = ta.plan_splits(hq * tq, n1 + n2, b, ta._sm_count(dev), cfg.block_m, cfg.block_n, cfg.min_keys)
     programs = -(-hq * tq // cfg.block_m) * splits * b
     tickets = ta.Tickets(dev)
@@ -127,6 +147,9 @@ def run_shape(name: str, replays: int, calls: int) -> tuple[dict[str, Any], dict
 
     ref = call(False)
     assert torch.equal(call(True), ref), "the traced kernel must compute the same bits"
+    truth = torch.softmax((q.float() @ torch.cat(kp, 2).float().transpose(-1, -2)) * scale, -1) @ torch.cat(vp, 2).float()
+    rel = float((ref.transpose(1, 2).float() - truth).norm() / truth.norm())
+    assert rel < 2e-2, f"{name} {cfg}: relative error {rel:.2e}"
     us = {"untraced": time_calls([lambda: call(False)] * calls, "cuda"), "traced": time_calls([lambda: call(True)] * calls, "cuda"),
           "calls": calls}
     # One traced call right behind a GEMM that fills the GPU, as in a denoise step.
@@ -143,7 +166,9 @@ def run_shape(name: str, replays: int, calls: int) -> tuple[dict[str, Any], dict
         graph.replay()
         torch.cuda.synchronize()
         traces.append(trace.view(programs, ta.TRACE_SLOTS).tolist())
-    return summarize(traces), us
+    summary = summarize(traces)
+    summary["config"] = {**cfg.__dict__, "splits": splits}
+    return summary, us
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,15 +176,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="expert b1", help=f"comma-separated, of {list(SHAPES)}")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--calls", type=int, default=20, help="calls per graph for the traced / untraced timing")
+    ap.add_argument("--variants", default="default", help="see above")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    variants = parse_variants(args.variants)
     if not torch.cuda.is_available():
         raise SystemExit("attention_timeline_gpu.py needs a CUDA GPU (its clock reads are inline PTX)")
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "shapes": {}}
     for name in filter(None, (s.strip() for s in args.shapes.split(","))):
-        summary, us = run_shape(name, args.replays, args.calls)
-        res["shapes"][name] = {"summary": summary, "us": us}
-        print(table(name, summary, us), flush=True)
+        for label, cfg in variants:
+            try:
+                summary, us = run_shape(name, args.replays, args.calls, cfg)
+            except Exception as exc:  # a tiling this GPU refuses: said, and the next one runs
+                print(f"{name}, {label}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)
+                continue
+            res["shapes"][f"{name}, {label}"] = {"summary": summary, "us": us}
+            print(table(f"{name}, {label} ({summary['config']})", summary, us), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=1))

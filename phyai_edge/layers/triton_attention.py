@@ -72,6 +72,9 @@ class SplitConfig:
     # Warp-specialise the key loops (`tl.range(warp_specialize=True)`): measured by
     # `benchmarks/attention_gpu.py`, not used by `default_config`.
     warp_specialize: bool = False
+    # Walk a split's cached keys starting at a block that depends on the query block (rotated), so
+    # the query blocks of one split do not all read the same key lines from L2 at the same moment.
+    rotate: bool = False
 
 
 # Measured on an H200 (benchmarks/attention_gpu.py, RESULTS.md 2026-12-03), PI0.5's head size 256.
@@ -178,7 +181,7 @@ if triton is not None:
         so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         FINAL: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        WS: tl.constexpr, LSE_OUT: tl.constexpr, TRACE: tl.constexpr = False,
+        WS: tl.constexpr, LSE_OUT: tl.constexpr, TRACE: tl.constexpr = False, ROTATE: tl.constexpr = False,
     ):
         """One (query block, key split, batch x KV head) program. FINAL (one split): the output
         goes straight to out. Else a float32 partial and its log-sum-exp (base 2) go to o / lse;
@@ -216,13 +219,27 @@ if triton is not None:
         # (the step's own keys): the two are never concatenated in memory. One loop per part, so
         # each block issues one load per operand rather than two masked ones.
         end1 = tl.minimum(end, keys1)
-        for n0 in tl.range(start, end1, BLOCK_N, warp_specialize=WS):
-            c = n0 + tl.arange(0, BLOCK_N)
-            inb = c < end1
-            kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=inb[None, :], other=0.0)
-            vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
-            ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
-            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+        if ROTATE:
+            blocks1 = tl.cdiv(end1 - start, BLOCK_N)
+            for i in tl.range(0, blocks1, warp_specialize=WS):
+                c = start + ((i + pid_m) % blocks1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                inb = c < end1
+                kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=inb[None, :],
+                             other=0.0)
+                vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None],
+                             other=0.0)
+                ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
+                m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+        else:
+            for n0 in tl.range(start, end1, BLOCK_N, warp_specialize=WS):
+                c = n0 + tl.arange(0, BLOCK_N)
+                inb = c < end1
+                kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=inb[None, :],
+                             other=0.0)
+                vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None],
+                             other=0.0)
+                ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
+                m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
             c = n0 + tl.arange(0, BLOCK_N)
             inb = c < end
@@ -387,7 +404,8 @@ def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         *ps, lse.stride(0), lse.stride(1), *os_,
         HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, MERGE=merge, UPCAST=interpret_mode(),
         IEEE=q.dtype == torch.float32,
-        WS=cfg.warp_specialize, LSE_OUT=lse_out is not None, TRACE=trace is not None, num_warps=cfg.warps,
+        WS=cfg.warp_specialize, LSE_OUT=lse_out is not None, TRACE=trace is not None, ROTATE=cfg.rotate,
+        num_warps=cfg.warps,
         num_stages=cfg.stages, **launch_options(q),
     )
     if not final and not merge:
