@@ -12,7 +12,7 @@ global timer, when programs start and end relative to the first one (the launch 
 
     PYTHONPATH=$PWD python3 benchmarks/attention_timeline_gpu.py --json $OUT/attn_timeline.json   # H200
 
-`--variants "name:bm,bn,warps,stages,min_keys,inline,rotate;..."` traces other tilings of the same
+`--variants "name:bm,bn,warps,stages,min_keys,inline,tma;..."` traces other tilings of the same
 call (`SplitConfig`; "default" alone is the shape's `default_config`).
 
 GPU only (the clock reads are inline PTX, which Triton's interpreter does not run); the summary is
@@ -104,7 +104,7 @@ def table(name: str, s: dict[str, Any], us: dict[str, float]) -> str:
 
 
 def parse_variants(text: str) -> list[tuple[str, Any]]:
-    """'name' (the default tiling) or 'name:bm,bn,warps,stages,min_keys,inline,rotate', ';'-separated."""
+    """'name' (the default tiling) or 'name:bm,bn,warps,stages,min_keys,inline,tma', ';'-separated."""
     from phyai_edge.layers.triton_attention import SplitConfig
 
     out = []
@@ -115,8 +115,8 @@ def parse_variants(text: str) -> list[tuple[str, Any]]:
             continue
         v = [int(x) for x in spec.split(",")]
         if len(v) != 7:
-            raise SystemExit(f"--variants: {item!r} needs bm,bn,warps,stages,min_keys,inline,rotate")
-        out.append((name.strip(), SplitConfig(*v[:5], inline_merge=bool(v[5]), rotate=bool(v[6]))))
+            raise SystemExit(f"--variants: {item!r} needs bm,bn,warps,stages,min_keys,inline,tma")
+        out.append((name.strip(), SplitConfig(*v[:5], inline_merge=bool(v[5]), tma=bool(v[6]))))
     return out
 
 

@@ -72,9 +72,9 @@ class SplitConfig:
     # Warp-specialise the key loops (`tl.range(warp_specialize=True)`): measured by
     # `benchmarks/attention_gpu.py`, not used by `default_config`.
     warp_specialize: bool = False
-    # Walk a split's cached keys starting at a block that depends on the query block (rotated), so
-    # the query blocks of one split do not all read the same key lines from L2 at the same moment.
-    rotate: bool = False
+    # Load the key / value tiles with the tensor-memory accelerator (Hopper; host-side descriptors)
+    # instead of per-thread asynchronous copies: measured by `benchmarks/attention_timeline_gpu.py`.
+    tma: bool = False
 
 
 # Measured on an H200 (benchmarks/attention_gpu.py, RESULTS.md 2026-12-03), PI0.5's head size 256.
@@ -175,13 +175,14 @@ if triton is not None:
     @triton.jit
     def _split_attn_kernel(
         q_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, o_ptr, lse_ptr, out_ptr, ticket_ptr, lse_out_ptr, trace_ptr,
+        k_desc, v_desc, k2_desc, v2_desc,
         rows, keys, keys1, keys_per_split, scale_log2, tq, splits,
         sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
         sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
         so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         FINAL: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        WS: tl.constexpr, LSE_OUT: tl.constexpr, TRACE: tl.constexpr = False, ROTATE: tl.constexpr = False,
+        WS: tl.constexpr, LSE_OUT: tl.constexpr, TRACE: tl.constexpr = False, TMA: tl.constexpr = False,
     ):
         """One (query block, key split, batch x KV head) program. FINAL (one split): the output
         goes straight to out. Else a float32 partial and its log-sum-exp (base 2) go to o / lse;
@@ -219,16 +220,20 @@ if triton is not None:
         # (the step's own keys): the two are never concatenated in memory. One loop per part, so
         # each block issues one load per operand rather than two masked ones.
         end1 = tl.minimum(end, keys1)
-        if ROTATE:
-            blocks1 = tl.cdiv(end1 - start, BLOCK_N)
-            for i in tl.range(0, blocks1, warp_specialize=WS):
-                c = start + ((i + pid_m) % blocks1) * BLOCK_N + tl.arange(0, BLOCK_N)
-                inb = c < end1
-                kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=inb[None, :],
-                             other=0.0)
-                vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None],
-                             other=0.0)
+        if TMA:
+            # Whole (BLOCK_N, D) tiles by descriptor: rows past a part's end come back as zeros, rows
+            # past the split's end are real keys of the next split, masked out of the scores (p = 0).
+            for n0 in tl.range(start, end1, BLOCK_N, warp_specialize=WS):
+                c = n0 + tl.arange(0, BLOCK_N)
+                kt = tl.trans(k_desc.load([b, h, n0, 0]).reshape(BLOCK_N, D))
+                vb = v_desc.load([b, h, n0, 0]).reshape(BLOCK_N, D)
                 ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
+                m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+            for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
+                c = n0 + tl.arange(0, BLOCK_N)
+                kt = tl.trans(k2_desc.load([b, h, n0 - keys1, 0]).reshape(BLOCK_N, D))
+                vb = v2_desc.load([b, h, n0 - keys1, 0]).reshape(BLOCK_N, D)
+                ok = _keys_allowed(m_ptr, b, sm_b, c, end)
                 m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         else:
             for n0 in tl.range(start, end1, BLOCK_N, warp_specialize=WS):
@@ -240,16 +245,16 @@ if triton is not None:
                              other=0.0)
                 ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
                 m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
-        for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
-            c = n0 + tl.arange(0, BLOCK_N)
-            inb = c < end
-            c2 = c - keys1
-            kt = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[None, :] * sk2_n + d[:, None], mask=inb[None, :],
-                         other=0.0)
-            vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
-                         other=0.0)
-            ok = _keys_allowed(m_ptr, b, sm_b, c, end)
-            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+            for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
+                c = n0 + tl.arange(0, BLOCK_N)
+                inb = c < end
+                c2 = c - keys1
+                kt = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[None, :] * sk2_n + d[:, None], mask=inb[None, :],
+                             other=0.0)
+                vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
+                             other=0.0)
+                ok = _keys_allowed(m_ptr, b, sm_b, c, end)
+                m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         if TRACE:
             c_keys = _clock_after(tl.sum(l_i, axis=0))
             c_ticket = c_keys
@@ -395,8 +400,10 @@ def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
     lse_out_buf = lse_out if lse_out is not None else lse  # never read without LSE_OUT
     if trace is not None and trace.numel() < grid[0] * grid[1] * grid[2] * TRACE_SLOTS:
         raise ValueError(f"split attention trace: {trace.numel()} slots for {grid} programs x {TRACE_SLOTS}")
+    descs = _kv_descriptors(k, v, k2, v2, bn) if cfg.tma else None
     _split_attn_kernel[grid](
         q, k, v, k2, v2, mask_u8, part, lse, out, ticket_buf, lse_out_buf, trace if trace is not None else lse,
+        *(descs or (k, v, k2, v2)),
         rows, keys, keys1, per, scale * 1.4426950408889634, tq, splits,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
@@ -404,7 +411,7 @@ def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         *ps, lse.stride(0), lse.stride(1), *os_,
         HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, MERGE=merge, UPCAST=interpret_mode(),
         IEEE=q.dtype == torch.float32,
-        WS=cfg.warp_specialize, LSE_OUT=lse_out is not None, TRACE=trace is not None, ROTATE=cfg.rotate,
+        WS=cfg.warp_specialize, LSE_OUT=lse_out is not None, TRACE=trace is not None, TMA=descs is not None,
         num_warps=cfg.warps,
         num_stages=cfg.stages, **launch_options(q),
     )
@@ -415,6 +422,21 @@ def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
             HKV=hkv, D=d, BLOCK_M=mb, LSE_OUT=lse_out is not None, num_warps=4, **launch_options(q),
         )
     return out
+
+
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor,
+                    block_n: int) -> tuple[Any, ...] | None:
+    """TMA descriptors of the key / value parts, (1, 1, block_n, D) tiles; None where TMA cannot
+    take them (no `triton.tools.tensor_descriptor`, an empty part, strides not 16-byte multiples)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover - triton < 3.4
+        return None
+    parts = (k, v, k2, v2)
+    if any(t.shape[2] == 0 or t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1])
+           or t.data_ptr() % 16 for t in parts):
+        return None
+    return tuple(TensorDescriptor.from_tensor(t, [1, 1, block_n, t.shape[-1]]) for t in parts)
 
 
 KV = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
