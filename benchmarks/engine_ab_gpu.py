@@ -15,6 +15,8 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
                             that `triton_gemm.CONFIGS` entry (e.g. geglu/m64=64,32,128,4,3,2)
   residual=bm,bn,bk,warps,stages[,split]
                             `triton_gemm.RESIDUAL_CONFIG` (o_proj / down with the fold)
+  few=bm,bn,warps,stages,min_keys,inline,tma
+                            `triton_attention.FEW_BLOCKS` (the batch-1 expert attention's tiling)
 
     python benchmarks/engine_ab_gpu.py --variants "default;split qkv:qkv_rope/m64=64,16,128,4,4,2" --reps 150
     python benchmarks/engine_ab_gpu.py --tiny --device cpu --reps 2 --variants "a;b:unfolded"   # plumbing
@@ -52,16 +54,19 @@ class Variant:
     def active(self) -> Iterator[None]:
         """The knobs set, and put back after (they are read when the step is captured on a GPU, or
         at every call where nothing is captured)."""
-        from phyai_edge.layers import triton_gemm
+        from phyai_edge.layers import triton_attention, triton_gemm
         from phyai_edge.layers.fused_stacks import set_fold_norms, set_fold_projections
 
         fold_before = set_fold_norms(self.fold)
         io_before = set_fold_projections(self.fold_io)
         saved = dict(triton_gemm.CONFIGS)
         residual_before = triton_gemm.RESIDUAL_CONFIG
+        few_before = triton_attention.FEW_BLOCKS
         try:
             for key, cfg in self.configs.items():
-                if key == "residual":
+                if key == "few":
+                    triton_attention.FEW_BLOCKS = cfg
+                elif key == "residual":
                     triton_gemm.RESIDUAL_CONFIG = cfg
                 else:
                     triton_gemm.CONFIGS[key] = cfg
@@ -72,9 +77,11 @@ class Variant:
             triton_gemm.CONFIGS.clear()
             triton_gemm.CONFIGS.update(saved)
             triton_gemm.RESIDUAL_CONFIG = residual_before
+            triton_attention.FEW_BLOCKS = few_before
 
 
 def parse_variants(text: str) -> list[Variant]:
+    from phyai_edge.layers.triton_attention import SplitConfig
     from phyai_edge.layers.triton_gemm import CONFIGS, GemmConfig
 
     out = []
@@ -89,6 +96,12 @@ def parse_variants(text: str) -> list[Variant]:
                     v.fold_io = False
                 continue
             key, eq, spec = knob.partition("=")
+            if key == "few" and eq:
+                f = [int(x) for x in spec.split(",")]
+                if len(f) != 7:
+                    raise SystemExit(f"--variants: {knob!r} needs bm,bn,warps,stages,min_keys,inline,tma")
+                v.configs[key] = SplitConfig(*f[:5], inline_merge=bool(f[5]), tma=bool(f[6]))
+                continue
             if not eq or (key != "residual" and key not in CONFIGS):
                 raise SystemExit(f"--variants: unknown knob {knob!r} (unfolded, residual=..., or a CONFIGS key "
                                  f"such as geglu/m64=...)")
@@ -160,7 +173,7 @@ def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin:
         name = v.name
         st = {k: statistics.median(val) for k, val in stages[name].items()}
         res["engines"][name] = {
-            "configs": {k: c.label() for k, c in v.configs.items()}, "fold": v.fold, "fold_io": v.fold_io,
+            "configs": {k: (c.label() if hasattr(c, "label") else str(c)) for k, c in v.configs.items()}, "fold": v.fold, "fold_io": v.fold_io,
             "p50": statistics.median(walls[name]), "p90": q(walls[name], 0.9), "stages_p50": st,
             "vs_eager_fp32": par.err(chunks[name], ref),
             "max_abs_vs_first": float((chunks[name] - chunks[first]).abs().max()),

@@ -59,7 +59,8 @@ def forward(cfg: ta.SplitConfig, trace: bool = False) -> tuple[Any, dict[str, st
             **dict.fromkeys(("o_ptr", "lse_ptr", "lse_out_ptr"), "*fp32"), "ticket_ptr": "*i32", "trace_ptr": "*i64",
             **dict.fromkeys(("k_desc", "v_desc", "k2_desc", "v2_desc"), "*bf16")}
     const = dict(HKV=1, D=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FINAL=cfg.min_keys >= NO_SPLIT,
-                 MERGE=cfg.inline_merge, UPCAST=False, IEEE=False, PDL=False, WS=False, LSE_OUT=True, TRACE=trace)
+                 MERGE=cfg.inline_merge, UPCAST=False, IEEE=False, PDL=False, WS=False, LSE_OUT=True, TRACE=trace,
+                 SPLITS=1 if cfg.min_keys >= NO_SPLIT else 5)
     return ta._split_attn_kernel, _signature(ta._split_attn_kernel, ptrs, {"scale_log2"}), const
 
 

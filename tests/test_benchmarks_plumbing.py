@@ -96,7 +96,15 @@ def test_engine_ab_variants_set_their_knobs_and_put_them_back() -> None:
         assert fused_stacks.set_fold_norms(False) is False  # the variant had turned it off
     assert triton_gemm.CONFIGS["geglu/m64"] == before and triton_gemm.RESIDUAL_CONFIG is None
     assert fused_stacks.set_fold_norms(True) is True
-    for bad in ("x:geglu/m65=64,32,128,4,3", "x:geglu/m64=64,32", "x;x"):
+    (c,) = parse_variants("c:few=16,64,4,3,128,1,1")
+    assert c.configs["few"].tma and c.configs["few"].stages == 3
+    from phyai_edge.layers import triton_attention
+
+    few = triton_attention.FEW_BLOCKS
+    with c.active():
+        assert triton_attention.FEW_BLOCKS.tma
+    assert triton_attention.FEW_BLOCKS is few
+    for bad in ("x:geglu/m65=64,32,128,4,3", "x:geglu/m64=64,32", "x;x", "x:few=16,64"):
         with pytest.raises(SystemExit):
             parse_variants(bad)
     done = _run("engine_ab_gpu", ["--help"], timeout=120)

@@ -176,13 +176,14 @@ if triton is not None:
     def _split_attn_kernel(
         q_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, o_ptr, lse_ptr, out_ptr, ticket_ptr, lse_out_ptr, trace_ptr,
         k_desc, v_desc, k2_desc, v2_desc,
-        rows, keys, keys1, keys_per_split, scale_log2, tq, splits,
+        rows, keys, keys1, keys_per_split, scale_log2, tq,
         sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
         sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
         so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         FINAL: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-        WS: tl.constexpr, LSE_OUT: tl.constexpr, TRACE: tl.constexpr = False, TMA: tl.constexpr = False,
+        WS: tl.constexpr, LSE_OUT: tl.constexpr, SPLITS: tl.constexpr, TRACE: tl.constexpr = False,
+        TMA: tl.constexpr = False,
     ):
         """One (query block, key split, batch x KV head) program. FINAL (one split): the output
         goes straight to out. Else a float32 partial and its log-sum-exp (base 2) go to o / lse;
@@ -272,12 +273,13 @@ if triton is not None:
             # The program that draws a query block's last ticket merges its splits. Nested, not
             # `and`: Triton evaluates both operands, and the ticket's atomics must not run without MERGE.
             if MERGE:
-                last = _last_of(ticket_ptr + bh * tl.num_programs(0) + pid_m, splits)
+                last = _last_of(ticket_ptr + bh * tl.num_programs(0) + pid_m, SPLITS)
                 if TRACE:
                     c_ticket = _clock_after(last.to(tl.float32))
                 if last:
-                    _merge_rows(o_ptr, lse_ptr, out_ptr, lse_out_ptr, b, h, bh, r, rows, splits, tq,
-                                so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t, D, BLOCK_M, LSE_OUT)
+                    _merge_rows(o_ptr, lse_ptr, out_ptr, lse_out_ptr, b, h, bh, r, rows, tq,
+                                so_s, so_b, so_h, so_g, so_t, sl_s, sl_bh, sf_b, sf_h, sf_g, sf_t, D, BLOCK_M, LSE_OUT,
+                                SPLITS)
                     if TRACE:
                         c_merged = _clock()
         if TRACE:
@@ -293,25 +295,27 @@ if triton is not None:
             tl.store(slot + 8, tl.extra.cuda.smid().to(tl.int64))
 
     @triton.jit
-    def _merge_rows(p_ptr, lse_ptr, out_ptr, lse_out_ptr, b, h, bh, r, rows, splits, tq,
+    def _merge_rows(p_ptr, lse_ptr, out_ptr, lse_out_ptr, b, h, bh, r, rows, tq,
                     sp_s, sp_b, sp_h, sp_g, sp_t, sl_s, sl_bh, so_b, so_h, so_g, so_t,
-                    D: tl.constexpr, BLOCK_M: tl.constexpr, LSE_OUT: tl.constexpr):
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, LSE_OUT: tl.constexpr, SPLITS: tl.constexpr):
         """Merge the float32 partials of query rows r (each split's output weighted by its share
         of the softmax mass, 2^(lse - max)) into out (and with LSE_OUT the rows' whole log-sum-exp
         into lse_out). The partials are read through L2 (".cg"): other programs wrote them during
-        this kernel."""
+        this kernel. The split count is a constant and the loops unrolled, so every split's loads
+        are in flight together (a loop over a run-time count issued them one split at a time: ~3 us
+        of the batch-1 expert attention's 13, `benchmarks/attention_timeline_gpu.py`)."""
         d = tl.arange(0, D)
         live = r < rows
         # row r of the folded query is (group r // tq, token r % tq)
         prow = (r // tq) * sp_g + (r % tq) * sp_t
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for s in range(0, splits):
+        for s in tl.static_range(SPLITS):
             lse = tl.load(lse_ptr + s * sl_s + bh * sl_bh + r, mask=live, other=float("-inf"), cache_modifier=".cg")
             top = tl.maximum(top, lse)
         top = tl.where(top == float("-inf"), 0.0, top)  # rows past the end: keep them finite
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         wsum = tl.zeros([BLOCK_M], tl.float32)
-        for s in range(0, splits):
+        for s in tl.static_range(SPLITS):
             lse = tl.load(lse_ptr + s * sl_s + bh * sl_bh + r, mask=live, other=float("-inf"), cache_modifier=".cg")
             w = tl.exp2(lse - top)
             part = tl.load(p_ptr + s * sp_s + b * sp_b + h * sp_h + prow[:, None] + d[None, :],
@@ -326,15 +330,16 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(
-        p_ptr, lse_ptr, out_ptr, lse_out_ptr, rows, splits, tq,
+        p_ptr, lse_ptr, out_ptr, lse_out_ptr, rows, tq,
         sp_s, sp_b, sp_h, sp_g, sp_t, sl_s, sl_bh, so_b, so_h, so_g, so_t,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr, LSE_OUT: tl.constexpr,
+        SPLITS: tl.constexpr,
     ):
         pdl_enter(PDL)
         bh = tl.program_id(1)
         r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        _merge_rows(p_ptr, lse_ptr, out_ptr, lse_out_ptr, bh // HKV, bh % HKV, bh, r, rows, splits, tq,
-                    sp_s, sp_b, sp_h, sp_g, sp_t, sl_s, sl_bh, so_b, so_h, so_g, so_t, D, BLOCK_M, LSE_OUT)
+        _merge_rows(p_ptr, lse_ptr, out_ptr, lse_out_ptr, bh // HKV, bh % HKV, bh, r, rows, tq,
+                    sp_s, sp_b, sp_h, sp_g, sp_t, sl_s, sl_bh, so_b, so_h, so_g, so_t, D, BLOCK_M, LSE_OUT, SPLITS)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -404,22 +409,23 @@ def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
     _split_attn_kernel[grid](
         q, k, v, k2, v2, mask_u8, part, lse, out, ticket_buf, lse_out_buf, trace if trace is not None else lse,
         *(descs or (k, v, k2, v2)),
-        rows, keys, keys1, per, scale * 1.4426950408889634, tq, splits,
+        rows, keys, keys1, per, scale * 1.4426950408889634, tq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), k2.stride(0), k2.stride(1), k2.stride(2),
         v2.stride(0), v2.stride(1), v2.stride(2), mask_u8.stride(0),
         *ps, lse.stride(0), lse.stride(1), *os_,
         HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, MERGE=merge, UPCAST=interpret_mode(),
         IEEE=q.dtype == torch.float32,
-        WS=cfg.warp_specialize, LSE_OUT=lse_out is not None, TRACE=trace is not None, TMA=descs is not None,
+        WS=cfg.warp_specialize, LSE_OUT=lse_out is not None, SPLITS=splits, TRACE=trace is not None,
+        TMA=descs is not None,
         num_warps=cfg.warps,
         num_stages=cfg.stages, **launch_options(q),
     )
     if not final and not merge:
         mb = 32
         _merge_kernel[(triton.cdiv(rows, mb), b * hkv)](
-            part, lse, out, lse_out_buf, rows, splits, tq, *ps, lse.stride(0), lse.stride(1), *os_,
-            HKV=hkv, D=d, BLOCK_M=mb, LSE_OUT=lse_out is not None, num_warps=4, **launch_options(q),
+            part, lse, out, lse_out_buf, rows, tq, *ps, lse.stride(0), lse.stride(1), *os_,
+            HKV=hkv, D=d, BLOCK_M=mb, LSE_OUT=lse_out is not None, SPLITS=splits, num_warps=4, **launch_options(q),
         )
     return out
 
@@ -433,6 +439,8 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor, v2: torc
     except ImportError:  # pragma: no cover - triton < 3.4
         return None
     parts = (k, v, k2, v2)
+    if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:  # TMA: Hopper and later
+        return None
     if any(t.shape[2] == 0 or t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1])
            or t.data_ptr() % 16 for t in parts):
         return None
