@@ -89,7 +89,7 @@ def main() -> None:
     args = p.parse_args()
     archs = [int(a) for a in args.archs.split(",")]
     tilings = [(f"forward {n}", forward, getattr(ta, n)) for n in
-               ("FEW_BLOCKS", "MANY_BLOCKS", "MID_BLOCKS", "BIG_BLOCKS", "SMALL_BLOCKS")]
+               ("FEW_BLOCKS", "FEW_BLOCKS_COMPACT", "MANY_BLOCKS", "MID_BLOCKS", "BIG_BLOCKS", "SMALL_BLOCKS")]
     tilings += [("backward GradConfig()", backward, tg.GradConfig()), ("backward LARGE_GRAD", backward, tg.LARGE_GRAD),
                 ("backward SMALL_GRAD", backward, tg.SMALL_GRAD)]
     heads = [" ".join((f"sm_{a}", NAMES.get(a, ""))) for a in archs]

@@ -254,6 +254,37 @@ class _RefusesBlockRows:
         return launch
 
 
+class _RefusesStages(_RefusesBlockRows):
+    """As `_RefusesBlockRows`, for tilings of more than `stages` pipeline stages (the batch-1 tiling's
+    three 64 KB stages, over an Orin's or RTX GPU's shared memory)."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            if kw["num_stages"] > self.block_m:
+                self.refused += 1
+                raise triton_dispatch.OutOfResources(196608, 166912, "shared memory")
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@kernels
+def test_the_batch_one_tiling_falls_back_to_its_compact_form(monkeypatch):
+    """Where the batch-1 expert's TMA tiling (three stages) does not fit, the tiling it replaced runs
+    (16-row blocks, split keys, two stages), not the next shape class's."""
+    monkeypatch.setattr(triton_dispatch, "_DOES_NOT_FIT", set())
+    b, hq, hkv, tq, tk, d = 1, 8, 1, 5, 300, 32
+    q, k, v = _qkv(b, hq, hkv, tq, tk, d, torch.float32, seed=23)
+    mask = _key_mask(b, tk, seed=24)
+    assert ta.default_config(hq * tq, b, 132) is ta.FEW_BLOCKS and ta.FEW_BLOCKS.tma
+    want = ta.attention_split(q, k, v, mask, backend="triton", config=ta.FEW_BLOCKS_COMPACT)
+    refusing = _RefusesStages(ta._split_attn_kernel, 2)
+    monkeypatch.setattr(ta, "_split_attn_kernel", refusing)
+    monkeypatch.setattr(ta, "_sm_count", lambda device: 132)
+    got = ta.attention_split(q, k, v, mask, backend="triton")
+    assert refusing.refused == 1 and torch.equal(got, want)
+    assert _rel(got, attention_ref(q, k, v, mask)) < 2e-5
+
+
 @kernels
 def test_a_tiling_too_big_for_the_gpu_falls_back(monkeypatch, caplog):
     """Where the shape's tiling does not fit the GPU (here: 128-row blocks refused, as an RTX GPU's

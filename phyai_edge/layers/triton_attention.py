@@ -87,16 +87,28 @@ class SplitConfig:
 # a merge kernel: expert b8 29.8 vs 32.8, b16 30.6 vs 52.8 (64-row blocks); expert b24 39.0 vs
 # 72.3, b32 42.4 vs 78.8, prefix b2 41.6 vs 63.0 (128-row blocks, two warpgroups); prefix b1 26.9
 # vs 36.7 (64-row). Between the classes (expert b3-b4) the split 64-row tiling stays.
-FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=8, stages=2, min_keys=128, inline_merge=True)
+# The expert at batch 1-2 since 2026-12-04 (fifteenth session, `benchmarks/attention_timeline_gpu.py`:
+# each program's key loop took ~2.6 us a 64-key block and the merge ~3 us of the ~13): key / value
+# tiles by TMA, three stages on 4 warps, the merge unrolled: 12.2 -> 10.9 us alone, the batch-1 flow
+# loop -3.8% end to end. It asks ~192 KB of shared memory: elsewhere (RTX 99 KB, Orin 163 KB; no TMA
+# before Hopper) `FEW_BLOCKS_COMPACT`, the tiling it replaced, runs instead.
+FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=4, stages=3, min_keys=128, inline_merge=True, tma=True)
+FEW_BLOCKS_COMPACT = SplitConfig(block_m=16, block_n=64, warps=8, stages=2, min_keys=128, inline_merge=True)
 MANY_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=1, min_keys=64, inline_merge=False)
 MID_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=2, min_keys=NO_SPLIT, inline_merge=False)
 BIG_BLOCKS = SplitConfig(block_m=128, block_n=64, warps=8, stages=2, min_keys=NO_SPLIT, inline_merge=False)
 BIG_BLOCK_M = 128
 # Where the shape's tiling asks for more shared memory than the GPU has (compiled by Triton 3.9:
-# BIG_BLOCKS 128 KB, MID_BLOCKS 96 KB, FEW_BLOCKS 72 KB a block, against 99 KB on an RTX GPU, 163 KB
-# on Orin, 227 KB on Hopper), these are tried in order; the last asks for the least.
+# BIG_BLOCKS 128 KB, MID_BLOCKS 96 KB, FEW_BLOCKS_COMPACT 72 KB a block, against 99 KB on an RTX GPU,
+# 163 KB on Orin, 227 KB on Hopper), these are tried in order; the last asks for the least. FEW_BLOCKS
+# falls back to its compact form first (`_fallbacks`), so the batch-1 expert keeps its class.
 SMALL_BLOCKS = SplitConfig(block_m=16, block_n=32, warps=4, stages=1, min_keys=64, inline_merge=False)
-FALLBACK_TILINGS = (MID_BLOCKS, FEW_BLOCKS, SMALL_BLOCKS)
+FALLBACK_TILINGS = (MID_BLOCKS, FEW_BLOCKS_COMPACT, SMALL_BLOCKS)
+
+
+def _fallbacks(chosen: SplitConfig) -> tuple[SplitConfig, ...]:
+    """The tilings `launch_fitting` tries after `chosen` where it does not fit the GPU."""
+    return (FEW_BLOCKS_COMPACT, SMALL_BLOCKS) if chosen is FEW_BLOCKS else FALLBACK_TILINGS
 
 
 _INLINE_MERGE = True
@@ -366,7 +378,7 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         return launch(config)
     b, hkv, rows, _ = q.shape
     chosen = default_config(rows, b * hkv, _sm_count(q.device))
-    return launch_fitting("split attention", q.device, (chosen, *FALLBACK_TILINGS), launch)
+    return launch_fitting("split attention", q.device, (chosen, *_fallbacks(chosen)), launch)
 
 
 def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tensor],
