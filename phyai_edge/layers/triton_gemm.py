@@ -23,6 +23,11 @@ GEMMs, and every kernel in a CUDA graph costs a few microseconds whatever it doe
   programs than the H200's 132 SMs; splitting K is the other way to put every SM to work. No
   atomics: those would need a zeroed float32 buffer (another kernel) and give run-to-run
   differences.
+- The batch-1 folded norms (`triton_ops.FoldedNorm`): `linear_residual_fold` (o_proj / down with
+  the gated residual and the next norm's u and row sums in the epilogue; split K added in the kernel
+  by each tile's last split, a ticket per tile), `linear_fold_start` (an input projection starting
+  the stream, with its first norm folded), `norm=` on QKV + RoPE and gate/up + GeGLU, and
+  `linear_folded` (a plain linear finishing a folded norm: the action output projection).
 
 Every op accepts an optional bias (the expert's linears have none), accumulates in float32 and
 rounds once, in the activation dtype. Tile configs are explicit (`GemmConfig`); without one, a
