@@ -3,7 +3,10 @@
 The split attention kernel (`layers/triton_attention.py`) run with `TRACE=True` writes, per program,
 %globaltimer and %clock64 at its start, %clock64 once its queries have arrived, once its key loop is
 done, once it has drawn its merge ticket and once it has merged (the last split of each query block),
-and %clock64 / %globaltimer at its end, and its SM. Each of those clock reads sits in a branch on data
+and %clock64 / %globaltimer at its end, its SM, and %clock64 as each of its first four blocks of cached
+keys is done (with three pipeline stages and three blocks, every block's tiles were requested before
+the first was used: the later blocks' times are their arithmetic and waits for data already asked
+for). Each of those clock reads sits in a branch on data
 the phase produced, so it cannot run ahead of the loads it waits for. Inside one CUDA graph the traced
 call follows a GEMM that fills the GPU (as the attention follows the QKV GEMM in a denoise step), and
 the graph is replayed `--replays` times. Printed: the call's time traced and untraced (what the
@@ -37,7 +40,8 @@ SHAPES = {  # name: (batch, query heads, query tokens, cached keys, new keys): P
     "expert b1": (1, 8, 50, 816, 50),
     "expert b2": (2, 8, 50, 816, 50),
 }
-SLOT = {"g_start": 0, "c_start": 1, "c_q": 2, "c_keys": 3, "c_ticket": 4, "c_merged": 5, "c_end": 6, "g_end": 7, "sm": 8}
+SLOT = {"g_start": 0, "c_start": 1, "c_q": 2, "c_keys": 3, "c_ticket": 4, "c_merged": 5, "c_end": 6, "g_end": 7, "sm": 8,
+        "c_block0": 9}  # then c_block1..3: %clock64 as each of the first four cached-key blocks is done (0: none)
 
 
 def _q(values: list[float], p: float) -> float:
@@ -48,7 +52,8 @@ def _q(values: list[float], p: float) -> float:
 def summarize(traces: list[list[list[int]]]) -> dict[str, Any]:
     """Per-phase cycle counts and the global-timer spread of a list of traced calls (each a list of
     programs' slot rows, `SLOT`)."""
-    phases: dict[str, list[float]] = {k: [] for k in ("queries", "keys", "ticket", "merge", "after", "whole")}
+    phases: dict[str, list[float]] = {k: [] for k in ("queries", "block 1", "block 2", "block 3", "block 4", "keys",
+                                                      "ticket", "merge", "after", "whole")}
     start_ns: list[float] = []
     end_ns: list[float] = []
     spans: list[float] = []
@@ -60,6 +65,10 @@ def summarize(traces: list[list[list[int]]]) -> dict[str, Any]:
         for r in call:
             c0, cq, ck, ct, cm, ce = (r[SLOT[k]] for k in ("c_start", "c_q", "c_keys", "c_ticket", "c_merged", "c_end"))
             phases["queries"].append(cq - c0)
+            blocks = [cq] + [r[SLOT["c_block0"] + i] for i in range(4)] if len(r) > SLOT["c_block0"] else [cq]
+            for i in range(1, len(blocks)):
+                if blocks[i] and blocks[i - 1]:
+                    phases[f"block {i}"].append(blocks[i] - blocks[i - 1])
             phases["keys"].append(ck - cq)
             phases["ticket"].append(ct - ck)
             if cm:
@@ -91,7 +100,8 @@ def table(name: str, s: dict[str, Any], us: dict[str, float]) -> str:
              f"traced {us['traced']:.2f} (in a graph of {us['calls']} calls); global timer grain "
              f"{s['timer_grain_ns']} ns, {cpn:.2f} cycles / ns",
              "| phase (per program) | median cycles | p10 | p90 | median us | programs |", "|---|---|---|---|---|---|"]
-    labels = {"queries": "start -> queries loaded", "keys": "key loop (its keys)", "ticket": "partial stored, ticket drawn",
+    labels = {"queries": "start -> queries loaded", "keys": "key loop (its keys)",
+              **{f"block {i}": f"  cached-key block {i} of the loop" for i in range(1, 5)}, "ticket": "partial stored, ticket drawn",
               "merge": "merge (the last split)", "after": "to the program's end", "whole": "whole program"}
     for k, v in s["phases_cycles"].items():
         lines.append(f"| {labels[k]} | {v['median']:.0f} | {v['p10']:.0f} | {v['p90']:.0f} | "

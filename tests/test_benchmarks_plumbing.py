@@ -117,11 +117,14 @@ def test_attention_timeline_summary_on_a_made_up_trace() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from attention_timeline_gpu import summarize
 
-    # g_start, c_start, c_q, c_keys, c_ticket, c_merged, c_end, g_end, sm
-    call = [[1000, 0, 100, 1100, 1300, 0, 1350, 1700, 3],
-            [1500, 50, 150, 1150, 1350, 1950, 2000, 2600, 7]]
+    # g_start, c_start, c_q, c_keys, c_ticket, c_merged, c_end, g_end, sm, then the first four key blocks' ends
+    call = [[1000, 0, 100, 1100, 1300, 0, 1350, 1700, 3, 400, 700, 1100, 0],
+            [1500, 50, 150, 1150, 1350, 1950, 2000, 2600, 7, 650, 1150, 0, 0]]
     s = summarize([call, call])
     p = s["phases_cycles"]
+    assert p["block 1"]["median"] == 400 and p["block 1"]["n"] == 4  # 300 and 500 cycles, two calls
+    assert p["block 3"]["median"] == 400 and p["block 3"]["n"] == 2  # the second program has no third block
+    assert "block 4" not in p
     assert p["queries"]["median"] == 100 and p["keys"]["median"] == 1000 and p["ticket"]["median"] == 200
     assert p["merge"]["n"] == 2 and p["merge"]["median"] == 600  # only the program that merged
     assert s["programs"] == 2 and s["sms"] == 2 and s["span_ns_median"] == 1600

@@ -49,7 +49,7 @@ from phyai_edge.layers.triton_dispatch import (
     triton,
 )
 
-TRACE_SLOTS = 9  # int64 per program of a traced split-kernel call (`_split_attn_kernel(TRACE=True)`)
+TRACE_SLOTS = 13  # int64 per program of a traced split-kernel call (`_split_attn_kernel(TRACE=True)`)
 MIN_KEYS_PER_SPLIT = 128  # below this a split's merge traffic costs more than its parallelism buys
 ONE_PASS_BLOCK_M = 64  # query rows per program of SDPA's one-pass (cuDNN / flash) kernels
 
@@ -206,7 +206,8 @@ if triton is not None:
         GPU only; `benchmarks/attention_timeline_gpu.py`): each program writes TRACE_SLOTS int64 to
         trace: %globaltimer and %clock64 at its start, %clock64 once its queries are loaded, once its
         keys are done, once its ticket is drawn and once it has merged (0 where it does not), then
-        %clock64 and %globaltimer at its end, and its SM."""
+        %clock64 and %globaltimer at its end, and its SM; then %clock64 as each of its first four
+        blocks of cached keys is done."""
         pdl_enter(PDL)
         if TRACE:
             g_start = tl.extra.cuda.globaltimer()
@@ -214,6 +215,7 @@ if triton is not None:
         pid_m = tl.program_id(0)
         split = tl.program_id(1)
         bh = tl.program_id(2)
+        slot = trace_ptr + ((bh * tl.num_programs(1) + split) * tl.num_programs(0) + pid_m) * 13  # TRACE_SLOTS
         b = bh // HKV
         h = bh % HKV
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -242,6 +244,9 @@ if triton is not None:
                 vb = v_desc.load([b, h, n0, 0]).reshape(BLOCK_N, D)
                 ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
                 m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+                if TRACE:
+                    it = (n0 - start) // BLOCK_N
+                    tl.store(slot + 9 + it, _clock_after(tl.sum(l_i, axis=0)), mask=it < 4)
             for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
                 c = n0 + tl.arange(0, BLOCK_N)
                 kt = tl.trans(k2_desc.load([b, h, n0 - keys1, 0]).reshape(BLOCK_N, D))
@@ -258,6 +263,9 @@ if triton is not None:
                              other=0.0)
                 ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
                 m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+                if TRACE:
+                    it = (n0 - start) // BLOCK_N
+                    tl.store(slot + 9 + it, _clock_after(tl.sum(l_i, axis=0)), mask=it < 4)
             for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
                 c = n0 + tl.arange(0, BLOCK_N)
                 inb = c < end
@@ -295,7 +303,6 @@ if triton is not None:
                     if TRACE:
                         c_merged = _clock()
         if TRACE:
-            slot = trace_ptr + ((bh * tl.num_programs(1) + split) * tl.num_programs(0) + pid_m) * 9  # TRACE_SLOTS
             tl.store(slot + 0, g_start)
             tl.store(slot + 1, c_start)
             tl.store(slot + 2, c_q)
