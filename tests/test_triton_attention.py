@@ -135,12 +135,29 @@ def test_two_part_keys_equal_concatenation(poisoned, split_at, splits):
 
 
 @kernels
+@pytest.mark.parametrize("split_at", [0, 203])
+def test_tma_tiling_with_an_empty_key_part(poisoned, split_at):
+    """A TMA tiling handed an empty key part (no descriptor for it) loads through pointers instead."""
+    b, hq, hkv, tq, tk, d = 1, 8, 1, 5, 203, 32
+    q, k, v = _qkv(b, hq, hkv, tq, tk, d, torch.float32, seed=13)
+    mask = _key_mask(b, tk, seed=14)
+    assert ta._kv_descriptors(k[:, :, :split_at], v[:, :, :split_at], k[:, :, split_at:], v[:, :, split_at:], 32) is None
+    cfg = ta.SplitConfig(block_m=16, block_n=32, warps=4, stages=3, min_keys=32, inline_merge=True, tma=True)
+    out = ta.attention_split(q, (k[:, :, :split_at], k[:, :, split_at:]), (v[:, :, :split_at], v[:, :, split_at:]),
+                             mask, backend="triton", config=cfg)
+    assert torch.isfinite(out).all() and _rel(out, attention_ref(q, k, v, mask)) < 2e-5
+
+
+@kernels
 @pytest.mark.parametrize("config", [
     ta.SplitConfig(block_m=16, block_n=16, warps=2, stages=1, min_keys=32),
     ta.SplitConfig(block_m=32, block_n=64, warps=4, stages=3, min_keys=64),
     ta.SplitConfig(block_m=64, block_n=32, warps=8, stages=2, min_keys=16),
     ta.SplitConfig(block_m=128, block_n=32, warps=8, stages=2, min_keys=16),
     ta.SplitConfig(block_m=64, block_n=32, warps=4, stages=2, min_keys=16, inline_merge=True),
+    # key / value tiles by TMA descriptors (the batch-1 form); rows past a part's end come back as zeros
+    ta.SplitConfig(block_m=16, block_n=32, warps=4, stages=3, min_keys=32, inline_merge=True, tma=True),
+    ta.SplitConfig(block_m=64, block_n=64, warps=4, stages=2, min_keys=16, tma=True),
 ])
 def test_tilings_agree(poisoned, config):
     """Every tiling the GPU sweep may choose gives the reference's result, with the two key parts

@@ -333,7 +333,8 @@ class PI05Model(nn.Module):
                 self.action_in_proj, self.action_out_proj, x_t.to(self.action_in_proj.weight.dtype),
                 self.compute_dtype, self.expert_layers, cos, sin, k_cache, v_cache, mask, per_layer, final_mod,
                 self.expert_norm.eps, backend, gemm_backend=backend if gemm else None, attend=attend,
-                joined=joined, folded=folded[0] if folded else None, folded_out=folded[1] if folded else None,
+                joined=joined, folded=folded[0] if folded else None,
+                folded_out=folded[1] if len(folded) > 1 else None,
             )
 
         def fold_modulation(modulation):
