@@ -2,7 +2,7 @@
 
 Each variant is a cudagraph engine on the same seeded full-size PI0.5 (bf16, 3 cameras, 48 prompt
 tokens, 10 steps), captured under its own setting of module knobs: the small-M GEMM tilings
-(`triton_gemm.CONFIGS` entries, `triton_gemm.RESIDUAL_CONFIG`) and the batch-1 norm fold
+(`triton_gemm.CONFIGS` entries, `triton_fold.RESIDUAL_CONFIG`) and the batch-1 norm fold
 (`fused_stacks.set_fold_norms`). Their `run` calls are then alternated (A B C A B C ...) so that
 clock and host drift fall on all alike. Prints p50 / p90 of the wall-clock chunk and the CUDA-event
 stage times of each, each variant's ratio to the first, each chunk's error against eager float32
@@ -14,7 +14,7 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
   <class>=bm,bn,bk,warps,stages[,split]
                             that `triton_gemm.CONFIGS` entry (e.g. geglu/m64=64,32,128,4,3,2)
   residual=bm,bn,bk,warps,stages[,split]
-                            `triton_gemm.RESIDUAL_CONFIG` (o_proj / down with the fold)
+                            `triton_fold.RESIDUAL_CONFIG` (o_proj / down with the fold)
   few=bm,bn,warps,stages,min_keys,inline,tma
                             `triton_attention.FEW_BLOCKS` (the batch-1 expert attention's tiling)
 
@@ -54,20 +54,20 @@ class Variant:
     def active(self) -> Iterator[None]:
         """The knobs set, and put back after (they are read when the step is captured on a GPU, or
         at every call where nothing is captured)."""
-        from phyai_edge.layers import triton_attention, triton_gemm
+        from phyai_edge.layers import triton_attention, triton_fold, triton_gemm
         from phyai_edge.layers.fused_stacks import set_fold_norms, set_fold_projections
 
         fold_before = set_fold_norms(self.fold)
         io_before = set_fold_projections(self.fold_io)
         saved = dict(triton_gemm.CONFIGS)
-        residual_before = triton_gemm.RESIDUAL_CONFIG
+        residual_before = triton_fold.RESIDUAL_CONFIG
         few_before = triton_attention.FEW_BLOCKS
         try:
             for key, cfg in self.configs.items():
                 if key == "few":
                     triton_attention.FEW_BLOCKS = cfg
                 elif key == "residual":
-                    triton_gemm.RESIDUAL_CONFIG = cfg
+                    triton_fold.RESIDUAL_CONFIG = cfg
                 else:
                     triton_gemm.CONFIGS[key] = cfg
             yield
@@ -76,7 +76,7 @@ class Variant:
             set_fold_projections(io_before)
             triton_gemm.CONFIGS.clear()
             triton_gemm.CONFIGS.update(saved)
-            triton_gemm.RESIDUAL_CONFIG = residual_before
+            triton_fold.RESIDUAL_CONFIG = residual_before
             triton_attention.FEW_BLOCKS = few_before
 
 

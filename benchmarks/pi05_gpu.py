@@ -225,7 +225,7 @@ def run_triton(res: dict[str, Any], adapter: Any, dev: str, inputs_for: Any, noi
         # (`fused_stacks.set_fold_norms(False)`); the default folds them into the small-M GEMMs
         ("triton+gemm, norms unfolded", {"triton_ops": True, "triton_gemm": True, "_fold_norms": False}, shapes),
         # the residual-fold GEMM (o_proj / down with the residual and the next norm in the epilogue,
-        # `triton_gemm.RESIDUAL_CONFIG`) on other tilings than the plain linear's (64 x 32, split 4)
+        # `triton_fold.RESIDUAL_CONFIG`) on other tilings than the plain linear's (64 x 32, split 4)
         ("triton+gemm, fold split 2", {"triton_ops": True, "triton_gemm": True,
                                        "_residual_config": (64, 32, 128, 4, 4, 2)}, shapes),
         ("triton+gemm, fold 64x16 split 4", {"triton_ops": True, "triton_gemm": True,
@@ -303,6 +303,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
     from phyai_edge.engines import cudagraph
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.layers import triton_attention as attn_mod
+    from phyai_edge.layers import triton_fold as fold_mod
     from phyai_edge.layers import triton_gemm as gemm_mod
     from phyai_edge.layers import triton_gemm_tma as tma_mod
     from phyai_edge.layers import triton_grad as grad_mod
@@ -335,9 +336,9 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
             continue
         pdl_before = set_pdl(pdl)  # the kernels are launched and captured with these settings
         fold_before = set_fold_norms(fold_norms)
-        residual_before = gemm_mod.RESIDUAL_CONFIG
+        residual_before = fold_mod.RESIDUAL_CONFIG
         if residual_config is not None:
-            gemm_mod.RESIDUAL_CONFIG = gemm_mod.GemmConfig(*residual_config)
+            fold_mod.RESIDUAL_CONFIG = gemm_mod.GemmConfig(*residual_config)
         backward_before = set_kernel_backward(kernel_backward)
         attn_grad_before, attn_mod.GRAD_ON_KERNEL = attn_mod.GRAD_ON_KERNEL, grad_on_kernel
         merge_before = set_inline_merge(inline)
@@ -412,7 +413,7 @@ def run_variants(res: dict[str, Any], section: str, variants: list[tuple[str, di
         finally:
             set_pdl(pdl_before)
             set_fold_norms(fold_before)
-            gemm_mod.RESIDUAL_CONFIG = residual_before
+            fold_mod.RESIDUAL_CONFIG = residual_before
             set_kernel_backward(backward_before)
             attn_mod.GRAD_ON_KERNEL = attn_grad_before
             set_inline_merge(merge_before)

@@ -84,7 +84,7 @@ def test_engine_ab_variants_set_their_knobs_and_put_them_back() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from engine_ab_gpu import parse_variants
 
-    from phyai_edge.layers import fused_stacks, triton_gemm
+    from phyai_edge.layers import fused_stacks, triton_fold, triton_gemm
 
     a, b = parse_variants("base; tuned: geglu/m64=64,32,128,4,3,2 + residual=64,16,128,4,4,4 + unfolded")
     assert (a.name, a.fold, a.configs) == ("base", True, {})
@@ -92,9 +92,9 @@ def test_engine_ab_variants_set_their_knobs_and_put_them_back() -> None:
     before = triton_gemm.CONFIGS["geglu/m64"]
     with b.active():
         assert triton_gemm.CONFIGS["geglu/m64"].split_k == 2
-        assert (triton_gemm.RESIDUAL_CONFIG.block_n, triton_gemm.RESIDUAL_CONFIG.split_k) == (16, 4)
+        assert (triton_fold.RESIDUAL_CONFIG.block_n, triton_fold.RESIDUAL_CONFIG.split_k) == (16, 4)
         assert fused_stacks.set_fold_norms(False) is False  # the variant had turned it off
-    assert triton_gemm.CONFIGS["geglu/m64"] == before and triton_gemm.RESIDUAL_CONFIG is None
+    assert triton_gemm.CONFIGS["geglu/m64"] == before and triton_fold.RESIDUAL_CONFIG is None
     assert fused_stacks.set_fold_norms(True) is True
     (c,) = parse_variants("c:few=16,64,4,3,128,1,1")
     assert c.configs["few"].tma and c.configs["few"].stages == 3

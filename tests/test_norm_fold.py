@@ -1,5 +1,5 @@
 """Adaptive norms folded into the small-M GEMMs around them (`triton_ops.FoldedNorm`): the producer
-(`triton_ops.ada_rms_fold`, `triton_gemm.linear_residual_fold`), the consumers (`linear_qkv_rope` /
+(`triton_ops.ada_rms_fold`, `triton_fold.linear_residual_fold`, `linear_fold_start`), the consumers (`linear_qkv_rope` /
 `linear_geglu` with `norm=`), the expert's stack with `folded=` and the PI0.5 stage and engine that
 tabulate it.
 
@@ -19,7 +19,7 @@ from test_cudagraph import _rel
 from test_triton_gemm import _denoise_args, _tiny_model, _weight, float32_routed, kernels, poisoned  # noqa: F401
 from test_triton_ops import _blocks, _float32_truth, _stack_inputs, _stack_reference
 
-from phyai_edge.layers import fused_stacks, triton_ops
+from phyai_edge.layers import fused_stacks, triton_fold, triton_ops
 from phyai_edge.layers import triton_gemm as tg
 from phyai_edge.layers.norm import ada_rms_norm_ref
 from phyai_edge.layers.rotary import rope_cos_sin
@@ -70,8 +70,8 @@ def test_linear_residual_fold_kernel(poisoned, config, batch) -> None:  # noqa: 
     x = _randn(batch, t, n, seed=5, scale=2.0)
     gate = _randn(batch, 1, n, seed=6)
     scale = _randn(batch, 1, n, seed=7, scale=0.3)
-    r, norm = tg.linear_residual_fold(h, w, x, gate, scale, 1e-6, "triton", config=RESIDUAL_CONFIGS[config])
-    r_ref, norm_ref = tg.linear_residual_fold(h, w, x, gate, scale, 1e-6, "reference")
+    r, norm = triton_fold.linear_residual_fold(h, w, x, gate, scale, 1e-6, "triton", config=RESIDUAL_CONFIGS[config])
+    r_ref, norm_ref = triton_fold.linear_residual_fold(h, w, x, gate, scale, 1e-6, "reference")
     assert torch.isfinite(r).all() and torch.isfinite(norm.u).all() and torch.isfinite(norm.stats).all()
     assert _rel(r, r_ref) < 1e-5 and _rel(norm.u, norm_ref.u) < 1e-5
     assert torch.allclose(norm.stats.sum(-1), norm_ref.stats.sum(-1), rtol=1e-5)
@@ -90,16 +90,16 @@ def test_linear_residual_fold_split_tickets_are_left_at_zero() -> None:
     h, w = _randn(1, 5, 64, seed=1), _weight(32, 64, torch.float32, seed=2)
     x, gate, scale = _randn(1, 5, 32, seed=3), _randn(1, 1, 32, seed=4), _randn(1, 1, 32, seed=5)
     cfg = tg.GemmConfig(16, 16, 16, split_k=4)
-    first = tg.linear_residual_fold(h, w, x, gate, scale, 1e-6, "triton", config=cfg, tickets=tickets)
+    first = triton_fold.linear_residual_fold(h, w, x, gate, scale, 1e-6, "triton", config=cfg, tickets=tickets)
     assert int(tickets._buf.abs().sum()) == 0
-    second = tg.linear_residual_fold(h, w, x, gate, scale, 1e-6, "triton", config=cfg, tickets=tickets)
+    second = triton_fold.linear_residual_fold(h, w, x, gate, scale, 1e-6, "triton", config=cfg, tickets=tickets)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1].u, second[1].u)
 
 
 def test_linear_residual_fold_checks() -> None:
     h, w, x = torch.zeros(1, 5, 8), torch.zeros(4, 8), torch.zeros(1, 5, 6)
     with pytest.raises(ValueError, match="do not match"):
-        tg.linear_residual_fold(h, w, x, torch.zeros(1, 1, 6), torch.zeros(1, 1, 6), 1e-6)
+        triton_fold.linear_residual_fold(h, w, x, torch.zeros(1, 1, 6), torch.zeros(1, 1, 6), 1e-6)
 
 
 @kernels
@@ -113,7 +113,7 @@ def test_linear_fold_start_kernel(poisoned, out_dtype, bias) -> None:  # noqa: F
     h, w = _randn(batch, t, k, seed=40), _weight(n, k, torch.float32, seed=41)
     b = _randn(n, seed=42) if bias else None
     scale, shift = _randn(1, 1, n, seed=43, scale=0.3), _randn(1, 1, n, seed=44)
-    r, norm = tg.linear_fold_start(h, w, b, scale, 1e-6, out_dtype, "triton", config=tg.GemmConfig(16, 16, 16))
+    r, norm = triton_fold.linear_fold_start(h, w, b, scale, 1e-6, out_dtype, "triton", config=tg.GemmConfig(16, 16, 16))
     want_r = F.linear(h, w, b).to(out_dtype)
     want = triton_ops.ada_rms_fold_ref(want_r, scale, 1e-6)
     assert r.dtype == norm.u.dtype == out_dtype and norm.stats.shape == (batch * t, 3)  # 40 columns in 16-wide tiles
@@ -123,7 +123,7 @@ def test_linear_fold_start_kernel(poisoned, out_dtype, bias) -> None:  # noqa: F
     assert torch.allclose(norm.stats.sum(-1), want.stats.sum(-1), rtol=tol)
     normed = norm.u.float() * norm.rstd().view(batch, t, 1) + shift
     assert _rel(normed, _unfolded(r, scale, shift, 1e-6)) < tol
-    ref_r, ref_norm = tg.linear_fold_start(h, w, b, scale, 1e-6, out_dtype, "reference")
+    ref_r, ref_norm = triton_fold.linear_fold_start(h, w, b, scale, 1e-6, out_dtype, "reference")
     assert torch.equal(ref_r, want_r) and torch.equal(ref_norm.u, want.u)
 
 
@@ -137,15 +137,15 @@ def test_linear_folded_kernel(poisoned, u_dtype) -> None:  # noqa: F811
     r, scale, shift, norm = _folded_input(batch, t, k, seed=50, dtype=u_dtype)
     w, b = _weight(n, k, torch.float32, seed=53), _randn(n, seed=54)
     nb = fused_stacks.fold_shift(shift, w)
-    out = tg.linear_folded(norm, w, nb, "triton", bias=b, out_dtype=torch.float32, config=tg.GemmConfig(16, 16, 16))
+    out = triton_fold.linear_folded(norm, w, nb, "triton", bias=b, out_dtype=torch.float32, config=tg.GemmConfig(16, 16, 16))
     want = F.linear(_unfolded(r, scale, shift, 1e-6), w, b)
     assert out.dtype == torch.float32 and out.shape == (batch, t, n) and torch.isfinite(out).all()
     # bf16: u is rounded where the unfolded norm's output would be
     assert _rel(out, want) < (1e-5 if u_dtype == torch.float32 else 1e-2)
-    ref = tg.linear_folded(norm, w, nb, "reference", bias=b)
+    ref = triton_fold.linear_folded(norm, w, nb, "reference", bias=b)
     assert ref.dtype == torch.float32 and _rel(out, ref) < 1e-5
     with pytest.raises(ValueError, match="norm_bias"):
-        tg.linear_folded(norm, w, nb[:, :3], "triton")
+        triton_fold.linear_folded(norm, w, nb[:, :3], "triton")
 
 
 # -- the consumers ----------------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def test_block_stack_folded_fp32(poisoned, float32_routed, monkeypatch) -> None:
     args = _one_sample(_stack_inputs(blocks, torch.float32))
     folded = fused_stacks.fold_modulation(blocks, args[6])
     calls = {"norm": 0, "residual": 0}
-    real_norm, real_res = triton_ops._residual_ada_norm_triton, tg._linear_residual_triton
+    real_norm, real_res = triton_ops._residual_ada_norm_triton, triton_fold._linear_residual_triton
 
     def count(name, real):
         def counted(*a, **kw):
@@ -234,7 +234,7 @@ def test_block_stack_folded_fp32(poisoned, float32_routed, monkeypatch) -> None:
         return counted
 
     monkeypatch.setattr(triton_ops, "_residual_ada_norm_triton", count("norm", real_norm))
-    monkeypatch.setattr(tg, "_linear_residual_triton", count("residual", real_res))
+    monkeypatch.setattr(triton_fold, "_linear_residual_triton", count("residual", real_res))
     with torch.no_grad():
         out = fused_stacks.adaptive_block_stack(blocks, *args, 1e-6, backend="triton", gemm_backend="triton",
                                                 folded=folded)
@@ -302,10 +302,10 @@ def test_denoise_stage_with_a_folded_table_entry(poisoned, float32_routed, monke
     (as the engine builds it), against the model's own step with the plain entry: the action
     projections fold too (one input-projection kernel, one output-projection kernel, no norm kernel)."""
     calls = {"norm": 0, "out": 0}
-    real_norm, real_out = triton_ops._residual_ada_norm_triton, tg._linear_folded_triton
+    real_norm, real_out = triton_ops._residual_ada_norm_triton, triton_fold._linear_folded_triton
     monkeypatch.setattr(triton_ops, "_residual_ada_norm_triton",
                         lambda *a, **kw: calls.__setitem__("norm", calls["norm"] + 1) or real_norm(*a, **kw))
-    monkeypatch.setattr(tg, "_linear_folded_triton",
+    monkeypatch.setattr(triton_fold, "_linear_folded_triton",
                         lambda *a, **kw: calls.__setitem__("out", calls["out"] + 1) or real_out(*a, **kw))
     model = _tiny_model(dtype)
     x_t, t, k_cache, v_cache, prefix_mask = _denoise_args(model, b=1)
@@ -353,9 +353,9 @@ def test_engine_folds_its_batch_one_norms(monkeypatch) -> None:
         return {k: stages[k] for k in ("denoise_step", "step_context", "fold_modulation")}
 
     folds = []
-    real_residual = tg._linear_residual_triton
+    real_residual = triton_fold._linear_residual_triton
     monkeypatch.setattr(PI05Model, "triton_stages", denoise_only)
-    monkeypatch.setattr(tg, "_linear_residual_triton", lambda *a, **kw: folds.append(1) or real_residual(*a, **kw))
+    monkeypatch.setattr(triton_fold, "_linear_residual_triton", lambda *a, **kw: folds.append(1) or real_residual(*a, **kw))
     fast = CudaGraphEngine(copy.deepcopy(tiny), device=DEVICE, dtype="bfloat16", triton_ops=True, triton_gemm=True)
     inputs = _inputs(tiny, 1, 1, [20])
     noise = torch.randn(1, tiny.chunk_size, tiny.model_action_dim, generator=torch.Generator().manual_seed(9))

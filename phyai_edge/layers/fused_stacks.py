@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from phyai_edge.layers import triton_expert_layer, triton_gemm, triton_gemm_tma
+from phyai_edge.layers import triton_expert_layer, triton_fold, triton_gemm, triton_gemm_tma
 from phyai_edge.layers.attention import attention_unmasked
 from phyai_edge.layers.norm import Modulation
 from phyai_edge.layers.triton_attention import kernel_key_mask, stack_attention
@@ -229,9 +229,9 @@ def projected_block_stack(in_proj: torch.nn.Module, out_proj: torch.nn.Module, x
     an action expert with its input and output projections (PI0.5's float32 action projections
     around the bf16 blocks). Where the stack folds its norms (`_folds`) and `folded_out` = the final
     norm's shift @ out_proj.weight^T is given (`fold_shift`), the input projection also starts the
-    first norm's fold (`triton_gemm.linear_fold_start`: projection, cast and norm in one kernel),
+    first norm's fold (`triton_fold.linear_fold_start`: projection, cast and norm in one kernel),
     the last down projection leaves the final norm folded, and the output projection finishes it
-    (`triton_gemm.linear_folded`): four kernels fewer a step. Otherwise the plain composition."""
+    (`triton_fold.linear_folded`): four kernels fewer a step. Otherwise the plain composition."""
     rows = x_in.numel() // x_in.shape[-1]
     if (_FOLD_PROJECTIONS and folded_out is not None and attend is not None and rows <= triton_gemm.MAX_ROWS
             and _folds(blocks, x_in, gemm_backend, folded, joined, dtype)
@@ -253,7 +253,7 @@ def _folded_block_stack(blocks: Sequence[torch.nn.Module], x: torch.Tensor, cos:
                         ) -> torch.Tensor:
     """`adaptive_block_stack` with each adaptive norm but the final one folded into the GEMMs around
     it: o_proj and down finish the gated residual and start the next norm in their epilogue (one
-    kernel: `triton_gemm.linear_residual_fold`), QKV and gate/up finish it on their sums
+    kernel: `triton_fold.linear_residual_fold`), QKV and gate/up finish it on their sums
     (`norm=`). Five kernels a block instead of seven. `io` = (input projection, output projection,
     final shift @ its weight^T, stream dtype): x is the input projection's input, the first and the
     final norm fold too, and the output projection's float32 result is returned
@@ -264,7 +264,7 @@ def _folded_block_stack(blocks: Sequence[torch.nn.Module], x: torch.Tensor, cos:
         norm: FoldedNorm = ada_rms_fold(x, first_scale, first_eps, backend)
     else:
         in_proj = io[0]
-        x, norm = triton_gemm.linear_fold_start(x, in_proj.weight, in_proj.bias, first_scale, first_eps, io[3],
+        x, norm = triton_fold.linear_fold_start(x, in_proj.weight, in_proj.bias, first_scale, first_eps, io[3],
                                                 gemm_backend)
     h = x
     for i, block in enumerate(blocks):
@@ -275,21 +275,21 @@ def _folded_block_stack(blocks: Sequence[torch.nn.Module], x: torch.Tensor, cos:
                                               attn.num_kv_heads, attn.head_dim, gemm_backend, norm=norm,
                                               norm_bias=bias_qkv, tickets=tickets)
         out = _attention_rows(attn, q, (k_cache[i], k), (v_cache[i], v), mask, attend)
-        x, norm = triton_gemm.linear_residual_fold(out, attn.o_proj.weight, x, gate_in, scale2,
+        x, norm = triton_fold.linear_residual_fold(out, attn.o_proj.weight, x, gate_in, scale2,
                                                    block.post_attention_layernorm.eps, gemm_backend, tickets=tickets)
         a = triton_gemm.linear_geglu(norm.u, mlp.gate_up.weight, gemm_backend, norm=norm, norm_bias=bias_gate_up,
                                      tickets=tickets)
         if i + 1 < len(blocks) or io is not None:
             scale_next, eps_next = ((modulations[i + 1][0][0], blocks[i + 1].input_layernorm.eps) if i + 1 < len(blocks)
                                     else (final[0], final_eps))
-            x, norm = triton_gemm.linear_residual_fold(a, mlp.down_proj.weight, x, gate_post, scale_next, eps_next,
+            x, norm = triton_fold.linear_residual_fold(a, mlp.down_proj.weight, x, gate_post, scale_next, eps_next,
                                                        gemm_backend, tickets=tickets)
         else:  # the final norm feeds a layer outside the stack: its own kernel
             y = triton_gemm.linear(a, mlp.down_proj.weight, gemm_backend, defer_sum=True)
             x, h = residual_ada_rms_norm(x, y, gate_post, final[0], final[1], final_eps, backend)
     if io is not None:
         out_proj, folded_out = io[1], io[2]
-        return triton_gemm.linear_folded(norm, out_proj.weight, folded_out, gemm_backend, bias=out_proj.bias,
+        return triton_fold.linear_folded(norm, out_proj.weight, folded_out, gemm_backend, bias=out_proj.bias,
                                          out_dtype=torch.float32)
     return h
 
