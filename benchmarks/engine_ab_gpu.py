@@ -19,6 +19,11 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
                             `triton_attention.FEW_BLOCKS` (the batch-1 expert attention's tiling)
 
     python benchmarks/engine_ab_gpu.py --variants "default;split qkv:qkv_rope/m64=64,16,128,4,4,2" --reps 150
+    python benchmarks/engine_ab_gpu.py --rtc guided --variants "default;compact attention:few=16,64,8,2,128,1,0"
+
+`--rtc MODE` runs every call with that Real-Time Chunking mode (`pi05_gpu.py`'s guidance: a seeded
+target, a 5-step prefix over 25, weight 5), each variant's chunk judged against eager float32's in
+the same mode.
     python benchmarks/engine_ab_gpu.py --tiny --device cpu --reps 2 --variants "a;b:unfolded"   # plumbing
 """
 
@@ -40,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import parity_lerobot as par
-from pi05_gpu import VALID_TOKENS, seeded_adapter, sync
+from pi05_gpu import VALID_TOKENS, rtc_guidance, seeded_adapter, sync
 
 
 @dataclass
@@ -115,7 +120,8 @@ def parse_variants(text: str) -> list[Variant]:
     return out
 
 
-def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin: bool = False) -> dict[str, Any]:
+def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin: bool = False,
+           rtc: str | None = None) -> dict[str, Any]:
     """Capture one engine per variant, alternate their calls `reps` times; every number returned."""
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.engines.eager import EagerEngine
@@ -132,19 +138,20 @@ def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin:
     noise = torch.randn(1, adapter.chunk_size, adapter.model_action_dim,
                         generator=torch.Generator().manual_seed(4)).to(device)
     opts = {} if device.startswith("cuda") else {"triton_ops": "triton", "triton_gemm": True}  # the interpreter
+    guidance = rtc_guidance(adapter, 1, rtc) if rtc else None
     engines: dict[str, Any] = {}
     by_name = {v.name: v for v in variants}
 
     def run(name: str, nz: torch.Tensor | None) -> torch.Tensor:
         with by_name[name].active():
-            return engines[name].run(x, noise=nz)
+            return engines[name].run(x, noise=nz, rtc=guidance)
 
     for v in variants:
         engines[v.name] = CudaGraphEngine(copy.deepcopy(adapter), device=device, dtype="bfloat16", **opts)
         with v.active():
-            engines[v.name].warmup(1, 3, VALID_TOKENS)
+            engines[v.name].warmup(1, 3, VALID_TOKENS, modes=(rtc or "none",))
         run(v.name, noise)
-    ref = EagerEngine(adapter, device=device, dtype="float32").run(x, noise=noise)
+    ref = EagerEngine(adapter, device=device, dtype="float32").run(x, noise=noise, rtc=guidance)
     chunks = {name: run(name, noise) for name in engines}
     walls: dict[str, list[float]] = {n: [] for n in engines}
     stages: dict[str, dict[str, list[float]]] = {n: {} for n in engines}
@@ -166,7 +173,7 @@ def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin:
         return sorted(v)[min(len(v) - 1, int(p * len(v)))]
 
     first = variants[0].name
-    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "reps": reps,
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "reps": reps, "rtc": rtc,
                            "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
                            "engines": {}}
     for v in variants:
@@ -204,12 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--reps", type=int, default=150, help="calls of each engine, alternated")
     ap.add_argument("--variants", default="default;unfolded:unfolded", help="see above")
+    ap.add_argument("--rtc", default=None, choices=("inpaint", "guided-approx", "guided"),
+                    help="run every call with this RTC mode (default: none)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--builtin", action="store_true",
                     help="the full preset as `phyai-edge bench` loads it (`builtin_adapter('full', device=)`), and "
                          "`run` drawing its own noise, instead of this script's seeded adapter and fixed noise")
     args = ap.parse_args(argv)
-    res = run_ab(parse_variants(args.variants), args.device, args.tiny, args.reps, args.builtin)
+    res = run_ab(parse_variants(args.variants), args.device, args.tiny, args.reps, args.builtin, args.rtc)
     print(table(res))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
