@@ -185,6 +185,23 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _kv_tiles(k_desc, v_desc, k_ptr, v_ptr, b, h, n, limit, d, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                  TMA: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+        """One key part's block of keys n.. as kt (D, BLOCK_N) and values (BLOCK_N, D), positions
+        counted within the part. TMA: whole tiles by descriptor (rows past the part's end come back
+        as zeros; rows at or past `limit` belong to the next split and are masked out of the scores
+        by the caller, so p = 0 there); else pointer loads with keys from `limit` on read as zeros."""
+        if TMA:
+            kt = tl.trans(k_desc.load([b, h, n, 0]).reshape(BLOCK_N, D))
+            vb = v_desc.load([b, h, n, 0]).reshape(BLOCK_N, D)
+        else:
+            c = n + tl.arange(0, BLOCK_N)
+            inb = c < limit
+            kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=inb[None, :], other=0.0)
+            vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
+        return kt, vb
+
+    @triton.jit
     def _split_attn_kernel(
         q_ptr, k_ptr, v_ptr, k2_ptr, v2_ptr, m_ptr, o_ptr, lse_ptr, out_ptr, ticket_ptr, lse_out_ptr, trace_ptr,
         k_desc, v_desc, k2_desc, v2_desc,
@@ -235,47 +252,21 @@ if triton is not None:
         # (the step's own keys): the two are never concatenated in memory. One loop per part, so
         # each block issues one load per operand rather than two masked ones.
         end1 = tl.minimum(end, keys1)
-        if TMA:
-            # Whole (BLOCK_N, D) tiles by descriptor: rows past a part's end come back as zeros, rows
-            # past the split's end are real keys of the next split, masked out of the scores (p = 0).
-            for n0 in tl.range(start, end1, BLOCK_N, warp_specialize=WS):
-                c = n0 + tl.arange(0, BLOCK_N)
-                kt = tl.trans(k_desc.load([b, h, n0, 0]).reshape(BLOCK_N, D))
-                vb = v_desc.load([b, h, n0, 0]).reshape(BLOCK_N, D)
-                ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
-                m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
-                if TRACE:
-                    it = (n0 - start) // BLOCK_N
-                    tl.store(slot + 9 + it, _clock_after(tl.sum(l_i, axis=0)), mask=it < 4)
-            for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
-                c = n0 + tl.arange(0, BLOCK_N)
-                kt = tl.trans(k2_desc.load([b, h, n0 - keys1, 0]).reshape(BLOCK_N, D))
-                vb = v2_desc.load([b, h, n0 - keys1, 0]).reshape(BLOCK_N, D)
-                ok = _keys_allowed(m_ptr, b, sm_b, c, end)
-                m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
-        else:
-            for n0 in tl.range(start, end1, BLOCK_N, warp_specialize=WS):
-                c = n0 + tl.arange(0, BLOCK_N)
-                inb = c < end1
-                kt = tl.load(k_ptr + b * sk_b + h * sk_h + c[None, :] * sk_n + d[:, None], mask=inb[None, :],
-                             other=0.0)
-                vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None],
-                             other=0.0)
-                ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
-                m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
-                if TRACE:
-                    it = (n0 - start) // BLOCK_N
-                    tl.store(slot + 9 + it, _clock_after(tl.sum(l_i, axis=0)), mask=it < 4)
-            for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
-                c = n0 + tl.arange(0, BLOCK_N)
-                inb = c < end
-                c2 = c - keys1
-                kt = tl.load(k2_ptr + b * sk2_b + h * sk2_h + c2[None, :] * sk2_n + d[:, None], mask=inb[None, :],
-                             other=0.0)
-                vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
-                             other=0.0)
-                ok = _keys_allowed(m_ptr, b, sm_b, c, end)
-                m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+        for n0 in tl.range(start, end1, BLOCK_N, warp_specialize=WS):
+            c = n0 + tl.arange(0, BLOCK_N)
+            kt, vb = _kv_tiles(k_desc, v_desc, k_ptr, v_ptr, b, h, n0, end1, d, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                               TMA, BLOCK_N, D)
+            ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
+            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+            if TRACE:
+                it = (n0 - start) // BLOCK_N
+                tl.store(slot + 9 + it, _clock_after(tl.sum(l_i, axis=0)), mask=it < 4)
+        for n0 in tl.range(tl.maximum(start, keys1), end, BLOCK_N, warp_specialize=WS):
+            c = n0 + tl.arange(0, BLOCK_N)
+            kt, vb = _kv_tiles(k2_desc, v2_desc, k2_ptr, v2_ptr, b, h, n0 - keys1, end - keys1, d, sk2_b, sk2_h, sk2_n,
+                               sv2_b, sv2_h, sv2_n, TMA, BLOCK_N, D)
+            ok = _keys_allowed(m_ptr, b, sm_b, c, end)
+            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
         if TRACE:
             c_keys = _clock_after(tl.sum(l_i, axis=0))
             c_ticket = c_keys
