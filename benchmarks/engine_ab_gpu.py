@@ -205,26 +205,35 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def engine_args(doc: str | None, reps: int) -> argparse.ArgumentParser:
+    """The arguments every engine A/B script takes (this one, `norm_fold_gpu.py`)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--reps", type=int, default=150, help="calls of each engine, alternated")
-    ap.add_argument("--variants", default="default;unfolded:unfolded", help="see above")
-    ap.add_argument("--rtc", default=None, choices=("inpaint", "guided-approx", "guided"),
-                    help="run every call with this RTC mode (default: none)")
+    ap.add_argument("--reps", type=int, default=reps, help="calls of each engine, alternated")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--builtin", action="store_true",
                     help="the full preset as `phyai-edge bench` loads it (`builtin_adapter('full', device=)`), and "
                          "`run` drawing its own noise, instead of this script's seeded adapter and fixed noise")
+    return ap
+
+
+def write_json(res: dict[str, Any], path: Path | None) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1, default=str))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = engine_args(__doc__, reps=150)
+    ap.add_argument("--variants", default="default;unfolded:unfolded", help="see above")
+    ap.add_argument("--rtc", default=None, choices=("inpaint", "guided-approx", "guided"),
+                    help="run every call with this RTC mode (default: none)")
     args = ap.parse_args(argv)
     res = run_ab(parse_variants(args.variants), args.device, args.tiny, args.reps, args.builtin, args.rtc)
     print(table(res))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1, default=str))
+    write_json(res, args.json)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

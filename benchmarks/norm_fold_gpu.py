@@ -13,25 +13,15 @@ ratio, and each chunk's error against eager float32.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_ab_gpu import Variant, run_ab, table
+from engine_ab_gpu import Variant, engine_args, run_ab, table, write_json
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--reps", type=int, default=200, help="calls of each engine, alternated")
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--builtin", action="store_true",
-                    help="the full preset as `phyai-edge bench` loads it (`builtin_adapter('full', device=)`), and "
-                         "`run` drawing its own noise, instead of this script's seeded adapter and fixed noise")
-    args = ap.parse_args(argv)
+    args = engine_args(__doc__, reps=200).parse_args(argv)
     res = run_ab([Variant("folded"), Variant("norm kernels", fold=False)], args.device, args.tiny, args.reps,
                  args.builtin)
     kernels = res["engines"]["norm kernels"]
@@ -40,11 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(res))
     print(f"\nfolded / norm kernels: chunk p50 {res['ratio_p50']:.4f}, loop p50 {res['ratio_loop']:.4f}; "
           f"max abs between the two chunks {res['max_abs_between']:.3e}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1, default=str))
+    write_json(res, args.json)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
