@@ -58,7 +58,7 @@ FOLDED_CONFIG = _cfg(64, 32, 128, stages=4)
 # -- kernels ---------------------------------------------------------------------------------------------
 if triton is not None:
     from phyai_edge.layers.triton_dispatch import pdl_enter
-    from phyai_edge.layers.triton_gemm import _fold_bias, _fold_rstd, _linear_acc, _tile
+    from phyai_edge.layers.triton_gemm import _fold_bias, _fold_rstd, _linear_acc, _split_tile, _tile
     from phyai_edge.layers.triton_math import _last_of
 
     @triton.jit
@@ -96,14 +96,7 @@ if triton is not None:
         projection that starts the residual stream, with its bias) the stream is the product."""
         pdl_enter(PDL)
         pid = tl.program_id(0)
-        pid_m, pid_n = _tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        split = tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = rm < M
-        n_ok = rn < N
-        k0 = split * k_per_split
-        k_end = tl.minimum(k0 + k_per_split, K)
+        pid_n, split, rm, rn, m_ok, n_ok, k0, k_end = _split_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N, GROUP_M)
         # The epilogue's operands are loaded ahead of the loop, in flight with the first tiles: the
         # last split's tail is then the partials' reads alone (wasted loads for the other splits).
         ok = m_ok[:, None] & n_ok[None, :]

@@ -272,6 +272,17 @@ if triton is not None:
         return first_m + local % rows_here, local // rows_here
 
     @triton.jit
+    def _split_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """A split-K program's output tile and K range: (column tile, split, rows rm, columns rn, their
+        bounds, k0, k_end), the program's tile from grid axis 0 (`_tile`) and its split from axis 1."""
+        pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        split = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = split * k_per_split
+        return pid_n, split, rm, rn, rm < M, rn < N, k0, tl.minimum(k0 + k_per_split, K)
+
+    @triton.jit
     def _linear_acc(a_ptr, w_ptr, rm, rn, m_ok, n_ok, k0, k_end, s_am, s_ak, s_wn, s_wk, EVEN_K: tl.constexpr,
                     UPCAST: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
@@ -333,14 +344,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl_enter(PDL)
-        pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        split = tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = rm < M
-        n_ok = rn < N
-        k0 = split * k_per_split
-        k_end = tl.minimum(k0 + k_per_split, K)
+        _, split, rm, rn, m_ok, n_ok, k0, k_end = _split_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N, GROUP_M)
         acc = _linear_acc(a_ptr, w_ptr, rm, rn, m_ok, n_ok, k0, k_end, s_am, s_ak, s_wn, s_wk, EVEN_K, UPCAST, IEEE,
                           BLOCK_M, BLOCK_N, BLOCK_K)
         dst = out_ptr + split * s_os + rm[:, None] * s_om + rn[None, :]
@@ -446,14 +450,8 @@ if triton is not None:
         partials and the tile's last split to finish (a ticket per tile) adds them and runs the
         epilogue, which needs the whole sums."""
         pdl_enter(PDL)
-        pid_m, pid_n = _tile(tl.program_id(0), M, H, BLOCK_M, BLOCK_N, GROUP_M)
-        split = tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # gate rows; the matching up rows are H + rn
-        m_ok = rm < M
-        n_ok = rn < H
-        k0 = split * k_per_split
-        k_end = tl.minimum(k0 + k_per_split, K)
+        # rn: gate rows; the matching up rows are H + rn
+        _, split, rm, rn, m_ok, n_ok, k0, k_end = _split_tile(M, H, K, k_per_split, BLOCK_M, BLOCK_N, GROUP_M)
         # FOLD: the input is a folded norm's u; its row factor and the shift's W^T are read before
         # the loop (in flight with the first weight tiles) and applied to the sums after it.
         rstd = _fold_rstd(stats_ptr, rm, m_ok, s_stm, stats_tiles, width, norm_eps, FOLD, STATS_BLOCK, BLOCK_M)
