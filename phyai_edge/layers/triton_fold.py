@@ -23,7 +23,6 @@ The norm's consumers inside a block, QKV + RoPE and gate/up + GeGLU, take `norm=
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
@@ -44,7 +43,6 @@ from phyai_edge.layers.triton_gemm import (
     folded_product_ref,
     kernel_takes,
     linear_ref,
-    split_size,
 )
 from phyai_edge.layers.triton_ops import FoldedNorm
 
@@ -181,18 +179,11 @@ def _linear_residual_triton(h: torch.Tensor, weight: torch.Tensor, x: torch.Tens
         res = _gemm._empty(shape, dtype, h.device)
         u = _gemm._empty(shape, dtype, h.device)
         res2, u2 = res.view(m, n), u.view(m, n)
-        per = split_size(k, cfg.split_k, cfg.block_k)
-        splits = math.ceil(k / per)
         tiles_n = triton.cdiv(n, cfg.block_n)
         stats = _gemm._empty((m, tiles_n), torch.float32, h.device)
-        grid = (tiles_n * triton.cdiv(m, cfg.block_m), splits)
-        if splits > 1:
-            part = _gemm._empty((splits, m, n), torch.float32, h.device)
-            ticket = (tickets if tickets is not None else Tickets(h.device)).take(grid[0])
-            s_ps, s_pm = part.stride(0), part.stride(1)
-        else:  # unused: anything valid
-            part, ticket, s_ps, s_pm = res2, stats, 0, 0
-        _linear_residual_kernel[grid](
+        tiles = tiles_n * triton.cdiv(m, cfg.block_m)
+        splits, per, (part, ticket, s_ps, s_pm) = _gemm._split_buffers(k, m, n, tiles, cfg, tickets, h.device, res2)
+        _linear_residual_kernel[(tiles, splits)](
             a, weight, bias if bias is not None else a, part, ticket, x2, g, sc, res2, u2, stats, m, n, k, per,
             per_batch, a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), s_ps, s_pm, x2.stride(0), s_gb,
             s_sb, res2.stride(0), u2.stride(0), stats.stride(0), SPLITS=splits, HAS_RES=x is not None,
