@@ -232,8 +232,8 @@ def projected_block_stack(in_proj: torch.nn.Module, out_proj: torch.nn.Module, x
     first norm's fold (`triton_fold.linear_fold_start`: projection, cast and norm in one kernel),
     the last down projection leaves the final norm folded, and the output projection finishes it
     (`triton_fold.linear_folded`): four kernels fewer a step. Otherwise the plain composition."""
-    rows = x_in.numel() // x_in.shape[-1]
-    if (_FOLD_PROJECTIONS and folded_out is not None and attend is not None and rows <= triton_gemm.MAX_ROWS
+    # (`_folds` also bounds the rows: every block's projections must be ones `triton_gemm.takes`)
+    if (_FOLD_PROJECTIONS and folded_out is not None and attend is not None
             and _folds(blocks, x_in, gemm_backend, folded, joined, dtype)
             and _io_kernel_linear(in_proj, x_in, x_in.shape[-1]) and _io_kernel_linear(out_proj, None, final[0].shape[-1])):
         return _folded_block_stack(blocks, x_in, cos, sin, k_cache, v_cache, mask, modulations, final, final_eps,
