@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SHAPES = {  # name: (batch, query heads, query tokens, cached keys, new keys): PI0.5's expert, 48 prompt tokens
     "expert b1": (1, 8, 50, 816, 50),
     "expert b2": (2, 8, 50, 816, 50),
+    "prefix b1": (1, 8, 816, 816, 0),  # the prefix's own attention (one key part), 64-row blocks by default
 }
 SLOT = {"g_start": 0, "c_start": 1, "c_q": 2, "c_keys": 3, "c_ticket": 4, "c_merged": 5, "c_end": 6, "g_end": 7, "sm": 8,
         "c_block0": 9}  # then c_block1..3: %clock64 as each of the first four cached-key blocks is done (0: none)

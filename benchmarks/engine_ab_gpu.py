@@ -1,4 +1,4 @@
-"""Which of several engine settings runs the batch-1 chunk fastest? Engines alternated, one run.
+"""Which of several engine settings runs a chunk fastest (batch 1, or `--batch N`)? Engines alternated, one run.
 
 Each variant is a cudagraph engine on the same seeded full-size PI0.5 (bf16, 3 cameras, 48 prompt
 tokens, 10 steps), captured under its own setting of module knobs: the small-M GEMM tilings
@@ -17,6 +17,8 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
                             `triton_fold.RESIDUAL_CONFIG` (o_proj / down with the fold)
   few=bm,bn,warps,stages,min_keys,inline,tma
                             `triton_attention.FEW_BLOCKS` (the batch-1 expert attention's tiling)
+  mid=bm,bn,warps,stages,min_keys,inline,tma
+                            `triton_attention.MID_BLOCKS` (the batch-1 prefix's attention tiling)
 
     python benchmarks/engine_ab_gpu.py --variants "default;split qkv:qkv_rope/m64=64,16,128,4,4,2" --reps 150
     python benchmarks/engine_ab_gpu.py --rtc guided --variants "default;compact attention:few=16,64,8,2,128,1,0"
@@ -47,6 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import parity_lerobot as par
 from pi05_gpu import VALID_TOKENS, rtc_guidance, seeded_adapter, sync
 
+# knob -> the `triton_attention` tiling it replaces
+ATTENTION_TILINGS = {"few": "FEW_BLOCKS", "mid": "MID_BLOCKS"}
+
 
 @dataclass
 class Variant:
@@ -66,11 +71,11 @@ class Variant:
         io_before = set_fold_projections(self.fold_io)
         saved = dict(triton_gemm.CONFIGS)
         residual_before = triton_fold.RESIDUAL_CONFIG
-        few_before = triton_attention.FEW_BLOCKS
+        tilings_before = {key: getattr(triton_attention, name) for key, name in ATTENTION_TILINGS.items()}
         try:
             for key, cfg in self.configs.items():
-                if key == "few":
-                    triton_attention.FEW_BLOCKS = cfg
+                if key in ATTENTION_TILINGS:
+                    setattr(triton_attention, ATTENTION_TILINGS[key], cfg)
                 elif key == "residual":
                     triton_fold.RESIDUAL_CONFIG = cfg
                 else:
@@ -82,7 +87,8 @@ class Variant:
             triton_gemm.CONFIGS.clear()
             triton_gemm.CONFIGS.update(saved)
             triton_fold.RESIDUAL_CONFIG = residual_before
-            triton_attention.FEW_BLOCKS = few_before
+            for key, cfg in tilings_before.items():
+                setattr(triton_attention, ATTENTION_TILINGS[key], cfg)
 
 
 def parse_variants(text: str) -> list[Variant]:
@@ -101,7 +107,7 @@ def parse_variants(text: str) -> list[Variant]:
                     v.fold_io = False
                 continue
             key, eq, spec = knob.partition("=")
-            if key == "few" and eq:
+            if key in ATTENTION_TILINGS and eq:
                 f = [int(x) for x in spec.split(",")]
                 if len(f) != 7:
                     raise SystemExit(f"--variants: {knob!r} needs bm,bn,warps,stages,min_keys,inline,tma")
@@ -121,7 +127,7 @@ def parse_variants(text: str) -> list[Variant]:
 
 
 def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin: bool = False,
-           rtc: str | None = None) -> dict[str, Any]:
+           rtc: str | None = None, batch: int = 1) -> dict[str, Any]:
     """Capture one engine per variant, alternate their calls `reps` times; every number returned."""
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.engines.eager import EagerEngine
@@ -133,12 +139,12 @@ def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin:
     else:
         adapter = seeded_adapter(device, tiny)
     cfg = adapter.cfg
-    x = par.model_inputs(par.make_inputs(1, 3, [VALID_TOKENS], device, seed=3, max_len=cfg.max_token_len,
+    x = par.model_inputs(par.make_inputs(batch, 3, [VALID_TOKENS] * batch, device, seed=3, max_len=cfg.max_token_len,
                                          vocab=cfg.vocab_size))
-    noise = torch.randn(1, adapter.chunk_size, adapter.model_action_dim,
+    noise = torch.randn(batch, adapter.chunk_size, adapter.model_action_dim,
                         generator=torch.Generator().manual_seed(4)).to(device)
     opts = {} if device.startswith("cuda") else {"triton_ops": "triton", "triton_gemm": True}  # the interpreter
-    guidance = rtc_guidance(adapter, 1, rtc) if rtc else None
+    guidance = rtc_guidance(adapter, batch, rtc) if rtc else None
     engines: dict[str, Any] = {}
     by_name = {v.name: v for v in variants}
 
@@ -149,7 +155,7 @@ def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin:
     for v in variants:
         engines[v.name] = CudaGraphEngine(copy.deepcopy(adapter), device=device, dtype="bfloat16", **opts)
         with v.active():
-            engines[v.name].warmup(1, 3, VALID_TOKENS, modes=(rtc or "none",))
+            engines[v.name].warmup(batch, 3, VALID_TOKENS, modes=(rtc or "none",))
         run(v.name, noise)
     ref = EagerEngine(adapter, device=device, dtype="float32").run(x, noise=noise, rtc=guidance)
     chunks = {name: run(name, noise) for name in engines}
@@ -173,7 +179,7 @@ def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin:
         return sorted(v)[min(len(v) - 1, int(p * len(v)))]
 
     first = variants[0].name
-    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "reps": reps, "rtc": rtc,
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "reps": reps, "rtc": rtc, "batch": batch,
                            "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
                            "engines": {}}
     for v in variants:
@@ -229,8 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="default;unfolded:unfolded", help="see above")
     ap.add_argument("--rtc", default=None, choices=("inpaint", "guided-approx", "guided"),
                     help="run every call with this RTC mode (default: none)")
+    ap.add_argument("--batch", type=int, default=1, help="robots a call (the same inputs for each)")
     args = ap.parse_args(argv)
-    res = run_ab(parse_variants(args.variants), args.device, args.tiny, args.reps, args.builtin, args.rtc)
+    if args.batch < 1:
+        ap.error("--batch: at least 1")
+    res = run_ab(parse_variants(args.variants), args.device, args.tiny, args.reps, args.builtin, args.rtc, args.batch)
     print(table(res))
     write_json(res, args.json)
     return 0

@@ -137,11 +137,17 @@ def test_two_part_keys_equal_concatenation(poisoned, split_at, splits):
 @kernels
 @pytest.mark.parametrize("split_at", [0, 203])
 def test_tma_tiling_with_an_empty_key_part(poisoned, split_at):
-    """A TMA tiling handed an empty key part (no descriptor for it) loads through pointers instead."""
+    """A TMA tiling handed an empty key part (the prefix's one-part call) describes the other part
+    twice (the empty part's loop never runs) and still matches the reference."""
     b, hq, hkv, tq, tk, d = 1, 8, 1, 5, 203, 32
     q, k, v = _qkv(b, hq, hkv, tq, tk, d, torch.float32, seed=13)
     mask = _key_mask(b, tk, seed=14)
-    assert ta._kv_descriptors(k[:, :, :split_at], v[:, :, :split_at], k[:, :, split_at:], v[:, :, split_at:], 32) is None
+    descs = ta._kv_descriptors(k[:, :, :split_at], v[:, :, :split_at], k[:, :, split_at:], v[:, :, split_at:], 32)
+    if descs is not None:  # None only where this Triton has no tensor descriptors
+        full = k[:, :, split_at:] if split_at == 0 else k[:, :, :split_at]
+        assert all(dsc.base.data_ptr() == t.data_ptr() for dsc, t in zip(descs[::2], (full, full)))
+        assert [tuple(dsc.shape) for dsc in descs] == [tuple(full.shape)] * 4
+    assert ta._kv_descriptors(k[:, :, :0], v[:, :, :0], k[:, :, :0], v[:, :, :0], 32) is None
     cfg = ta.SplitConfig(block_m=16, block_n=32, warps=4, stages=3, min_keys=32, inline_merge=True, tma=True)
     out = ta.attention_split(q, (k[:, :, :split_at], k[:, :, split_at:]), (v[:, :, :split_at], v[:, :, split_at:]),
                              mask, backend="triton", config=cfg)
@@ -158,6 +164,7 @@ def test_tma_tiling_with_an_empty_key_part(poisoned, split_at):
     # key / value tiles by TMA descriptors (the batch-1 form); rows past a part's end come back as zeros
     ta.SplitConfig(block_m=16, block_n=32, warps=4, stages=3, min_keys=32, inline_merge=True, tma=True),
     ta.SplitConfig(block_m=64, block_n=64, warps=4, stages=2, min_keys=16, tma=True),
+    ta.SplitConfig(block_m=64, block_n=64, warps=4, stages=3, min_keys=16, tma=True),  # MID_BLOCKS' form, split
 ])
 def test_tilings_agree(poisoned, config):
     """Every tiling the GPU sweep may choose gives the reference's result, with the two key parts
@@ -285,21 +292,39 @@ class _RefusesStages(_RefusesBlockRows):
 
 
 @kernels
-def test_the_batch_one_tiling_falls_back_to_its_compact_form(monkeypatch):
-    """Where the batch-1 expert's TMA tiling (three stages) does not fit, the tiling it replaced runs
-    (16-row blocks, split keys, two stages), not the next shape class's."""
+@pytest.mark.parametrize("batch,tokens,tiling,compact", [
+    (1, 5, "FEW_BLOCKS", "FEW_BLOCKS_COMPACT"),   # the batch-1 expert: 16-row blocks, split keys
+    (12, 21, "MID_BLOCKS", "MID_BLOCKS_COMPACT"),  # 64-row blocks, one split (168 rows x 12 on 132 SMs)
+])
+def test_a_tma_tiling_falls_back_to_its_compact_form(monkeypatch, batch, tokens, tiling, compact):
+    """Where a TMA tiling (three stages) does not fit, the tiling it replaced runs (two stages, the
+    same blocks and splits), not the next shape class's."""
     monkeypatch.setattr(triton_dispatch, "_DOES_NOT_FIT", set())
-    b, hq, hkv, tq, tk, d = 1, 8, 1, 5, 300, 32
+    monkeypatch.setattr(ta, "_sm_count", lambda device: 132)
+    chosen, want_cfg = getattr(ta, tiling), getattr(ta, compact)
+    b, hq, hkv, tq, tk, d = batch, 8, 1, tokens, 300, 32
     q, k, v = _qkv(b, hq, hkv, tq, tk, d, torch.float32, seed=23)
     mask = _key_mask(b, tk, seed=24)
-    assert ta.default_config(hq * tq, b, 132) is ta.FEW_BLOCKS and ta.FEW_BLOCKS.tma
-    want = ta.attention_split(q, k, v, mask, backend="triton", config=ta.FEW_BLOCKS_COMPACT)
+    assert ta.default_config(hq * tq, b, 132) is chosen and chosen.tma and chosen.stages == 3
+    want = ta.attention_split(q, k, v, mask, backend="triton", config=want_cfg)
     refusing = _RefusesStages(ta._split_attn_kernel, 2)
     monkeypatch.setattr(ta, "_split_attn_kernel", refusing)
-    monkeypatch.setattr(ta, "_sm_count", lambda device: 132)
     got = ta.attention_split(q, k, v, mask, backend="triton")
     assert refusing.refused == 1 and torch.equal(got, want)
     assert _rel(got, attention_ref(q, k, v, mask)) < 2e-5
+
+
+def test_tma_tilings_start_at_their_compact_form_without_tma(monkeypatch):
+    """Before Hopper (no TMA) a TMA tiling's stage count buys nothing: its compact form is tried
+    first; the tilings without TMA keep their order."""
+    cpu = torch.device("cpu")
+    assert ta._tilings(ta.MID_BLOCKS, cpu)[:2] == (ta.MID_BLOCKS, ta.MID_BLOCKS_COMPACT)
+    monkeypatch.setattr(ta, "_has_tma", lambda device: False)
+    assert ta._tilings(ta.MID_BLOCKS, cpu)[0] is ta.MID_BLOCKS_COMPACT
+    assert ta._tilings(ta.FEW_BLOCKS, cpu)[0] is ta.FEW_BLOCKS_COMPACT
+    assert ta._tilings(ta.BIG_BLOCKS, cpu)[0] is ta.BIG_BLOCKS
+    k = torch.zeros(1, 1, 64, 32)
+    assert ta._kv_descriptors(k, k, k, k, 32) is None
 
 
 @kernels

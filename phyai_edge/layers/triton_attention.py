@@ -95,20 +95,39 @@ class SplitConfig:
 FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=4, stages=3, min_keys=128, inline_merge=True, tma=True)
 FEW_BLOCKS_COMPACT = SplitConfig(block_m=16, block_n=64, warps=8, stages=2, min_keys=128, inline_merge=True)
 MANY_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=1, min_keys=64, inline_merge=False)
-MID_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=2, min_keys=NO_SPLIT, inline_merge=False)
+# 64-row blocks (the prefix at batch 1, the expert at batch 8-16) since 2026-12-04 (sixteenth
+# session, `benchmarks/attention_gpu.py`, side by side): key / value tiles by TMA with three stages,
+# prefix b1 27.4 -> 23.9 us, expert b8 29.6 -> 22.8, b16 30.6 -> 23.2 (two TMA stages: no gain; the
+# per-block clocks of `attention_timeline_gpu.py` went 2.6 -> 1.8 us a 64-key block). It asks ~225 KB
+# of shared memory (Hopper); elsewhere `MID_BLOCKS_COMPACT`, the tiling it replaced, runs instead.
+MID_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=3, min_keys=NO_SPLIT, inline_merge=False, tma=True)
+MID_BLOCKS_COMPACT = SplitConfig(block_m=64, block_n=64, warps=4, stages=2, min_keys=NO_SPLIT, inline_merge=False)
 BIG_BLOCKS = SplitConfig(block_m=128, block_n=64, warps=8, stages=2, min_keys=NO_SPLIT, inline_merge=False)
 BIG_BLOCK_M = 128
 # Where the shape's tiling asks for more shared memory than the GPU has (compiled by Triton 3.9:
-# BIG_BLOCKS 128 KB, MID_BLOCKS 96 KB, FEW_BLOCKS_COMPACT 72 KB a block, against 99 KB on an RTX GPU,
-# 163 KB on Orin, 227 KB on Hopper), these are tried in order; the last asks for the least. FEW_BLOCKS
-# falls back to its compact form first (`_fallbacks`), so the batch-1 expert keeps its class.
+# BIG_BLOCKS 128 KB, MID_BLOCKS_COMPACT 96 KB, FEW_BLOCKS_COMPACT 72 KB a block, against 99 KB on an
+# RTX GPU, 163 KB on Orin, 227 KB on Hopper), these are tried in order; the last asks for the least.
+# The TMA tilings fall back to their compact forms first (`_fallbacks`), so each shape keeps its class.
 SMALL_BLOCKS = SplitConfig(block_m=16, block_n=32, warps=4, stages=1, min_keys=64, inline_merge=False)
-FALLBACK_TILINGS = (MID_BLOCKS, FEW_BLOCKS_COMPACT, SMALL_BLOCKS)
+FALLBACK_TILINGS = (MID_BLOCKS_COMPACT, FEW_BLOCKS_COMPACT, SMALL_BLOCKS)
 
 
 def _fallbacks(chosen: SplitConfig) -> tuple[SplitConfig, ...]:
     """The tilings `launch_fitting` tries after `chosen` where it does not fit the GPU."""
     return (FEW_BLOCKS_COMPACT, SMALL_BLOCKS) if chosen is FEW_BLOCKS else FALLBACK_TILINGS
+
+
+def _tilings(chosen: SplitConfig, device: torch.device) -> tuple[SplitConfig, ...]:
+    """`chosen` and its fallbacks, in the order `launch_fitting` tries them. A TMA tiling on a GPU
+    without TMA (before Hopper) starts at its fallback: its stage count was measured for TMA tiles."""
+    rest = _fallbacks(chosen)
+    return (chosen, *rest) if not chosen.tma or _has_tma(device) else rest
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Whether key / value tiles may be loaded by TMA descriptors on `device`: Hopper and later, or
+    the CPU interpreter (which runs the descriptor path)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 _INLINE_MERGE = True
@@ -376,7 +395,7 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         return launch(config)
     b, hkv, rows, _ = q.shape
     chosen = default_config(rows, b * hkv, _sm_count(q.device))
-    return launch_fitting("split attention", q.device, (chosen, *_fallbacks(chosen)), launch)
+    return launch_fitting("split attention", q.device, _tilings(chosen, q.device), launch)
 
 
 def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tensor],
@@ -443,14 +462,20 @@ def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
 def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, k2: torch.Tensor, v2: torch.Tensor,
                     block_n: int) -> tuple[Any, ...] | None:
     """TMA descriptors of the key / value parts, (1, 1, block_n, D) tiles; None where TMA cannot
-    take them (no `triton.tools.tensor_descriptor`, an empty part, strides not 16-byte multiples)."""
+    take them (no `triton.tools.tensor_descriptor`, both parts empty, strides not 16-byte
+    multiples). An empty part (the prefix's one-part call) gets the other part's descriptors: the
+    kernel's loop over an empty part never runs, so they are never read."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # pragma: no cover - triton < 3.4
         return None
-    parts = (k, v, k2, v2)
-    if k.is_cuda and torch.cuda.get_device_capability(k.device)[0] < 9:  # TMA: Hopper and later
+    if not _has_tma(k.device):
         return None
+    if k.shape[2] == 0:
+        k, v = k2, v2
+    elif k2.shape[2] == 0:
+        k2, v2 = k, v
+    parts = (k, v, k2, v2)
     if any(t.shape[2] == 0 or t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1])
            or t.data_ptr() % 16 for t in parts):
         return None
