@@ -72,16 +72,18 @@ def sweep_configs(tiny: bool, big_blocks: bool = False) -> list[ta.SplitConfig]:
 
 
 def parse_configs(spec: str) -> list[ta.SplitConfig]:
-    """'bm,bn,warps,stages,min_keys[,inline[,ws[,tma]]];...' -> tilings (inline: 1 merges in the
+    """'bm,bn,warps,stages,min_keys[,inline[,ws[,tma[,kr]]]];...' -> tilings (inline: 1 merges in the
     split kernel; a min_keys above the key count forces one split, so no merge at all; ws: 1
-    warp-specialises the key loops; tma: 1 loads the key / value tiles by TMA descriptors, Hopper)."""
+    warp-specialises the key loops; tma: 1 loads the key / value tiles by TMA descriptors, Hopper;
+    kr: 1 computes each key block transposed, `SplitConfig.keys_as_rows`)."""
     out = []
     for part in filter(None, (x.strip() for x in spec.split(";"))):
         v = [int(x) for x in part.split(",")]
-        if len(v) not in (5, 6, 7, 8):
-            raise ValueError(f"--configs entry {part!r}: want bm,bn,warps,stages,min_keys[,inline[,ws[,tma]]]")
+        if len(v) not in (5, 6, 7, 8, 9):
+            raise ValueError(f"--configs entry {part!r}: want bm,bn,warps,stages,min_keys[,inline[,ws[,tma[,kr]]]]")
         out.append(ta.SplitConfig(*v[:5], inline_merge=bool(v[5]) if len(v) >= 6 else v[0] <= 16,
-                                  warp_specialize=len(v) >= 7 and bool(v[6]), tma=len(v) == 8 and bool(v[7])))
+                                  warp_specialize=len(v) >= 7 and bool(v[6]), tma=len(v) >= 8 and bool(v[7]),
+                                  keys_as_rows=len(v) == 9 and bool(v[8])))
     return out
 
 
@@ -252,7 +254,7 @@ def main() -> None:
     p.add_argument("--big-blocks", action="store_true", help="sweep 64- and 128-row blocks instead of 16-64")
     p.add_argument("--shapes", default=None, help="comma-separated shape names to run (e.g. 'expert b32,prefix b32')")
     p.add_argument("--configs", default=None,
-                   help="time these tilings instead of a sweep: 'bm,bn,warps,stages,min_keys[,inline[,ws[,tma]]];...'")
+                   help="time these tilings instead of a sweep: 'bm,bn,warps,stages,min_keys[,inline[,ws[,tma[,kr]]]];...'")
     p.add_argument("--dense", action="store_true",
                    help="also SDPA with no mask on keys already in one buffer (every key valid; cuDNN first)")
     p.add_argument("--vision", action="store_true",

@@ -15,8 +15,8 @@ global timer, when programs start and end relative to the first one (the launch 
 
     PYTHONPATH=$PWD python3 benchmarks/attention_timeline_gpu.py --json $OUT/attn_timeline.json   # H200
 
-`--variants "name:bm,bn,warps,stages,min_keys,inline,tma;..."` traces other tilings of the same
-call (`SplitConfig`; "default" alone is the shape's `default_config`).
+`--variants "name:bm,bn,warps,stages,min_keys,inline,tma[,keys_as_rows];..."` traces other tilings
+of the same call (`SplitConfig`; "default" alone is the shape's `default_config`).
 
 GPU only (the clock reads are inline PTX, which Triton's interpreter does not run); the summary is
 tested on the CPU on a made-up trace (`tests/test_benchmarks_plumbing.py`).
@@ -125,9 +125,10 @@ def parse_variants(text: str) -> list[tuple[str, Any]]:
             out.append((name.strip(), None))
             continue
         v = [int(x) for x in spec.split(",")]
-        if len(v) != 7:
-            raise SystemExit(f"--variants: {item!r} needs bm,bn,warps,stages,min_keys,inline,tma")
-        out.append((name.strip(), SplitConfig(*v[:5], inline_merge=bool(v[5]), tma=bool(v[6]))))
+        if len(v) not in (7, 8):
+            raise SystemExit(f"--variants: {item!r} needs bm,bn,warps,stages,min_keys,inline,tma[,keys_as_rows]")
+        out.append((name.strip(), SplitConfig(*v[:5], inline_merge=bool(v[5]), tma=bool(v[6]),
+                                              keys_as_rows=len(v) == 8 and bool(v[7]))))
     return out
 
 

@@ -15,9 +15,9 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
                             that `triton_gemm.CONFIGS` entry (e.g. geglu/m64=64,32,128,4,3,2)
   residual=bm,bn,bk,warps,stages[,split]
                             `triton_fold.RESIDUAL_CONFIG` (o_proj / down with the fold)
-  few=bm,bn,warps,stages,min_keys,inline,tma
+  few=bm,bn,warps,stages,min_keys,inline,tma[,keys_as_rows]
                             `triton_attention.FEW_BLOCKS` (the batch-1 expert attention's tiling)
-  mid=bm,bn,warps,stages,min_keys,inline,tma
+  mid=bm,bn,warps,stages,min_keys,inline,tma[,keys_as_rows]
                             `triton_attention.MID_BLOCKS` (the batch-1 prefix's attention tiling)
 
     python benchmarks/engine_ab_gpu.py --variants "default;split qkv:qkv_rope/m64=64,16,128,4,4,2" --reps 150
@@ -109,9 +109,10 @@ def parse_variants(text: str) -> list[Variant]:
             key, eq, spec = knob.partition("=")
             if key in ATTENTION_TILINGS and eq:
                 f = [int(x) for x in spec.split(",")]
-                if len(f) != 7:
-                    raise SystemExit(f"--variants: {knob!r} needs bm,bn,warps,stages,min_keys,inline,tma")
-                v.configs[key] = SplitConfig(*f[:5], inline_merge=bool(f[5]), tma=bool(f[6]))
+                if len(f) not in (7, 8):
+                    raise SystemExit(f"--variants: {knob!r} needs bm,bn,warps,stages,min_keys,inline,tma[,keys_as_rows]")
+                v.configs[key] = SplitConfig(*f[:5], inline_merge=bool(f[5]), tma=bool(f[6]),
+                                             keys_as_rows=len(f) == 8 and bool(f[7]))
                 continue
             if not eq or (key != "residual" and key not in CONFIGS):
                 raise SystemExit(f"--variants: unknown knob {knob!r} (unfolded, residual=..., or a CONFIGS key "

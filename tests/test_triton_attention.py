@@ -165,6 +165,10 @@ def test_tma_tiling_with_an_empty_key_part(poisoned, split_at):
     ta.SplitConfig(block_m=16, block_n=32, warps=4, stages=3, min_keys=32, inline_merge=True, tma=True),
     ta.SplitConfig(block_m=64, block_n=64, warps=4, stages=2, min_keys=16, tma=True),
     ta.SplitConfig(block_m=64, block_n=64, warps=4, stages=3, min_keys=16, tma=True),  # MID_BLOCKS' form, split
+    # each key block computed transposed (keys x rows), by TMA and by pointers
+    ta.SplitConfig(block_m=16, block_n=32, warps=4, stages=3, min_keys=32, inline_merge=True, tma=True,
+                   keys_as_rows=True),
+    ta.SplitConfig(block_m=32, block_n=64, warps=4, stages=2, min_keys=64, keys_as_rows=True),
 ])
 def test_tilings_agree(poisoned, config):
     """Every tiling the GPU sweep may choose gives the reference's result, with the two key parts

@@ -75,6 +75,10 @@ class SplitConfig:
     # Load the key / value tiles with the tensor-memory accelerator (Hopper; host-side descriptors)
     # instead of per-thread asynchronous copies: measured by `benchmarks/attention_timeline_gpu.py`.
     tma: bool = False
+    # Compute each key block transposed (scores as keys x rows, the output as D x rows): the products
+    # then have the keys or D as their 64-row side, which Hopper's warpgroup MMA needs, where 16
+    # query rows alone compile to the older synchronous MMA. Measured by the benchmarks.
+    keys_as_rows: bool = False
 
 
 # Measured on an H200 (benchmarks/attention_gpu.py, RESULTS.md 2026-12-03), PI0.5's head size 256.
@@ -204,6 +208,39 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _attend_block_t(qt, kt, vb, ok, m_i, l_i, acc_t, scale_log2, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """`_attend_block` transposed: qt (D, BLOCK_M), acc_t (D, BLOCK_M), the scores (BLOCK_N,
+        BLOCK_M), the statistics per column; the same online softmax."""
+        k = tl.trans(kt)
+        vt = tl.trans(vb)
+        if UPCAST:
+            k = k.to(tl.float32)
+        if IEEE:
+            s = (tl.dot(k, qt, input_precision="ieee") * scale_log2).to(tl.float32)
+        else:
+            s = (tl.dot(k, qt) * scale_log2).to(tl.float32)
+        s = tl.where(ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        if UPCAST:
+            acc_t = acc_t * alpha[None, :] + tl.dot(vt.to(tl.float32), p.to(vb.dtype).to(tl.float32))
+        elif IEEE:
+            acc_t = acc_t * alpha[None, :] + tl.dot(vt, p.to(vb.dtype), input_precision="ieee")
+        else:
+            acc_t = acc_t * alpha[None, :] + tl.dot(vt, p.to(vb.dtype))
+        return m_new, l_i, acc_t
+
+    @triton.jit
+    def _attend_either(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                       KEYS_AS_ROWS: tl.constexpr):
+        if KEYS_AS_ROWS:
+            return _attend_block_t(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+        else:
+            return _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+
+    @triton.jit
     def _kv_tiles(k_desc, v_desc, k_ptr, v_ptr, b, h, n, limit, d, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                   TMA: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
         """One key part's block of keys n.. as kt (D, BLOCK_N) and values (BLOCK_N, D), positions
@@ -231,7 +268,7 @@ if triton is not None:
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         FINAL: tl.constexpr, MERGE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
         WS: tl.constexpr, LSE_OUT: tl.constexpr, SPLITS: tl.constexpr, TRACE: tl.constexpr = False,
-        TMA: tl.constexpr = False,
+        TMA: tl.constexpr = False, KEYS_AS_ROWS: tl.constexpr = False,
     ):
         """One (query block, key split, batch x KV head) program. FINAL (one split): the output
         goes straight to out. Else a float32 partial and its log-sum-exp (base 2) go to o / lse;
@@ -243,7 +280,8 @@ if triton is not None:
         trace: %globaltimer and %clock64 at its start, %clock64 once its queries are loaded, once its
         keys are done, once its ticket is drawn and once it has merged (0 where it does not), then
         %clock64 and %globaltimer at its end, and its SM; then %clock64 as each of its first four
-        blocks of cached keys is done."""
+        blocks of cached keys is done. KEYS_AS_ROWS: each block computed transposed
+        (`_attend_block_t`), the same sums."""
         pdl_enter(PDL)
         if TRACE:
             g_start = tl.extra.cuda.globaltimer()
@@ -256,7 +294,13 @@ if triton is not None:
         h = bh % HKV
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + b * sq_b + h * sq_h + r[:, None] * sq_m + d[None, :], mask=r[:, None] < rows, other=0.0)
+        q_rows = q_ptr + b * sq_b + h * sq_h
+        if KEYS_AS_ROWS:  # q and the accumulator held transposed, (D, BLOCK_M)
+            q = tl.load(q_rows + r[None, :] * sq_m + d[:, None], mask=r[None, :] < rows, other=0.0)
+            acc = tl.zeros([D, BLOCK_M], tl.float32)
+        else:
+            q = tl.load(q_rows + r[:, None] * sq_m + d[None, :], mask=r[:, None] < rows, other=0.0)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
         if UPCAST:
             q = q.to(tl.float32)
         if TRACE:
@@ -264,7 +308,6 @@ if triton is not None:
         # A finite start: a block whose keys are all masked then gives p = 0, not exp(-inf + inf).
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
         start = split * keys_per_split
         end = tl.minimum(start + keys_per_split, keys)
         # Keys 0..keys1-1 come from the first part (the cached prefix), the rest from the second
@@ -276,7 +319,7 @@ if triton is not None:
             kt, vb = _kv_tiles(k_desc, v_desc, k_ptr, v_ptr, b, h, n0, end1, d, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                                TMA, BLOCK_N, D)
             ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
-            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+            m_i, l_i, acc = _attend_either(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE, KEYS_AS_ROWS)
             if TRACE:
                 it = (n0 - start) // BLOCK_N
                 tl.store(slot + 9 + it, _clock_after(tl.sum(l_i, axis=0)), mask=it < 4)
@@ -285,11 +328,13 @@ if triton is not None:
             kt, vb = _kv_tiles(k2_desc, v2_desc, k2_ptr, v2_ptr, b, h, n0 - keys1, end - keys1, d, sk2_b, sk2_h, sk2_n,
                                sv2_b, sv2_h, sv2_n, TMA, BLOCK_N, D)
             ok = _keys_allowed(m_ptr, b, sm_b, c, end)
-            m_i, l_i, acc = _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE)
+            m_i, l_i, acc = _attend_either(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST, IEEE, KEYS_AS_ROWS)
         if TRACE:
             c_keys = _clock_after(tl.sum(l_i, axis=0))
             c_ticket = c_keys
             c_merged = tl.full([], 0, tl.int64)
+        if KEYS_AS_ROWS:
+            acc = tl.trans(acc)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # a split with no allowed key: 0, weighted 0 below
         # Row r of the folded query is (group r // tq, token r % tq): a final output goes straight
         # to its (B, Tq, Hq, D) place, so the o-projection reads it without a transpose copy.
@@ -446,7 +491,7 @@ def _split_attention_launch(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
         HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn, FINAL=final, MERGE=merge, UPCAST=interpret_mode(),
         IEEE=q.dtype == torch.float32,
         WS=cfg.warp_specialize, LSE_OUT=lse_out is not None, SPLITS=splits, TRACE=trace is not None,
-        TMA=descs is not None,
+        TMA=descs is not None, KEYS_AS_ROWS=cfg.keys_as_rows,
         num_warps=cfg.warps,
         num_stages=cfg.stages, **launch_options(q),
     )
