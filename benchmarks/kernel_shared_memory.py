@@ -54,17 +54,21 @@ def _signature(fn: Any, pointers: dict[str, str], floats: set[str]) -> dict[str,
     return sig
 
 
-def forward(cfg: ta.SplitConfig, trace: bool = False) -> tuple[Any, dict[str, str], dict[str, Any]]:
+def forward(cfg: ta.SplitConfig, arch: int, trace: bool = False) -> tuple[Any, dict[str, str], dict[str, Any]]:
+    """The split kernel as a launch on `arch` compiles it: a TMA tiling takes tensor descriptors from
+    sm_90 on and pointer loads before (as `_kv_descriptors` decides at run time)."""
+    tma = cfg.tma and arch >= 90
+    desc = f"tensordesc<bf16[1,1,{cfg.block_n},256]>" if tma else "*bf16"
     ptrs = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "k2_ptr", "v2_ptr", "out_ptr"), "*bf16"), "m_ptr": "*u8",
             **dict.fromkeys(("o_ptr", "lse_ptr", "lse_out_ptr"), "*fp32"), "ticket_ptr": "*i32", "trace_ptr": "*i64",
-            **dict.fromkeys(("k_desc", "v_desc", "k2_desc", "v2_desc"), "*bf16")}
+            **dict.fromkeys(("k_desc", "v_desc", "k2_desc", "v2_desc"), desc)}
     const = dict(HKV=1, D=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FINAL=cfg.min_keys >= NO_SPLIT,
                  MERGE=cfg.inline_merge, UPCAST=False, IEEE=False, PDL=False, WS=False, LSE_OUT=True, TRACE=trace,
-                 SPLITS=1 if cfg.min_keys >= NO_SPLIT else 5)
+                 SPLITS=1 if cfg.min_keys >= NO_SPLIT else 5, TMA=tma, KEYS_AS_ROWS=cfg.keys_as_rows)
     return ta._split_attn_kernel, _signature(ta._split_attn_kernel, ptrs, {"scale_log2"}), const
 
 
-def backward(cfg: tg.GradConfig) -> tuple[Any, dict[str, str], dict[str, Any]]:
+def backward(cfg: tg.GradConfig, arch: int) -> tuple[Any, dict[str, str], dict[str, Any]]:
     ptrs = {**dict.fromkeys(("q_ptr", "do_ptr", "o_ptr", "k_ptr", "v_ptr", "k2_ptr", "v2_ptr", "dq_ptr", "dk_ptr",
                              "dv_ptr"), "*bf16"), "m_ptr": "*u8",
             **dict.fromkeys(("lse_ptr", "pq_ptr", "pkv_ptr"), "*fp32"), "ticket_ptr": "*i32"}
@@ -89,7 +93,8 @@ def main() -> None:
     args = p.parse_args()
     archs = [int(a) for a in args.archs.split(",")]
     tilings = [(f"forward {n}", forward, getattr(ta, n)) for n in
-               ("FEW_BLOCKS", "FEW_BLOCKS_COMPACT", "MANY_BLOCKS", "MID_BLOCKS", "BIG_BLOCKS", "SMALL_BLOCKS")]
+               ("FEW_BLOCKS", "FEW_BLOCKS_COMPACT", "MANY_BLOCKS", "MID_BLOCKS", "MID_BLOCKS_COMPACT", "BIG_BLOCKS",
+                "SMALL_BLOCKS")]
     tilings += [("backward GradConfig()", backward, tg.GradConfig()), ("backward LARGE_GRAD", backward, tg.LARGE_GRAD),
                 ("backward SMALL_GRAD", backward, tg.SMALL_GRAD)]
     heads = [" ".join((f"sm_{a}", NAMES.get(a, ""))) for a in archs]
@@ -101,7 +106,7 @@ def main() -> None:
     for label, build, cfg in tilings:
         cells = []
         for arch in archs:
-            fn, sig, const = build(cfg)
+            fn, sig, const = build(cfg, arch)
             try:
                 k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", arch, 32),
                                    options={"num_warps": cfg.warps, "num_stages": cfg.stages})

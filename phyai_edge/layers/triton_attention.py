@@ -94,16 +94,18 @@ class SplitConfig:
 # The expert at batch 1-2 since 2026-12-04 (fifteenth session, `benchmarks/attention_timeline_gpu.py`:
 # each program's key loop took ~2.6 us a 64-key block and the merge ~3 us of the ~13): key / value
 # tiles by TMA, three stages on 4 warps, the merge unrolled: 12.2 -> 10.9 us alone, the batch-1 flow
-# loop -3.8% end to end. It asks ~192 KB of shared memory: elsewhere (RTX 99 KB, Orin 163 KB; no TMA
-# before Hopper) `FEW_BLOCKS_COMPACT`, the tiling it replaced, runs instead.
+# loop -3.8% end to end. Compiled for sm_90 (Triton 3.6 and 3.9) it asks 141344 bytes of shared memory;
+# before Hopper (no TMA: Orin, RTX 30 / 40) or where it does not fit, `FEW_BLOCKS_COMPACT`, the tiling
+# it replaced, runs instead (`_tilings`).
 FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=4, stages=3, min_keys=128, inline_merge=True, tma=True)
 FEW_BLOCKS_COMPACT = SplitConfig(block_m=16, block_n=64, warps=8, stages=2, min_keys=128, inline_merge=True)
 MANY_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=1, min_keys=64, inline_merge=False)
 # 64-row blocks (the prefix at batch 1, the expert at batch 8-16) since 2026-12-04 (sixteenth
 # session, `benchmarks/attention_gpu.py`, side by side): key / value tiles by TMA with three stages,
 # prefix b1 27.4 -> 23.9 us, expert b8 29.6 -> 22.8, b16 30.6 -> 23.2 (two TMA stages: no gain; the
-# per-block clocks of `attention_timeline_gpu.py` went 2.6 -> 1.8 us a 64-key block). It asks ~225 KB
-# of shared memory (Hopper); elsewhere `MID_BLOCKS_COMPACT`, the tiling it replaced, runs instead.
+# per-block clocks of `attention_timeline_gpu.py` went 2.6 -> 1.8 us a 64-key block). Compiled for sm_90
+# it asks 230400 bytes of shared memory (Hopper's limit is 232448); before Hopper or where it does not
+# fit, `MID_BLOCKS_COMPACT`, the tiling it replaced, runs instead.
 MID_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=3, min_keys=NO_SPLIT, inline_merge=False, tma=True)
 MID_BLOCKS_COMPACT = SplitConfig(block_m=64, block_n=64, warps=4, stages=2, min_keys=NO_SPLIT, inline_merge=False)
 BIG_BLOCKS = SplitConfig(block_m=128, block_n=64, warps=8, stages=2, min_keys=NO_SPLIT, inline_merge=False)
