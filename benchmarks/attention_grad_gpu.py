@@ -10,7 +10,8 @@ cached prefix keys, a few of them masked, and the step's own 50 keys; head size 
 - the backward launch alone for that tiling ("default") and every tiling of a sweep
   (`triton_grad.GradConfig`; `--focus`: a short one around the rule's two tilings; `--kv-focus`: the
   dk / dv programs' key blocks, row blocks and row ranges around both; `--latency-focus`: the large
-  tiling's pipeline depth, key blocks and dq key ranges), each checked against fp32 autograd first.
+  tiling's pipeline depth, key blocks and dq key ranges; `--transposed-focus`: the dq key blocks as
+  keys x rows beside the same tilings as rows x keys), each checked against fp32 autograd first.
 Every gradient is checked against the fp32 reference (q, the new keys, the new values; relative
 Frobenius error). Prints one table per shape and the rule it suggests for
 `triton_attention.GRAD_KERNEL_MAX_HEADS`.
@@ -53,13 +54,21 @@ BATCHES = (1, 2, 4, 8, 16, 32)
 CALLS = 10  # calls per captured graph
 
 
-def sweep(tiny: bool, focus: bool = False, kv_focus: bool = False, latency_focus: bool = False) -> list[Any]:
+def sweep(tiny: bool, focus: bool = False, kv_focus: bool = False, latency_focus: bool = False,
+          transposed_focus: bool = False) -> list[Any]:
     from phyai_edge.layers.triton_dispatch import NO_SPLIT
     from phyai_edge.layers.triton_grad import LARGE_GRAD, GradConfig
 
     if tiny:
         return [GradConfig(block_n=16, min_keys=16, min_rows=16), GradConfig(block_m=32, kv_block_m=32)]
     out = []
+    if transposed_focus:
+        # the dq key blocks computed as keys x rows (`GradConfig.keys_as_rows`: Hopper's warpgroup MMA
+        # for 32-row blocks too), beside the same tilings as rows x keys
+        for base in (GradConfig(), LARGE_GRAD, GradConfig(block_n=32), GradConfig(stages=2), GradConfig(block_m=16),
+                     GradConfig(block_m=64, kv_block_m=64)):
+            out += [base, replace(base, keys_as_rows=True)]
+        return out
     if latency_focus:
         # the dq programs walk every key in sequence; read from memory (not L2) each key block waits
         # longer, which deeper pipelines, narrower key blocks or more programs (key ranges) could hide
@@ -220,11 +229,14 @@ def run_batch(b: int, device: torch.device, dtype: torch.dtype, configs: list[An
 def print_batch(res: dict[str, Any]) -> None:
     print(f"\nexpert attention, batch {res['batch']}" + (f" ({res['sets']} input sets, cycled)" if res["sets"] > 1 else ""))
     print(f"  {'variant':34s} {'us':>9s} {'rel err':>9s}  config / plan (dq ranges, keys, dk-dv ranges, rows)")
-    shown = [r for r in res["rows"] if r["variant"] != "backward"] + ([res["best"]] if res["best"] else [])
+    swept = [r for r in res["rows"] if r["variant"] == "backward"]
+    # a short sweep (a focus) is printed whole; a long one by its best
+    shown = [r for r in res["rows"] if r["variant"] != "backward"] + (
+        swept if len(swept) <= 16 else [res["best"]] if res["best"] else [])
     for r in shown:
         us = f"{r['us']:9.1f}" if "us" in r else f"{'-':>9s}"
         err = f"{r['rel_err']:9.2e}" if "rel_err" in r else f"{'-':>9s}"
-        label = "backward, best of sweep" if r is res["best"] else r["variant"]
+        label = "backward, best of sweep" if r is res["best"] and len(swept) > 16 else r["variant"]
         cfg = r.get("config")
         tail = r.get("error", "") or (f"{cfg} {r.get('plan')}" if cfg else "")
         tf = f" ({r['tflops']:.0f} TFLOP/s)" if "tflops" in r else ""
@@ -241,6 +253,8 @@ def main() -> None:
     p.add_argument("--focus", action="store_true", help="a short sweep around the tilings the rule chooses")
     p.add_argument("--kv-focus", action="store_true",
                    help="a sweep of the dk / dv programs' blocks and row ranges around both tilings")
+    p.add_argument("--transposed-focus", action="store_true",
+                   help="the dq key blocks as keys x rows (GradConfig.keys_as_rows) beside the same tilings as rows x keys")
     p.add_argument("--latency-focus", action="store_true",
                    help="a sweep of the large tiling's dq pipeline depth, key blocks and key ranges (use with --cold)")
     p.add_argument("--cold", action="store_true",
@@ -253,7 +267,8 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16
     batches = tuple(int(x) for x in args.batches.split(",")) if args.batches else ((1, 2) if args.tiny else BATCHES)
-    configs = [] if (args.no_sweep or args.fwd_bwd_only) else sweep(args.tiny, args.focus, args.kv_focus, args.latency_focus)
+    configs = [] if (args.no_sweep or args.fwd_bwd_only) else sweep(args.tiny, args.focus, args.kv_focus, args.latency_focus,
+                                                                    args.transposed_focus)
     if args.block_m:
         keep = {int(x) for x in args.block_m.split(",")}
         configs = [c for c in configs if c.block_m in keep]

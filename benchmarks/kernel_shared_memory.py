@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import re
+from dataclasses import replace
 from typing import Any
 
 import triton
@@ -73,7 +74,7 @@ def backward(cfg: tg.GradConfig, arch: int) -> tuple[Any, dict[str, str], dict[s
                              "dv_ptr"), "*bf16"), "m_ptr": "*u8",
             **dict.fromkeys(("lse_ptr", "pq_ptr", "pkv_ptr"), "*fp32"), "ticket_ptr": "*i32"}
     const = dict(HKV=1, D=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=cfg.kv_block_m,
-                 KV_BLOCK_N=cfg.kv_block_n, UPCAST=False, IEEE=False, PDL=False)
+                 KV_BLOCK_N=cfg.kv_block_n, UPCAST=False, IEEE=False, PDL=False, KEYS_AS_ROWS=cfg.keys_as_rows)
     return tg._attn_bwd_kernel, _signature(tg._attn_bwd_kernel, ptrs, {"scale_log2", "scale"}), const
 
 
@@ -95,8 +96,10 @@ def main() -> None:
     tilings = [(f"forward {n}", forward, getattr(ta, n)) for n in
                ("FEW_BLOCKS", "FEW_BLOCKS_COMPACT", "MANY_BLOCKS", "MID_BLOCKS", "MID_BLOCKS_COMPACT", "BIG_BLOCKS",
                 "SMALL_BLOCKS")]
+    tilings += [("forward FEW keys as rows", forward, replace(ta.FEW_BLOCKS, keys_as_rows=True))]
     tilings += [("backward GradConfig()", backward, tg.GradConfig()), ("backward LARGE_GRAD", backward, tg.LARGE_GRAD),
-                ("backward SMALL_GRAD", backward, tg.SMALL_GRAD)]
+                ("backward SMALL_GRAD", backward, tg.SMALL_GRAD),
+                ("backward keys as rows", backward, replace(tg.GradConfig(), keys_as_rows=True))]
     heads = [" ".join((f"sm_{a}", NAMES.get(a, ""))) for a in archs]
     if args.mma:
         print(f"triton {triton.__version__}; matrix products as compiled (TTGIR)")

@@ -106,9 +106,10 @@ def test_engine_ab_variants_set_their_knobs_and_put_them_back() -> None:
     assert triton_attention.FEW_BLOCKS is few
     (m,) = parse_variants("m:mid=64,64,4,2,2000,0,0,1")  # the 64-row class, pointer loads, keys as rows
     mid = triton_attention.MID_BLOCKS
+    want = triton_attention.SplitConfig(64, 64, 4, 2, 2000, False, tma=False, keys_as_rows=True)
     with m.active():
-        assert triton_attention.MID_BLOCKS == triton_attention.SplitConfig(64, 64, 4, 2, 2000, False, tma=False,
-                                                                           keys_as_rows=True)
+        active = triton_attention.MID_BLOCKS
+        assert active == want
         assert triton_attention.FEW_BLOCKS is few
     assert triton_attention.MID_BLOCKS is mid
     for bad in ("x:geglu/m65=64,32,128,4,3", "x:geglu/m64=64,32", "x;x", "x:few=16,64", "x:mid=64,64,4,2,2000,0,0,1,1"):
