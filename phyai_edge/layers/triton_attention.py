@@ -77,7 +77,8 @@ class SplitConfig:
     tma: bool = False
     # Compute each key block transposed (scores as keys x rows, the output as D x rows): the products
     # then have the keys or D as their 64-row side, which Hopper's warpgroup MMA needs, where 16
-    # query rows alone compile to the older synchronous MMA. Measured by the benchmarks.
+    # query rows alone compile to the older synchronous MMA (Triton 3.6 and 3.9 for sm_90, on the
+    # CPU). Not yet timed on a GPU (`benchmarks/attention_timeline_gpu.py` takes it): off everywhere.
     keys_as_rows: bool = False
 
 
