@@ -434,8 +434,8 @@ def _split_attention_triton(q: torch.Tensor, ks: tuple[torch.Tensor, torch.Tenso
     -> (B, Tq, Hkv * G, D). `lse_out` (B x Hkv, G * Tq) float32: where each folded row's
     log-sum-exp goes (base 2, of the scaled scores), for the backward. `trace`: an int64 buffer of
     `TRACE_SLOTS` per program for a timeline (`_split_attn_kernel`'s TRACE; a GPU only). `config` None:
-    `default_config`'s tiling for the shape, or where that does not fit the GPU the first of
-    `FALLBACK_TILINGS` that does (`triton_dispatch.launch_fitting`)."""
+    `default_config`'s tiling for the shape, or where that does not fit the GPU (or is a TMA tiling on
+    a GPU without TMA) the first of its fallbacks that does (`_tilings`, `triton_dispatch.launch_fitting`)."""
     def launch(cfg: SplitConfig) -> torch.Tensor:
         return _split_attention_launch(q, ks, vs, key_mask, scale, splits, tq, cfg, tickets, lse_out, trace)
 
