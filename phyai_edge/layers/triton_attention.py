@@ -182,57 +182,36 @@ def kernel_takes(q: torch.Tensor, mask: torch.Tensor) -> bool:
 
 if triton is not None:
     from phyai_edge.layers.triton_dispatch import pdl_enter
-    from phyai_edge.layers.triton_math import _clock, _clock_after, _keys_allowed, _last_of
+    from phyai_edge.layers.triton_math import _clock, _clock_after, _dot, _keys_allowed, _last_of
 
     @triton.jit
     def _attend_block(q, kt, vb, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         """One key block of the online softmax: kt (D, BLOCK_N), vb (BLOCK_N, D), ok (BLOCK_N,)
         the keys that may be attended; returns the updated (max, sum, accumulator). IEEE (float32
         operands on a GPU): no TF32 rounding in the dots, so a float32 call means float32."""
-        if UPCAST:
-            kt = kt.to(tl.float32)
         # float32 explicitly: under torch.compile a Python float argument arrives as fp64, which
         # would turn the loop-carried statistics into fp64.
-        if IEEE:
-            s = (tl.dot(q, kt, input_precision="ieee") * scale_log2).to(tl.float32)
-        else:
-            s = (tl.dot(q, kt) * scale_log2).to(tl.float32)
+        s = (_dot(q, kt, UPCAST, IEEE) * scale_log2).to(tl.float32)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if UPCAST:  # round p as the GPU path does, then multiply in float32
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype).to(tl.float32), vb.to(tl.float32))
-        elif IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+        # p rounded to the values' dtype first, on every path, as the GPU's product takes it
+        acc = acc * alpha[:, None] + _dot(p.to(vb.dtype), vb, UPCAST, IEEE)
         return m_new, l_i, acc
 
     @triton.jit
     def _attend_block_t(qt, kt, vb, ok, m_i, l_i, acc_t, scale_log2, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         """`_attend_block` transposed: qt (D, BLOCK_M), acc_t (D, BLOCK_M), the scores (BLOCK_N,
         BLOCK_M), the statistics per column; the same online softmax."""
-        k = tl.trans(kt)
-        vt = tl.trans(vb)
-        if UPCAST:
-            k = k.to(tl.float32)
-        if IEEE:
-            s = (tl.dot(k, qt, input_precision="ieee") * scale_log2).to(tl.float32)
-        else:
-            s = (tl.dot(k, qt) * scale_log2).to(tl.float32)
+        s = (_dot(tl.trans(kt), qt, UPCAST, IEEE) * scale_log2).to(tl.float32)
         s = tl.where(ok[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[None, :])
         l_i = l_i * alpha + tl.sum(p, 0)
-        if UPCAST:
-            acc_t = acc_t * alpha[None, :] + tl.dot(vt.to(tl.float32), p.to(vb.dtype).to(tl.float32))
-        elif IEEE:
-            acc_t = acc_t * alpha[None, :] + tl.dot(vt, p.to(vb.dtype), input_precision="ieee")
-        else:
-            acc_t = acc_t * alpha[None, :] + tl.dot(vt, p.to(vb.dtype))
+        acc_t = acc_t * alpha[None, :] + _dot(tl.trans(vb), p.to(vb.dtype), UPCAST, IEEE)
         return m_new, l_i, acc_t
 
     @triton.jit

@@ -66,6 +66,7 @@ from phyai_edge.layers.triton_dispatch import (
 if triton is not None:
     from phyai_edge.layers.triton_dispatch import pdl_enter
     from phyai_edge.layers.triton_math import (
+        _dot,
         _gelu_tanh_grad,
         _keys_allowed,
         _last_of,
@@ -218,16 +219,6 @@ def geglu_grad(gate_up: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 # -- the split attention's backward -----------------------------------------------------------------
 if triton is not None:
-
-    @triton.jit
-    def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-        """a @ b with float32 accumulation (operands upcast under the interpreter, which has no bf16
-        dot; IEEE for float32 operands on a GPU, so no TF32 rounding)."""
-        if UPCAST:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32))
-        if IEEE:
-            return tl.dot(a, b, input_precision="ieee")
-        return tl.dot(a, b)
 
     @triton.jit
     def _folded_rows(ptr, b, head, tok, s_b, s_h, s_t, d):

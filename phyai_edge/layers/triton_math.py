@@ -1,14 +1,24 @@
 """Device functions the Triton kernel modules share, so a forward kernel, its GEMM-epilogue twins
 and its backward compute (and round) alike: GELU (tanh form) and its derivative, rotate-half RoPE
 and its transpose, the one-program-a-token head tile of the RoPE kernels, and the split attention's
-key-mask test and merge ticket (its forward and its backward). Imported only where triton is
-installed."""
+key-mask test, merge ticket and float32-accumulating product (its forward and its backward). Imported
+only where triton is installed."""
 
 from __future__ import annotations
 
 from phyai_edge.layers.triton_dispatch import tl, triton
 
 if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+        """a @ b with float32 accumulation (operands upcast under the interpreter, which has no bf16
+        dot; IEEE for float32 operands on a GPU, so no TF32 rounding)."""
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
 
     @triton.jit
     def _gelu_tanh_th(g):
