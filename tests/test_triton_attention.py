@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_triton_gemm import _RefusesStages  # a kernel stand-in refusing more than N pipeline stages
 
 from phyai_edge.layers import triton_attention as ta
 from phyai_edge.layers import triton_dispatch, triton_ops
@@ -278,19 +279,6 @@ class _RefusesBlockRows:
             if kw["BLOCK_M"] == self.block_m:
                 self.refused += 1
                 raise triton_dispatch.OutOfResources(262144, 101376, "shared memory")
-            return self.kernel[grid](*args, **kw)
-        return launch
-
-
-class _RefusesStages(_RefusesBlockRows):
-    """As `_RefusesBlockRows`, for tilings of more than `stages` pipeline stages (the batch-1 tiling's
-    three 64 KB stages, over an Orin's or RTX GPU's shared memory)."""
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            if kw["num_stages"] > self.block_m:
-                self.refused += 1
-                raise triton_dispatch.OutOfResources(196608, 166912, "shared memory")
             return self.kernel[grid](*args, **kw)
         return launch
 
