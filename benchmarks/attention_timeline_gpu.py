@@ -114,21 +114,23 @@ def table(name: str, s: dict[str, Any], us: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def parse_variants(text: str) -> list[tuple[str, Any]]:
-    """'name' (the default tiling) or 'name:bm,bn,warps,stages,min_keys,inline,tma', ';'-separated."""
+def split_config(spec: str, what: str) -> Any:
+    """'bm,bn,warps,stages,min_keys,inline,tma[,keys_as_rows]' -> `SplitConfig` (this script's
+    variants and `engine_ab_gpu.py`'s few= / mid= knobs); `what` names the text in the error."""
     from phyai_edge.layers.triton_attention import SplitConfig
 
+    v = [int(x) for x in spec.split(",")]
+    if len(v) not in (7, 8):
+        raise SystemExit(f"--variants: {what!r} needs bm,bn,warps,stages,min_keys,inline,tma[,keys_as_rows]")
+    return SplitConfig(*v[:5], inline_merge=bool(v[5]), tma=bool(v[6]), keys_as_rows=len(v) == 8 and bool(v[7]))
+
+
+def parse_variants(text: str) -> list[tuple[str, Any]]:
+    """'name' (the default tiling) or 'name:' and a `split_config` spec, ';'-separated."""
     out = []
     for item in filter(None, (t.strip() for t in text.split(";"))):
         name, _, spec = item.partition(":")
-        if not spec:
-            out.append((name.strip(), None))
-            continue
-        v = [int(x) for x in spec.split(",")]
-        if len(v) not in (7, 8):
-            raise SystemExit(f"--variants: {item!r} needs bm,bn,warps,stages,min_keys,inline,tma[,keys_as_rows]")
-        out.append((name.strip(), SplitConfig(*v[:5], inline_merge=bool(v[5]), tma=bool(v[6]),
-                                              keys_as_rows=len(v) == 8 and bool(v[7]))))
+        out.append((name.strip(), split_config(spec, item) if spec else None))
     return out
 
 

@@ -49,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import parity_lerobot as par
+from attention_timeline_gpu import split_config
 from pi05_gpu import VALID_TOKENS, rtc_guidance, seeded_adapter, sync
 
 # knob -> the `triton_attention` tiling it replaces
@@ -100,7 +101,6 @@ class Variant:
 
 
 def parse_variants(text: str) -> list[Variant]:
-    from phyai_edge.layers.triton_attention import SplitConfig
     from phyai_edge.layers.triton_gemm import CONFIGS, GemmConfig
 
     out = []
@@ -118,11 +118,7 @@ def parse_variants(text: str) -> list[Variant]:
                 continue
             key, eq, spec = knob.partition("=")
             if key in ATTENTION_TILINGS and eq:
-                f = [int(x) for x in spec.split(",")]
-                if len(f) not in (7, 8):
-                    raise SystemExit(f"--variants: {knob!r} needs bm,bn,warps,stages,min_keys,inline,tma[,keys_as_rows]")
-                v.configs[key] = SplitConfig(*f[:5], inline_merge=bool(f[5]), tma=bool(f[6]),
-                                             keys_as_rows=len(f) == 8 and bool(f[7]))
+                v.configs[key] = split_config(spec, knob)
                 continue
             if not eq or (key != "residual" and key not in CONFIGS):
                 raise SystemExit(f"--variants: unknown knob {knob!r} (unfolded, residual=..., or a CONFIGS key "
