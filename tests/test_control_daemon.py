@@ -176,6 +176,28 @@ def test_inference_failure_runs_out_the_chunk_then_holds():
     assert fail_flagged, "actions run after a failure carry INFER_FAIL"
 
 
+def test_a_chunk_of_the_wrong_width_is_rejected_like_a_failed_inference():
+    """A policy whose actions stop matching the robot's width: the chunk is refused at collection
+    (INFER_FAIL, then STARVED), so neither topic ever carries a row of the wrong width."""
+    cfg = test_config(chunking={"mode": "none", "execution_horizon": 10})
+    pol = FakePolicy(action_dim=6, state_dim=6, latency_s=0.01)
+    run = Running(Daemon(cfg, policy=pol, realtime=False))
+    run.wait_for(lambda: count(run, lambda h, v: not h.flags & Flag.HOLD) >= 10, what="policy actions")
+    calls = pol.calls
+    pol.action_dim = 7  # from now on its chunks are (H, 7) for a 6-wide robot
+    run.wait_for(lambda: pol.calls >= calls + 3, what="three wide chunks")
+    n = len(run.actions())
+    run.wait_for(lambda: len(run.actions()) >= n + cfg.chunking.horizon, what="a chunk's worth of ticks more")
+    run.stop()
+    assert all(v.shape[1] == 6 for _, v in run.listener.messages), "a row of the wrong width was published"
+    acts = run.actions()
+    assert count(run, lambda h, v: h.flags & Flag.NONFINITE) == 0, "the guard had to act: the chunk was adopted"
+    assert all(h.chunk_id == 0 for h, _ in acts if h.flags & Flag.HOLD)
+    assert count(run, lambda h, v: h.flags & Flag.INFER_FAIL) >= 1 and run.daemon.stats.failures >= 3
+    assert count(run, lambda h, v: h.flags & Flag.STARVED) >= 1, "the last good chunk runs out, then HOLD"
+    assert run.listener.stats.gaps == 0 and run.listener.stats.repeats == 0
+
+
 def test_record_writes_observations_and_chunks(tmp_path):
     cfg = test_config()
     d = Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), record_dir=str(tmp_path), realtime=False)

@@ -497,19 +497,22 @@ class Daemon:
         """Adopt a finished chunk (or note the failure). Returns the new INFER_FAIL state."""
         st, m = self.stats, self.metrics
         delay = slot - inflight.start_slot
+        # A chunk that does not fit the robot is a failed inference: adopting it would put rows of
+        # the wrong width on the chunk topic and leave the guard replacing every action.
+        error = res.error if res.error is not None else self._chunk_shape_error(res.actions)
         if self.recorder is not None:
             job = inflight.job
             self.recorder.add({
                 "job_id": job.job_id, "images": job.images, "bgr": job.bgr, "state": job.state,
                 "timestamp": job.timestamp, "prompt": job.prompt, "rtc_mode": job.rtc_mode,
                 "prefix": job.prefix, "delay_estimate": job.delay, "start_slot": inflight.start_slot,
-                "actions": res.actions, "delay": delay, "error": res.error or "",
+                "actions": res.actions, "delay": delay, "error": error or "",
             })
-        if res.error is not None:
+        if error is not None:
             st.failures += 1
             m.inference_failures.inc()
             if not infer_failed or st.failures % 100 == 0:
-                log.error("inference failed (%d so far): %s; running out the current chunk", st.failures, res.error)
+                log.error("inference failed (%d so far): %s; running out the current chunk", st.failures, error)
             return True
         assert res.actions is not None
         st.infer_ms.append(res.infer_ms)
@@ -537,6 +540,15 @@ class Daemon:
         if infer_failed:
             log.info("inference recovered")
         return False
+
+    def _chunk_shape_error(self, actions: np.ndarray | None) -> str | None:
+        """Why a worker's chunk cannot run on this robot, or None if it can."""
+        assert self.info is not None
+        width = self.info.action_dim
+        if actions is None or actions.ndim != 2 or actions.shape[0] == 0 or actions.shape[1] != width:
+            shape = None if actions is None else actions.shape
+            return f"the policy returned a chunk of shape {shape}, expected (rows, {width})"
+        return None
 
     def render_status(self) -> str:
         st = self.stats
