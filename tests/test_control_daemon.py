@@ -14,7 +14,7 @@ from phyai_edge.control.daemon import Daemon
 from phyai_edge.control.fakes import FakePolicy, free_tcp_endpoint, test_config
 from phyai_edge.control.listener import Listener
 from phyai_edge.control.protocol import Flag, FrameMessage
-from phyai_edge.control.state import SyntheticState
+from phyai_edge.control.state import StateSample, SyntheticState
 
 
 class Running:
@@ -100,6 +100,45 @@ def test_stale_state_gives_hold_then_recovery():
     np.testing.assert_array_equal(acts[first_stale][1], acts[first_stale - 1][1])
     # After the stale period, a fresh chunk starts (WARMUP holds until it arrives), then policy actions.
     assert run.daemon.stats.holds.get("stale", 0) >= 5
+    assert run.listener.stats.gaps == 0 and run.listener.stats.repeats == 0
+
+
+class StaleWhileResultWaits(SyntheticState):
+    """Once armed, the state is stale on exactly the ticks where a finished inference waits to be
+    collected: the inputs go bad on the very tick a chunk would be adopted."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.worker = None
+        self.armed = False
+
+    def latest(self):
+        sample = super().latest()
+        if self.armed and self.worker._result is not None:  # ThreadWorker: a result not yet polled
+            return StateSample(sample.values, sample.time_s - 10.0, sample.seq)
+        return sample
+
+
+def test_the_chunk_topic_follows_its_chunk_start_action_and_never_a_dropped_chunk():
+    cfg = test_config()
+    state = StaleWhileResultWaits(6)
+    run = Running(Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), state=state, realtime=False))
+    state.worker = run.daemon.worker
+    run.wait_for(lambda: run.daemon.stats.adopted >= 2, what="two chunks")
+    state.armed = True
+    run.wait_for(lambda: count(run, lambda h, v: h.flags & Flag.STALE) >= 3, what="STALE on collecting ticks")
+    state.armed = False
+    n = len(run.actions())
+    run.wait_for(lambda: any(h.flags & Flag.CHUNK_START for h, _ in run.actions()[n:]), what="a chunk again")
+    run.stop()
+    msgs = run.listener.messages
+    chunks = [i for i, (h, _) in enumerate(msgs) if h.kind == 2]
+    assert len(chunks) == count(run, lambda h, v: h.flags & Flag.CHUNK_START) == run.daemon.stats.adopted
+    for i in chunks:
+        action, chunk = msgs[i - 1][0], msgs[i][0]
+        assert action.kind == 1 and action.seq == chunk.seq, "a chunk message not right after its action"
+        assert action.flags & Flag.CHUNK_START and not action.flags & Flag.HOLD and action.chunk_id == chunk.chunk_id
+    assert run.daemon.stats.stale_results >= 3, "the chunks that arrived on stale ticks are dropped"
     assert run.listener.stats.gaps == 0 and run.listener.stats.repeats == 0
 
 

@@ -377,12 +377,13 @@ class Daemon:
             res = self.worker.poll()
             if res is not None:
                 assert inflight is not None
+                if stale or estop:
+                    inflight.valid = False  # this tick holds and drops the executing chunk: never adopt one now
                 infer_failed = self._collect(res, inflight, tick.slot, infer_failed)
                 adopted_now = q.current is not None and q.current.chunk_id == inflight.job.job_id and q.current.index == tick.slot - inflight.start_slot
-                if adopted_now:
-                    pub.publish_chunk(q.current.actions, q.current.index, pub.seq, q.current.obs_time_s, q.current.chunk_id)
                 inflight = None
 
+            started = None  # the chunk whose first action this tick publishes
             if stale or estop:
                 # Do not act on old inputs: hold, forget the executing chunk (its timing no longer
                 # matches the robot), and drop whatever is in flight. Recovery starts a fresh chunk.
@@ -420,6 +421,7 @@ class Daemon:
                     obs_t, chunk_id, index = chunk.obs_time_s, chunk.chunk_id, chunk.index - 1
                     if adopted_now:
                         flags |= Flag.CHUNK_START
+                        started = chunk
             adopted_now = False
             if infer_failed:
                 flags |= Flag.INFER_FAIL
@@ -431,6 +433,9 @@ class Daemon:
             if extra & Flag.CLAMPED:
                 m.clamped.labels("position_or_rate").inc()
             header = pub.publish(out, flags | extra, obs_t, chunk_id, index)
+            if started is not None:
+                # Right after its CHUNK_START action (protocol.md): row 0 is the action just sent.
+                pub.publish_chunk(started.actions, index, header.seq, obs_t, chunk_id)
             st.published += 1
             st.ticks += 1
             late = header.publish_mono_ns - tick.deadline_ns
