@@ -57,6 +57,28 @@ def test_wire_rejects_malformed_messages_naming_the_field():
     assert wire.decode_request(good).kind == "hello"
 
 
+def test_wire_rejects_wrongly_typed_fields_naming_them():
+    """Scalars of the wrong JSON type are WireErrors that name the field, as bad arrays are: a
+    ValueError or TypeError out of int() / float() would escape the server's bad-request reply."""
+    import json
+
+    state = {"buf": 1, "shape": [14], "dtype": "<f4"}
+    rtc = {"mode": "guided", "prefix": {"buf": 1, "shape": [1, 14], "dtype": "<f4"}, "delay": 1, "execution_horizon": 3}
+    cases = [
+        (r"obs\[0\]\.timestamp", {"obs": [{"images": {}, "state": state, "timestamp": "abc"}]}),
+        (r"rtc\.delay", {"rtc": {**rtc, "delay": "x"}}),
+        (r"rtc\.delay", {"rtc": {**rtc, "delay": None}}),
+        (r"rtc\.execution_horizon", {"rtc": {**rtc, "execution_horizon": 2.5}}),
+        (r"rtc\.max_guidance_weight", {"rtc": {**rtc, "max_guidance_weight": [1]}}),
+        (r"obs\[0\]\.state: bad shape", {"obs": [{"images": {}, "state": {**state, "shape": [-1, -14]}}]}),
+        ("budget_ms", {"budget_ms": True}),
+    ]
+    for field_re, fields in cases:
+        head = {"v": 1, "type": "infer", "id": 1, "robot": "r", "obs": [{"images": {}, "state": state}], **fields}
+        with pytest.raises(wire.WireError, match=field_re):
+            wire.decode_request([json.dumps(head).encode(), np.zeros(14, np.float32).tobytes()])
+
+
 def test_wire_reply_round_trip():
     acts = np.ones((1, 50, 14), np.float32)
     rep = wire.decode_reply([bytes(f) for f in wire.encode_reply(wire.Reply(3, True, acts, info={"batch": 4}))])
@@ -165,6 +187,41 @@ def test_remote_policy_gives_the_direct_actions(server, tiny_policy, make_obs, n
         assert got.chunk is None and got.stage_ms["roundtrip"] > 0 and got.batch == 1
         rep = remote.server_stats()
     assert rep["robots"]["arm-0"]["served"] == 1
+
+
+def test_malformed_header_is_refused_and_the_server_keeps_serving(server, tiny_policy, make_obs, monkeypatch):
+    """A request whose header has a wrongly typed field gets a bad_request reply naming it; one
+    that breaks the decoder in a way nobody foresaw is refused too. Neither may end the intake
+    thread, which every robot's requests and replies go through."""
+    import json
+
+    import zmq
+
+    head = {"v": 1, "type": "infer", "id": 9, "robot": "rogue",
+            "obs": [{"images": {}, "state": {"buf": 1, "shape": [14], "dtype": "<f4"}, "timestamp": "abc"}]}
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        def ask() -> wire.Reply:
+            sock.send_multipart([json.dumps(head).encode(), np.zeros(14, np.float32).tobytes()])
+            assert sock.poll(5000), "no reply: the server's intake thread died"
+            return wire.decode_reply(sock.recv_multipart())
+
+        rep = ask()
+        assert (rep.ok, rep.req_id, rep.error) == (False, 9, wire.ERR_BAD_REQUEST) and "timestamp" in rep.message
+
+        def broken(frames):
+            raise TypeError("unforeseen")
+
+        monkeypatch.setattr(wire, "decode_request", broken)
+        rep = ask()
+        assert (rep.ok, rep.req_id, rep.error) == (False, 9, wire.ERR_BAD_REQUEST) and "unforeseen" in rep.message
+        monkeypatch.undo()
+    finally:
+        sock.close(0)
+    with RemotePolicy(server.endpoint, robot="after", timeout_s=30) as remote:
+        assert remote.infer([make_obs(tiny_policy.adapter, size=(24, 32))]).actions.shape == (1, 50, 14)
 
 
 def test_bad_request_fails_alone(server, tiny_policy, make_obs):

@@ -268,6 +268,12 @@ class PolicyServer:
         except wire.WireError as exc:
             self._reply_error(ident, _peek_id(body), wire.ERR_BAD_REQUEST, str(exc))
             return
+        except Exception as exc:
+            # A message the decoder did not foresee: refuse it like any bad request. An exception
+            # escaping here would end this thread, and with it intake and replies for every robot.
+            log.exception("could not decode a request")
+            self._reply_error(ident, _peek_id(body), wire.ERR_BAD_REQUEST, f"{type(exc).__name__}: {exc}")
+            return
         if req.kind == "hello":
             self._reply(ident, wire.Reply(req.req_id, True, info={"model": self._model}))
             return
@@ -277,9 +283,10 @@ class PolicyServer:
         self.stats.arrived(req.robot)
         try:
             item = request_item(req)
-        except (wire.WireError, ValueError) as exc:
+        except Exception as exc:  # whatever the request's contents raise: refused, as at decode_request above
             self.stats.rejected(req.robot)
-            self._reply_error(ident, req.req_id, wire.ERR_BAD_REQUEST, str(exc))
+            self._reply_error(ident, req.req_id, wire.ERR_BAD_REQUEST,
+                              str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
             return
         budget = req.budget_ms / 1e3 if req.budget_ms is not None else self.default_budget_s
         key = group_key(item.rtc, bool(self._model.get("per_sample_rtc", True)))

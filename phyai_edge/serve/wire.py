@@ -25,6 +25,7 @@ its own monotonic clock at arrival.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,11 +67,17 @@ def _unpack(ref: Any, frames: list[Any], what: str) -> np.ndarray:
         shape = tuple(int(s) for s in ref["shape"])
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"{what}: bad shape or dtype in {ref!r}: {exc}") from None
+    if any(s < 0 for s in shape):
+        # Two negative sizes multiply to a positive byte count; reshape would then raise.
+        raise WireError(f"{what}: bad shape {list(shape)}: sizes must be >= 0")
     if dtype.hasobject:
         raise WireError(f"{what}: object arrays are not accepted")
     buf = frames[i]
     data = buf.buffer if hasattr(buf, "buffer") else buf  # zmq.Frame or bytes
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    try:
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    except OverflowError:
+        raise WireError(f"{what}: bad shape {list(shape)}: too large") from None
     if len(data) != expected:
         raise WireError(f"{what}: buffer has {len(data)} bytes, shape {shape} of {dtype} needs {expected}")
     return np.frombuffer(data, dtype=dtype).reshape(shape)
@@ -89,6 +96,29 @@ def _header(frames: list[Any]) -> dict[str, Any]:
     if head.get("v") != VERSION:
         raise WireError(f"wire version {head.get('v')!r} not supported (this side speaks {VERSION})")
     return head
+
+
+def _integer(value: Any, what: str) -> int:
+    """A JSON integer (or an integral float); anything else is a WireError naming the field.
+    Header scalars are checked so rather than passed to int(): its ValueError or TypeError
+    would say nothing about which field was wrong."""
+    if isinstance(value, float) and value.is_integer():  # False for inf and NaN
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(f"{what}: expected an integer, got {value!r}")
+    return value
+
+
+def _number(value: Any, what: str) -> float:
+    """A finite JSON number (not a bool); anything else is a WireError naming the field."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    try:
+        ok = ok and math.isfinite(value)
+    except OverflowError:  # an integer beyond float range
+        ok = False
+    if not ok:
+        raise WireError(f"{what}: expected a finite number, got {value!r}")
+    return float(value)
 
 
 def _finish(head: dict[str, Any], packer: _Packer) -> list[Any]:
@@ -163,9 +193,11 @@ def decode_request(frames: list[Any]) -> Request:
     if kind != "infer":
         return req
     budget = head.get("budget_ms")
-    if budget is not None and (not isinstance(budget, (int, float)) or budget <= 0):
-        raise WireError(f"budget_ms: expected a positive number of milliseconds or null, got {budget!r}")
-    req.budget_ms = None if budget is None else float(budget)
+    if budget is not None:
+        budget = _number(budget, "budget_ms")
+        if budget <= 0:
+            raise WireError(f"budget_ms: expected a positive number of milliseconds or null, got {budget!r}")
+    req.budget_ms = budget
     raw_obs = head.get("obs")
     if not isinstance(raw_obs, list) or not raw_obs:
         raise WireError("obs: expected a non-empty list of observations")
@@ -178,16 +210,21 @@ def decode_request(frames: list[Any]) -> Request:
         prompt = o.get("prompt", "")
         if not isinstance(prompt, str):
             raise WireError(f"obs[{j}].prompt: expected a string")
-        req.observations.append(WireObservation(images, state, prompt, float(o.get("timestamp", 0.0))))
+        timestamp = _number(o.get("timestamp", 0.0), f"obs[{j}].timestamp")
+        req.observations.append(WireObservation(images, state, prompt, timestamp))
     rtc = head.get("rtc")
     if rtc is not None:
         if not isinstance(rtc, dict):
             raise WireError("rtc: expected an object or null")
-        try:
-            req.rtc = WireRTC(str(rtc["mode"]), _unpack(rtc["prefix"], frames, "rtc.prefix"), int(rtc["delay"]),
-                              int(rtc["execution_horizon"]), float(rtc.get("max_guidance_weight", 5.0)))
-        except KeyError as exc:
-            raise WireError(f"rtc.{exc.args[0]}: missing") from None
+        missing = [k for k in ("mode", "prefix", "delay", "execution_horizon") if k not in rtc]
+        if missing:
+            raise WireError(f"rtc.{missing[0]}: missing")
+        if not isinstance(rtc["mode"], str):
+            raise WireError(f"rtc.mode: expected a string, got {rtc['mode']!r}")
+        req.rtc = WireRTC(rtc["mode"], _unpack(rtc["prefix"], frames, "rtc.prefix"),
+                          _integer(rtc["delay"], "rtc.delay"),
+                          _integer(rtc["execution_horizon"], "rtc.execution_horizon"),
+                          _number(rtc.get("max_guidance_weight", 5.0), "rtc.max_guidance_weight"))
     if head.get("noise") is not None:
         req.noise = _unpack(head["noise"], frames, "noise")
     return req
