@@ -1,4 +1,5 @@
-"""Camera sources: OpenCV reconnect with backoff, video files, the synthetic source."""
+"""Camera sources: OpenCV reconnect with backoff, video files, the synthetic source; the ZeroMQ
+camera and state sources' sample times."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from phyai_edge.control.cameras import OpenCVCamera, SyntheticCamera
-from phyai_edge.control.config import CameraConfig
+from phyai_edge.control.cameras import OpenCVCamera, SyntheticCamera, ZmqCamera
+from phyai_edge.control.config import CameraConfig, StateConfig
+from phyai_edge.control.fakes import free_tcp_endpoint
+from phyai_edge.control.protocol import FrameMessage, StateMessage
+from phyai_edge.control.state import ZmqState
 
 
 class FlakyCapture:
@@ -95,3 +99,38 @@ def test_synthetic_camera_ticks_on_its_fps_grid_and_can_die():
     cam.alive = False
     time.sleep(0.03)
     assert cam.latest() is b
+
+
+@pytest.mark.parametrize("source", ["state", "camera"])
+@pytest.mark.parametrize("clock", ["monotonic", "realtime"])
+def test_a_sender_clock_running_ahead_never_dates_a_reading_after_its_arrival(source, clock):
+    """A sender 30 s ahead (another host, unsynchronised) must not make its last reading look fresh
+    for 30 s after its stream stops: the age check has to see at least the time since arrival."""
+    import zmq
+
+    endpoint = free_tcp_endpoint()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(endpoint)
+    if source == "state":
+        reader = ZmqState(StateConfig("zmq", endpoint, clock), 6)
+    else:
+        reader = ZmqCamera(CameraConfig("top", source="zmq", endpoint=endpoint, clock=clock))
+    reader.start()
+    ahead_ns = 30 * 10**9
+    try:
+        got = None
+        end = time.monotonic() + 10
+        while got is None and time.monotonic() < end:  # resend until the subscription has joined
+            mono, wall = time.monotonic_ns() + ahead_ns, time.time_ns() + ahead_ns
+            if source == "state":
+                pub.send(StateMessage(np.zeros(6, np.float32), 1, mono, wall).encode())
+            else:
+                pub.send(FrameMessage("top", np.zeros((4, 4, 3), np.uint8), 1, mono, wall).encode())
+            time.sleep(0.02)
+            got = reader.latest()
+        assert got is not None, "nothing arrived"
+        taken = got.time_s if source == "state" else got.capture_s
+        assert taken <= time.monotonic(), f"dated {taken - time.monotonic():.1f} s in the future"
+    finally:
+        reader.stop()
+        pub.close(0)

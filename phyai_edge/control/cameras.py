@@ -240,6 +240,9 @@ class ZmqCamera:
                 cap_s = recv_s - (time.time_ns() - fm.capture_wall_ns) / 1e9
             else:
                 cap_s = recv_s
+            # Never later than its arrival: a sender whose clock runs ahead would otherwise keep
+            # its last frame fresh long after it stopped sending.
+            cap_s = min(cap_s, recv_s)
             image = fm.image
             if fm.pixel_format == PIXEL_GRAY8:
                 image = np.repeat(image, 3, axis=-1)

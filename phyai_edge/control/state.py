@@ -115,6 +115,9 @@ class ZmqState:
                 t = recv_s - (time.time_ns() - msg.wall_ns) / 1e9
             else:
                 t = recv_s
+            # Never later than its arrival: a sender whose clock runs ahead (another host, not
+            # synchronised) would otherwise keep its last sample fresh long after its stream stopped.
+            t = min(t, recv_s)
             self._last = StateSample(msg.values, t, msg.seq, bool(msg.flags & STATE_FLAG_ESTOP))
         return self._last
 
