@@ -68,3 +68,19 @@ def test_frame_round_trip_and_topic():
     np.testing.assert_array_equal(m2.image, img)
     with pytest.raises(ValueError, match="longer than"):
         p.frame_topic("x" * 25)
+
+
+def test_listener_counts_a_repeat_once_and_no_false_gap_after_it():
+    from phyai_edge.control.fakes import free_tcp_endpoint
+    from phyai_edge.control.listener import Listener
+
+    lis = Listener(free_tcp_endpoint())
+    try:
+        for seq in (0, 1, 2, 3, 4, 5, 2, 6, 7, 7, 9):  # a step back to 2, a duplicate 7, 8 lost
+            h = p.ActionHeader(seq=seq, publish_mono_ns=1, publish_wall_ns=1, obs_mono_ns=0, chunk_id=0, index=0,
+                               rows=1, dim=2, session=42)
+            lis.handle(p.encode_actions(b"action", h, np.zeros((1, 2), np.float32)), 2, 2)
+        st = lis.stats
+        assert (st.repeats, st.gaps, st.last_seq) == (2, 1, 9)
+    finally:
+        lis.close()

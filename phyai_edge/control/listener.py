@@ -121,14 +121,15 @@ class Listener:
             self._session = h.session
             st.sessions += 1
             st.first_seq = h.seq if st.first_seq < 0 else st.first_seq
+            st.last_seq = h.seq
         elif h.seq <= st.last_seq:
-            st.repeats += 1
-        elif h.seq > st.last_seq + 1:
+            st.repeats += 1  # and last_seq stays: the numbers after it are not gaps
+        else:
             st.gaps += h.seq - st.last_seq - 1
+            st.last_seq = h.seq
         if self._last_recv_ns:
             st.interval_ns.append(recv_mono - self._last_recv_ns)
         self._last_recv_ns = recv_mono
-        st.last_seq = h.seq
         st.latency_ns.append((recv_wall - h.publish_wall_ns) if self.wall else (recv_mono - h.publish_mono_ns))
         for f in Flag:
             if h.flags & f:
