@@ -187,6 +187,35 @@ def test_all_problems_reported_at_once(adapter, tmp_path):
     assert "action_out_proj.bias" in msg and "model.bogus" in msg and "model.time_mlp_out.weight" in msg
 
 
+def test_damaged_weight_file_is_named(adapter, tmp_path):
+    """A truncated or garbled safetensors file (an interrupted copy) is a CheckpointError that
+    names the file: safetensors' own error names neither it nor, in a sharded checkpoint, which
+    shard."""
+    folder = save_native(adapter, tmp_path / "native")
+    f = folder / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*(damaged|not a safetensors)"):
+        load_pi05(folder)
+    f.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage}")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        load_pi05(folder)
+
+
+def test_tensor_in_two_shards_names_both_files(adapter, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = save_native(adapter, tmp_path / "native")
+    state = load_file(str(folder / "model.safetensors"))
+    names = sorted(state)
+    (folder / "model.safetensors").unlink()
+    save_file({k: state[k] for k in names[::2]}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({k: state[k] for k in [names[0], *names[1::2]]}, str(folder / "model-00002-of-00002.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        load_pi05(folder)
+    msg = str(err.value)
+    assert names[0] in msg and "model-00001-of-00002.safetensors" in msg and "model-00002-of-00002.safetensors" in msg
+
+
 def test_bf16_checkpoint_loads_as_float32(adapter, tmp_path, noise_for):
     state = {k: v.to(torch.bfloat16) for k, v in published_state(adapter).items()}
     loaded = load_pi05(write_lerobot(adapter, tmp_path / "bf", state=state), structure="tiny")

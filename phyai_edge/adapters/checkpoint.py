@@ -32,6 +32,17 @@ def _listing(title: str, names: Iterable[str], limit: int = 20) -> str:
     return f"  {title} ({len(names)}):\n    {shown}{more}"
 
 
+def open_safetensors(path: Path, framework: str = "pt") -> safe_open:
+    """`safe_open`, with a damaged file (an interrupted copy, a file that is not safetensors) a
+    CheckpointError naming it: safetensors' own error names no file, so in a sharded checkpoint
+    it does not say which shard to fetch again."""
+    try:
+        return safe_open(str(path), framework=framework)
+    except Exception as exc:  # SafetensorError, or an OSError from the memory map
+        raise CheckpointError(f"{path} is damaged or not a safetensors file "
+                              f"({type(exc).__name__}: {exc}); copy it again") from exc
+
+
 def load_safetensors_strict(
     model: nn.Module,
     files: list[Path],
@@ -58,14 +69,17 @@ def load_safetensors_strict(
     found: dict[str, tuple[Path, str]] = {}
     unexpected, skipped = [], []
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with open_safetensors(f) as sf:
             for key in sf.keys():  # noqa: SIM118 - safe_open is not a dict
                 name = key_map(key)
                 if name is None:
                     skipped.append(key)
                 elif name in expected:
                     if name in found:
-                        raise CheckpointError(f"{key} and {found[name][1]} both map to {name}")
+                        # Often the same name in two shards: say which files, not just the name twice.
+                        first_file, first_key = found[name]
+                        raise CheckpointError(f"{key} in {f.name} and {first_key} in {first_file.name} "
+                                              f"both map to {name}")
                     found[name] = (f, key)
                 else:
                     unexpected.append(key)
@@ -76,7 +90,7 @@ def load_safetensors_strict(
     if unexpected:
         problems.append(_listing("unexpected tensors", unexpected))
     bad_shape, bad_dtype = [], []
-    handles = {f: safe_open(str(f), framework="pt") for f in {p for p, _ in found.values()}}
+    handles = {f: open_safetensors(f) for f in {p for p, _ in found.values()}}
     device = torch.device(device)
     read_s = to_device_s = 0.0
     try:
@@ -157,6 +171,6 @@ def regex_key_map(rules: list[tuple[str, str]], skip: list[str]) -> KeyMap:
 def checkpoint_keys(files: list[Path]) -> set[str]:
     keys: set[str] = set()
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with open_safetensors(f) as sf:
             keys.update(sf.keys())
     return keys
