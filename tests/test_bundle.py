@@ -111,6 +111,13 @@ def test_refuses_an_edited_manifest(bundle, tmp_path):
         load_policy(bundle=b)
 
 
+def test_refuses_a_manifest_that_is_not_an_object(bundle, tmp_path):
+    b = _copy(bundle, tmp_path)
+    (b / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(BundleError, match=r"manifest\.json.*not a JSON object"):
+        load_policy(bundle=b)
+
+
 def test_refuses_a_different_checkpoint(bundle, tmp_path):
     other = save_native(builtin_adapter("tiny", seed=1), tmp_path / "other")
     with pytest.raises(BundleError, match="checkpoint hash differs"):

@@ -202,6 +202,9 @@ def read_manifest(bundle: str | Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise BundleError(f"{path} is not valid JSON ({exc}); the bundle is damaged: re-export it") from exc
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{path} is not a JSON object (it holds a {type(manifest).__name__}); "
+                          "the bundle is damaged: re-export it")
     if manifest.get("format") != FORMAT:
         raise BundleError(f"{path}: format {manifest.get('format')!r}, this phyai-edge reads {FORMAT!r}; re-export")
     want = manifest.get("manifest_sha256")
