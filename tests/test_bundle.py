@@ -118,6 +118,22 @@ def test_refuses_a_manifest_that_is_not_an_object(bundle, tmp_path):
         load_policy(bundle=b)
 
 
+def test_refuses_a_newer_format_saying_to_upgrade(bundle, tmp_path):
+    """A bundle written by a newer phyai-edge: re-exporting here is one way out, but the message
+    must say what happened (this phyai-edge is older than the bundle)."""
+    b = _copy(bundle, tmp_path)
+    m = json.loads((b / "manifest.json").read_text())
+    m["format"] = "phyai-edge/bundle/2"
+    (b / "manifest.json").write_text(json.dumps(seal(m)))
+    with pytest.raises(BundleError, match=r"manifest\.json: format 'phyai-edge/bundle/2'.*newer phyai-edge.*upgrade"):
+        load_policy(bundle=b)
+    m["format"] = "something/else"
+    (b / "manifest.json").write_text(json.dumps(seal(m)))
+    with pytest.raises(BundleError, match=r"format 'something/else'.*reads 'phyai-edge/bundle/1'") as err:
+        load_policy(bundle=b)
+    assert "newer phyai-edge" not in str(err.value)
+
+
 def test_refuses_a_different_checkpoint(bundle, tmp_path):
     other = save_native(builtin_adapter("tiny", seed=1), tmp_path / "other")
     with pytest.raises(BundleError, match="checkpoint hash differs"):

@@ -205,8 +205,9 @@ def read_manifest(bundle: str | Path) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise BundleError(f"{path} is not a JSON object (it holds a {type(manifest).__name__}); "
                           "the bundle is damaged: re-export it")
-    if manifest.get("format") != FORMAT:
-        raise BundleError(f"{path}: format {manifest.get('format')!r}, this phyai-edge reads {FORMAT!r}; re-export")
+    fmt = manifest.get("format")
+    if fmt != FORMAT:
+        raise BundleError(f"{path}: format {fmt!r}, this phyai-edge reads {FORMAT!r}; " + _format_advice(fmt))
     want = manifest.get("manifest_sha256")
     got = hashlib.sha256(canonical(manifest)).hexdigest()
     if want != got:
@@ -215,6 +216,18 @@ def read_manifest(bundle: str | Path) -> dict[str, Any]:
             f"{str(want)[:16]}...); a hand-edited manifest can describe files it does not match: re-export the bundle"
         )
     return manifest
+
+
+def _format_advice(fmt: Any) -> str:
+    """What to do about a bundle format this phyai-edge does not read: a later version of ours
+    was written by a newer phyai-edge (re-exporting with this one is the other way out)."""
+    family, _, version = FORMAT.rpartition("/")
+    if isinstance(fmt, str) and fmt.startswith(family + "/"):
+        theirs = fmt.removeprefix(family + "/")
+        if theirs.isdigit() and int(theirs) > int(version):
+            return ("it was written by a newer phyai-edge: upgrade phyai-edge here, or re-export the bundle "
+                    "with this version")
+    return "re-export the bundle with this version"
 
 
 def check_files(bundle: Path, manifest: dict[str, Any]) -> None:
