@@ -31,6 +31,22 @@ def test_environment_noise_does_not_depend_on_the_batch(tiny_policy, make_obs):
     assert not np.array_equal(RolloutPolicy(tiny_policy, seed=5).env_noise([0]).numpy(), first.numpy())
 
 
+def test_max_batch_above_the_largest_captured_size_splits_there(tiny_policy, make_obs):
+    """max_batch larger than the largest captured batch size: groups split at that size (an
+    engine with captured shapes runs no larger batch), rather than failing as one call and
+    rerunning every environment alone."""
+    a = tiny_policy.adapter
+    obs = [make_obs(a, seed=i, size=(24, 32)) for i in range(6)]
+    sizes = []
+    run = tiny_policy.engine.run
+    tiny_policy.engine.run = lambda inputs, noise=None, rtc=None: sizes.append(inputs.batch_size) or run(inputs, noise, rtc)
+    got = RolloutPolicy(tiny_policy, batch_sizes=[1, 4], max_batch=8, seed=2).act(obs)
+    assert sizes == [4, 4] and got.batches == 2  # 4 + 2 padded to 4; no failed call, no reruns
+    tiny_policy.engine.run = run
+    ref = RolloutPolicy(tiny_policy, seed=2).act(obs)
+    np.testing.assert_allclose(got.actions, ref.actions, atol=TOL, rtol=0)
+
+
 def test_act_validates_and_reports_failures(tiny_policy, make_obs):
     a = tiny_policy.adapter
     obs = [make_obs(a, seed=0, size=(24, 32)), make_obs(a, seed=1, size=(24, 32), state=np.zeros(3, np.float32))]

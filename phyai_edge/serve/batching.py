@@ -163,7 +163,10 @@ def run_items(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int
               max_batch: int | None = None) -> list[ItemResult]:
     """Run every item; an engine error fails only the items of the group it happened in."""
     results: list[ItemResult | None] = [None] * len(items)
-    limit = max_batch or (max(batch_sizes) if batch_sizes else None)
+    # The largest call: max_batch, but never past the largest captured size, which is all an
+    # engine with captured shapes runs (a larger group would fail and rerun one by one).
+    limits = [b for b in (max_batch, max(batch_sizes) if batch_sizes else None) if b]
+    limit = min(limits) if limits else None
     for group in group_items(items, bool(getattr(policy, "per_sample_rtc", True))):
         # Split a group that exceeds the largest batch the engine takes.
         chunks: list[list[int]] = [[]]
