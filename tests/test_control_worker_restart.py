@@ -9,6 +9,7 @@ loaded 2-core machine only makes the tests slower, not flaky.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -239,6 +240,43 @@ def test_a_hung_worker_is_killed_after_the_inference_timeout_and_restarted(tmp_p
         run.wait_for(lambda: any(not h.flags & Flag.HOLD for h, _ in run.actions()[n:]), 20, "policy actions again")
         run.stop()
     finally:
+        if run.thread.is_alive():
+            run.daemon.stop()
+    seqs = [h.seq for h, _ in run.actions()]
+    assert seqs == list(range(len(seqs))) and run.listener.stats.gaps == 0
+    assert d.worker.pid != old_pid
+    assert any(f"process {old_pid} hung" in ln for ln in daemon_log.lines), daemon_log.lines
+
+
+def test_a_frozen_worker_is_killed_even_when_the_job_cannot_be_sent(daemon_log):
+    """A worker process frozen between jobs (SIGSTOP, a cgroup freezer) stops reading its pipe: a
+    job bigger than the pipe's buffer (a 512x512 frame is 786 kB) then blocks in the send, before
+    any wait for a result. The inference timeout must still kill and restart it."""
+    cfg = test_config(
+        cameras={"top": {"source": "synthetic", "width": 512, "height": 512}},
+        model={"worker": "process", "warmup": 1, "factory": "phyai_edge.control.fakes:make_fake_policy",
+               "factory_args": {"latency_s": 0.01}, "restart_backoff_s": 0.2, "inference_timeout_s": 1.0},
+        chunking={"mode": "none", "execution_horizon": 20},
+    )
+    run = Running(Daemon(cfg, realtime=False))
+    d = run.daemon
+    old_pid = d.worker.pid
+    try:
+        run.wait_for(lambda: d.stats.adopted >= 2, 20, "chunks from the first worker")
+        # Freeze it while it waits for its next job (a result was just collected; the next job is
+        # due only after a dozen more actions), so the next job meets a process that reads nothing.
+        run.wait_for(lambda: not d.worker.busy and d.queue.current is not None and d.queue.current.index < 8, 20,
+                     "an idle worker")
+        os.kill(old_pid, signal.SIGSTOP)
+        run.wait_for(lambda: d.worker.deaths >= 1, 20, "the frozen worker noticed")
+        assert "hung" in (d.worker.down_reason or ""), d.worker.down_reason
+        run.wait_for(lambda: d.worker.up and d.worker.restarts >= 1, 30, "a new worker")
+        n = len(run.actions())
+        run.wait_for(lambda: any(not h.flags & Flag.HOLD for h, _ in run.actions()[n:]), 20, "policy actions again")
+        run.stop()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(old_pid, signal.SIGKILL)
         if run.thread.is_alive():
             run.daemon.stop()
     seqs = [h.seq for h, _ in run.actions()]

@@ -380,14 +380,39 @@ class ProcessWorker(_JobSlot):
     def _call(self, job: Job) -> JobResult:
         """Send one job and wait for its result. Any failure of the pipe is the process dying; no
         answer within the job timeout is the process hanging (warm-ups get the load timeout)."""
-        _send_job(self._conn, job)
         timeout = self._timeout_s if job.warmup else self.job_timeout_s
-        if not self._conn.poll(timeout):  # end-of-file also ends the wait, and recv() raises below
+        deadline = time.monotonic() + timeout
+        self._send_within(job, timeout)
+        # End-of-file also ends the wait, and recv() raises below.
+        if not self._conn.poll(max(0.0, deadline - time.monotonic())):
             raise WorkerHungError(f"no result within {timeout:g} s")
         res = self._conn.recv()
         if not isinstance(res, JobResult):
             raise EOFError(f"unexpected message from the worker: {type(res).__name__}")
         return res
+
+    def _send_within(self, job: Job, timeout: float) -> None:
+        """Send a job; if that takes `timeout`, kill the process and raise WorkerHungError. A frozen
+        process (SIGSTOP, a cgroup freezer) stops reading, and a job larger than the pipe's buffer
+        (large camera frames) then blocks the send for good, where no result timeout is reached."""
+        proc, stuck = self._proc, threading.Event()
+
+        def kill() -> None:
+            stuck.set()
+            proc.kill()  # the blocked send then fails with a broken pipe
+
+        timer = threading.Timer(timeout, kill)
+        timer.daemon = True
+        timer.start()
+        try:
+            _send_job(self._conn, job)
+        except OSError:
+            if not stuck.is_set():
+                raise
+        finally:
+            timer.cancel()
+        if stuck.is_set():
+            raise WorkerHungError(f"the job could not be sent within {timeout:g} s")
 
     def _death_reason(self, exc: BaseException | None) -> str:
         proc = self._proc
