@@ -74,14 +74,18 @@ def run_bench(args: argparse.Namespace) -> dict:
     import torch
 
     from phyai_edge.adapters.base import ModelInputs, Observation, SolverSpec
-    from phyai_edge.engines.policy import load_policy
+    from phyai_edge.commands.common import LOAD_ERRORS, check_device, fail, load_policy_or_fail
 
+    check_device("bench", args.device, allow_meta=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "meta":
         from phyai_edge.adapters import load_adapter
 
-        adapter = load_adapter(args.adapter, checkpoint=None, preset_name=args.preset, device="meta")
+        try:
+            adapter = load_adapter(args.adapter, checkpoint=None, preset_name=args.preset, device="meta")
+        except LOAD_ERRORS as exc:
+            fail("bench", str(exc))
         n = sum(p.numel() for p in adapter.module.parameters())
         parts = {name: sum(p.numel() for p in m.parameters()) for name, m in adapter.module.named_children()}
         return {"adapter": args.adapter, "preset": args.preset, "device": "meta", "params": n, "params_by_part": parts}
@@ -104,9 +108,9 @@ def run_bench(args: argparse.Namespace) -> dict:
         if args.engine or args.backend != "cudagraph":
             raise SystemExit("--triton-gemm is a cudagraph engine option: it needs --backend cudagraph and no --engine")
         options["triton_gemm"] = args.triton_gemm
-    policy = load_policy(adapter=args.adapter, checkpoint=args.checkpoint, preset=args.preset, backend=args.backend,
-                         device=args.device, dtype=args.dtype, bundle=args.engine, tokenizer=args.tokenizer,
-                         engine_options=options)
+    policy = load_policy_or_fail("bench", adapter=args.adapter, checkpoint=args.checkpoint, preset=args.preset,
+                                 backend=args.backend, device=args.device, dtype=args.dtype, bundle=args.engine,
+                                 tokenizer=args.tokenizer, engine_options=options)
     adapter = policy.adapter
     if args.steps:
         adapter.solver = SolverSpec(args.steps)

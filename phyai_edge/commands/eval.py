@@ -63,7 +63,7 @@ def _clean(x: Any) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
-    from phyai_edge.engines.policy import load_policy
+    from phyai_edge.commands.common import load_policy_or_fail
     from phyai_edge.serve.evaluate import (
         evaluate,
         format_eval,
@@ -73,11 +73,14 @@ def main(args: argparse.Namespace) -> int:
     )
 
     common = {"adapter": args.adapter, "checkpoint": args.checkpoint, "preset": args.preset, "seed": args.seed}
-    policy = load_policy(backend=args.backend, device=args.device, dtype=args.dtype, bundle=args.engine, **common)
+    policy = load_policy_or_fail("eval", backend=args.backend, device=args.device, dtype=args.dtype,
+                                 bundle=args.engine, **common)
     reference = None
     if args.reference_backend or args.reference_engine or args.reference_dtype or args.reference_device:
-        reference = load_policy(backend=args.reference_backend or "eager", device=args.reference_device or args.device,
-                                dtype=args.reference_dtype or args.dtype, bundle=args.reference_engine, **common)
+        device_flag = "--reference-device" if args.reference_device else "--device"
+        reference = load_policy_or_fail("eval", device_flag, backend=args.reference_backend or "eager",
+                                        device=args.reference_device or args.device,
+                                        dtype=args.reference_dtype or args.dtype, bundle=args.reference_engine, **common)
     if args.synthetic:
         write_synthetic_recording(args.data, camera_names=policy.camera_names, state_dim=policy.state_dim,
                                   action_dim=policy.action_dim, horizon=policy.chunk_size, seed=args.seed)

@@ -109,6 +109,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"phyai-edge export: the {req.backend} backend needs {', '.join(missing)}: "
               f"pip install 'phyai-edge[{'tensorrt' if req.backend == 'tensorrt' else 'onnx'}]'", file=sys.stderr)
         return 2
+    # Before the export: a device torch cannot use would otherwise fail only at validation,
+    # after every stage was exported, and in torch's words rather than the flag's.
+    from phyai_edge.commands.common import device_problem
+
+    problem = device_problem(args.device) if args.device is not None else None
+    if problem is not None:
+        print(f"phyai-edge export: {problem}", file=sys.stderr)
+        return 2
     try:
         manifest = export_bundle(req)
     except (BundleError, ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -93,11 +93,11 @@ def main(args: argparse.Namespace) -> int:
     else:
         import torch
 
-        from phyai_edge.engines.policy import load_policy
+        from phyai_edge.commands.common import load_policy_or_fail
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        policy = load_policy(**load_kwargs)
+        policy = load_policy_or_fail("serve", **load_kwargs)
         sizes = batch_sizes_for(args.batch_sizes, getattr(policy.engine, "backend", ""), policy.engine, args.max_batch)
         max_batch = min(args.max_batch, max(sizes)) if sizes else args.max_batch
         executor = LocalExecutor(policy, sizes, max_batch)

@@ -1,0 +1,83 @@
+"""What the commands that load a policy (bench, eval, serve, export) share: the checks a user's
+mistake should meet before anything heavy runs, and one line on stderr instead of a traceback.
+
+Not a command: `phyai_edge.cli` lists its commands by name, so this module is never one.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from phyai_edge.engines.policy import Policy
+
+# What loading a checkpoint, preset or bundle raises for a user's mistake: a missing folder
+# (FileNotFoundError, OSError), a folder that is not a checkpoint or has wrong tensors
+# (CheckpointError is a ValueError), an unknown adapter / preset / backend / dtype (ValueError),
+# a bundle that fails its checks (BundleError is a RuntimeError), a backend whose library is
+# missing (RuntimeError, ImportError). Each carries a message written for the user.
+LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, RuntimeError, ImportError)
+
+
+def fail(command: str, message: str) -> NoReturn:
+    """End the command with one line on stderr and exit status 2 (a usage error, as argparse's)."""
+    print(f"phyai-edge {command}: {message}", file=sys.stderr)
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
+def device_problem(device: str, *, allow_meta: bool = False, flag: str = "--device") -> str | None:
+    """Why `device` cannot run here, or None. Checked before loading anything: without it, a
+    CPU-only torch reports `--device cuda` as a missing ATen_cuda library deep in the engine."""
+    import torch
+
+    kinds = "cpu, cuda, cuda:N or meta" if allow_meta else "cpu, cuda or cuda:N"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        return f"{flag} {device}: not a device; expected {kinds}"
+    if dev.type == "meta" and allow_meta:
+        return None
+    if dev.type not in ("cpu", "cuda"):
+        return f"{flag} {device}: not supported; expected {kinds}"
+    if dev.type == "cpu":
+        return None
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:  # ROCm torch says "cuda" too
+        return (f"{flag} {device}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA build "
+                f"(on a Jetson, JetPack's torch wheel) or use {flag} cpu")
+    if not torch.cuda.is_available():
+        return (f"{flag} {device}: torch {torch.__version__} has CUDA {torch.version.cuda} but sees no GPU "
+                "(driver loaded? CUDA_VISIBLE_DEVICES?)")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        return f"{flag} {device}: this machine has {count} GPU(s) (cuda:0 .. cuda:{count - 1})"
+    return None
+
+
+def check_device(command: str, device: str | None, *, allow_meta: bool = False, flag: str = "--device") -> None:
+    """`fail` with `device_problem`'s line; None (the command picks a device itself) passes."""
+    if device is None:
+        return
+    problem = device_problem(device, allow_meta=allow_meta, flag=flag)
+    if problem is not None:
+        fail(command, problem)
+
+
+def load_policy_or_fail(command: str, device_flag: str = "--device", **kwargs: Any) -> Policy:
+    """`load_policy(**kwargs)`, its errors as `fail` lines. A bundle given with a checkpoint is
+    checked against it (`load_bundle_policy`'s refusal names both weight hashes): a bundle
+    exported from other weights must not be timed or evaluated as if it were this checkpoint's.
+    `device_flag` is the option the device came from, for the message."""
+    from phyai_edge.engines.policy import load_bundle_policy, load_policy
+
+    check_device(command, kwargs.get("device"), flag=device_flag)
+    try:
+        bundle, checkpoint = kwargs.get("bundle"), kwargs.get("checkpoint")
+        if bundle is not None and checkpoint is not None:
+            return load_bundle_policy(Path(bundle), device=kwargs.get("device", "cpu"), checkpoint=checkpoint,
+                                      seed=kwargs.get("seed", 0), **(kwargs.get("engine_options") or {}))
+        return load_policy(**kwargs)
+    except LOAD_ERRORS as exc:
+        fail(command, str(exc) or type(exc).__name__)

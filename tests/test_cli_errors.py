@@ -1,0 +1,115 @@
+"""A user's common mistakes get one line naming what is wrong (exit status 2), not a traceback:
+a checkpoint folder that does not exist or holds no checkpoint, an unknown preset / backend /
+dtype / adapter, a device torch cannot use here, a bundle exported from another checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from phyai_edge.cli import main as cli
+from phyai_edge.commands.common import device_problem
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int | str | None, str]:
+    """Exit status and stderr of one command; `fail` ends a command with SystemExit, as argparse does."""
+    try:
+        rc: int | str | None = cli(args)
+    except SystemExit as exc:
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
+
+def one_line(err: str, command: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"phyai-edge {command}: "), err
+    return lines[0]
+
+
+@pytest.fixture
+def cpu_only_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This torch as a CPU-only build would be, whatever the machine has."""
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--checkpoint", "{tmp}/nowhere"], "checkpoint folder not found: {tmp}/nowhere"),
+        (["--checkpoint", "{tmp}"], "is not a PI0.5 checkpoint folder I know"),
+        (["--preset", "huge"], "unknown PI0.5 preset 'huge'"),
+        (["--preset", "huge", "--device", "meta"], "unknown PI0.5 preset 'huge'"),
+        (["--backend", "foo"], "unknown backend 'foo'"),
+        (["--dtype", "float8"], "unknown dtype 'float8'"),
+        (["--adapter", "pi99"], "unknown adapter 'pi99'"),
+        (["--engine", "{tmp}"], "has no manifest.json: not an engine bundle"),
+        (["--device", "gpu"], "--device gpu: not a device; expected cpu, cuda, cuda:N or meta"),
+    ],
+)
+def test_bench_names_the_mistake(args: list[str], expected: str, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    args = [a.format(tmp=tmp_path) for a in args]
+    rc, err = run(["bench", *args, "--iters", "1", "--warmup", "0"], capsys)
+    assert rc == 2
+    assert expected.format(tmp=tmp_path) in one_line(err, "bench")
+
+
+def test_cuda_on_a_cpu_only_torch(cpu_only_torch: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (["bench"], ["eval", str(tmp_path)], ["serve", "--duration", "0.1"]):
+        rc, err = run([*command, "--device", "cuda"], capsys)
+        assert rc == 2
+        assert "--device cuda: this torch" in one_line(err, command[0]) and "CPU-only build" in err
+    # The export checks before it exports anything (not at validation, after every stage).
+    out = tmp_path / "bundle"
+    rc, err = run(["export", "--preset", "tiny", "--out", str(out), "--device", "cuda:0", "--no-progress"], capsys)
+    assert rc == 2 and "--device cuda:0: this torch" in one_line(err, "export")
+    assert not out.exists()
+    rc, err = run(["eval", str(tmp_path), "--reference-device", "cuda"], capsys)
+    assert rc == 2 and one_line(err, "eval").startswith("phyai-edge eval: --reference-device cuda: ")
+
+
+def test_device_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert device_problem("cpu") is None
+    assert device_problem("meta", allow_meta=True) is None
+    assert "not supported" in (device_problem("meta") or "")
+    assert "not supported" in (device_problem("mps") or "")
+    assert "not a device" in (device_problem("cuda:x") or "")
+    monkeypatch.setattr(torch.version, "cuda", "12.6")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "has CUDA 12.6 but sees no GPU" in (device_problem("cuda") or "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert device_problem("cuda") is None and device_problem("cuda:1") is None
+    assert device_problem("cuda:2") == "--device cuda:2: this machine has 2 GPU(s) (cuda:0 .. cuda:1)"
+
+
+def test_eval_and_serve_name_the_mistake(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = run(["eval", str(tmp_path), "--checkpoint", str(tmp_path / "nowhere")], capsys)
+    assert rc == 2 and "checkpoint folder not found" in one_line(err, "eval")
+    rc, err = run(["eval", str(tmp_path), "--reference-backend", "foo"], capsys)
+    assert rc == 2 and "unknown backend 'foo'" in one_line(err, "eval")
+    rc, err = run(["serve", "--preset", "huge", "--duration", "0.1"], capsys)
+    assert rc == 2 and "unknown PI0.5 preset 'huge'" in one_line(err, "serve")
+
+
+def test_a_bundle_from_another_checkpoint_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("onnxruntime")
+    from phyai_edge.adapters.pi05 import builtin_adapter, save_native
+
+    mine = save_native(builtin_adapter("tiny", seed=0), tmp_path / "mine")
+    other = save_native(builtin_adapter("tiny", seed=1), tmp_path / "other")
+    bundle = tmp_path / "bundle"
+    assert cli(["export", "--checkpoint", str(mine), "--out", str(bundle), "--steps", "2", "--no-validate",
+                "--no-progress"]) == 0
+    capsys.readouterr()
+    rc, err = run(["bench", "--engine", str(bundle), "--checkpoint", str(other), "--iters", "1", "--warmup", "0"],
+                  capsys)
+    assert rc == 2 and "checkpoint hash differs" in one_line(err, "bench") and str(other) in err
+    rc, err = run(["eval", str(tmp_path), "--engine", str(bundle), "--checkpoint", str(other)], capsys)
+    assert rc == 2 and "checkpoint hash differs" in one_line(err, "eval")
+    # Its own checkpoint is accepted.
+    assert cli(["bench", "--engine", str(bundle), "--checkpoint", str(mine), "--iters", "1", "--warmup", "0"]) == 0
