@@ -9,7 +9,8 @@ from pathlib import Path
 
 HELP = "build an engine bundle (ONNX, TensorRT, CUDA graph) from a checkpoint"
 DESCRIPTION = """\
-Build a self-describing engine bundle that `phyai-edge run --engine engines/NAME` loads without
+Build a self-describing engine bundle that the daemon (`[model] bundle = "engines/NAME"` in its
+config), `phyai-edge bench --engine`, `eval --engine` and `serve --engine` load without
 rebuilding anything. Run it on the machine that will run the robot: TensorRT engines only run
 on the GPU architecture and TensorRT version they were built with, and loading refuses others.
 
