@@ -118,6 +118,37 @@ def test_refuses_a_manifest_that_is_not_an_object(bundle, tmp_path):
         load_policy(bundle=b)
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("backend", None, r"field 'backend' is missing"),
+    ("checkpoint", "weights", r"field 'checkpoint' is missing or not a dict"),
+    ("files", {}, r"field 'files' lists no files"),
+])
+def test_refuses_a_sealed_manifest_without_what_loaders_read(bundle, tmp_path, field, value, message):
+    """Re-sealed by hand, so only the field check can object: a missing backend was a KeyError at
+    load time, and an empty file list made the hash check pass over nothing."""
+    b = _copy(bundle, tmp_path)
+    m = json.loads((b / "manifest.json").read_text())
+    if value is None:
+        del m[field]
+    else:
+        m[field] = value
+    (b / "manifest.json").write_text(json.dumps(seal(m)))
+    with pytest.raises(BundleError, match=message):
+        load_policy(bundle=b)
+
+
+def test_a_preset_bundle_says_a_checkpoint_cannot_be_checked_against_it(bundle, tmp_path, checkpoint):
+    """A bundle exported from a built-in preset records a hash of its tensors, which no checkpoint
+    folder's files can match: the refusal says so instead of "checkpoint hash differs"."""
+    b = _copy(bundle, tmp_path)
+    m = json.loads((b / "manifest.json").read_text())
+    m["checkpoint"]["source"] = "builtin:tiny:seed=0"
+    (b / "manifest.json").write_text(json.dumps(seal(m)))
+    with pytest.raises(BundleError, match=r"built-in preset \(builtin:tiny:seed=0\).*without a checkpoint") as err:
+        verify_bundle(b, checkpoint=checkpoint)
+    assert "hash differs" not in str(err.value)
+
+
 def test_refuses_a_newer_format_saying_to_upgrade(bundle, tmp_path):
     """A bundle written by a newer phyai-edge: re-exporting here is one way out, but the message
     must say what happened (this phyai-edge is older than the bundle)."""

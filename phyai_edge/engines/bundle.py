@@ -215,7 +215,24 @@ def read_manifest(bundle: str | Path) -> dict[str, Any]:
             f"{path} was edited after export (its content hash is {got[:16]}..., the manifest records "
             f"{str(want)[:16]}...); a hand-edited manifest can describe files it does not match: re-export the bundle"
         )
+    _check_required(path, manifest)
     return manifest
+
+
+# What every loader reads, by type. A sealed manifest without them was not written by
+# `write_manifest` (or was re-sealed by hand): refused here with the field named, not as a
+# KeyError later, and an empty file list would otherwise make the hash check vouch for nothing.
+_REQUIRED: dict[str, type] = {"backend": str, "checkpoint": dict, "files": dict}
+
+
+def _check_required(path: Path, manifest: dict[str, Any]) -> None:
+    for key, kind in _REQUIRED.items():
+        if not isinstance(manifest.get(key), kind):
+            raise BundleError(f"{path}: field {key!r} is missing or not a {kind.__name__}; "
+                              "the manifest was not written by `phyai-edge export`: re-export the bundle")
+    if not manifest["files"]:
+        raise BundleError(f"{path}: field 'files' lists no files, so nothing in the bundle can be checked; "
+                          "re-export the bundle")
 
 
 def _format_advice(fmt: Any) -> str:
@@ -274,7 +291,14 @@ def check_platform(manifest: dict[str, Any], here: Platform, device: str | torch
 
 
 def check_checkpoint(manifest: dict[str, Any], checkpoint: str | Path) -> None:
-    want = manifest.get("checkpoint", {}).get("sha256")
+    source = str(manifest["checkpoint"].get("source", ""))
+    if source.startswith("builtin:"):
+        # Its hash is of the preset's tensors, not of checkpoint files: no folder can match it, and
+        # "hash differs" would wrongly suggest the folder holds other weights.
+        raise BundleError(f"this bundle was exported from a built-in preset ({source}), not from a checkpoint "
+                          f"folder, so {checkpoint} cannot be checked against it: load the bundle without a "
+                          "checkpoint, or re-export it from that folder")
+    want = manifest["checkpoint"].get("sha256")
     got = checkpoint_sha256(checkpoint)
     if want != got:
         raise BundleError(f"checkpoint hash differs: bundle was exported from weights {str(want)[:16]}..., "
