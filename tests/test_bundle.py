@@ -22,6 +22,7 @@ from phyai_edge.engines.bundle import (
     seal,
     verify_bundle,
 )
+from phyai_edge.engines.exporter import ExportRequest, export_bundle
 from phyai_edge.engines.onnxrt import OnnxRuntimeEngine
 from phyai_edge.engines.policy import load_bundle_policy, load_policy
 
@@ -246,3 +247,16 @@ def test_export_help_lists_the_options(capsys):
     text = capsys.readouterr().out
     for opt in ("--backend", "--precision", "--batch", "--views", "--calibration", "--steps", "tensorrt"):
         assert opt in text
+
+
+def test_export_reports_progress_through_validation(tmp_path):
+    """Every long phase of an export says what it is doing, validation included (a capture and a
+    float32 reference run per batch size at full size). Without a bar (progress off) each phase
+    prints a line per step: those lines are what this reads."""
+    lines: list[str] = []
+    export_bundle(ExportRequest(out=tmp_path / "b", backend="onnx", batch_sizes=[1, 2], steps=2, holdout=1,
+                                progress=False),
+                  adapter=builtin_adapter("tiny", seed=0), echo=lines.append)
+    assert "checkpoint: 1 step(s)" in lines and "  checkpoint: written done" in lines
+    at = lines.index("validate fp32: 2 step(s)")
+    assert lines[at + 1:at + 3] == ["  validate fp32: b1 done", "  validate fp32: b2 done"]

@@ -109,9 +109,9 @@ class Progress:
                 pass
 
     @contextmanager
-    def phase(self, title: str, steps: list[str]) -> Iterator[Callable[[str], None]]:
+    def phase(self, title: str, steps: list[str], unit: str = "stage") -> Iterator[Callable[[str], None]]:
         if self.tqdm is not None:
-            bar = self.tqdm(total=len(steps), desc=title, unit="stage", leave=True)
+            bar = self.tqdm(total=len(steps), desc=title, unit=unit, leave=True)
 
             def done(name: str) -> None:
                 bar.set_postfix_str(name)
@@ -246,7 +246,9 @@ def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progres
     (work / "checkpoint").mkdir()
     # In the engine's own precision: half the bytes to hash, read and move at every start of a
     # bf16 / fp16 engine, and bit-identical to what it would cast the float32 weights to.
-    weight_dtype = write_checkpoint(adapter, work / "checkpoint", include_weights, dtype)
+    with progress.phase("checkpoint", ["weights" if include_weights else "metadata"], unit="step") as done:
+        weight_dtype = write_checkpoint(adapter, work / "checkpoint", include_weights, dtype)
+        done("written")
     if req.checkpoint is not None and weight_files(Path(req.checkpoint)):
         ck_hash, ck_source = checkpoint_sha256(req.checkpoint), str(Path(req.checkpoint).resolve())
     else:
@@ -264,7 +266,9 @@ def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progres
     elif req.backend == "tensorrt":
         artefacts["tensorrt"] = _export_tensorrt(req, adapter, views, work, calib_obs, progress, timings)
     if req.precision == "fp8":
-        calibration_info = _fp8_scales(adapter, work, calib_obs, held_out, req)
+        with progress.phase("fp8 calibration", ["scales"], unit="step") as done:
+            calibration_info = _fp8_scales(adapter, work, calib_obs, held_out, req)
+            done("scales")
         if req.backend == "cudagraph":
             artefacts["fp8_scales"] = "calibration/fp8_scales.safetensors"
 
@@ -304,7 +308,7 @@ def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progres
         # scales, static activation scales from the same calibration.
         manifest["fp8"] = {"scope": req.fp8_scope, "scales": "calibration/fp8_scales.safetensors",
                            "activations": "static", "format": "e4m3fn, per-tensor"}
-    manifest["validation"] = _validate(req, adapter, work, manifest, held_out, echo)
+    manifest["validation"] = _validate(req, adapter, work, manifest, held_out, progress, echo)
     if req.precision in ("int8", "fp8") and req.backend == "onnxruntime":
         manifest["calibration"] = {**(manifest["calibration"] or {}), "source": calib_source,
                                    "report": manifest["validation"].get("calibrated")}
@@ -434,7 +438,7 @@ def _fp8_scales(adapter: Adapter, work: Path, calib: list[Observation], held: li
 
 
 def _validate(req: ExportRequest, adapter: Adapter, work: Path, manifest: dict[str, Any], held: list[Observation],
-              echo: Callable[[str], None]) -> dict[str, Any]:
+              progress: Progress, echo: Callable[[str], None]) -> dict[str, Any]:
     """The bundle's own engine against float32 eager on held-out samples, per batch size."""
     if not req.validate:
         return {"status": "skipped", "reason": "--no-validate"}
@@ -450,10 +454,14 @@ def _validate(req: ExportRequest, adapter: Adapter, work: Path, manifest: dict[s
     engine = _engine_for(req, work, manifest, adapter)
     ref = reference_engine(adapter, "float32", device=req.device)
     worst = 0.0
-    for b in req.batch_sizes:
-        err = compare_engines(adapter, engine, ref, held, batch_size=b, seed=req.seed)
-        result["per_batch"][str(b)] = err
-        worst = max(worst, err["max_abs_error"])
+    # At full size each batch size is a capture (cudagraph) and a float32 reference run per held-out
+    # sample: minutes, after the build's own bars have closed.
+    with progress.phase(f"validate {req.precision}", [f"b{b}" for b in req.batch_sizes], unit="batch") as done:
+        for b in req.batch_sizes:
+            err = compare_engines(adapter, engine, ref, held, batch_size=b, seed=req.seed)
+            result["per_batch"][str(b)] = err
+            worst = max(worst, err["max_abs_error"])
+            done(f"b{b}")
     result["max_abs_error"] = worst
     result["status"] = "passed" if worst <= tol else "failed"
     if req.precision in ("int8", "fp8"):
