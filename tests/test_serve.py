@@ -72,6 +72,8 @@ def test_wire_rejects_wrongly_typed_fields_naming_them():
         (r"rtc\.max_guidance_weight", {"rtc": {**rtc, "max_guidance_weight": [1]}}),
         (r"obs\[0\]\.state: bad shape", {"obs": [{"images": {}, "state": {**state, "shape": [-1, -14]}}]}),
         ("budget_ms", {"budget_ms": True}),
+        (r"obs\[0\]\.state: dtype '<M8\[s\]' is not accepted", {"obs": [{"images": {}, "state": {**state, "dtype": "<M8[s]"}}]}),
+        (r"obs\[0\]\.state: dtype '\|O' is not accepted", {"obs": [{"images": {}, "state": {**state, "dtype": "|O"}}]}),
     ]
     for field_re, fields in cases:
         head = {"v": 1, "type": "infer", "id": 1, "robot": "r", "obs": [{"images": {}, "state": state}], **fields}

@@ -70,8 +70,10 @@ def _unpack(ref: Any, frames: list[Any], what: str) -> np.ndarray:
     if any(s < 0 for s in shape):
         # Two negative sizes multiply to a positive byte count; reshape would then raise.
         raise WireError(f"{what}: bad shape {list(shape)}: sizes must be >= 0")
-    if dtype.hasobject:
-        raise WireError(f"{what}: object arrays are not accepted")
+    if dtype.kind not in "biuf":
+        # Object arrays would unpickle; dates, strings and complex numbers would be cast to float32
+        # somewhere downstream without a word.
+        raise WireError(f"{what}: dtype {dtype.str!r} is not accepted (bool, integer or float arrays only)")
     buf = frames[i]
     data = buf.buffer if hasattr(buf, "buffer") else buf  # zmq.Frame or bytes
     try:
