@@ -26,6 +26,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps a command's description and examples as written, and ends each option's help with
+    its default unless the help already says it. Flags (False) and options whose default is None
+    or empty say nothing here: their help says what leaving them out means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is False or default is argparse.SUPPRESS
+                or default in ("", []) or "default" in text.lower()):
+            return action.help
+        shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+        # argparse %-formats help strings: a literal % in the value must be doubled.
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
 def build_parser(available: dict[str, tuple[str, str]] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="phyai-edge",
@@ -61,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         sub = argparse.ArgumentParser(
             prog=f"phyai-edge {argv[0]}",
             description=getattr(module, "DESCRIPTION", available[argv[0]][1]),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            formatter_class=HelpFormatter,
         )
         module.add_arguments(sub)
         args = sub.parse_args(argv[1:])

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=48, help="valid prompt tokens per sample (rest is padding)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first")
     p.add_argument("--iters", type=int, default=20, help="timed calls")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     p.add_argument("--fp8", choices=["expert", "prefix", "all"], default=None,
                    help="cudagraph backend: run these linears in fp8 E4M3 (torch._scaled_mm on Ada/Hopper, "
                    "the plain-torch reference path elsewhere); default: none")

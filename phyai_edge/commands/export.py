@@ -81,7 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "cudagraph when present, else cpu)")
     b.add_argument("--timing-cache", type=Path, help="TensorRT timing cache file, reused across builds "
                    "(default: ~/.cache/phyai-edge/trt-timing.cache)")
-    b.add_argument("--workspace-gb", type=float, help="TensorRT builder workspace limit in GiB")
+    b.add_argument("--workspace-gb", type=float,
+                   help="TensorRT builder workspace limit in GiB (default: TensorRT's, the GPU's memory)")
     b.add_argument("--no-validate", action="store_true", help="skip the check against the eager engine")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
     b.add_argument("--seed", type=int, default=0, help="seed for the built-in preset and sample noise")

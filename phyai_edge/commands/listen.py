@@ -23,9 +23,12 @@ Examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="the daemon's publish endpoint")
     p.add_argument("--topic", default="action", help="action topic (publish.topic)")
-    p.add_argument("--chunk-topic", default="", help="also count whole-chunk messages on this topic")
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    p.add_argument("--count", type=int, default=None, help="stop after this many actions")
+    p.add_argument("--chunk-topic", default="",
+                   help="also count whole-chunk messages on this topic, e.g. chunk (publish.chunk_topic); default: none")
+    p.add_argument("--duration", type=float, default=None,
+                   help="stop after this many seconds (default: at Ctrl-C, or when the daemon sends SHUTDOWN)")
+    p.add_argument("--count", type=int, default=None,
+                   help="stop after this many actions (default: at Ctrl-C, or when the daemon sends SHUTDOWN)")
     p.add_argument("--print", dest="print_each", action="store_true", help="print every action")
     p.add_argument("--wall", action="store_true", help="latency from CLOCK_REALTIME (other host, PTP-synced)")
     p.add_argument("--json", dest="json_path", help="write the final summary as JSON to this file ('-': stdout)")

@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--metrics", action="append", default=[], metavar="URL", help="daemon /metrics URL (repeatable)"
     )
     src.add_argument(
-        "--device", action="append", default=[], metavar="NAME", help="device to predict, or 'all'"
+        "--device", action="append", default=[], metavar="NAME",
+        help="device to predict (a key or name from --list-devices, e.g. orin), or 'all' (repeatable)"
     )
     src.add_argument("--list-devices", action="store_true", help="print the device table and exit")
     src.add_argument("--stat", default="p90", help="statistic of measured stage times (p50, p90, p99, mean)")
@@ -56,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prompt-tokens", type=int, default=None, help="prompt tokens (default: padded length)"
     )
     model.add_argument("--steps", type=int, default=None, help="flow-matching steps N (default: adapter's)")
-    model.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp8", "int8"], help="weights")
+    model.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp8", "int8"],
+                       help="weight and GEMM precision (default: the bench's, else bf16)")
 
     robot = p.add_argument_group("robot")
     robot.add_argument("--rate", type=float, default=None, help="control rate in Hz (default 50)")
@@ -65,24 +67,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     robot.add_argument("--horizon", type=int, default=None, help="prediction horizon H (default: chunk size)")
     robot.add_argument("--exec-horizon", type=int, default=None, help="execution horizon s (default: free)")
-    robot.add_argument("--camera-age-ms", type=float, default=None, help="age of the frame at assembly")
-    robot.add_argument("--preprocess-ms", type=float, default=None, help="override / supply preprocess time")
+    # Measured sources keep their own value unless the flag is given; predictions cannot see these.
+    robot.add_argument("--camera-age-ms", type=float, default=None,
+                       help="age of the frame at assembly (default: measured, else 0)")
+    robot.add_argument("--preprocess-ms", type=float, default=None,
+                       help="override / supply preprocess time (default: measured, else 0)")
     robot.add_argument(
-        "--postprocess-ms", type=float, default=None, help="override / supply postprocess time"
+        "--postprocess-ms", type=float, default=None,
+        help="override / supply postprocess time (default: measured, else 0)"
     )
     robot.add_argument(
-        "--transport-ms", type=float, default=None, help="observation in + action out transport"
+        "--transport-ms", type=float, default=None,
+        help="observation in + action out transport (default: measured, else 0)"
     )
 
     cal = p.add_argument_group("calibration")
     cal.add_argument(
-        "--calibrate", default=None, metavar="FILE", help="bench JSON to fit efficiency factors on"
+        "--calibrate", default=None, metavar="FILE",
+        help="bench JSON to fit efficiency factors on (default: the first measured source on a known GPU)"
     )
     cal.add_argument(
-        "--efficiency-compute", type=float, default=None, help="fraction of peak FLOPs (default 0.5)"
+        "--efficiency-compute", type=float, default=None,
+        help="fraction of peak FLOPs (default: fitted by the calibration, else 0.5)"
     )
     cal.add_argument(
-        "--efficiency-bandwidth", type=float, default=None, help="fraction of peak bandwidth (0.7)"
+        "--efficiency-bandwidth", type=float, default=None,
+        help="fraction of peak bandwidth (default: fitted by the calibration, else 0.7)"
     )
 
     out = p.add_argument_group("output")

@@ -26,12 +26,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="daemon configuration (TOML); default: the embedded one")
     p.add_argument("--print-default-config", action="store_true", help="print the embedded default configuration and exit")
     p.add_argument("--check-config", metavar="FILE", help="validate a configuration file and exit (0: valid, 2: not)")
-    p.add_argument("--duration", type=float, default=None, help="stop by itself after this many seconds")
+    p.add_argument("--duration", type=float, default=None,
+                   help="stop by itself after this many seconds (default: run until SIGINT / SIGTERM)")
     p.add_argument("--record", metavar="DIR", help="save every inference's observation and chunk to DIR")
     p.add_argument("--no-realtime", action="store_true", help="skip SCHED_FIFO, CPU affinity and mlockall")
     p.add_argument("--summary", metavar="FILE", help="write the run's timing summary as JSON ('-': stdout)")
     p.add_argument("--log-level", default=os.environ.get("PHYAI_EDGE_LOG_LEVEL", "info"),
-                   choices=["debug", "info", "warning", "error"])
+                   choices=["debug", "info", "warning", "error"],
+                   help="lowest level logged (default: $PHYAI_EDGE_LOG_LEVEL, else info)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -35,13 +35,13 @@ Examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default="tcp://127.0.0.1:5570", help="ZeroMQ endpoint the ROUTER binds")
-    p.add_argument("--adapter", default="pi05")
+    p.add_argument("--adapter", default="pi05", help="model adapter")
     p.add_argument("--checkpoint", help="checkpoint folder (LeRobot, openpi or native)")
     p.add_argument("--preset", default="tiny", help="built-in size without a checkpoint")
     p.add_argument("--engine", help="exported engine bundle folder (overrides --backend)")
-    p.add_argument("--backend", default="eager")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--backend", default="eager", help="eager | cudagraph | onnxruntime | tensorrt")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's noise generator")
     p.add_argument("--max-batch", type=int, default=16, help="observations per engine call at most")
     p.add_argument("--batch-sizes", default="auto",

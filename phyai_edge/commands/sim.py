@@ -37,7 +37,8 @@ def _outage(text: str) -> tuple[float, float]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="the daemon's TOML (endpoints, control rate, zmq cameras); "
                    "default: adapters/pi05_aloha.toml's endpoints")
-    p.add_argument("--task", default="transfer_cube", choices=["transfer_cube", "insertion"])
+    p.add_argument("--task", default="transfer_cube", choices=["transfer_cube", "insertion"],
+                   help="gym-aloha task: the scene and objects")
     p.add_argument("--seed", type=int, default=0, help="object placement (gym-aloha's sampler)")
     p.add_argument("--duration", type=float, default=0.0, help="seconds to run; 0: until Ctrl-C")
     p.add_argument("--render-every", type=int, default=None,
@@ -52,11 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--summary", metavar="FILE", help="write the run's summary as JSON ('-': stdout)")
     p.add_argument("--report-every", type=float, default=5.0, help="seconds between status lines (0: off)")
     rep = p.add_argument_group("report (analyse a saved --log instead of running)")
-    rep.add_argument("--report", metavar="NPZ", help="analyse a log: sequence, latency, camera age, HOLDs")
+    rep.add_argument("--report", metavar="NPZ", help="analyse a log: sequence, latency, camera age, HOLDs; "
+                     "prints the analysis as JSON (or writes it to --summary FILE)")
     rep.add_argument("--plot", metavar="PNG", help="joint trajectories and timing as a chart")
     rep.add_argument("--roofline-json", metavar="FILE", help="stage times for `phyai-edge roofline --bench`")
     rep.add_argument("--metrics-file", metavar="TXT", help="the daemon's /metrics text, for inference times")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="lowest level logged")
 
 
 def _write_json(data: object, where: str) -> None:
