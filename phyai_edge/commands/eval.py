@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference-dtype", help="precision of the reference (default: --dtype)")
     p.add_argument("--reference-device", help="device of the reference (default: --device)")
     p.add_argument("--batch", type=int, default=8, help="frames per engine call")
-    p.add_argument("--batch-sizes", help="captured batch sizes to pad to, e.g. 1,2,4,8")
+    p.add_argument("--batch-sizes", help="captured batch sizes to pad to, e.g. 1,2,4,8 (default: the sizes the "
+                   "--engine / --reference-engine bundles were exported for, else any size)")
     p.add_argument("--seed", type=int, default=0, help="noise seed (frame noise depends on seed, episode, frame)")
     p.add_argument("--no-rtc", action="store_true", help="replay without the recorded RTC prefixes")
     p.add_argument("--max-guidance-weight", type=float, default=5.0, help="RTC beta for recorded guided requests")
@@ -60,6 +61,18 @@ def _clean(x: Any) -> Any:
     if isinstance(x, list):
         return [_clean(v) for v in x]
     return x
+
+
+def fixed_sizes(*policies: Any) -> list[int] | None:
+    """The batch sizes every engine built for fixed sizes (an ONNX or TensorRT bundle) takes; None
+    when none is. Both engines run the same padded calls, and a bundle run at a size it was not
+    exported for fails every call (each then reruns one sample at a time, with a warning)."""
+    common: set[int] | None = None
+    for policy in policies:
+        sizes = getattr(getattr(policy, "engine", None), "batch_sizes", None)
+        if sizes:
+            common = set(sizes) if common is None else common & set(sizes)
+    return sorted(common) if common else None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -94,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"phyai-edge eval: {exc}", file=sys.stderr)
         return 2
-    sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else None
+    sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else fixed_sizes(policy, reference)
     rep = evaluate(policy, episodes, reference, batch=args.batch, seed=args.seed, batch_sizes=sizes)
     rep["policy"] = {"backend": getattr(policy.engine, "backend", args.backend), "device": args.device, "dtype": args.dtype,
                      "engine": args.engine}
