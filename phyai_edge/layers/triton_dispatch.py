@@ -210,7 +210,7 @@ class Tickets:
 # is not ours (cuBLAS, torch) is ordered as usual. Off unless PHYAI_EDGE_PDL=1 (or `set_pdl(True)`):
 # on the H200 it gave bit-identical chunks but slower ones (batch 1 17.47 vs 17.01 ms), and slower
 # still with each GEMM / attention program asking L2 for its weights / cached keys before the wait
-# (18.90 vs 16.68 ms, 2026-12-03; docs/gpu.md).
+# (18.90 vs 16.68 ms, 2026-12-03; docs/gpu_kernels.md).
 PDL_ENV = "PHYAI_EDGE_PDL"
 _PDL_ON = os.environ.get(PDL_ENV, "0").lower() in ("1", "true", "on")
 _PDL_CAPABLE: dict[int, bool] = {}

@@ -18,7 +18,7 @@ flow time: `fused_stacks.fold_shift`). Here:
 The norm's consumers inside a block, QKV + RoPE and gate/up + GeGLU, take `norm=` in
 `layers.triton_gemm`, whose tiles, K loop and fold helpers these kernels share. Tested in
 `tests/test_norm_fold.py` (under Triton's interpreter on the CPU, and on the H200); measured in
-`benchmarks/RESULTS.md` (2026-12-04, fourteenth and fifteenth sessions) and `docs/gpu.md`.
+`benchmarks/RESULTS.md` (2026-12-04, fourteenth and fifteenth sessions) and `docs/gpu_kernels.md`.
 """
 
 from __future__ import annotations
