@@ -84,7 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--workspace-gb", type=float,
                    help="TensorRT builder workspace limit in GiB (default: TensorRT's, the GPU's memory)")
     b.add_argument("--no-validate", action="store_true", help="skip the check against the eager engine")
-    b.add_argument("--no-progress", action="store_true", help="no progress bars")
+    b.add_argument("--no-progress", action="store_true",
+                   help="a line per step instead of progress bars (also what a log file or the journal gets: "
+                   "bars are drawn only on a terminal)")
     b.add_argument("--seed", type=int, default=0, help="seed for the built-in preset and sample noise")
 
 
@@ -104,7 +106,9 @@ def main(args: argparse.Namespace) -> int:
         device=args.device, seed=args.seed, validate=not args.no_validate, int8_mode=args.int8_mode,
         fp8_scope=args.fp8_scope,
         timing_cache=args.timing_cache or DEFAULT_TIMING_CACHE, workspace_gb=args.workspace_gb,
-        overwrite=args.overwrite, progress=not args.no_progress, tokenizer=args.tokenizer,
+        # A bar redraws itself with carriage returns: in a CI log, a file or journald that is one
+        # unreadable line per redraw, so off a terminal each step gets a plain line instead.
+        overwrite=args.overwrite, progress=not args.no_progress and sys.stderr.isatty(), tokenizer=args.tokenizer,
     )
     missing = [m for m in NEEDS.get(req.backend, ()) if importlib.util.find_spec(m) is None]
     if missing:
