@@ -78,3 +78,12 @@ def test_documented_options_exist() -> None:
     wrong = [f"{where}: phyai-edge {cmd} {opt}" for where, cmd, rest in shown
              for opt in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest) if opt not in options[cmd]]
     assert not wrong, "\n".join(wrong)
+
+
+def test_info_says_a_cpu_only_torch_is_one(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert cli(["info"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("cuda "))
+    assert line.split(None, 1)[1] == "none: this torch is a CPU-only build"  # not "not installed"

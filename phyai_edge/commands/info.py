@@ -59,6 +59,10 @@ def main(args: argparse.Namespace) -> int:
                 print(f"{'gpus':<16}none")
             for g in val:
                 print(f"{'gpu ' + str(g['index']):<16}{g['name']} (sm {g['capability']}, {g['memory_gib']} GiB)")
+        elif key == "cuda" and val is None:
+            # torch.version.cuda is None for a CPU-only torch wheel: installing the CUDA toolkit
+            # would not help; a CUDA build of torch (JetPack's wheel on a Jetson) would.
+            print(f"{'cuda':<16}none: this torch is a CPU-only build")
         else:
             print(f"{key:<16}{val if val is not None else 'not installed'}")
     return 0
