@@ -312,3 +312,27 @@ def test_zmq_state_stream_estop_and_metrics():
     flags = [h.flags for h, _ in run.actions()]
     i = next(i for i, f in enumerate(flags) if f & Flag.ESTOP)
     assert all(f & Flag.HOLD for f in flags[i:])
+
+
+@pytest.mark.parametrize("key", ["publish.endpoint", "state.endpoint", "cameras.top.endpoint"])
+def test_an_endpoint_zeromq_refuses_names_its_key_and_shutdown_still_returns(key):
+    """`phyai-edge run` with such an endpoint must say which key is wrong and exit, not hang in
+    the ZeroMQ context's termination on the socket that failed to bind or connect."""
+    from phyai_edge.control.config import ConfigError
+
+    sections = {
+        "publish.endpoint": {"publish": {"endpoint": "tcp://no-such-interface:1"}},
+        "state.endpoint": {"state": {"source": "zmq", "endpoint": "tcp://no such host:1"}},
+        "cameras.top.endpoint": {"cameras": {"top": {"source": "zmq", "endpoint": "tcp://no such host:1"}}},
+    }[key]
+    d = Daemon(test_config(**sections), policy=FakePolicy(action_dim=6, state_dim=6), realtime=False)
+    try:
+        d.setup()
+    except ConfigError as exc:  # shut down while the error (and its traceback) lives, as `phyai-edge run` does
+        assert str(exc).startswith(f"{key}: "), exc
+        closer = threading.Thread(target=d.shutdown, daemon=True)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "shutdown hung on the socket that could not bind or connect"
+    else:
+        pytest.fail("setup accepted the endpoint")

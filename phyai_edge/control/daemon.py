@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ from phyai_edge.control.clock import (
     promote_threads,
     setup_realtime,
 )
-from phyai_edge.control.config import DaemonConfig, check_against_policy
+from phyai_edge.control.config import ConfigError, DaemonConfig, check_against_policy
 from phyai_edge.control.metrics import Metrics
 from phyai_edge.control.notify import Notifier
 from phyai_edge.control.protocol import Flag
@@ -210,13 +211,15 @@ class Daemon:
             name: make_camera(c, self.context) for name, c in cfg.cameras.items()
         }
         for name, cam in self.cameras.items():
-            cam.start()
+            _zmq_opened(f"cameras.{name}.endpoint", cam.start)
             log.info("camera %s -> %s: %s", name, cfg.cameras[name].view_name if name in cfg.cameras else name, cam.describe())
         self.state = self._state_override or make_state(cfg.state, info.state_dim, self.context)
-        self.state.start()
+        _zmq_opened("state.endpoint", self.state.start)
         log.info("state: %s", self.state.describe())
         p = cfg.publish
-        self.publisher = ActionPublisher(p.endpoint, p.topic, p.chunk_topic, p.bind, p.sndhwm, self.context)
+        self.publisher = _zmq_opened(
+            "publish.endpoint", lambda: ActionPublisher(p.endpoint, p.topic, p.chunk_topic, p.bind, p.sndhwm, self.context)
+        )
         log.info(
             "publishing on %s (topic %r%s), %g Hz, RTC %s (H=%d, s=%d)",
             self.publisher.endpoint, p.topic, f", chunks on {p.chunk_topic!r}" if p.chunk_topic else "",
@@ -593,7 +596,10 @@ class Daemon:
         if self.recorder is not None:
             self.recorder.close()
         if self._own_context:
-            self.context.term()
+            # destroy, not term: term waits for every socket to close, and one left open by a
+            # failed bind or connect in setup() (kept alive by the error's traceback) would hang
+            # it for good. The publisher is already closed, so its final HOLD still gets its linger.
+            self.context.destroy(linger=0)
         self.notifier.close()
 
     def summary(self) -> dict[str, Any]:
@@ -630,6 +636,17 @@ class _WorkerSeen:
     deaths: int = 0
     restarts: int = 0
     failures: int = 0
+
+
+def _zmq_opened(key: str, open_socket: Callable[[], Any]) -> Any:
+    """Run a ZeroMQ bind or connect; ZeroMQ's refusal ("Invalid argument (addr=...)") becomes a
+    configuration error that names the key holding the endpoint."""
+    import zmq
+
+    try:
+        return open_socket()
+    except zmq.ZMQError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 def _status_line_default() -> bool:
