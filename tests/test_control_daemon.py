@@ -197,6 +197,25 @@ def test_nan_from_the_policy_is_never_published():
     assert count(run, lambda h, v: h.flags & Flag.INFER_FAIL) >= 1
 
 
+def test_a_rejected_nan_chunk_counts_as_a_failed_inference_in_prometheus():
+    """phyai_nonfinite_actions is the guard acting (a payload replaced at the last line); a chunk
+    rejected at collection is a failed inference, as in summary()["failures"]."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pol = FakePolicy(action_dim=6, state_dim=6, latency_s=0.01, nan_calls=(2, 3))
+    run = Running(Daemon(test_config(metrics={"port": port}), policy=pol, realtime=False))
+    run.wait_for(lambda: run.daemon.stats.nonfinite_chunks >= 2 and run.daemon.stats.adopted >= 2, what="2 NaN chunks")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    run.stop()
+    assert run.daemon.summary()["nonfinite_actions"] == 0
+    assert "phyai_nonfinite_actions_total 0.0" in text
+    assert f"phyai_inference_failures_total {float(run.daemon.stats.failures)}" in text
+
+
 def test_inference_failure_runs_out_the_chunk_then_holds():
     cfg = test_config(chunking={"mode": "none", "execution_horizon": 10})
     pol = FakePolicy(action_dim=6, state_dim=6, latency_s=0.01, fail_from=3)

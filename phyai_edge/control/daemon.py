@@ -534,7 +534,7 @@ class Daemon:
         if not np.isfinite(res.actions).all():
             st.nonfinite_chunks += 1
             st.failures += 1
-            m.nonfinite.inc()
+            m.inference_failures.inc()  # phyai_nonfinite_actions is for the guard acting, not for this
             log.error("inference returned non-finite actions; chunk rejected")
             return True
         taken = self.queue.adopt(res.actions, inflight.job.job_id, inflight.start_slot, slot, inflight.obs_time_s)

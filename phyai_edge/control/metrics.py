@@ -69,7 +69,9 @@ class Metrics:
         self.clamped = pc.Counter("phyai_clamped_actions", "Actions changed by a limit", ["limit"], registry=registry)
         self.missed_ticks = pc.Counter("phyai_missed_ticks", "Clock slots skipped after an overrun", registry=registry)
         self.nonfinite = pc.Counter("phyai_nonfinite_actions", "Non-finite actions replaced by HOLD", registry=registry)
-        self.inference_failures = pc.Counter("phyai_inference_failures", "Inferences that raised", registry=registry)
+        self.inference_failures = pc.Counter(
+            "phyai_inference_failures", "Inferences that failed: raised, or returned a chunk that was rejected", registry=registry
+        )
         self.seq = pc.Gauge("phyai_published_seq", "Sequence number of the last published action", registry=registry)
         self.worker_restarts = pc.Counter(
             "phyai_worker_restarts", "Inference worker processes restarted, by outcome", ["result"], registry=registry
