@@ -208,3 +208,15 @@ def test_bench_floors_say_why_not(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*base, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["floor_device"] is None and report["floors"] == {}
+
+
+def test_a_float32_bench_is_noted_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CPU float32 bench (`phyai-edge bench --json` on a laptop) is not used to calibrate: one
+    note says why, and the header names the default efficiency without nested parentheses."""
+    bench = tmp_path / "cpu.json"
+    bench.write_text(json.dumps({**BENCH, "device": "cpu", "gpu": None, "dtype": "float32"}))
+    rc, out, _ = run(["--bench", str(bench), "--device", "orin", "--no-plot"], capsys)
+    assert rc == 0
+    notes = out.split("notes:", 1)[1].splitlines()
+    assert sum("calibrat" in n for n in notes) == 1, notes
+    assert "efficiency compute 0.50, bandwidth 0.70, default (0.5 of peak FLOPs" in out and "((" not in out

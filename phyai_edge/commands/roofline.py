@@ -180,9 +180,10 @@ def _calibration_from(meas: Any, args: argparse.Namespace, notes: list[str]) -> 
     from phyai_edge.roofline.devices import find_device
     from phyai_edge.roofline.predict import calibrate
 
-    if not meas.device or not meas.calibratable:
-        why = "no device in it" if not meas.device else f"precision not modelled ({meas.notes[-1]})"
-        notes.append(f"{meas.label}: not used for calibration ({why})")
+    if not meas.device:
+        notes.append(f"{meas.label}: not used for calibration (no device in it)")
+        return None
+    if not meas.calibratable:  # its source's note already says why (a precision not modelled)
         return None
     try:
         dev = find_device(meas.device)
@@ -533,7 +534,7 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"T = {robot.control_period_s * 1e3:.2f} ms, physical {1.0 / robot.t_phys:g} Hz, s_cap = {robot.s_cap} ticks, "
         f"ridge L* = {robot.s_cap * robot.t_phys * 1e3:.0f} ms; efficiency compute {eff.compute:.2f}, "
-        f"bandwidth {eff.bandwidth:.2f} ({eff.source})"
+        f"bandwidth {eff.bandwidth:.2f}, {eff.source}"
     )
     print()
     print(_fmt_table(points))
