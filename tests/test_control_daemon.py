@@ -355,3 +355,46 @@ def test_an_endpoint_zeromq_refuses_names_its_key_and_shutdown_still_returns(key
         assert not closer.is_alive(), "shutdown hung on the socket that could not bind or connect"
     else:
         pytest.fail("setup accepted the endpoint")
+
+
+class SlowerWithRTC(FakePolicy):
+    """Exact guidance runs a backward pass too: a chunk with an RTC request takes longer."""
+
+    def __init__(self, rtc_latency_s: float, **kw) -> None:
+        super().__init__(**kw)
+        self.rtc_latency_s = rtc_latency_s
+
+    def infer(self, observations, rtc=None, noise=None):
+        if rtc is not None:
+            time.sleep(self.rtc_latency_s)
+        return super().infer(observations, rtc, noise)
+
+
+@pytest.mark.parametrize("mode", ["guided", "guided-approx", "inpaint", "crossfade", "none"])
+def test_warm_up_meets_the_rtc_mode_the_loop_will_run(mode):
+    """Every chunk after the first carries the executing chunk as an RTC prefix. A cudagraph engine
+    captures one solver graph per RTC mode on its first use, so the warm-up must run that mode
+    before the clock starts (and again in a restarted worker), and the first delay estimate must
+    come from the slower of the two kinds of chunk."""
+    cfg = test_config(model={"warmup": 2}, chunking={"mode": mode, "execution_horizon": 10, "delay_initial": 2})
+    pol = SlowerWithRTC(0.1, action_dim=6, state_dim=6, latency_s=0.005)
+    d = Daemon(cfg, policy=pol, realtime=False)
+    try:
+        d.setup()
+        solver_mode = mode in ("guided", "guided-approx", "inpaint")
+        rtcs = [r for r in pol.requests if r is not None]
+        assert pol.calls == (4 if solver_mode else 2) and pol.requests[0] is None
+        if solver_mode:
+            assert len(rtcs) == 2 and all(r.mode == mode for r in rtcs)
+            assert rtcs[0].prefix.shape == (50 - 10, 6) and 1 <= rtcs[0].delay <= rtcs[0].prefix.shape[0]
+            assert rtcs[0].execution_horizon == 10
+            # >= 105 ms at 50 Hz is 6 slots, plus one of margin (more on a slow machine); the chunk
+            # without RTC alone would give 2.
+            assert 7 <= d.delays.initial <= 10, d.delays.initial
+        else:
+            assert not rtcs and d.delays.initial == 2
+        restart = d.worker.warmup_jobs
+        assert [j.rtc_mode if j.prefix is not None else "none" for j in restart] == (
+            ["none", mode] * 2 if solver_mode else ["none"] * 2)
+    finally:
+        d.shutdown()

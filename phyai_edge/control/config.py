@@ -106,7 +106,7 @@ class ModelConfig:
     prompt: str = "pick up the cube"
     worker: str = "process"  # "process" keeps the policy's GIL and allocator away from the clock
     threads: int = 0  # torch intra-op threads in the worker; 0: torch's default
-    warmup: int = 1  # inferences run before the clock starts
+    warmup: int = 1  # warm-up rounds before the clock starts (a chunk without RTC, one in the solver RTC mode)
     load_timeout_s: float = 600.0
     factory: str = ""  # "module:function" building the policy; "" means load_policy (tests use fakes)
     factory_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments for `factory`
@@ -634,7 +634,8 @@ dtype = "float32"
 prompt = "pick up the cube"
 worker = "process"           # process | thread: where the policy runs
 threads = 1                  # torch threads in the worker (leave a core for the clock)
-warmup = 1
+warmup = 1                   # warm-up rounds before the clock starts: a chunk without RTC and, in a
+                             # solver RTC mode, one with it (graphs captured, kernels compiled)
 restart_backoff_s = 0.5      # a dead worker process is restarted after this, doubling per failed attempt
 restart_backoff_max_s = 30.0 # up to this; attempts never stop (the daemon holds meanwhile)
 inference_timeout_s = 10.0   # an inference still running after this: the worker is hung, killed and restarted

@@ -190,17 +190,30 @@ class Daemon:
         self.queue = ChunkQueue(ch.mode, ch.horizon, ch.execution_horizon, ch.crossfade_steps, self.delays)
         self.guard = ActionGuard(info.action_dim, cfg.robot.limits, cfg.robot.period_s, cfg.safety.hold)
 
+        # Each warm-up round runs a chunk as the first one goes (no executing chunk, no RTC) and, in a
+        # solver RTC mode, one as every later one goes: an engine that captures a graph per RTC mode
+        # (cudagraph) would otherwise capture the second on the second chunk, inside the control loop.
+        rounds = [make_warmup_job(info, cfg.model.prompt)]
+        if ch.mode in SOLVER_MODES:
+            rounds.append(make_warmup_job(info, cfg.model.prompt, rtc_mode=ch.mode,
+                                          execution_horizon=ch.execution_horizon, delay=ch.delay or ch.delay_initial,
+                                          max_guidance_weight=ch.max_guidance_weight))
         for i in range(cfg.model.warmup):
-            res = self.worker.run_sync(make_warmup_job(info, cfg.model.prompt))
-            if res.error:
-                raise RuntimeError(f"warm-up inference failed: {res.error}")
-            log.info("warm-up inference %d: %.1f ms", i + 1, res.infer_ms)
+            took = []
+            for job in rounds:
+                res = self.worker.run_sync(job)
+                if res.error:
+                    raise RuntimeError(f"warm-up inference failed (RTC {job.rtc_mode}): {res.error}")
+                took.append(res.infer_ms)
+            log.info("warm-up inference %d: %s", i + 1, ", ".join(
+                f"{ms:.1f} ms ({'no RTC' if job.prefix is None else job.rtc_mode})" for job, ms in zip(rounds, took)))
             if i == cfg.model.warmup - 1 and not ch.delay:
-                # Start the delay estimate from what inference really costs here, plus a slot of margin.
-                self.delays.initial = max(ch.delay_initial, math.ceil(res.infer_ms / 1e3 / cfg.robot.period_s) + 1)
-        # A restarted worker process runs these before it counts as up (at least one: it proves
+                # Start the delay estimate from what inference really costs here (the slower mode:
+                # exact guidance runs a backward pass too), plus a slot of margin.
+                self.delays.initial = max(ch.delay_initial, math.ceil(max(took) / 1e3 / cfg.robot.period_s) + 1)
+        # A restarted worker process runs these before it counts as up (at least one round: it proves
         # the new process can infer before the daemon relies on it).
-        self.worker.warmup_jobs = [make_warmup_job(info, cfg.model.prompt)] * max(1, cfg.model.warmup)
+        self.worker.warmup_jobs = rounds * max(1, cfg.model.warmup)
         if ch.execution_horizon < self.delays.estimate():
             log.warning(
                 "chunking.execution_horizon (%d) is below the expected delay (%d slots): inference will "

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from phyai_edge.control.rtc import SOLVER_MODES
+
 log = logging.getLogger("phyai_edge.control")
 
 
@@ -143,9 +145,20 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
         return JobResult(job.job_id, None, {}, (time.perf_counter() - t0) * 1e3, detail)
 
 
-def make_warmup_job(info: PolicyInfo, prompt: str, size: int = 224) -> Job:
+def make_warmup_job(info: PolicyInfo, prompt: str, size: int = 224, rtc_mode: str = "none",
+                    execution_horizon: int = 0, delay: int = 0, max_guidance_weight: float = 5.0) -> Job:
+    """A job of blank frames and zero state. With a solver RTC mode it carries a zero prefix of
+    the length the daemon sends in steady state (the chunk minus the execution horizon), so the
+    engine meets that mode's solver path, and captures its graph, before the clock starts."""
     images: dict[str, np.ndarray | None] = {n: np.zeros((size, size, 3), np.uint8) for n in info.camera_names}
-    return Job(0, images, {}, np.zeros(info.state_dim, np.float32), prompt, time.monotonic(), warmup=True)
+    prefix = None
+    if rtc_mode in SOLVER_MODES:
+        rows = max(1, info.chunk_size - execution_horizon)
+        prefix = np.zeros((rows, info.action_dim), np.float32)
+        delay = min(max(delay, 0), rows)
+    return Job(0, images, {}, np.zeros(info.state_dim, np.float32), prompt, time.monotonic(), rtc_mode=rtc_mode,
+               prefix=prefix, delay=delay, execution_horizon=execution_horizon,
+               max_guidance_weight=max_guidance_weight, warmup=True)
 
 
 # ---------------------------------------------------------------- thread placement
