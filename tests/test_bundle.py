@@ -170,6 +170,8 @@ def test_refuses_a_different_checkpoint(bundle, tmp_path):
     other = save_native(builtin_adapter("tiny", seed=1), tmp_path / "other")
     with pytest.raises(BundleError, match="checkpoint hash differs"):
         load_bundle_policy(bundle, checkpoint=other)
+    with pytest.raises(BundleError, match="checkpoint hash differs"):  # the front door, as the daemon calls it
+        load_policy(bundle=bundle, checkpoint=other)
 
 
 def _as_tensorrt(bundle: Path, tmp_path: Path, cc: str = "8.7", trt: str = "10.3.0") -> Path:

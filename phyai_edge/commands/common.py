@@ -7,7 +7,6 @@ Not a command: `phyai_edge.cli` lists its commands by name, so this module is ne
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
@@ -67,17 +66,12 @@ def check_device(command: str, device: str | None, *, allow_meta: bool = False, 
 
 def load_policy_or_fail(command: str, device_flag: str = "--device", **kwargs: Any) -> Policy:
     """`load_policy(**kwargs)`, its errors as `fail` lines. A bundle given with a checkpoint is
-    checked against it (`load_bundle_policy`'s refusal names both weight hashes): a bundle
-    exported from other weights must not be timed or evaluated as if it were this checkpoint's.
-    `device_flag` is the option the device came from, for the message."""
-    from phyai_edge.engines.policy import load_bundle_policy, load_policy
+    checked against it (`load_policy` refuses a bundle exported from other weights, naming both
+    weight hashes). `device_flag` is the option the device came from, for the message."""
+    from phyai_edge.engines.policy import load_policy
 
     check_device(command, kwargs.get("device"), flag=device_flag)
     try:
-        bundle, checkpoint = kwargs.get("bundle"), kwargs.get("checkpoint")
-        if bundle is not None and checkpoint is not None:
-            return load_bundle_policy(Path(bundle), device=kwargs.get("device", "cpu"), checkpoint=checkpoint,
-                                      seed=kwargs.get("seed", 0), **(kwargs.get("engine_options") or {}))
         return load_policy(**kwargs)
     except LOAD_ERRORS as exc:
         fail(command, str(exc) or type(exc).__name__)

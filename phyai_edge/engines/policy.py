@@ -175,7 +175,9 @@ def load_policy(
     """Build a ready Policy. `bundle` (an exported engine folder) takes precedence over backend.
     `engine_options`: extra keyword arguments for the engine (e.g. cudagraph's `fp8="expert"`)."""
     if bundle is not None:
-        return load_bundle_policy(Path(bundle), device=device, seed=seed, **(engine_options or {}))
+        # A checkpoint given too is what the bundle must have been exported from (checked, not ignored).
+        return load_bundle_policy(Path(bundle), device=device, checkpoint=checkpoint, seed=seed,
+                                  **(engine_options or {}))
     # A checkpoint loads on the CPU and the engine moves it; a preset without one is drawn where it
     # runs (a full-size preset has no weights to load: random ones, drawn on the GPU in seconds).
     ad = load_adapter(adapter, checkpoint=checkpoint, preset_name=preset,
