@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from phyai_edge.cli import main as cli
-from phyai_edge.commands.common import device_problem
+from phyai_edge.engines.device import device_problem
 
 
 def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int | str | None, str]:
@@ -84,7 +84,7 @@ def test_device_problem(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert device_problem("cuda") is None and device_problem("cuda:1") is None
-    assert device_problem("cuda:2") == "--device cuda:2: this machine has 2 GPU(s) (cuda:0 .. cuda:1)"
+    assert device_problem("cuda:2", flag="--device") == "--device cuda:2: this machine has 2 GPU(s) (cuda:0 .. cuda:1)"
 
 
 def test_eval_and_serve_name_the_mistake(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -117,9 +117,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     # Before the export: a device torch cannot use would otherwise fail only at validation,
     # after every stage was exported, and in torch's words rather than the flag's.
-    from phyai_edge.commands.common import device_problem
+    from phyai_edge.engines.device import device_problem
 
-    problem = device_problem(args.device) if args.device is not None else None
+    problem = device_problem(args.device, flag="--device") if args.device is not None else None
     if problem is not None:
         print(f"phyai-edge export: {problem}", file=sys.stderr)
         return 2

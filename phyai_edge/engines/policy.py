@@ -174,6 +174,7 @@ def load_policy(
 ) -> Policy:
     """Build a ready Policy. `bundle` (an exported engine folder) takes precedence over backend.
     `engine_options`: extra keyword arguments for the engine (e.g. cudagraph's `fp8="expert"`)."""
+    _check_device(device)
     if bundle is not None:
         # A checkpoint given too is what the bundle must have been exported from (checked, not ignored).
         return load_bundle_policy(Path(bundle), device=device, checkpoint=checkpoint, seed=seed,
@@ -194,6 +195,7 @@ def load_bundle_policy(bundle: str | Path, device: str | torch.device = "cpu", c
     and where the load's time went (`load_bundle_engine`'s timings) as `policy.load_timings`."""
     from phyai_edge.engines.bundle import load_bundle_engine
 
+    _check_device(device)
     timings: dict[str, float] = {}
     adapter, engine, manifest = load_bundle_engine(bundle, device, checkpoint, seed, check_hashes=check_hashes,
                                                    timings=timings, **engine_kwargs)
@@ -201,4 +203,15 @@ def load_bundle_policy(bundle: str | Path, device: str | torch.device = "cpu", c
     policy.manifest = manifest
     policy.load_timings = timings
     return policy
+
+
+def _check_device(device: str | torch.device) -> None:
+    """A device this machine cannot run, refused in one line before anything loads (the daemon's
+    worker, `phyai-edge eval`, a user's script): otherwise a CPU-only torch answers `cuda` with a
+    missing ATen_cuda library from deep inside the engine."""
+    from phyai_edge.engines.device import device_problem
+
+    problem = device_problem(str(device), allow_meta=True)
+    if problem is not None:
+        raise ValueError(problem)
 
