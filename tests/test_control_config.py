@@ -25,6 +25,8 @@ def test_embedded_default_is_valid_and_self_describing():
     assert parse_config(tomllib.loads(DEFAULT_CONFIG_TOML)) == cfg.__class__(**{**cfg.__dict__, "source": "<dict>"})
 
 
+ONE_CAMERA = {"cameras": {"top": {}}}  # a file needs one: camera tables replace the default's
+
 BAD = [
     ({"cameras": {"top": {"fps": "abc"}}}, 'cameras.top.fps: expected a positive number, got "abc"'),
     ({"cameras": {"top": {"fps": -1}}}, "cameras.top.fps: expected a positive number, got -1"),
@@ -67,6 +69,10 @@ BAD = [
     ({"clock": {"cpus": [0, -1]}}, "clock.cpus: expected a list of CPU indices"),
     ({"clock": {"priority": 120}}, "clock.priority: expected an integer <= 99, got 120"),
     ({"robot": []}, "robot: expected a table"),
+    ({"robot": {}}, "cameras: no camera is configured"),
+    ({"cameras": {}}, "cameras: no camera is configured"),
+    ({"model": {"backend": "tensorrt-llm"}}, "model.backend: expected one of eager, cudagraph, onnxruntime, tensorrt"),
+    ({"model": {"device": "gpu"}}, "model.device: expected cpu, cuda or cuda:N, got \"gpu\""),
     ({"rbot": {}}, "rbot: unknown key"),
 ]
 
@@ -79,19 +85,19 @@ def test_each_error_names_its_key(data, message):
 
 
 def test_checks_against_the_policy_name_the_key():
-    cfg = parse_config({"robot": {"action_dim": 6}})
+    cfg = parse_config({"robot": {"action_dim": 6}, **ONE_CAMERA})
     with pytest.raises(ConfigError, match=r"^robot.action_dim: the policy outputs 14 actions"):
         check_against_policy(cfg, 50, 14, 14, ["top"])
     cfg = parse_config({"cameras": {"front": {}}})
     with pytest.raises(ConfigError, match=r"^cameras.front.view: the policy has no camera 'front'"):
         check_against_policy(cfg, 50, 14, 14, ["top", "left_wrist"])
-    cfg = parse_config({"chunking": {"horizon": 60}})
+    cfg = parse_config({"chunking": {"horizon": 60}, **ONE_CAMERA})
     with pytest.raises(ConfigError, match=r"^chunking.horizon: 60 is longer"):
         check_against_policy(cfg, 50, 14, 14, ["top"])
-    cfg = parse_config({"robot": {"limits": {"max_rate": [1.0, 2.0]}}})
+    cfg = parse_config({"robot": {"limits": {"max_rate": [1.0, 2.0]}}, **ONE_CAMERA})
     with pytest.raises(ConfigError, match=r"^robot.limits.max_rate: has 2 values"):
         check_against_policy(cfg, 50, 14, 14, ["top"])
-    cfg = parse_config({})
+    cfg = parse_config(ONE_CAMERA)
     check_against_policy(cfg, 50, 14, 14, ["top"])
     assert (cfg.robot.action_dim, cfg.chunking.horizon) == (14, 50)
 
@@ -131,7 +137,7 @@ def test_model_tokenizer_reaches_load_policy(tmp_path):
     from phyai_edge.control.daemon import policy_spec_from_config
 
     tok = str(tiny_tokenizer_path())
-    cfg = parse_config({"model": {"checkpoint": str(tmp_path), "tokenizer": tok}}, "<test>")
+    cfg = parse_config({"model": {"checkpoint": str(tmp_path), "tokenizer": tok}, **ONE_CAMERA}, "<test>")
     spec = policy_spec_from_config(cfg)
     assert spec.factory == "phyai_edge.engines.policy:load_policy"
     assert spec.kwargs["tokenizer"] == tok and spec.kwargs["checkpoint"] == str(tmp_path)

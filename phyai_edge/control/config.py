@@ -12,11 +12,14 @@ so `load_config` / `parse_config` and the section dataclasses are the public sur
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from phyai_edge.engines import BACKENDS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -409,7 +412,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         tokenizer=m.string("tokenizer", d.tokenizer),
         bundle=m.string("bundle", d.bundle),
         preset=m.string("preset", d.preset),
-        backend=m.string("backend", d.backend),
+        backend=m.string("backend", d.backend, tuple(BACKENDS)),
         device=m.string("device", d.device),
         dtype=m.string("dtype", d.dtype, ("float32", "float16", "bfloat16")),
         prompt=m.string("prompt", d.prompt),
@@ -436,6 +439,8 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
             f"model.restart_backoff_max_s: expected a number >= model.restart_backoff_s "
             f"({cfg.model.restart_backoff_s:g}), got {_show(cfg.model.restart_backoff_max_s)}"
         )
+    if not _DEVICE.fullmatch(cfg.model.device):
+        raise ConfigError(f"model.device: expected cpu, cuda or cuda:N, got {_show(cfg.model.device)}")
     if cfg.model.bundle:
         _check_bundle(cfg.model)
     if cfg.model.tokenizer:
@@ -511,7 +516,15 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
     ck.finish()
 
     root.finish()
+    if not cfg.cameras:
+        # Camera tables replace the default's synthetic camera rather than merging with it, so a
+        # file without one would run a policy that sees nothing and holds on every tick.
+        raise ConfigError("cameras: no camera is configured; add at least one [cameras.NAME] table "
+                          "(its view names the policy's camera slot; see --print-default-config)")
     return cfg
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")  # what the worker can load onto; whether it exists is its check
 
 
 def _check_tokenizer(m: ModelConfig) -> None:
@@ -590,7 +603,8 @@ def check_against_policy(cfg: DaemonConfig, chunk_size: int, action_dim: int, st
 # local endpoint, so that `phyai-edge run` works on a fresh machine. Printed by
 # `phyai-edge run --print-default-config` as a starting point for a real robot.
 DEFAULT_CONFIG_TOML = """\
-# phyai-edge run: daemon configuration. Every key is optional; these are the defaults.
+# phyai-edge run: daemon configuration. Every key is optional; these are the defaults. Camera
+# tables are the exception: a file needs at least one, and its tables replace [cameras.top] below.
 
 [robot]
 name = "demo"
