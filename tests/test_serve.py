@@ -354,3 +354,13 @@ def test_stats_report_percentiles_and_forget_idle_robots():
     assert "a" in format_report(rep)
     time.sleep(0.1)
     assert st.report()["robots"] == {}
+
+
+def test_a_busy_endpoint_is_one_line_naming_it(server, tiny_policy):
+    """`phyai-edge serve` prints this message after its own "phyai-edge serve: " prefix: the
+    server's words name the endpoint and the cause, once."""
+    other = PolicyServer(LocalExecutor(tiny_policy), server.endpoint, SchedulerConfig(max_batch=1))
+    with pytest.raises(RuntimeError) as err:
+        other.start()
+    other.stop()
+    assert str(err.value).startswith(f"cannot bind {server.endpoint}: "), str(err.value)

@@ -144,7 +144,7 @@ class PolicyServer:
         io.start()
         self._ready.wait(10.0)
         if self._error is not None:
-            raise RuntimeError(f"serve: cannot bind {self.bind_endpoint}: {self._error}") from self._error
+            raise RuntimeError(f"cannot bind {self.bind_endpoint}: {self._error}") from self._error
         for i in range(self.workers):
             t = threading.Thread(target=self._worker_loop, name=f"serve-worker-{i}", daemon=True)
             self._threads.append(t)
