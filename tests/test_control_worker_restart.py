@@ -283,3 +283,51 @@ def test_a_frozen_worker_is_killed_even_when_the_job_cannot_be_sent(daemon_log):
     assert seqs == list(range(len(seqs))) and run.listener.stats.gaps == 0
     assert d.worker.pid != old_pid
     assert any(f"process {old_pid} hung" in ln for ln in daemon_log.lines), daemon_log.lines
+
+
+@pytest.mark.parametrize("phase", ["loading", "warm-up"])
+def test_a_stop_during_start_up_ends_it_at_once(tmp_path, phase):
+    """systemd's stop (SIGTERM) can come while the policy loads or warms up, minutes at full size
+    (checkpoint, compilation, graph capture). `stop` then closes the worker and `setup` raises at
+    once, instead of the service waiting out the load and running the clock only to stop it."""
+    import threading
+
+    from phyai_edge.control.daemon import StartupInterruptedError
+
+    hang = tmp_path / "hang"
+    if phase == "warm-up":
+        hang.touch()  # the warm-up inference never returns
+    cfg = test_config(
+        model={"worker": "process", "warmup": 1, "factory": "phyai_edge.control.fakes:make_fake_policy",
+               "factory_args": {"latency_s": 0.01, "hang_if_exists": str(hang),
+                                "load_s": 60.0 if phase == "loading" else 0.0}},
+    )
+    d = Daemon(cfg, realtime=False)
+    outcome: list[BaseException | None] = []
+
+    def setup() -> None:
+        try:
+            d.setup()
+            outcome.append(None)
+        except BaseException as exc:  # the test reads what setup raised
+            outcome.append(exc)
+
+    t = threading.Thread(target=setup, daemon=True)
+    t.start()
+    # Loading: the process is started (a pid) and sleeping in the factory. Warm-up: the policy
+    # loaded (info set) and the first warm-up inference hangs.
+    ready = (lambda: d.worker is not None and d.worker.pid is not None) if phase == "loading" else (
+        lambda: d.info is not None)
+    end = time.monotonic() + 30
+    while not ready() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert ready(), f"never reached {phase}"
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    d.stop()
+    t.join(10)
+    took = time.monotonic() - t0
+    d.shutdown()
+    assert not t.is_alive(), f"setup still running {took:.1f} s after stop() during {phase}"
+    assert len(outcome) == 1 and isinstance(outcome[0], StartupInterruptedError), outcome
+    assert took < 5, took

@@ -65,12 +65,16 @@ def main(args: argparse.Namespace) -> int:
         return 2
     log.info("configuration: %s", cfg.source)
 
-    from phyai_edge.control.daemon import Daemon
+    from phyai_edge.control.daemon import Daemon, StartupInterruptedError
 
     daemon = Daemon(cfg, record_dir=args.record, realtime=not args.no_realtime)
     daemon.install_signal_handlers()
     try:
         daemon.setup()
+    except StartupInterruptedError:
+        log.info("stopped during start-up")
+        daemon.shutdown()
+        return 0
     except ConfigError as exc:
         log.error("configuration: %s", exc)
         daemon.shutdown()

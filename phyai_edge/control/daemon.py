@@ -110,6 +110,10 @@ def policy_spec_from_config(cfg: DaemonConfig) -> PolicySpec:
     return PolicySpec("phyai_edge.engines.policy:load_policy", kwargs, m.threads)
 
 
+class StartupInterruptedError(Exception):
+    """`stop` (SIGTERM, SIGINT) arrived while `setup` was loading or warming up the policy."""
+
+
 class Daemon:
     def __init__(
         self,
@@ -171,7 +175,12 @@ class Daemon:
         else:
             self.worker = ProcessWorker(policy_spec_from_config(cfg), cfg.model.restart_backoff_s,
                                         cfg.model.restart_backoff_max_s, cfg.model.inference_timeout_s)
-        info = self.worker.start(cfg.model.load_timeout_s)
+        try:
+            info = self.worker.start(cfg.model.load_timeout_s)
+        except Exception:
+            self._raise_if_stopped()
+            raise
+        self._raise_if_stopped()  # a thread worker's load cannot be cut short: checked after it
         self.info = info
         log.info(
             "policy: %s, H=%d, %d actions, %d state values, cameras %s (%s worker, loaded in %.1f s)",
@@ -201,7 +210,12 @@ class Daemon:
         for i in range(cfg.model.warmup):
             took = []
             for job in rounds:
-                res = self.worker.run_sync(job)
+                try:
+                    res = self.worker.run_sync(job)
+                except Exception:
+                    self._raise_if_stopped()
+                    raise
+                self._raise_if_stopped()
                 if res.error:
                     raise RuntimeError(f"warm-up inference failed (RTC {job.rtc_mode}): {res.error}")
                 took.append(res.infer_ms)
@@ -258,10 +272,14 @@ class Daemon:
     # ------------------------------------------------------------ control
 
     def stop(self) -> None:
-        """Thread-safe and signal-safe: the next tick publishes HOLD | SHUTDOWN and the loop ends."""
+        """Thread-safe and signal-safe: the next tick publishes HOLD | SHUTDOWN and the loop ends.
+        Before the clock has started (loading, warm-up: minutes at full size) it also closes the
+        worker, which ends the wait in `setup` at once: systemd's stop must not wait out a load."""
         if not self._stop.is_set():
             self._stop_requested_ns = time.monotonic_ns()
         self._stop.set()
+        if not self._started.is_set() and self.worker is not None:
+            self.worker.close()
 
     def install_signal_handlers(self) -> None:
         def handler(signum: int, frame: Any) -> None:
@@ -561,6 +579,10 @@ class Daemon:
         if infer_failed:
             log.info("inference recovered")
         return False
+
+    def _raise_if_stopped(self) -> None:
+        if self._stop.is_set():
+            raise StartupInterruptedError("stopped during start-up")
 
     def _chunk_shape_error(self, actions: np.ndarray | None) -> str | None:
         """Why a worker's chunk cannot run on this robot, or None if it can."""

@@ -77,13 +77,15 @@ class FakePolicy:
         return FakeResult(actions[None], {"preprocess": 0.1, "denoise": 1000 * self.latency_s})
 
 
-def make_fake_policy(refuse_if_exists: str = "", **kwargs: Any) -> FakePolicy:
+def make_fake_policy(refuse_if_exists: str = "", load_s: float = 0.0, **kwargs: Any) -> FakePolicy:
     """Factory for `PolicySpec(factory="phyai_edge.control.fakes:make_fake_policy", kwargs=...)`.
 
     `refuse_if_exists`: a path; while it exists, building fails (a worker restart that keeps failing).
+    `load_s`: how long building takes (a full-size checkpoint's load and compile).
     """
     import os
 
+    time.sleep(load_s)
     if refuse_if_exists and os.path.exists(refuse_if_exists):
         raise RuntimeError(f"fake load failure ({refuse_if_exists} exists)")
     if "camera_names" in kwargs:

@@ -371,12 +371,14 @@ class ProcessWorker(_JobSlot):
         return payload
 
     def run_sync(self, job: Job) -> JobResult:
-        """Before the clock starts (warm-up): submit and wait."""
+        """Before the clock starts (warm-up): submit and wait, until `close` (a stop during start-up)."""
         self.submit(job)
         while True:
             res = self.poll()
             if res is not None:
                 return res
+            if self._closing.is_set():
+                raise RuntimeError("the daemon is shutting down")
             time.sleep(0.002)
 
     def close(self) -> None:
