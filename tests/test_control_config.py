@@ -41,6 +41,7 @@ BAD = [
     ({"cameras": {"a": {"view": "top"}, "b": {"view": "top"}}}, "cameras.b.view: view 'top' is fed by more than one camera"),
     ({"robot": {"control_hz": 0}}, "robot.control_hz: expected a positive number, got 0"),
     ({"robot": {"control_hz": True}}, "robot.control_hz: expected a positive number, got true"),
+    ({"robot": {"control_hz": 1e12}}, "robot.control_hz: 1e+12 Hz is above the 1000 Hz"),
     ({"robot": {"action_names": ["a", "b"], "action_dim": 3}}, "robot.action_names: has 2 names but robot.action_dim is 3"),
     ({"robot": {"limits": {"action_min": [0, 0], "action_max": 1, "foo": 1}}}, "robot.limits.foo: unknown key"),
     ({"robot": {"limits": {"action_min": 1, "action_max": 0}}}, "robot.limits.action_min: must be below action_max"),
@@ -97,6 +98,11 @@ def test_checks_against_the_policy_name_the_key():
     cfg = parse_config({"robot": {"limits": {"max_rate": [1.0, 2.0]}}, **ONE_CAMERA})
     with pytest.raises(ConfigError, match=r"^robot.limits.max_rate: has 2 values"):
         check_against_policy(cfg, 50, 14, 14, ["top"])
+    cfg = parse_config({"safety": {"hold": "state"}, **ONE_CAMERA})
+    with pytest.raises(ConfigError, match=r"^safety.hold: 'state' .* state has 7 values and its actions 14"):
+        check_against_policy(cfg, 50, 14, 7, ["top"])
+    cfg = parse_config({"safety": {"hold": "state"}, **ONE_CAMERA})
+    check_against_policy(cfg, 50, 14, 14, ["top"])  # one space: holding at the state is meaningful
     cfg = parse_config(ONE_CAMERA)
     check_against_policy(cfg, 50, 14, 14, ["top"])
     assert (cfg.robot.action_dim, cfg.chunking.horizon) == (14, 50)

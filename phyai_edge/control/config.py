@@ -286,6 +286,9 @@ def _parse_robot(sec: _Section) -> RobotConfig:
     r = RobotConfig()
     r.name = sec.string("name", r.name)
     r.control_hz = sec.number("control_hz", r.control_hz, positive=True)
+    if r.control_hz > MAX_CONTROL_HZ:
+        raise ConfigError(f"robot.control_hz: {r.control_hz:g} Hz is above the {MAX_CONTROL_HZ:g} Hz this daemon can "
+                          "keep (one Python tick, one message a period)")
     present, names = sec._take("action_names")
     if present:
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -524,6 +527,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
     return cfg
 
 
+MAX_CONTROL_HZ = 1000.0  # above this a period is shorter than the clock's own tick work
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")  # what the worker can load onto; whether it exists is its check
 
 
@@ -586,6 +590,10 @@ def check_against_policy(cfg: DaemonConfig, chunk_size: int, action_dim: int, st
         value = getattr(r.limits, key)
         if isinstance(value, tuple) and len(value) != action_dim:
             raise ConfigError(f"robot.limits.{key}: has {len(value)} values but the policy outputs {action_dim} actions")
+    if cfg.safety.hold == "state" and state_dim != action_dim:
+        # Holding at the measured state means sending it as an action: only where they are one space.
+        raise ConfigError(f"safety.hold: 'state' sends the measured state as the hold action, but the policy's "
+                          f"state has {state_dim} values and its actions {action_dim}; use 'last' or 'zero'")
     for cam in cfg.cameras.values():
         if cam.view_name not in camera_names:
             raise ConfigError(
