@@ -216,6 +216,27 @@ def test_a_rejected_nan_chunk_counts_as_a_failed_inference_in_prometheus():
     assert f"phyai_inference_failures_total {float(run.daemon.stats.failures)}" in text
 
 
+def test_prometheus_counts_every_hold_the_summary_counts():
+    """phyai_hold_ticks{reason} and summary()["holds"] count the same ticks, the final SHUTDOWN
+    hold included (the metrics endpoint outlives the loop, so it is read after the stop)."""
+    import re
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pol = FakePolicy(action_dim=6, state_dim=6, latency_s=0.05)
+    run = Running(Daemon(test_config(metrics={"port": port}), policy=pol, realtime=False))
+    run.wait_for(lambda: run.daemon.stats.adopted >= 2, what="2 chunks")
+    run.stop()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    counted = {m[1]: int(float(m[2])) for m in re.finditer(r'phyai_hold_ticks_total\{reason="(\w+)"\} (\S+)', text)}
+    holds = run.daemon.summary()["holds"]
+    assert holds.get("shutdown") == 1 and holds.get("warmup", 0) >= 1, holds
+    assert counted == holds
+
+
 def test_inference_failure_runs_out_the_chunk_then_holds():
     cfg = test_config(chunking={"mode": "none", "execution_horizon": 10})
     pol = FakePolicy(action_dim=6, state_dim=6, latency_s=0.01, fail_from=3)

@@ -380,7 +380,7 @@ class Daemon:
                 payload, extra = guard.finalize(guard.hold_target(state_values))
                 pub.publish(payload, flags | extra | Flag.HOLD | Flag.SHUTDOWN, 0.0, 0, 0)
                 st.published += 1
-                st.hold("shutdown")
+                self._count_hold("shutdown")
                 if self._stop_requested_ns:
                     st.stop_to_final_ms = (time.monotonic_ns() - self._stop_requested_ns) / 1e6
                 break
@@ -430,8 +430,7 @@ class Daemon:
                     inflight.valid = False
                 payload = guard.hold_target(state_values)
                 obs_t, chunk_id, index = 0.0, 0, 0
-                st.hold(reason)
-                m.holds.labels(reason).inc()
+                self._count_hold(reason)
             else:
                 if inflight is None and worker_up and not self.worker.busy and q.wants_inference():
                     assert sample is not None
@@ -448,8 +447,7 @@ class Daemon:
                             worker_hold_logged = True
                     payload = guard.hold_target(state_values)
                     obs_t, chunk_id, index = 0.0, 0, 0
-                    st.hold(reason)
-                    m.holds.labels(reason).inc()
+                    self._count_hold(reason)
                 else:
                     payload, chunk = nxt
                     obs_t, chunk_id, index = chunk.obs_time_s, chunk.chunk_id, chunk.index - 1
@@ -462,7 +460,7 @@ class Daemon:
 
             out, extra = guard.finalize(payload)
             if extra & Flag.NONFINITE:
-                st.hold("nonfinite")
+                self._count_hold("nonfinite")
                 m.nonfinite.inc()
             if extra & Flag.CLAMPED:
                 m.clamped.labels("position_or_rate").inc()
@@ -570,15 +568,20 @@ class Daemon:
             return True
         taken = self.queue.adopt(res.actions, inflight.job.job_id, inflight.start_slot, slot, inflight.obs_time_s)
         st.delays.append(delay)
-        m.rtc_delay.set(delay)
         if taken is None:
             st.stale_results += 1
             log.warning("chunk arrived after %d slots, longer than the horizon; dropped", delay)
             return infer_failed
+        m.rtc_delay.set(delay)  # the gauge is the last adopted chunk's d
         st.adopted += 1
         if infer_failed:
             log.info("inference recovered")
         return False
+
+    def _count_hold(self, reason: str) -> None:
+        """One HOLD tick, in the summary and in Prometheus alike."""
+        self.stats.hold(reason)
+        self.metrics.holds.labels(reason).inc()
 
     def _raise_if_stopped(self) -> None:
         if self._stop.is_set():
