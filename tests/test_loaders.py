@@ -6,6 +6,8 @@ heads are never read."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -201,6 +203,15 @@ def test_damaged_weight_file_is_named(adapter, tmp_path):
         load_pi05(folder)
 
 
+def test_damaged_normaliser_file_is_named(adapter, tmp_path):
+    """LeRobot's normaliser statistics are safetensors files too: a damaged one is named."""
+    folder = write_lerobot(adapter, tmp_path / "lr")
+    (f,) = folder.glob("policy_preprocessor*normalizer_processor.safetensors")
+    f.write_bytes(f.read_bytes()[:10])
+    with pytest.raises(CheckpointError, match=re.escape(f.name) + r".*(damaged|not a safetensors)"):
+        load_pi05(folder, structure="tiny")
+
+
 def test_tensor_in_two_shards_names_both_files(adapter, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -226,13 +237,16 @@ def test_bf16_checkpoint_loads_as_float32(adapter, tmp_path, noise_for):
 
 # -- language-model heads ----------------------------------------------------------------
 class _Recorder:
-    """Wraps safetensors.safe_open and records which tensors' data or headers were touched."""
+    """Wraps safetensors.safe_open and records which tensors' data or headers were touched, in
+    the weight files (model*.safetensors; the normaliser files are opened through it too)."""
 
     def __init__(self, real):
         self.real, self.read, self.sliced = real, [], []
 
     def __call__(self, *a, **kw):
         handle = self.real(*a, **kw)
+        if not Path(a[0]).name.startswith("model"):
+            return handle
         rec = self
 
         class H:

@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from phyai_edge.adapters.checkpoint import (
     CheckpointError,
     checkpoint_keys,
     load_safetensors_strict,
+    open_safetensors,
     regex_key_map,
 )
 from phyai_edge.adapters.normalization import NormStats
@@ -279,7 +279,7 @@ def _load_lerobot(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, 
 def _read_stats(folder: Path, pattern: str) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for f in sorted(folder.glob(pattern)):
-        with safe_open(str(f), framework="np") as sf:
+        with open_safetensors(f, framework="np") as sf:
             for k in sf.keys():  # noqa: SIM118
                 out[k] = sf.get_tensor(k)
     return out
