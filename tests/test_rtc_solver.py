@@ -197,3 +197,25 @@ def test_policy_rtc_guidance_layout_and_validation(tiny_policy):
     bad[3, 2] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         tiny_policy.rtc_guidance(RTCRequest("guided", bad, 2, 25), 1)
+
+
+@pytest.mark.parametrize(("n", "s", "d"), [(20, 10, 3), (15, 25, 5), (25, 25, 3), (20, 40, 4)])
+def test_soft_mask_decays_to_zero_where_the_prefix_ends(tiny_policy, n, s, d):
+    """The decay ends where the executing chunk does. In the paper's Algorithm 1, s is the number
+    of actions that really ran (A_prev = A_cur[s:], so H - s is the prefix length n). A prefix
+    shorter than H - s (the daemon's chunking.horizon below the policy's chunk; or the executing
+    index past s after a late chunk or missed slots) gets the mask of s' = H - n, not the H - s
+    mask cut off at n (a cliff from ~0.25 to 0 for n=20, s=10). A prefix longer than H - s keeps
+    the H - s mask."""
+    h, a = tiny_policy.chunk_size, tiny_policy.action_dim
+    prefix = np.random.default_rng(n).uniform(-1, 1, (n, a)).astype(np.float32)
+    want = prefix_weights(h, d, max(s, h - n))
+    g = tiny_policy.rtc_guidance(RTCRequest("guided", prefix, d, s), 1)
+    assert torch.equal(g.weights, want)
+    end = min(h - s, n)
+    assert torch.equal(g.weights[end:], torch.zeros(h - end))
+    # the last guided row is the decay's smallest step, c * (e^c - 1) / (e - 1) with c = 1 / (end - d + 1)
+    c = 1.0 / (end - d + 1)
+    assert float(g.weights[end - 1]) == pytest.approx(c * math.expm1(c) / (math.e - 1), abs=1e-6)
+    per = tiny_policy.rtc_guidance_per_sample([RTCRequest("guided", prefix, d, s), None])
+    assert torch.equal(per.weights[0], want) and torch.equal(per.weights[1], torch.zeros(h))

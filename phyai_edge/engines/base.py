@@ -30,7 +30,9 @@ class RTCRequest:
     delay: d, the number of actions that will execute while this inference runs (they are
         fixed: the new chunk takes over at index d).
     execution_horizon: s, how many actions of a chunk run before the next inference
-        starts; actions in [d, H - s) are softly guided, the rest are free.
+        starts; actions in [d, min(H - s, n)) are softly guided (the soft mask decays to 0
+        where the executing chunk ends: a prefix shorter than H - s means more than s ran),
+        the rest are free.
     max_guidance_weight: beta in the RTC paper (guided modes only).
     """
 

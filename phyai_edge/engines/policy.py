@@ -64,9 +64,14 @@ class Policy:
         return prefix
 
     def _soft_mask(self, rtc: RTCRequest, n: int) -> torch.Tensor:
-        weights = prefix_weights(self.adapter.chunk_size, rtc.delay, rtc.execution_horizon)
-        weights[n:] = 0.0  # nothing to agree with past the prefix
-        return weights
+        """The soft mask decays to 0 where the executing chunk ends: at H - s, or at the prefix's
+        end n if that comes first. In the paper's Algorithm 1, s is the number of actions that
+        really ran (A_prev = A_cur[s:], so H - s is the prefix length); a prefix shorter than
+        H - s (the daemon's chunking.horizon below the policy's chunk, or its executing index past
+        s after a late chunk or missed slots) means more ran than the configured s. Cutting the
+        H - s mask off at n instead would leave a jump (about 0.25 to 0 for H=50, s=10, n=20)."""
+        h = self.adapter.chunk_size
+        return prefix_weights(h, rtc.delay, max(rtc.execution_horizon, h - n))
 
     def _dim_mask(self) -> torch.Tensor:
         dim_mask = torch.zeros(self.adapter.model_action_dim)
