@@ -143,8 +143,12 @@ def _prompt_of(adapter, obs, monkeypatch):
 
 
 def _expected_bins(norm):
-    """Bin k covers [-1 + k/128, -1 + (k+1)/128); saturating outside [-1, 1)."""
-    return np.clip(np.floor((np.asarray(norm, np.float64) + 1.0) * 128.0), 0, 255).astype(int)
+    """Bin k covers [-1 + k/128, -1 + (k+1)/128); 1 and above give 255, and anything below -1
+    gives -1: the reference digitises the normalised state unclipped (LeRobot
+    policies/pi05/processor_pi05.py: np.digitize(...) - 1; openpi models/tokenizer.py, the
+    same), so a state under its q01 reads "-1" in the prompt the checkpoint was trained on."""
+    x = np.asarray(norm, np.float64)
+    return np.where(x < -1.0, -1, np.minimum(np.floor((x + 1.0) * 128.0), 255)).astype(int)
 
 
 def test_quantile_state_bins_and_exact_prompt(tiny_adapter, monkeypatch):
@@ -152,13 +156,13 @@ def test_quantile_state_bins_and_exact_prompt(tiny_adapter, monkeypatch):
     io.state_dim = 4
     tiny_adapter.state_dim = 4
     io.state_stats = NormStats("quantile", q01=[0, 0, -2, 10], q99=[2, 4, 2, 20])
-    state = np.array([1.0, -100.0, 2.5, 15.5], np.float32)  # normalised: 0, saturating low, high, 0.1
+    state = np.array([1.0, -100.0, 2.5, 15.5], np.float32)  # normalised: 0, below -1, above 1, 0.1
     obs = Observation({"top": np.zeros((8, 8, 3), np.uint8)}, state, "  pick_up the\ncube ")
     prompt = _prompt_of(tiny_adapter, obs, monkeypatch)
     norm = 2 * (state - np.array([0, 0, -2, 10])) / np.array([2, 4, 4, 10]) - 1
     bins = _expected_bins(norm)
-    assert bins.tolist() == [128, 0, 255, 140]
-    assert prompt == "Task: pick up the cube, State: 128 0 255 140;\nAction: "
+    assert bins.tolist() == [128, -1, 255, 140]
+    assert prompt == "Task: pick up the cube, State: 128 -1 255 140;\nAction: "
 
 
 def test_mean_std_state(tiny_adapter, monkeypatch):
@@ -171,14 +175,16 @@ def test_mean_std_state(tiny_adapter, monkeypatch):
     assert prompt == "Task: go, State: 192 64 128;\nAction: "
 
 
-def test_discretize_matches_formula_and_saturates():
+def test_discretize_matches_the_reference_bins():
+    """Only the top saturates (at 255); below -1 is the reference's -1, not bin 0."""
     rng = np.random.default_rng(1)
     x = np.concatenate([rng.uniform(-1, 1, 2000), [-1.0, 0.0, 0.999, 1.0, -1.0001, 1.0001, -50, 50]])
     x = x.astype(np.float32)
     got = discretize_state(x)
-    assert got.min() == 0 and got.max() == 255
+    assert got.min() == -1 and got.max() == 255
     np.testing.assert_array_equal(got, _expected_bins(x))
-    assert discretize_state(np.array([-3.0, 3.0])).tolist() == [0, 255]
+    assert discretize_state(np.array([-3.0, -1.0, 3.0])).tolist() == [-1, 0, 255]
+    assert discretize_state(np.array([-np.inf, np.inf])).tolist() == [-1, 255]
 
 
 def test_pad_state_in_prompt(tiny_adapter, make_obs, monkeypatch):

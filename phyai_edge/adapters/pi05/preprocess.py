@@ -246,9 +246,13 @@ def images_from_staged(staged: StagedImages) -> torch.Tensor:
 
 
 def discretize_state(state_norm: np.ndarray, bins: int = 256) -> np.ndarray:
-    """Normalised state in [-1, 1] -> integer bins 0..bins-1; values outside saturate."""
+    """Normalised state -> integer bins: [-1, 1) in 0..bins-1, 1 and above bins-1, and below -1
+    the value -1. That last is not clipped to 0 because the reference does not clip: LeRobot
+    (policies/pi05/processor_pi05.py, `np.digitize(state_np, bins=np.linspace(-1, 1, 256 + 1)[:-1])
+    - 1`) and openpi (models/tokenizer.py, PaligemmaTokenizer.tokenize) write "-1" for a state
+    under its q01 (about 1 % of the training frames per dimension), so checkpoints saw it."""
     edges = np.linspace(-1.0, 1.0, bins + 1)[:-1]
-    return np.clip(np.digitize(state_norm, bins=edges) - 1, 0, bins - 1)
+    return np.digitize(state_norm, bins=edges) - 1
 
 
 def format_prompt(task: str, state_bins: np.ndarray) -> str:
