@@ -219,3 +219,37 @@ def test_soft_mask_decays_to_zero_where_the_prefix_ends(tiny_policy, n, s, d):
     assert float(g.weights[end - 1]) == pytest.approx(c * math.expm1(c) / (math.e - 1), abs=1e-6)
     per = tiny_policy.rtc_guidance_per_sample([RTCRequest("guided", prefix, d, s), None])
     assert torch.equal(per.weights[0], want) and torch.equal(per.weights[1], torch.zeros(h))
+
+
+@pytest.mark.parametrize("mode", ["guided", "guided-approx"])
+def test_guided_loop_equals_the_papers_loop_in_its_own_time_convention(mode):
+    """The translation check: the paper (and its Kinetix code, `realtime_action` in
+    Physical-Intelligence/real-time-chunking-kinetix src/model.py) integrates tau from 0 (noise)
+    to 1 (data) with A_tau = tau A + (1 - tau) noise, v = A - noise, A1_hat = A_tau + (1 - tau) v
+    and adds + min(beta, (1 - tau) / (tau r_tau^2)) * vjp(A1_hat, W (Y - A1_hat)). The model here
+    runs t = 1 - tau with v_model = -v_paper; both loops must land on the same chunk."""
+    h, dim, n, beta = 8, 4, 10, 5.0
+    field = _field(seed=3, d=dim)
+    # the paper's velocity of the same flow (the model is fed its time as float32, as integrate() does)
+    f = lambda x, tau: -field(x, torch.full((x.shape[0],), 1.0 - tau, dtype=torch.float32))  # noqa: E731
+    rtc = _guidance(mode, h=h, dim=dim, d=3, s=2, batch=2, seed=5)
+    noise = torch.randn(2, h, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    mask = rtc.mask
+
+    x = noise
+    for k in range(n):
+        tau = k / n
+        with torch.enable_grad():
+            x_in = x.detach().requires_grad_(True)
+            v = f(x_in, tau)
+            a1 = x_in + (1 - tau) * v
+            err = ((rtc.target - a1) * mask).detach()
+            corr = torch.autograd.grad(a1, x_in, err)[0] if mode == "guided" else err
+        inv_r2 = (tau**2 + (1 - tau) ** 2) / (1 - tau) ** 2
+        c = (1 - tau) / tau if tau > 0 else math.inf
+        x = x + (1.0 / n) * (v.detach() + min(c * inv_r2, beta) * corr)
+
+    got = integrate(field, noise, SolverSpec(n), rtc)
+    assert float((got - x).abs().max()) < 1e-9, float((got - x).abs().max())
+    # and the guidance did something: the unguided loop ends elsewhere
+    assert not torch.allclose(integrate(field, noise, SolverSpec(n)), x, atol=1e-3)
