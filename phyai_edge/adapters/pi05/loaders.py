@@ -243,6 +243,7 @@ def _load_lerobot(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, 
     res = c.get("image_resolution", [224, 224])
     if list(res) != [224, 224]:
         raise CheckpointError(f"config.json image_resolution = {res}; PI0.5 uses [224, 224]")
+    _refuse_unapplied_options(folder, c)
     cfg = base.with_overrides(
         chunk_size=int(c.get("chunk_size", 50)),
         max_action_dim=int(c.get("max_action_dim", 32)),
@@ -274,6 +275,45 @@ def _load_lerobot(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, 
         pad_state_in_prompt=False,
     )
     return cfg, io, PI_KEY_RULES
+
+
+# LeRobot PI0.5 options (policies/pi05/configuration_pi05.py) that change what the policy reads
+# or what its outputs mean, and that this runtime does not apply. Each loads and runs without any
+# error, so a checkpoint trained with one would drive the robot with wrong actions.
+_UNAPPLIED_OPTIONS = {
+    "use_relative_actions": (
+        "the policy predicts actions relative to the state, which LeRobot's postprocessor turns back "
+        "into absolute ones (AbsoluteActionsProcessorStep adds the observed state); this runtime does "
+        "not, so it would send the offsets as absolute targets"),
+    "use_visual_memory": (
+        "the policy reads a history of camera frames (MEM); this runtime gives it the latest frame only"),
+    "use_proprioceptive_memory": (
+        "the policy reads a history of states as continuous tokens, not the state in the prompt (MEM); "
+        "this runtime writes the latest state into the prompt"),
+}
+
+
+def _refuse_unapplied_options(folder: Path, c: dict[str, Any]) -> None:
+    """CheckpointError for a config.json option in `_UNAPPLIED_OPTIONS` set, or an enabled
+    relative/absolute actions step in the processor files (what LeRobot actually runs)."""
+    for key, why in _UNAPPLIED_OPTIONS.items():
+        if c.get(key):
+            raise CheckpointError(f"config.json {key} = true: {why}")
+    for name, step in (("policy_preprocessor.json", "relative_actions_processor"),
+                       ("policy_postprocessor.json", "absolute_actions_processor")):
+        path = folder / name
+        if not path.exists():
+            continue
+        try:
+            pipeline = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+        steps = pipeline.get("steps") if isinstance(pipeline, dict) else None
+        if not isinstance(steps, list):
+            raise CheckpointError(f"{path} has no list of steps: not a LeRobot processor file")
+        for entry in steps:
+            if isinstance(entry, dict) and entry.get("registry_name") == step and (entry.get("config") or {}).get("enabled"):
+                raise CheckpointError(f"{path}: step {step} is enabled: {_UNAPPLIED_OPTIONS['use_relative_actions']}")
 
 
 def _read_stats(folder: Path, pattern: str) -> dict[str, np.ndarray]:
