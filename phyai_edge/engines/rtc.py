@@ -25,7 +25,11 @@ SOLVER_RTC_MODES = ("inpaint", "guided-approx", "guided")  # the rest are the da
 
 def prefix_weights(horizon: int, delay: int, execution_horizon: int) -> torch.Tensor:
     """The paper's soft mask W over chunk indices: 1 for i < d, exponential decay on
-    [d, H - s), 0 from H - s on (no executing action overlaps those)."""
+    [d, H - s), 0 from max(H - s, d) on (no executing action overlaps those).
+
+    d > H - s lies outside the paper (it assumes d <= s <= H - d); then the d actions that will
+    execute keep weight 1 (the Kinetix code's `get_prefix_weights` would instead zero them from
+    H - s on). `Policy` passes s' = max(s, H - n) so the decay also ends at a short prefix's end n."""
     h, d, s = horizon, delay, execution_horizon
     if not 0 <= d <= h:
         raise ValueError(f"RTC delay d={d} must lie in [0, H={h}]")
