@@ -45,8 +45,13 @@ class RobotIO:
     action_dim: int
     state_stats: NormStats
     action_stats: NormStats
-    # Write the state padded to the action width into the prompt (older openpi robot transforms
-    # padded the state before tokenising). Neither LeRobot nor openpi's PI0.5 pipeline does this.
+    # Write the state zero-padded (after normalising: bin 128) to the model's width into the
+    # prompt. Older openpi robot transforms padded the state before tokenising, and so did LeRobot
+    # v0.4.0-v0.4.4 (policies/pi05/processor_pi05.py: pad_vector(state, max_state_dim) before
+    # np.digitize; removed in v0.5.0), so PI0.5 policies fine-tuned with those versions were
+    # trained on 32 state values. Current LeRobot and openpi's PI0.5 model transforms write the
+    # robot's own values; a LeRobot folder does not record which version wrote it, and the loader
+    # assumes the current one (False).
     pad_state_in_prompt: bool = False
     default_prompt: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
