@@ -567,6 +567,23 @@ def test_programmatic_dependent_launch_options() -> None:
         td.set_pdl(before)
 
 
+def test_a_triton_older_than_the_kernels_were_run_with_counts_as_absent(monkeypatch) -> None:
+    """JetPack 6's PyTorch 2.5 pairs with Triton 3.1, which cannot even interpret these kernels:
+    such a Triton is reported as not usable, so `auto` takes the reference ops rather than a
+    kernel failing at an engine's first launch."""
+    from phyai_edge.layers import triton_dispatch as td
+
+    monkeypatch.setattr(td.triton, "__version__", "3.1.0")
+    ok, why = td.triton_status("cuda")
+    assert not ok and why.startswith("triton 3.1.0 is older than 3.6"), why
+    assert td.resolve_backend("auto", "cuda") == "reference" and not td.triton_available()
+    with pytest.raises(RuntimeError, match=r"older than 3\.6"):
+        td.resolve_backend("triton", "cuda")
+    for version in ("3.6.0", "3.9.0+git1234", "4.0.0"):
+        monkeypatch.setattr(td.triton, "__version__", version)
+        assert td.triton_status("cuda")[0] and td.triton_available(), version
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_patch_embed_is_the_convolution(dtype) -> None:
     """The patch convolution as a GEMM gives SiglipEmbeddings' output (rows, contiguous)."""

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phyai_edge.layers.triton_dispatch import interpret_mode, launch_options, tl, triton
+from phyai_edge.layers.triton_dispatch import interpret_mode, launch_options, tl, triton, triton_available
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 value
@@ -156,7 +156,7 @@ def quantize_kernel(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
 
 def quantize_fast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`quantize` in one kernel on CUDA with triton installed, else the reference."""
-    if x.is_cuda and triton is not None and isinstance(scale, torch.Tensor) and not interpret_mode():
+    if x.is_cuda and triton_available() and isinstance(scale, torch.Tensor) and not interpret_mode():
         return quantize_kernel(x, scale)
     return quantize(x, scale)
 

@@ -33,12 +33,26 @@ except ImportError:  # pragma: no cover - older triton, or none
     HAS_GDC = False
 
 BACKENDS = ("reference", "triton", "auto")
+# The oldest Triton these kernels have run with: 3.6 on the H200 (benchmarks/RESULTS.md), 3.9 in
+# the tests' interpreter. Older ones lack APIs they use or compile them differently (3.1, which
+# JetPack 6's PyTorch 2.5 pairs with, cannot even interpret them): such a Triton counts as absent,
+# so the engine runs the reference ops instead of failing at its first launch.
+MIN_TRITON = (3, 6)
 log = logging.getLogger(__name__)
 
 
 # -- dispatcher ---------------------------------------------------------------------------------
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
 def triton_available() -> bool:
-    return triton is not None
+    """Triton is installed and not older than MIN_TRITON."""
+    return triton is not None and _version(getattr(triton, "__version__", "0")) >= MIN_TRITON
 
 
 # Triton decides at decoration whether a kernel is interpreted: for a kernel module's kernels at its import (after this module's),
@@ -59,6 +73,9 @@ def triton_status(device: torch.device | str) -> tuple[bool, str]:
     device = torch.device(device)
     if triton is None:
         return False, "triton is not installed (pip install triton)"
+    if not triton_available():
+        have, need = getattr(triton, "__version__", "0"), ".".join(map(str, MIN_TRITON))
+        return False, f"triton {have} is older than {need}, the oldest these kernels were run with (pip install 'triton>={need}')"
     if device.type == "cuda" or interpret_mode():
         return True, "triton kernels" + (" (TRITON_INTERPRET=1)" if interpret_mode() else "")
     if _INTERPRET_ASKED:

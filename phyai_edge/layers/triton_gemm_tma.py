@@ -52,7 +52,14 @@ from dataclasses import dataclass
 
 import torch
 
-from phyai_edge.layers.triton_dispatch import _sm_count, _use_triton, interpret_mode, tl, triton
+from phyai_edge.layers.triton_dispatch import (
+    _sm_count,
+    _use_triton,
+    interpret_mode,
+    tl,
+    triton,
+    triton_available,
+)
 from phyai_edge.layers.triton_gemm import linear_geglu_ref, linear_qkv_rope_ref, linear_ref
 from phyai_edge.layers.triton_ops import check_out_buffer
 
@@ -130,7 +137,7 @@ _ROUTES: dict[str, list] = {"geglu": [True, 4096], "qkv_rope": [True, 16384], "l
 
 
 def available() -> bool:
-    return triton is not None and TensorDescriptor is not None
+    return triton_available() and TensorDescriptor is not None
 
 
 def set_route(op: str, on: bool) -> bool:
