@@ -166,6 +166,17 @@ def test_float32_matmuls_in_tf32_restores_the_process_setting() -> None:
     from phyai_edge.engines.cudagraph import float32_matmuls_in_tf32
 
     matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):  # torch < 2.9 (JetPack 6's 2.5): the legacy flag alone
+        before = matmul.allow_tf32
+        try:
+            for start in (False, True):
+                matmul.allow_tf32 = start
+                with float32_matmuls_in_tf32(True):
+                    assert matmul.allow_tf32 is True
+                assert matmul.allow_tf32 is start
+        finally:
+            matmul.allow_tf32 = before
+        return
     before = matmul.fp32_precision
     try:
         for start in ("ieee", "none", "tf32"):
