@@ -247,10 +247,10 @@ def images_from_staged(staged: StagedImages) -> torch.Tensor:
 
 def discretize_state(state_norm: np.ndarray, bins: int = 256) -> np.ndarray:
     """Normalised state -> integer bins: [-1, 1) in 0..bins-1, 1 and above bins-1, and below -1
-    the value -1. That last is not clipped to 0 because the reference does not clip: LeRobot
-    (policies/pi05/processor_pi05.py, `np.digitize(state_np, bins=np.linspace(-1, 1, 256 + 1)[:-1])
-    - 1`) and openpi (models/tokenizer.py, PaligemmaTokenizer.tokenize) write "-1" for a state
-    under its q01 (about 1 % of the training frames per dimension), so checkpoints saw it."""
+    the value -1. That last is not clipped to 0 because the references do not clip (LeRobot's
+    policies/pi05/processor_pi05.py and openpi's models/tokenizer.py bin with the same edges and
+    no clamp): they write "-1" for a state under its q01, about 1 % of the training frames per
+    dimension, so checkpoints saw it."""
     edges = np.linspace(-1.0, 1.0, bins + 1)[:-1]
     return np.digitize(state_norm, bins=edges) - 1
 
