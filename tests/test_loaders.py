@@ -5,6 +5,8 @@ heads are never read."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -111,11 +113,25 @@ def test_openpi_round_trip(adapter, tmp_path, noise_for):
     loaded = load_pi05(folder, structure="tiny")
     assert loaded.camera_names == OPENPI_CAMERAS
     assert not loaded.io.pad_state_in_prompt  # openpi PI0.5 tokenises before padding the state
+    assert loaded.io.resize_antialias  # openpi resizes frames as PIL's BILINEAR does
     noise = noise_for(adapter)
-    ra = _run(adapter, _obs(adapter), noise)
+    as_openpi = copy.copy(adapter)
+    as_openpi.io = dataclasses.replace(adapter.io, resize_antialias=True)
+    ra = _run(as_openpi, _obs(adapter), noise)
     rb = _run(loaded, _obs(loaded, OPENPI_CAMERAS), noise)
     assert torch.equal(ra.chunk, rb.chunk)
     np.testing.assert_allclose(ra.actions, rb.actions, rtol=0, atol=1e-6)  # stats went through JSON
+
+
+def test_resize_convention_follows_the_checkpoint_through_a_native_folder(adapter, tmp_path):
+    """LeRobot folders resize without antialiasing, openpi folders with it, and a native folder
+    (what a bundle carries) keeps the one it was saved with."""
+    assert not load_pi05(write_lerobot(adapter, tmp_path / "lr"), structure="tiny").io.resize_antialias
+    from_openpi = load_pi05(write_openpi(adapter, tmp_path / "openpi"), structure="tiny")
+    again = load_pi05(save_native(from_openpi, tmp_path / "native"))
+    assert again.io.resize_antialias
+    obs = _obs(from_openpi, OPENPI_CAMERAS)
+    assert torch.equal(again.preprocess([obs]).tensors["images"], from_openpi.preprocess([obs]).tensors["images"])
 
 
 def test_full_structure_is_the_default_and_says_so(adapter, tmp_path):

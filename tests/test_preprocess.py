@@ -264,3 +264,32 @@ def test_postprocess_unnormalizes_and_drops_padding(tiny_adapter):
     back = tiny_adapter.normalize_actions(out)
     assert back.shape == (2, 50, 32) and torch.equal(back[..., 14:], torch.zeros(2, 50, 18))
     assert torch.allclose(back[..., :14], chunk[..., :14], atol=1e-5)
+
+
+def _textured(h: int, w: int, seed: int = 0) -> np.ndarray:
+    """A camera-like frame with fine detail (stripes of one to three pixels plus noise): what
+    aliasing shows on when a 640 x 480 frame is shrunk to 224 x 168."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = 128 + 90 * np.sin(xx * 2.1) * np.cos(yy * 1.3)
+    img = base[..., None] + rng.normal(0, 20, (h, w, 3))
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def test_antialiased_resize_is_what_openpi_feeds_its_checkpoints():
+    """openpi resizes with PIL's BILINEAR (antialiased on a downscale) and hands the model the
+    uint8 result. `resize_antialias` reproduces it to a level or two; the plain bilinear resize
+    (LeRobot's) is far from it on a detailed frame, which is why the choice follows the checkpoint."""
+    from PIL import Image
+
+    frame = _textured(480, 640)
+    rh, rw, top, left = 168, 224, 28, 0
+    pil = np.asarray(Image.fromarray(frame).resize((rw, rh), resample=Image.BILINEAR)).astype(np.float32)
+    chw = image_to_float_chw(frame, "top")
+    for antialias, bound in ((True, 2.0), (False, None)):
+        ours = resize_with_pad(chw, S, antialias)[:, top:top + rh, left:left + rw].permute(1, 2, 0).numpy() * 255
+        diff = np.abs(ours - pil)
+        if bound is not None:
+            assert diff.max() <= bound, diff.max()
+        else:
+            assert diff.max() > 10 * 2.0, diff.max()  # aliasing: the reason the flag exists

@@ -213,3 +213,20 @@ def test_threads_sharing_an_adapter_get_their_own_answers(tiny_adapter, monkeypa
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_every_path_resizes_with_antialiasing_alike(tiny_adapter, make_obs):
+    """With `RobotIO.resize_antialias` (openpi checkpoints) the per-image path, the CPU batch and
+    the staged device path give the same bits, as they do without it, and differ from it."""
+    import copy
+    import dataclasses
+
+    a = copy.copy(tiny_adapter)
+    a.io = dataclasses.replace(tiny_adapter.io, resize_antialias=True)
+    obs = [make_obs(a, seed=0, size=(480, 640)), make_obs(a, seed=1, size=(S, S)),
+           make_obs(a, seed=2, size=(300, 200))]
+    ref = a.preprocess_per_sample(obs).tensors["images"]
+    assert torch.equal(a.preprocess(obs).tensors["images"], ref)
+    assert torch.equal(a.images_from_staged(a.stage_images(obs).to("cpu")), ref)
+    plain = tiny_adapter.preprocess_per_sample(obs).tensors["images"]
+    assert not torch.equal(plain[0], ref[0]) and torch.equal(plain[1], ref[1])  # a square frame is not resized

@@ -53,6 +53,11 @@ class RobotIO:
     # robot's own values; a LeRobot folder does not record which version wrote it, and the loader
     # assumes the current one (False).
     pad_state_in_prompt: bool = False
+    # Resize camera frames with antialiasing (PIL's BILINEAR: openpi resizes so, on its client and
+    # in its training transforms) or without (torch's plain bilinear: LeRobot's resize_with_pad).
+    # A downscaled 640 x 480 frame differs by up to ~27 of 255 levels between the two, so each
+    # checkpoint gets the one it was trained with: openpi folders True, LeRobot folders False.
+    resize_antialias: bool = False
     default_prompt: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -138,7 +143,7 @@ class PI05Adapter:
     def images(self, observations: list[Observation], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """The images input (B, views, 3, S, S) float32 and the (B, views) camera mask, on `device`."""
         return images_to_model(self._camera_slots(observations), self.camera_names, self.cfg.vision.image_size,
-                               torch.device(device))
+                               torch.device(device), self.io.resize_antialias)
 
     def _camera_slots(self, observations: list[Observation]) -> list[list[Any]]:
         """Each observation's images in camera order (None where missing), checked."""
@@ -156,7 +161,8 @@ class PI05Adapter:
     def stage_images(self, observations: list[Observation], pin: bool = False) -> StagedImages:
         """The device path's first step, on the host (what `preprocess` does for a GPU; exposed
         for benchmarks/serve_host_overhead.py): the batch's frames gathered, still uint8."""
-        return stage_images(self._camera_slots(observations), self.camera_names, self.cfg.vision.image_size, pin=pin)
+        return stage_images(self._camera_slots(observations), self.camera_names, self.cfg.vision.image_size, pin=pin,
+                            antialias=self.io.resize_antialias)
 
     def images_from_staged(self, staged: StagedImages) -> torch.Tensor:
         """The device path's last step: staged frames on their device -> the images input."""
@@ -233,7 +239,7 @@ class PI05Adapter:
                     views.append(torch.full((3, size, size), -1.0))
                     present.append(False)
                 else:
-                    views.append(resize_with_pad(image_to_float_chw(img, name), size) * 2.0 - 1.0)
+                    views.append(resize_with_pad(image_to_float_chw(img, name), size, self.io.resize_antialias) * 2.0 - 1.0)
                     present.append(True)
             if not any(present):
                 raise ValueError(f"observation {i}: every camera is missing; at least one image is required")

@@ -171,6 +171,7 @@ def _load_native(folder: Path) -> tuple[PI05Config, RobotIO, list]:
         camera_names=io["camera_names"], state_dim=io["state_dim"], action_dim=io["action_dim"],
         state_stats=NormStats.from_json(stats["state"]), action_stats=NormStats.from_json(stats["action"]),
         pad_state_in_prompt=io.get("pad_state_in_prompt", False), default_prompt=io.get("default_prompt", ""),
+        resize_antialias=io.get("resize_antialias", False),
     )
     return PI05Config.from_dict(meta["config"]), robot, []
 
@@ -205,7 +206,8 @@ def save_native(adapter: PI05Adapter, folder: str | Path, dtype: torch.dtype | N
         "adapter": "pi05",
         "config": adapter.cfg.to_dict(),
         "io": {"camera_names": io.camera_names, "state_dim": io.state_dim, "action_dim": io.action_dim,
-               "pad_state_in_prompt": io.pad_state_in_prompt, "default_prompt": io.default_prompt},
+               "pad_state_in_prompt": io.pad_state_in_prompt, "default_prompt": io.default_prompt,
+               "resize_antialias": io.resize_antialias},
     }
     if dtype is not None:
         meta["weight_dtype"] = str(dtype).removeprefix("torch.")
@@ -369,5 +371,8 @@ def _load_openpi(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, l
         # (PadStatesAndActions), and its robot input transforms no longer pad the state, so the
         # prompt carries the robot's own state dims, as in LeRobot.
         pad_state_in_prompt=False,
+        # openpi resizes frames with PIL's BILINEAR (its client's image_tools, and the training
+        # data pipeline's ResizeImages), which antialiases a downscale.
+        resize_antialias=True,
     )
     return cfg, io, PI_KEY_RULES

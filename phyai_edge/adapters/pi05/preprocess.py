@@ -58,23 +58,25 @@ def fit(h: int, w: int, size: int) -> tuple[int, int, int, int]:
     return rh, rw, (size - rh) // 2, (size - rw) // 2
 
 
-def resize_with_pad(img: torch.Tensor, size: int) -> torch.Tensor:
+def resize_with_pad(img: torch.Tensor, size: int, antialias: bool = False) -> torch.Tensor:
     """float (C, H, W) or (N, C, H, W) in [0, 1] -> (..., C, size, size): aspect kept, bilinear,
-    centred black padding."""
+    centred black padding. `antialias`: a downscale averages over the whole footprint of each
+    output pixel (PIL's BILINEAR, openpi's resize) instead of sampling four neighbours (LeRobot's);
+    `RobotIO.resize_antialias` says which one a checkpoint was trained with."""
     h, w = img.shape[-2:]
     if (h, w) == (size, size):
         return img
     rh, rw, top, left = fit(h, w, size)
     batch = img if img.ndim == 4 else img[None]
-    out = F.interpolate(batch, size=(rh, rw), mode="bilinear", align_corners=False).clamp(0.0, 1.0)
+    out = F.interpolate(batch, size=(rh, rw), mode="bilinear", align_corners=False, antialias=antialias).clamp(0.0, 1.0)
     if img.ndim == 3:
         out = out[0]
     return F.pad(out, (left, size - rw - left, top, size - rh - top), value=0.0)
 
 
-def to_model_range(img01: torch.Tensor, size: int) -> torch.Tensor:
+def to_model_range(img01: torch.Tensor, size: int, antialias: bool = False) -> torch.Tensor:
     """The per-image path's last step: [0, 1] image at any size -> (3, size, size) in [-1, 1]."""
-    return resize_with_pad(img01, size) * 2.0 - 1.0
+    return resize_with_pad(img01, size, antialias) * 2.0 - 1.0
 
 
 # uint8 -> float exactly as `image_to_float_chw` computes it on the CPU (float32(v) / 255), and
@@ -115,6 +117,7 @@ class StagedImages:
     present: torch.Tensor  # (batch, views) bool
     groups: list[tuple[torch.Tensor, torch.Tensor]]
     ready: list[tuple[int, torch.Tensor]]
+    antialias: bool = False  # how the groups' frames are resized (`resize_with_pad`)
 
     @property
     def device(self) -> torch.device:
@@ -134,11 +137,12 @@ class StagedImages:
             return t.to(device, non_blocking=t.is_pinned())
 
         return StagedImages(self.batch, self.views, self.size, move(self.present),
-                            [(move(s), move(f)) for s, f in self.groups], [(i, move(t)) for i, t in self.ready])
+                            [(move(s), move(f)) for s, f in self.groups], [(i, move(t)) for i, t in self.ready],
+                            self.antialias)
 
 
 def stage_images(per_obs: Sequence[Sequence[Any]], names: Sequence[str], size: int,
-                 pin: bool = False) -> StagedImages:
+                 pin: bool = False, antialias: bool = False) -> StagedImages:
     """The first step of the device path (see `images_to_model`): uint8 HWC 3-channel frames
     are stacked by size (into page-locked memory with `pin`, so the copy to a GPU is one
     asynchronous DMA); the rest go through the per-image path here."""
@@ -157,7 +161,7 @@ def stage_images(per_obs: Sequence[Sequence[Any]], names: Sequence[str], size: i
                 slots.append(slot)
                 frames.append(img)
             else:
-                ready.append((slot, to_model_range(image_to_float_chw(img, names[v]), size)))
+                ready.append((slot, to_model_range(image_to_float_chw(img, names[v]), size, antialias)))
     groups = []
     for (h, w), (slots, frames) in by_size.items():
         # One copy out of the camera (or ZeroMQ) buffers; torch then owns the memory.
@@ -166,10 +170,10 @@ def stage_images(per_obs: Sequence[Sequence[Any]], names: Sequence[str], size: i
         index = torch.tensor(slots, dtype=torch.int64)
         groups.append((index.pin_memory() if pin else index, stack))
     mask = torch.from_numpy(present)
-    return StagedImages(batch, views, size, mask.pin_memory() if pin else mask, groups, ready)
+    return StagedImages(batch, views, size, mask.pin_memory() if pin else mask, groups, ready, antialias)
 
 
-def frames_to_model(frames: torch.Tensor, size: int) -> torch.Tensor:
+def frames_to_model(frames: torch.Tensor, size: int, antialias: bool = False) -> torch.Tensor:
     """(n, H, W, 3) uint8 on any device -> (n, 3, size, size) float32 in [-1, 1] on it, equal
     to the per-image path frame by frame (bit for bit but where a GPU resizes: its bilinear
     kernel rounds its own way)."""
@@ -183,10 +187,10 @@ def frames_to_model(frames: torch.Tensor, size: int) -> torch.Tensor:
     # to interpolate, so the same resize kernel runs. Its output keeps those strides; the
     # model's layout is contiguous CHW.
     unit = torch.index_select(_lut("unit", frames.device), 0, frames.reshape(-1).int())
-    return to_model_range(unit.view(n, h, w, 3).permute(0, 3, 1, 2), size).contiguous()
+    return to_model_range(unit.view(n, h, w, 3).permute(0, 3, 1, 2), size, antialias).contiguous()
 
 
-def frame_into(img: np.ndarray, out: torch.Tensor) -> None:
+def frame_into(img: np.ndarray, out: torch.Tensor, antialias: bool = False) -> None:
     """One uint8 HWC 3-channel frame -> its (3, size, size) slot `out` of a CPU batch, with the
     per-image path's operations in its order (so its bits), minus most of its temporaries: the
     arithmetic runs in place, and the padding is written as its final value (0 * 2 - 1)."""
@@ -202,7 +206,8 @@ def frame_into(img: np.ndarray, out: torch.Tensor) -> None:
     rh, rw, top, left = fit(h, w, size)
     # Channels-last strides (float() keeps them), as the per-image path hands them to interpolate.
     unit = chw.float().div_(255.0)
-    inner = F.interpolate(unit[None], size=(rh, rw), mode="bilinear", align_corners=False)[0].clamp_(0.0, 1.0)
+    inner = F.interpolate(unit[None], size=(rh, rw), mode="bilinear", align_corners=False,
+                          antialias=antialias)[0].clamp_(0.0, 1.0)
     out.fill_(-1.0)
     dst = out[:, top:top + rh, left:left + rw]
     torch.mul(inner, 2.0, out=dst)
@@ -210,12 +215,12 @@ def frame_into(img: np.ndarray, out: torch.Tensor) -> None:
 
 
 def images_to_model(per_obs: Sequence[Sequence[Any]], names: Sequence[str], size: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                    device: torch.device, antialias: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """per_obs[b][v]: observation b's image for camera names[v], or None -> (B, V, 3, size,
     size) float32 images and the (B, V) bool mask of present cameras, on `device`. Missing
     cameras are -1 everywhere. Raises what the per-image path raises, naming the camera."""
     if device.type != "cpu":
-        staged = stage_images(per_obs, names, size, pin=device.type == "cuda").to(device)
+        staged = stage_images(per_obs, names, size, pin=device.type == "cuda", antialias=antialias).to(device)
         return images_from_staged(staged), staged.present
     batch, views = len(per_obs), len(names)
     out = torch.empty(batch, views, 3, size, size)
@@ -225,9 +230,9 @@ def images_to_model(per_obs: Sequence[Sequence[Any]], names: Sequence[str], size
             if img is None:
                 out[b, v].fill_(-1.0)
             elif is_fast_frame(img):
-                frame_into(img, out[b, v])
+                frame_into(img, out[b, v], antialias)
             else:
-                out[b, v] = to_model_range(image_to_float_chw(img, names[v]), size)
+                out[b, v] = to_model_range(image_to_float_chw(img, names[v]), size, antialias)
             present[b, v] = img is not None
     return out, torch.from_numpy(present)
 
@@ -236,10 +241,10 @@ def images_from_staged(staged: StagedImages) -> torch.Tensor:
     """Staged frames -> (batch, views, 3, size, size) float32 model inputs on their device."""
     b, v, s = staged.batch, staged.views, staged.size
     if staged.dense:
-        return frames_to_model(staged.groups[0][1], s).view(b, v, 3, s, s)
+        return frames_to_model(staged.groups[0][1], s, staged.antialias).view(b, v, 3, s, s)
     out = torch.full((b * v, 3, s, s), -1.0, device=staged.device)
     for slots, frames in staged.groups:
-        out.index_copy_(0, slots, frames_to_model(frames, s))
+        out.index_copy_(0, slots, frames_to_model(frames, s, staged.antialias))
     for slot, img in staged.ready:
         out[slot] = img
     return out.view(b, v, 3, s, s)
