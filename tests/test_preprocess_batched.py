@@ -151,10 +151,16 @@ def test_errors_name_the_observation(tiny_adapter, make_obs):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("antialias", [False, True])
 @pytest.mark.parametrize("hw", [(S, S), (480, 640)])
-def test_cuda_preprocess_matches_cpu_reference(tiny_adapter, hw):
+def test_cuda_preprocess_matches_cpu_reference(tiny_adapter, hw, antialias):
     """On the GPU the lookups keep unresized frames bit-exact; a resize runs CUDA's bilinear
-    kernel, equal to the CPU's within float rounding."""
+    kernel (antialiased for openpi checkpoints), equal to the CPU's within float rounding."""
+    import copy
+    import dataclasses
+
+    tiny_adapter = copy.copy(tiny_adapter)
+    tiny_adapter.io = dataclasses.replace(tiny_adapter.io, resize_antialias=antialias)
     rng = np.random.default_rng(11)
     obs = [Observation(dict(zip(tiny_adapter.camera_names, frames(rng, hw))), rng.uniform(-1, 1, 14), "go")
            for _ in range(4)]
