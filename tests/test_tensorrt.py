@@ -79,6 +79,11 @@ class FakeTRT:
                 return Cache(bytes(data))
 
             def set_timing_cache(self, cache, ignore_mismatch):
+                # Like TensorRT: a cache whose header names another device (or TensorRT) is
+                # refused with False unless ignore_mismatch, and the config is left without one.
+                if cache.data.startswith(b"foreign") and not ignore_mismatch:
+                    log.append(("timing_cache_refused",))
+                    return False
                 self.cache = cache
                 return True
 
@@ -154,6 +159,18 @@ def test_strongly_typed_build_with_a_profile_per_batch_and_a_reused_timing_cache
     assert ("timing_cache_in", b"old") in trt.calls and cache.read_bytes() == b"old+"
     assert ("workspace", 1 << 30) in trt.calls
     assert (tmp_path / "d.plan").read_bytes() == b"PLAN"
+
+
+def test_a_timing_cache_from_another_device_is_replaced_not_fatal(tmp_path):
+    # IBuilderConfig.set_timing_cache returns False for a cache made on another device; the
+    # build must go on with a fresh cache (and not call serialize() on None afterwards).
+    trt = FakeTRT({"x_t": (-1, 50, 32), "t": (-1,)})
+    cache = tmp_path / "timing.cache"
+    cache.write_bytes(b"foreign-gpu")
+    build_engine(tmp_path / "d.onnx", tmp_path / "d.plan", SHAPES, BuildOptions("fp16", timing_cache=cache), trt=trt)
+    assert ("timing_cache_refused",) in trt.calls
+    assert ("timing_cache_in", b"") in trt.calls  # started again from an empty cache
+    assert (tmp_path / "d.plan").read_bytes() == b"PLAN" and cache.read_bytes() == b"+"
 
 
 def test_int8_calibrator_build_is_weakly_typed_and_calibrates_at_its_batch(tmp_path):

@@ -94,6 +94,23 @@ def _logger(trt: Any, verbose: bool) -> Any:
     return trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
 
 
+def _attach_timing_cache(config: Any, path: Path | None) -> None:
+    """Give the build the cache at `path` (or an empty one). A cache file made on another GPU
+    or TensorRT version is refused by set_timing_cache (it returns False and the config keeps
+    no cache); timing it all again is only slower, so the build goes on with an empty cache,
+    which then replaces the file."""
+    data = b""
+    if path is not None and Path(path).exists():
+        data = Path(path).read_bytes()
+    cache = config.create_timing_cache(data) if data else None
+    if cache is not None and config.set_timing_cache(cache, False):
+        return
+    if data:
+        log.warning("timing cache %s was made on another GPU or TensorRT version; starting an empty one", path)
+    if not config.set_timing_cache(config.create_timing_cache(b""), False):
+        log.warning("TensorRT refused an empty timing cache; building without one")
+
+
 def build_engine(
     onnx_path: Path,
     plan_path: Path,
@@ -144,19 +161,16 @@ def build_engine(
             # Calibrate at the batch size the calibrator feeds.
             calib_b = calibrator.get_batch_size()
             config.set_calibration_profile(profiles[batch_sizes.index(calib_b)] if calib_b in batch_sizes else profiles[0])
-    cache_bytes = b""
-    if options.timing_cache is not None and Path(options.timing_cache).exists():
-        cache_bytes = Path(options.timing_cache).read_bytes()
-    cache = config.create_timing_cache(cache_bytes)
-    config.set_timing_cache(cache, False)
+    _attach_timing_cache(config, options.timing_cache)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise RuntimeError(f"TensorRT failed to build {onnx_path.name} at {options.precision} (see the log above)")
     plan_path.parent.mkdir(parents=True, exist_ok=True)
     plan_path.write_bytes(bytes(memoryview(serialized)))
-    if options.timing_cache is not None:
+    cache = config.get_timing_cache()
+    if options.timing_cache is not None and cache is not None:
         Path(options.timing_cache).parent.mkdir(parents=True, exist_ok=True)
-        Path(options.timing_cache).write_bytes(bytes(memoryview(config.get_timing_cache().serialize())))
+        Path(options.timing_cache).write_bytes(bytes(memoryview(cache.serialize())))
     return {"plan": plan_path.name, "strongly_typed": options.strongly_typed, "profiles": batch_sizes if dynamic else [],
             "calibrated": calibrator is not None}
 
