@@ -55,7 +55,7 @@ class FakeTRT:
 
         class Config:
             def __init__(self) -> None:
-                self.flags: set[str] = set()
+                self.flags: set[str] = {"TF32"}  # as in TensorRT: TF32 is on in a new config
                 self.profiles: list[Profile] = []
                 self.int8_calibrator = None
                 self.builder_optimization_level = None
@@ -66,6 +66,9 @@ class FakeTRT:
 
             def set_flag(self, flag):
                 self.flags.add(flag)
+
+            def clear_flag(self, flag):
+                self.flags.discard(flag)
 
             def add_optimization_profile(self, p):
                 self.profiles.append(p)
@@ -139,7 +142,7 @@ class FakeTRT:
 
         self.Logger, self.Builder, self.OnnxParser = Logger, Builder, Parser
         self.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=5)
-        self.BuilderFlag = types.SimpleNamespace(FP16="FP16", BF16="BF16", INT8="INT8", FP8="FP8")
+        self.BuilderFlag = types.SimpleNamespace(FP16="FP16", BF16="BF16", INT8="INT8", FP8="FP8", TF32="TF32")
         self.MemoryPoolType = types.SimpleNamespace(WORKSPACE="ws")
 
 
@@ -154,11 +157,20 @@ def test_strongly_typed_build_with_a_profile_per_batch_and_a_reused_timing_cache
                         BuildOptions("fp16", timing_cache=cache, workspace_bytes=1 << 30), trt=trt)
     assert info["strongly_typed"] and info["profiles"] == [1, 2]
     assert trt.network.flags == 1 << 5  # STRONGLY_TYPED: types come from the fp16 ONNX
-    assert trt.config.flags == set()  # precision flags are meaningless (and refused) when strongly typed
+    # Precision flags are refused when strongly typed; TF32 (float32 parts) stays allowed.
+    assert trt.config.flags == {"TF32"}
     assert [p.shapes["x_t"] for p in trt.config.profiles] == [((1, 50, 32),) * 3, ((2, 50, 32),) * 3]
     assert ("timing_cache_in", b"old") in trt.calls and cache.read_bytes() == b"old+"
     assert ("workspace", 1 << 30) in trt.calls
     assert (tmp_path / "d.plan").read_bytes() == b"PLAN"
+
+
+def test_fp32_build_turns_tf32_off(tmp_path):
+    # BuilderFlag.TF32 is on by default, strongly typed or not: an "fp32" engine would round
+    # every float32 GEMM's inputs to 10 mantissa bits unless the flag is cleared.
+    trt = FakeTRT({"x_t": (-1, 50, 32), "t": (-1,)})
+    info = build_engine(tmp_path / "d.onnx", tmp_path / "d.plan", SHAPES, BuildOptions("fp32"), trt=trt)
+    assert "TF32" not in trt.config.flags and info["tf32"] is False
 
 
 def test_a_timing_cache_from_another_device_is_replaced_not_fatal(tmp_path):
@@ -178,7 +190,7 @@ def test_int8_calibrator_build_is_weakly_typed_and_calibrates_at_its_batch(tmp_p
     calibrator = types.SimpleNamespace(get_batch_size=lambda: 2)
     info = build_engine(tmp_path / "d.onnx", tmp_path / "d.plan", SHAPES, BuildOptions("int8"), calibrator, trt=trt)
     assert not info["strongly_typed"] and info["calibrated"]
-    assert trt.network.flags == 0 and trt.config.flags == {"INT8", "FP16"}
+    assert trt.network.flags == 0 and trt.config.flags == {"INT8", "FP16", "TF32"}
     assert trt.config.int8_calibrator is calibrator and ("calibration_profile", 1) in trt.calls
 
 
