@@ -63,8 +63,8 @@ def test_hand_counted_bytes() -> None:
     per_layer_acts = 3 * (4 + 16) + 3 * (8 + 4) + 3 * (4 + 16) + 3 * (8 + 4)
     acts = 3 * (2 + 4) + 2 * per_layer_acts + 3 * (4 + 2)
     attn = 2 * (2 * 3 * 2 * 4 + 2 * 12 * 1 * 4)  # Q and O of 3 queries; K and V of 12 keys
-    table = (2 * 2 + 1) * 3 * 4  # scale/shift/gate for 2 norms per layer + the final norm
-    assert c["denoise_step"].bytes == 400 * 2 + (acts + attn + table) * 2
+    table = (2 * 2 + 1) * 3 * 4  # scale/shift/gate for 2 norms per layer + the final norm, float32
+    assert c["denoise_step"].bytes == 400 * 2 + (acts + attn) * 2 + table * 4
     fp8 = pi05_stage_costs(hand_config(), batch=1, views=1, prompt_tokens=5, steps=2, precision="fp8")
     assert fp8["denoise_step"].weight_bytes == 400
     assert fp8["denoise_step"].flops == c["denoise_step"].flops
@@ -95,9 +95,12 @@ def test_time_tables_flag_counts_modulation_gemms() -> None:
     cfg = hand_config()
     pre = pi05_stage_costs(cfg, views=1, prompt_tokens=5)
     eager = pi05_stage_costs(cfg, views=1, prompt_tokens=5, time_tables_precomputed=False)
-    # time MLP 2 x (4x4) + 5 adaptive norms x (4 x 12) = 32 + 240 params, on one token.
+    # time MLP 2 x (4x4) + 5 adaptive norms x (4 x 12) = 32 + 240 params, on one token; float32
+    # whatever the precision, as PI05Model.set_precision keeps them.
     assert eager["denoise_step"].flops - pre["denoise_step"].flops == 2 * (32 + 240)
-    assert eager["denoise_step"].weight_bytes - pre["denoise_step"].weight_bytes == (32 + 240) * 2
+    assert eager["denoise_step"].weight_bytes - pre["denoise_step"].weight_bytes == (32 + 240) * 4
+    fp8 = pi05_stage_costs(cfg, views=1, prompt_tokens=5, precision="fp8", time_tables_precomputed=False)
+    assert eager["denoise_step"].weight_bytes - fp8["denoise_step"].weight_bytes == 400  # the float32 part stays
 
 
 def test_full_pi05_matches_published_sizes() -> None:
@@ -161,3 +164,28 @@ def test_weight_counts_match_the_real_module() -> None:
     ours = sum(pi05_param_counts(cfg, time_tables_precomputed=False).values())
     pos = cfg.vision.tokens_per_image * cfg.vision.width
     assert n == ours + pos
+
+
+@pytest.mark.parametrize("time_tables_precomputed", [True, False])
+def test_denoise_weight_bytes_match_the_module_in_engine_precision(time_tables_precomputed: bool) -> None:
+    """One denoise step reads every parameter it uses once, in the dtype `set_precision` gives it:
+    the expert's projections in bf16, but the adaptive norms' modulation linears, the time MLP and
+    the action projections in float32 (`PI05Model.precision_dtypes`). The eager backend
+    (no time tables) reads the float32 modulation weights on every step."""
+    torch = pytest.importorskip("torch")
+    from phyai_edge.adapters.pi05.model import PI05Model
+
+    cfg = full()
+    model = PI05Model.skeleton(cfg).set_precision(torch.bfloat16)
+    used = [*model.expert_layers, model.action_in_proj, model.action_out_proj]
+    if not time_tables_precomputed:
+        used += [model.expert_norm, model.time_mlp_in, model.time_mlp_out]
+    read = sum(
+        p.numel() * p.element_size()
+        for m in used
+        for name, p in m.named_parameters()
+        if time_tables_precomputed is False or "layernorm.dense" not in name
+    )
+    ours = pi05_stage_costs(cfg, prompt_tokens=48, time_tables_precomputed=time_tables_precomputed)
+    # Ours leaves out biases and norm scales (< 0.1 %).
+    assert ours["denoise_step"].weight_bytes == pytest.approx(read, rel=1e-3)

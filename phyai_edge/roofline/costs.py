@@ -16,7 +16,8 @@ Counting rules (shared by every adapter through the helpers below)
   * Norms, biases, residual adds, rotary, softmax: ignored (< 1 % of FLOPs and bytes here).
   * Precision sets weight bytes (bf16/fp16: 2, fp8/int8: 1). Activations and the KV cache stay
     16-bit (2 bytes), as our engines keep them; weight GEMMs run at the precision's peak,
-    attention at the 16-bit peak.
+    attention at the 16-bit peak. Parts a model keeps in float32 whatever the precision are
+    counted at 4 bytes (PI0.5: the adaptive norms' modulation and the time MLP).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 WEIGHT_BYTES: dict[str, float] = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0}
 ACT_BYTES = 2.0
+FP32_BYTES = 4.0
 PRECISIONS = tuple(WEIGHT_BYTES)
 
 
@@ -194,7 +196,9 @@ def pi05_stage_costs(
     static length `max_token_len` the engines use (state tokens live inside the prompt).
     `time_tables_precomputed`: the adaptive-RMSNorm modulation and time MLP depend only on
     the flow time, which is fixed per step, so our engines precompute them (a table read);
-    False counts them as the GEMMs an eager model runs.
+    False counts them as the GEMMs an eager model runs. Either way they are float32 whatever the
+    precision (`PI05Model.precision_dtypes` keeps norms, their modulation linears and the time MLP
+    in float32): 4-byte weights and table rows.
     """
     if batch < 1 or views < 1:
         raise ValueError(f"batch and views must be >= 1, got batch={batch}, views={views}")
@@ -224,11 +228,11 @@ def pi05_stage_costs(
     step = linear(n_act, config.max_action_dim, e.width, wb)  # action in-projection
     norms = 2 * e.depth + 1  # two adaptive norms per layer and the final one
     if time_tables_precomputed:
-        step = step + table_read(norms * 3 * e.width, ACT_BYTES)  # scale/shift/gate rows for this t
+        step = step + table_read(norms * 3 * e.width, FP32_BYTES)  # scale/shift/gate rows for this t
     else:
-        step = step + linear(batch, e.width, e.width, wb) + linear(batch, e.width, e.width, wb)
+        step = step + linear(batch, e.width, e.width, FP32_BYTES) + linear(batch, e.width, e.width, FP32_BYTES)
         for _ in range(norms):
-            step = step + linear(batch, e.width, 3 * e.width, wb)
+            step = step + linear(batch, e.width, 3 * e.width, FP32_BYTES)
     for _ in range(e.depth):
         step = step + gemma_layer(e, h, n_prefix + h, batch, wb)  # KV read counted in attention
     step = step + linear(n_act, e.width, config.max_action_dim, wb)  # velocity out-projection
