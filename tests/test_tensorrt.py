@@ -244,3 +244,96 @@ def test_tensorrt_bundle_matches_eager(tmp_path):
     assert m["validation"]["status"] == "passed", m["validation"]
     policy = load_bundle_policy(out, device="cuda")
     assert policy.engine.backend == "tensorrt"
+
+
+class _FakeContext:
+    """An IExecutionContext that answers like TensorRT 10's: the setters return False on a
+    name it does not know or a shape outside the active profile, and an input whose shape was
+    never set stays -1 (infer_shapes names it)."""
+
+    def __init__(self, engine: _FakeEngine) -> None:
+        self.engine, self.profile, self.shapes, self.addresses = engine, 0, {}, {}
+
+    def set_optimization_profile_async(self, index, stream):
+        if not 0 <= index < self.engine.num_optimization_profiles:
+            return False
+        self.profile = index
+        return True
+
+    def set_input_shape(self, name, shape):
+        if self.engine.modes.get(name) != "INPUT" or tuple(shape) != self.engine.profiles[self.profile][name]:
+            return False
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def infer_shapes(self):
+        return [n for n, m in self.engine.modes.items() if m == "INPUT" and n not in self.shapes]
+
+    def get_tensor_shape(self, name):
+        if self.engine.modes[name] == "INPUT":
+            return self.shapes.get(name, self.engine.dims[name])
+        b = self.shapes.get("x_t", (-1,))[0]
+        return (b, *self.engine.dims[name][1:])
+
+    def set_tensor_address(self, name, ptr):
+        if name not in self.engine.modes:
+            return False
+        self.addresses[name] = ptr
+        return True
+
+
+class _FakeEngine:
+    """One denoise-step engine, batch-dynamic, with a min = opt = max profile per batch."""
+
+    def __init__(self, batches: list[int]) -> None:
+        self.modes = {"x_t": "INPUT", "t": "INPUT", "velocity": "OUTPUT"}
+        self.dims = {"x_t": (-1, 50, 32), "t": (-1,), "velocity": (-1, 50, 32)}
+        self.profiles = [{"x_t": (b, 50, 32), "t": (b,)} for b in batches]
+        self.num_optimization_profiles = len(batches)
+        self.num_io_tensors = len(self.modes)
+
+    def create_execution_context(self):
+        return _FakeContext(self)
+
+    def get_tensor_name(self, i):
+        return list(self.modes)[i]
+
+    def get_tensor_mode(self, name):
+        return self.modes.get(name, "NONE")
+
+    def get_tensor_dtype(self, name):
+        return "FLOAT"
+
+
+def _runtime_engine(engine_batches: list[int], bundle_batches: list[int]):
+    from phyai_edge.engines.tensorrt import TensorRTEngine
+
+    eng = object.__new__(TensorRTEngine)  # the parts _prepare reads, without a GPU
+    eng.trt = types.SimpleNamespace(TensorIOMode=types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT"),
+                                    DataType=types.SimpleNamespace(FLOAT="FLOAT", HALF="HALF"))
+    eng.adapter = types.SimpleNamespace(stage_specs=lambda b, v: [types.SimpleNamespace(
+        name="denoise_step", inputs={"x_t": ((b, 50, 32), "float32"), "t": ((b,), "float32")})])
+    eng.engines = {"denoise_step": _FakeEngine(engine_batches)}
+    eng.batch_sizes, eng.num_views, eng.device = bundle_batches, 3, torch.device("cpu")
+    eng.stream = types.SimpleNamespace(cuda_stream=0, synchronize=lambda: None)
+    return eng
+
+
+def test_runtime_binds_each_batch_to_its_profile():
+    eng = _runtime_engine([1, 2], [1, 2])
+    st = eng._prepare(2)
+    ctx = st.contexts["denoise_step"]
+    assert ctx.profile == 1 and ctx.shapes == {"x_t": (2, 50, 32), "t": (2,)}
+    assert tuple(st.buffers["velocity"].shape) == (2, 50, 32)
+    assert ctx.addresses["velocity"] == st.buffers["velocity"].data_ptr()
+
+
+def test_runtime_reports_a_refused_profile_or_shape():
+    # plans.json promises batch 2 but the plan has one profile: TensorRT answers False to the
+    # profile switch and the shape; that must be the error, not a -1 dimension later.
+    eng = _runtime_engine([1], [1, 2])
+    with pytest.raises(RuntimeError, match="optimization profile 1"):
+        eng._prepare(2)
+    eng = _runtime_engine([4], [1])  # a profile that does not hold the shape asked for
+    with pytest.raises(RuntimeError, match=r"set_input_shape.*x_t"):
+        eng._prepare(1)

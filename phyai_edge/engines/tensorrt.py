@@ -273,11 +273,22 @@ class TensorRTEngine(EngineBase):
         specs = {s.name: s for s in self.adapter.stage_specs(batch, self.num_views)}
         for stage, engine in self.engines.items():
             ctx = engine.create_execution_context()
-            if engine.num_optimization_profiles > 1 or profile > 0:
-                ctx.set_optimization_profile_async(profile, self.stream.cuda_stream)
+            if ctx is None:
+                raise RuntimeError(f"TensorRT could not create an execution context for {stage} (out of GPU memory?)")
+            # The setters report failure by returning False (and a log line), not by raising:
+            # unchecked, a refused profile or shape surfaces later as a -1 dimension or as
+            # buffers of the wrong size.
+            if (engine.num_optimization_profiles > 1 or profile > 0) and not ctx.set_optimization_profile_async(
+                    profile, self.stream.cuda_stream):
+                raise RuntimeError(f"{stage}: TensorRT refused optimization profile {profile} (batch {batch}); the "
+                                   f"plan has {engine.num_optimization_profiles}: re-export with this batch size")
             for name, (shape, _) in specs[stage].inputs.items():
-                if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-                    ctx.set_input_shape(name, shape)
+                if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT and not ctx.set_input_shape(name, shape):
+                    raise RuntimeError(f"{stage}: TensorRT refused set_input_shape({name}, {tuple(shape)}) "
+                                       f"in profile {profile}: the plan does not fit this adapter: re-export")
+            missing = ctx.infer_shapes()
+            if missing:
+                raise RuntimeError(f"{stage}: the plan has inputs this adapter does not give: {list(missing)}")
             for i in range(engine.num_io_tensors):
                 name = engine.get_tensor_name(i)
                 shape = tuple(ctx.get_tensor_shape(name))
@@ -288,7 +299,8 @@ class TensorRTEngine(EngineBase):
                 elif tuple(buf.shape) != shape or buf.dtype != dtype:
                     raise RuntimeError(f"{stage}: tensor {name} is {shape} {dtype} but the previous stage made "
                                        f"{tuple(buf.shape)} {buf.dtype}; the plans do not fit together: re-export")
-                ctx.set_tensor_address(name, buf.data_ptr())
+                if not ctx.set_tensor_address(name, buf.data_ptr()):
+                    raise RuntimeError(f"{stage}: TensorRT refused the address of tensor {name}")
             st.contexts[stage] = ctx
         self.stream.synchronize()
         return st
