@@ -105,7 +105,7 @@ def test_time_tables_flag_counts_modulation_gemms() -> None:
 
 def test_full_pi05_matches_published_sizes() -> None:
     cfg = full()
-    params = pi05_weights_bytes(cfg, "bf16", time_tables_precomputed=False) / 2
+    params = sum(pi05_param_counts(cfg, time_tables_precomputed=False).values())
     assert 3.2e9 < params < 3.5e9  # PaliGemma 3B + 300M action expert (+ adaptive-norm weights)
     c = stage_costs("pi05", cfg)  # defaults: 3 views, 200 prompt tokens, 10 steps
     assert cfg.vision.tokens_per_image == 256
@@ -189,3 +189,19 @@ def test_denoise_weight_bytes_match_the_module_in_engine_precision(time_tables_p
     ours = pi05_stage_costs(cfg, prompt_tokens=48, time_tables_precomputed=time_tables_precomputed)
     # Ours leaves out biases and norm scales (< 0.1 %).
     assert ours["denoise_step"].weight_bytes == pytest.approx(read, rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_resident_weights_match_the_module_in_engine_precision(dtype: str) -> None:
+    """What `roofline` checks against a device's memory: every parameter the engine's module holds,
+    in the dtype `set_precision` gives it. The adaptive norms' modulation and the time MLP stay
+    resident (float32) even when the engine reads precomputed tables instead."""
+    torch = pytest.importorskip("torch")
+    from phyai_edge.adapters.pi05.model import PI05Model
+
+    cfg = full()
+    model = PI05Model.skeleton(cfg).set_precision(getattr(torch, dtype))
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    precision = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    # Ours leaves out biases, norm scales and SigLIP's position embedding (< 0.1 %).
+    assert pi05_weights_bytes(cfg, precision) == pytest.approx(held, rel=1e-3)

@@ -247,7 +247,8 @@ def pi05_stage_costs(
 
 def pi05_param_counts(config: Any, time_tables_precomputed: bool = True) -> dict[str, int]:
     """Weight-matrix parameters per part (biases and norm scales left out, as in the stage counts).
-    With precomputed time tables the adaptive-norm and time-MLP weights are not resident."""
+    With precomputed time tables the stages do not read the adaptive-norm and time-MLP weights
+    (they stay resident all the same: `pi05_weights_bytes`)."""
     v, p, e = config.vision, config.prefix, config.expert
 
     def gemma(spec: Any) -> int:
@@ -268,9 +269,13 @@ def pi05_param_counts(config: Any, time_tables_precomputed: bool = True) -> dict
     return counts
 
 
-def pi05_weights_bytes(config: Any, precision: str, time_tables_precomputed: bool = True) -> float:
-    """Resident weights: every layer (including the whole embedding table) at `precision`."""
-    return sum(pi05_param_counts(config, time_tables_precomputed).values()) * weight_bytes(precision)
+def pi05_weights_bytes(config: Any, precision: str) -> float:
+    """Resident weights: every layer (including the whole embedding table) at `precision`, and the
+    float32 parts (adaptive-norm modulation, time MLP) at 4 bytes. The engine's module keeps those
+    even when its stages read precomputed tables instead."""
+    counts = pi05_param_counts(config, time_tables_precomputed=False)
+    fp32 = counts.pop("time_mlp") + counts.pop("adaptive_norms")
+    return sum(counts.values()) * weight_bytes(precision) + fp32 * FP32_BYTES
 
 
 def _pi05_load(preset: str) -> Any:
