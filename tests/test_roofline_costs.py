@@ -205,3 +205,47 @@ def test_resident_weights_match_the_module_in_engine_precision(dtype: str) -> No
     precision = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     # Ours leaves out biases, norm scales and SigLIP's position embedding (< 0.1 %).
     assert pi05_weights_bytes(cfg, precision) == pytest.approx(held, rel=1e-3)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_flops_match_flop_counter_on_the_model_stages(batch: int) -> None:
+    """Every stage's FLOPs against torch's FlopCounterMode over the model's own stage functions
+    (tiny preset, 3 views, 48 valid prompt tokens as the engine trims them, key-only masks as the
+    engines set them). SDPA's math kernel is forced so the counter sees attention on the CPU."""
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from phyai_edge.adapters.pi05.builtin import seeded_model
+    from phyai_edge.adapters.pi05.config import tiny
+
+    cfg, views, prompt = tiny(), 3, 48
+    model = seeded_model(cfg)
+    model.attend_keys_only = True
+
+    def counted(fn):
+        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as counter:
+            out = fn()
+        return counter.get_total_flops(), out
+
+    size = cfg.vision.image_size
+    images = torch.zeros(batch, views, 3, size, size)
+    vision, embeds = counted(lambda: model.embed_images(images))
+    tokens = torch.zeros(batch, prompt, dtype=torch.long)
+    valid = torch.ones(batch, prompt, dtype=torch.bool)
+    prefix, (k, v, mask) = counted(
+        lambda: model.encode_prefix(embeds, torch.ones(batch, views, dtype=torch.bool), tokens, valid)
+    )
+    t = torch.full((batch,), 0.5)
+    x = torch.zeros(batch, cfg.chunk_size, cfg.max_action_dim)
+    with torch.no_grad():
+        table = model.time_modulation(t)
+    step, _ = counted(lambda: model.denoise_step(x, t, k, v, mask, modulation=table))
+    eager_step, _ = counted(lambda: model.denoise_step(x, t, k, v, mask))
+
+    ours = pi05_stage_costs(cfg, batch=batch, views=views, prompt_tokens=prompt)
+    eager = pi05_stage_costs(cfg, batch=batch, views=views, prompt_tokens=prompt, time_tables_precomputed=False)
+    assert ours["embed_images"].flops == vision
+    assert ours["encode_prefix"].flops == prefix
+    assert ours["denoise_step"].flops == step
+    assert eager["denoise_step"].flops == eager_step
