@@ -337,3 +337,17 @@ def test_runtime_reports_a_refused_profile_or_shape():
     eng = _runtime_engine([4], [1])  # a profile that does not hold the shape asked for
     with pytest.raises(RuntimeError, match=r"set_input_shape.*x_t"):
         eng._prepare(1)
+
+
+def test_fp8_is_refused_before_export_on_a_gpu_without_fp8(tmp_path, monkeypatch):
+    # TensorRT has FP8 kernels from compute capability 8.9 (Ada, Hopper, Blackwell: Thor);
+    # Jetson AGX Orin is 8.7, where an fp8 build can only fail, after the ONNX export and
+    # quantisation. Refuse it first.
+    from phyai_edge.adapters.pi05 import builtin_adapter
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 7))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Orin")
+    with pytest.raises(ValueError, match=r"compute capability 8\.7"):
+        build_for_adapter(builtin_adapter("tiny"), tmp_path / "trt", [1], 3, BuildOptions("fp8"), trt=FakeTRT(None))

@@ -201,9 +201,10 @@ def export_bundle(
     req.normalised()
     t_start = time.perf_counter()
     if req.backend == "tensorrt":
-        from phyai_edge.engines.tensorrt import import_tensorrt
+        from phyai_edge.engines.tensorrt import check_precision_on_gpu, import_tensorrt
 
         import_tensorrt()  # fail before any work when TensorRT is absent
+        check_precision_on_gpu(req.precision)  # ... or has no kernels for the precision on this GPU
     out = Path(req.out)
     if out.exists() and any(out.iterdir()) and not req.overwrite:
         raise BundleError(f"{out} already exists; pass --overwrite to replace it")

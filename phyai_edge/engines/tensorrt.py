@@ -408,6 +408,25 @@ class TensorRTEngine(EngineBase):
         return chunk
 
 
+# Lowest compute capability with TensorRT kernels for a precision (TensorRT support matrix,
+# "GPU Architecture and Precision Support"): FP8 from Ada (8.9), BF16 from Ampere (8.0).
+_MIN_CAPABILITY = {"fp8": (8, 9), "bf16": (8, 0)}
+
+
+def check_precision_on_gpu(precision: str) -> None:
+    """Refuse, before minutes of ONNX export and quantisation, a precision the GPU TensorRT
+    will build for has no kernels for (e.g. fp8 on Jetson AGX Orin, compute capability 8.7)."""
+    need = _MIN_CAPABILITY.get(precision)
+    if need is None or not torch.cuda.is_available():
+        return
+    idx = torch.cuda.current_device()
+    have = tuple(torch.cuda.get_device_capability(idx))
+    if have < need:
+        raise ValueError(f"TensorRT has no {precision} kernels for {torch.cuda.get_device_name(idx)} (compute "
+                         f"capability {have[0]}.{have[1]}; {precision} needs {need[0]}.{need[1]} or newer): "
+                         "use int8 or fp16 / bf16 on this GPU")
+
+
 def build_for_adapter(
     adapter: Adapter,
     plan_dir: Path,
@@ -423,6 +442,7 @@ def build_for_adapter(
     Q/DQ (int8 qdq, fp8), then build the plans. calibration: stage -> input samples."""
     from phyai_edge.engines.onnx_export import export_ready, export_stage
 
+    check_precision_on_gpu(options.precision)
     work = tempfile.TemporaryDirectory(prefix="phyai-trt-onnx-") if onnx_dir is None else None
     onnx_dir = Path(work.name) if work is not None else Path(onnx_dir)
     try:
