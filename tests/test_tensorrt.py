@@ -351,3 +351,43 @@ def test_fp8_is_refused_before_export_on_a_gpu_without_fp8(tmp_path, monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Orin")
     with pytest.raises(ValueError, match=r"compute capability 8\.7"):
         build_for_adapter(builtin_adapter("tiny"), tmp_path / "trt", [1], 3, BuildOptions("fp8"), trt=FakeTRT(None))
+
+
+def test_a_loop_tensorrt_cannot_capture_runs_without_a_graph(monkeypatch):
+    # execute_async_v3 returns False when the engine holds work that stream capture does not
+    # permit; trtexec then ends the capture and runs without a graph
+    # (samples/common/sampleInference.cpp). The engine must do the same, not fail the chunk.
+    import contextlib
+
+    from phyai_edge.adapters.base import SolverSpec
+
+    capturing = [False]
+
+    @contextlib.contextmanager
+    def graph(g, stream=None, **kw):
+        capturing[0] = True
+        try:
+            yield
+        finally:
+            capturing[0] = False
+        # (on an exception torch's capture_end raises its own error in place of it)
+
+    current = types.SimpleNamespace(cuda_stream=0, wait_stream=lambda s: None)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    eng = _runtime_engine([1], [1])
+    eng.stream = types.SimpleNamespace(cuda_stream=7, synchronize=lambda: None, wait_stream=lambda s: None)
+    eng.adapter.chunk_size, eng.adapter.model_action_dim, eng.adapter.solver = 50, 32, SolverSpec(2)
+    eng.cuda_graph, eng.max_graphs = True, 4
+    st = eng._prepare(1)
+    calls = []
+
+    def execute_async_v3(stream):
+        calls.append(capturing[0])
+        return not capturing[0]
+
+    st.contexts["denoise_step"].execute_async_v3 = execute_async_v3
+    assert eng._loop_graph(st, 1, None) is None  # no graph: the caller runs the loop itself
+    assert calls == [False, False, True] and eng.cuda_graph is False and not st.graphs

@@ -329,6 +329,8 @@ class TensorRTEngine(EngineBase):
         return (rtc.mode, float(rtc.max_guidance_weight))
 
     def _loop_graph(self, st: _BatchState, batch: int, rtc: RTCGuidance | None):
+        """The captured loop for this key (made on first use), or None when TensorRT's work
+        cannot be captured (then graphs are off for this engine)."""
         key = self._graph_key(rtc)
         if key in st.graphs:
             return st.graphs[key]
@@ -357,8 +359,18 @@ class TensorRTEngine(EngineBase):
             loop()
         self.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
-            out = loop()
+        try:
+            with torch.cuda.graph(graph, stream=self.stream):
+                out = loop()
+        except RuntimeError as exc:
+            # execute_async_v3 answers False under capture when the engine holds work stream
+            # capture does not permit (torch's capture_end then reports the broken capture in
+            # place of it). That is a property of the plan, so every later capture would fail
+            # too: run the loop without graphs from now on, as trtexec does.
+            log.warning("TensorRT work could not be captured into a CUDA graph (%s); running the denoise "
+                        "loop without CUDA graphs", exc)
+            self.cuda_graph = False
+            return None
         st.graphs[key] = (graph, static, out)
         return st.graphs[key]
 
@@ -383,8 +395,9 @@ class TensorRTEngine(EngineBase):
             with timer.stage("encode_prefix"):
                 self._execute(st, "encode_prefix")
             with timer.stage("solver_loop"):
-                if self.cuda_graph:
-                    graph, static, out = self._loop_graph(st, b, rtc)
+                captured = self._loop_graph(st, b, rtc) if self.cuda_graph else None
+                if captured is not None:
+                    graph, static, out = captured
                     static["noise"].copy_(noise)
                     if rtc is not None:
                         h = a.chunk_size
@@ -401,7 +414,7 @@ class TensorRTEngine(EngineBase):
         # The copy is made on the caller's stream, so the next replay cannot overwrite what
         # the caller is still reading, and no tensor crosses streams unrecorded.
         chunk = result.clone()
-        if not self.cuda_graph:
+        if captured is None:
             result.record_stream(caller)
         timer.ms["denoise_step"] = timer.ms["solver_loop"] / a.solver.num_steps
         self._stage_ms = timer.ms
