@@ -12,7 +12,9 @@ from typing import Any
 HELP = "time a model's stages on a backend and device"
 DESCRIPTION = """Time each stage of a model (preprocess, vision, prefix, one denoise step, the whole
 solver loop, postprocess) on synthetic inputs and print median and p90 latency and samples/s,
-with each model stage's floor on the GPU (its peak FLOPs and bandwidth) beside it. A preset without
+with each model stage's floor on the GPU (its peak FLOPs and bandwidth) beside it. A floor is the
+task's (the valid prompt tokens, time tables computed once), not the engine's: an engine that does
+more work (eager attends to all 200 padded tokens) reaches a smaller fraction of it. A preset without
 --checkpoint times seeded random weights (the full one drawn on the device: timing only).
 
 Examples:
@@ -204,7 +206,8 @@ def _floors(args: argparse.Namespace, adapter: Any, views: int, prompt_tokens: i
         return device.name, {}, f"no floors: {exc}"
     return device.name, {s: {"floor_ms": f.time_s * 1e3, "bound": f.bound} for s, f in floors.items()}, (
         f"peaks from the device table: {device.peak_flops(precision) / 1e12:.0f} TFLOP/s {precision}, "
-        f"{device.bandwidth_gbs:.0f} GB/s")
+        f"{device.bandwidth_gbs:.0f} GB/s; the task's work (valid prompt tokens, time tables once), "
+        "whatever this engine does")
 
 
 def main(args: argparse.Namespace) -> int:
