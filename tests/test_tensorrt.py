@@ -391,3 +391,15 @@ def test_a_loop_tensorrt_cannot_capture_runs_without_a_graph(monkeypatch):
     st.contexts["denoise_step"].execute_async_v3 = execute_async_v3
     assert eng._loop_graph(st, 1, None) is None  # no graph: the caller runs the loop itself
     assert calls == [False, False, True] and eng.cuda_graph is False and not st.graphs
+
+
+def test_implicit_int8_is_refused_before_export_where_tensorrt_has_no_calibrator(tmp_path):
+    # TensorRT 11 removed IInt8EntropyCalibrator2 and the INT8 / FP16 builder flags (deprecated
+    # since 10.1 / 10.12); the stand-in module, like it, has neither.
+    from phyai_edge.adapters.pi05 import builtin_adapter
+
+    trt = FakeTRT(None)
+    with pytest.raises(ValueError, match="int8-mode qdq"):
+        build_for_adapter(builtin_adapter("tiny"), tmp_path / "trt", [1], 3, BuildOptions("int8"),
+                          calibration={"x": []}, trt=trt)
+    assert not any(c[0] == "parse" for c in trt.calls)

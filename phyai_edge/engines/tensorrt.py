@@ -456,6 +456,13 @@ def build_for_adapter(
     from phyai_edge.engines.onnx_export import export_ready, export_stage
 
     check_precision_on_gpu(options.precision)
+    if not options.strongly_typed:
+        trt = trt or import_tensorrt()
+        if not hasattr(trt, "IInt8EntropyCalibrator2"):
+            # Implicit quantisation (the calibrator and the INT8 / FP16 flags) was deprecated in
+            # TensorRT 10.1 / 10.12 and is gone from TensorRT 11.
+            raise ValueError(f"TensorRT {getattr(trt, '__version__', '?')} has no int8 calibrator (implicit "
+                             "quantisation was removed in TensorRT 11): export with --int8-mode qdq")
     work = tempfile.TemporaryDirectory(prefix="phyai-trt-onnx-") if onnx_dir is None else None
     onnx_dir = Path(work.name) if work is not None else Path(onnx_dir)
     try:
