@@ -262,3 +262,27 @@ def test_export_reports_progress_through_validation(tmp_path):
     assert "checkpoint: 1 step(s)" in lines and "  checkpoint: written done" in lines
     at = lines.index("validate fp32: 2 step(s)")
     assert lines[at + 1:at + 3] == ["  validate fp32: b1 done", "  validate fp32: b2 done"]
+
+
+def test_tensorrt_version_read_from_a_module_without_pip_metadata(tmp_path, monkeypatch):
+    """JetPack installs TensorRT's Python bindings from an apt package, which may carry no pip
+    metadata: the version then comes from the module itself, or every TensorRT bundle would be
+    refused there as "TensorRT is not installed"."""
+    import importlib.metadata as md
+    import sys
+
+    from phyai_edge.engines import bundle as bundle_mod
+
+    def no_metadata(name):
+        raise md.PackageNotFoundError(name)
+
+    pkg = tmp_path / "site" / "tensorrt"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text('__version__ = "10.3.0"\n')
+    monkeypatch.setattr(md, "version", no_metadata)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "tensorrt", raising=False)
+    try:
+        assert bundle_mod._tensorrt_version() == "10.3.0"
+    finally:
+        sys.modules.pop("tensorrt", None)

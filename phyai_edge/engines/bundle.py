@@ -177,8 +177,10 @@ class Platform:
 
 
 def _tensorrt_version() -> str | None:
-    # Importing tensorrt is slow and loads CUDA libraries: only ask the package metadata.
+    # Importing tensorrt is slow and loads CUDA libraries: the package metadata first (pip wheels).
+    import importlib
     import importlib.metadata as md
+    import importlib.util
 
     for pkg in ("tensorrt", "tensorrt-cu12", "tensorrt-cu13", "tensorrt_libs"):
         try:
@@ -186,6 +188,14 @@ def _tensorrt_version() -> str | None:
         except md.PackageNotFoundError:
             continue
     mod = sys.modules.get("tensorrt")
+    if mod is None and importlib.util.find_spec("tensorrt") is not None:
+        # Installed without pip metadata (a Jetson's apt package python3-libnvinfer may be): the
+        # module itself says, or a TensorRT bundle would be refused as "TensorRT is not installed".
+        try:
+            mod = importlib.import_module("tensorrt")
+        except Exception as exc:  # present but broken (missing CUDA libraries): say so as absent
+            log.warning("tensorrt is present but does not import (%s: %s)", type(exc).__name__, exc)
+            return None
     return getattr(mod, "__version__", None) if mod is not None else None
 
 
