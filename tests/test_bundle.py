@@ -206,6 +206,16 @@ def test_refuses_another_tensorrt_version(bundle, tmp_path):
     assert verify_bundle(b, device="cuda", here=same)["backend"] == "tensorrt"
 
 
+def test_warns_on_another_gpu_model_of_the_same_architecture(bundle, tmp_path, caplog):
+    """A plan built on one GPU model loads on another of its compute capability, but TensorRT
+    tuned it for the first: loaded, with one warning that says to re-export."""
+    b = _as_tensorrt(bundle, tmp_path, cc="8.9", trt="10.7.0")
+    rtx = Platform(True, "NVIDIA GeForce RTX 4080", "8.9", {"tensorrt": "10.7.0"})
+    with caplog.at_level("WARNING", logger="phyai_edge.engines.bundle"):
+        assert verify_bundle(b, device="cuda", here=rtx)["backend"] == "tensorrt"
+    assert any("built on Orin (nvgpu), running on NVIDIA GeForce RTX 4080" in r.getMessage() for r in caplog.records)
+
+
 def test_refuses_a_folder_that_is_not_a_bundle(tmp_path):
     with pytest.raises(BundleError, match=r"no manifest\.json"):
         load_policy(bundle=tmp_path)

@@ -291,6 +291,11 @@ def check_platform(manifest: dict[str, Any], here: Platform, device: str | torch
                 f"this machine has {here.gpu_name} (compute capability {here.compute_capability}); TensorRT "
                 "engines only run on the architecture they were built for: re-export on this machine"
             )
+        if target.get("gpu_name") != here.gpu_name:
+            # Same architecture, so the plan loads; TensorRT tunes its tactics for the GPU model
+            # it was built on (SM count, clocks, memory), and says to rebuild for another.
+            log.warning("TensorRT bundle built on %s, running on %s (both compute capability %s): it runs, "
+                        "but re-export on this GPU for its own tactics", target.get("gpu_name"), here.gpu_name, want)
         built = manifest.get("versions", {}).get("tensorrt")
         have = here.versions.get("tensorrt")
         if have is None:
