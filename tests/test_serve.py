@@ -17,7 +17,7 @@ from phyai_edge.serve import wire
 from phyai_edge.serve.batching import ItemResult
 from phyai_edge.serve.client import RemotePolicy, ServeError, ServerBusyError
 from phyai_edge.serve.scheduler import Pending, Scheduler, SchedulerConfig
-from phyai_edge.serve.server import LocalExecutor, PolicyServer, describe_policy
+from phyai_edge.serve.server import LocalExecutor, PolicyServer, describe_policy, request_item
 
 
 # -- wire -----------------------------------------------------------------------------------
@@ -163,6 +163,44 @@ def test_scheduler_batches_only_compatible_rtc_and_blocks_until_ready():
     assert len(got[0]) == 1
     real.close()
     assert real.next_batch(1.0) == []
+
+
+def test_a_local_engine_runs_one_batch_at_a_time(tiny_policy, make_obs):
+    """Two inference threads on one engine would share its static buffers (cudagraph,
+    TensorRT) and noise generator: the server runs one worker on a local engine, and the
+    executor itself never lets two calls overlap."""
+    srv = PolicyServer(LocalExecutor(tiny_policy), "tcp://127.0.0.1:*", workers=3)
+    assert srv.workers == 1
+    entered = [threading.Event(), threading.Event()]
+    release = threading.Event()
+    calls = iter(entered)
+
+    class Blocking:  # the policy, with an infer that holds the engine until released
+        def __init__(self, policy):
+            self.policy = policy
+
+        def __getattr__(self, name):
+            return getattr(self.policy, name)
+
+        def infer(self, *args, **kwargs):
+            next(calls).set()
+            release.wait(10.0)
+            return self.policy.infer(*args, **kwargs)
+
+    ex = LocalExecutor(Blocking(tiny_policy))
+    item = request_item(wire.Request("infer", 1, "a", None, [make_obs(tiny_policy.adapter, size=(8, 10))]))
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(ex.run([item]))) for _ in range(2)]
+    threads[0].start()
+    assert entered[0].wait(10.0)
+    threads[1].start()
+    # The second call may not reach the engine while the first is inside it (this can only
+    # pass wrongly on a box too slow to start the thread in a second, never fail wrongly).
+    assert not entered[1].wait(1.0)
+    release.set()
+    for t in threads:
+        t.join(30.0)
+    assert entered[1].is_set() and len(got) == 2 and all(r[0].actions is not None for r in got)
 
 
 # -- server and client ----------------------------------------------------------------------

@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue", type=int, default=128, help="queued requests at most (then refuse: back-pressure)")
     p.add_argument("--per-robot", type=int, default=2, help="queued requests per robot at most")
     p.add_argument("--budget-ms", type=float, default=500.0, help="deadline for requests that carry no budget")
-    p.add_argument("--workers", type=int, default=1, help="inference threads (one per Ray replica with --ray)")
+    p.add_argument("--workers", type=int, default=1, help="--ray: inference threads, at least one per replica (a local engine runs "
+                   "one batch at a time, so one thread)")
     p.add_argument("--report-s", type=float, default=10.0, help="log the per-robot latency table this often (0: never)")
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until SIGINT/SIGTERM)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

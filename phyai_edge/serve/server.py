@@ -7,6 +7,8 @@ Threads:
 - `workers` inference threads take batches from the scheduler and run them on the executor
   (one for a local engine; one per replica for Ray Serve), then queue the replies and wake the
   intake thread through an inproc socket (ZeroMQ sockets are not shared between threads).
+  An executor says how many batches it may run at once (`concurrency`; a local engine: one,
+  see `LocalExecutor`), and the server starts no more workers than that.
 
 A robot that disconnects disturbs no other: replies to a peer that is gone are dropped by the
 ROUTER (ROUTER_MANDATORY off) and sends never block (a peer that stops reading only loses its
@@ -62,18 +64,26 @@ def describe_policy(policy: Any) -> dict[str, Any]:
 
 
 class LocalExecutor:
-    """The engine in this process."""
+    """The engine in this process. It runs one batch at a time: an engine is not safe to call
+    from two threads at once (the cudagraph and TensorRT engines copy every call's inputs into
+    static buffers per batch size that their captured graphs read, and all of them draw noise
+    from one generator), and two batches on one GPU would only share it, each taking longer."""
+
+    # Batches the server may hand it at once: the server starts no more inference threads.
+    concurrency = 1
 
     def __init__(self, policy: Any, batch_sizes: Sequence[int] | None = None, max_batch: int | None = None) -> None:
         self.policy = policy
         self.batch_sizes = list(batch_sizes) if batch_sizes else None
         self.max_batch = max_batch
+        self._lock = threading.Lock()  # for callers other than the server (which runs one worker)
 
     def describe(self) -> dict[str, Any]:
         return describe_policy(self.policy)
 
     def run(self, items: list[BatchItem]) -> list[ItemResult]:
-        return run_items(self.policy, items, self.batch_sizes, self.max_batch)
+        with self._lock:
+            return run_items(self.policy, items, self.batch_sizes, self.max_batch)
 
     def warm_up(self, observations: Sequence[Observation],
                 rtcs: Sequence[RTCRequest | None] = (None,)) -> dict[int, float]:
@@ -125,6 +135,14 @@ class PolicyServer:
         self.sched = Scheduler(cfg)
         self.default_budget_s = default_budget_ms / 1e3
         self.workers = max(1, workers)
+        most = getattr(executor, "concurrency", None)
+        if most is not None and self.workers > most:
+            # A further worker would form its batch while the engine still runs the last one and
+            # then wait for it: the latency rule prices a batch as starting when it forms, and
+            # would learn the wait as service time. Ray replicas each run their own batch.
+            log.warning("%s runs %d batch(es) at a time: using %d worker(s), not %d",
+                        type(executor).__name__, most, most, self.workers)
+            self.workers = most
         self.report_s = report_s
         self.stats = ServerStats()
         self.ctx = context or zmq.Context.instance()
