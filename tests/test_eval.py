@@ -8,8 +8,38 @@ import json
 import numpy as np
 import pytest
 
+from phyai_edge.adapters.base import Observation
 from phyai_edge.cli import main as cli
-from phyai_edge.serve.evaluate import read_lerobot, read_recording, write_synthetic_recording
+from phyai_edge.serve.evaluate import (
+    Episode,
+    Frame,
+    evaluate,
+    read_lerobot,
+    read_recording,
+    write_synthetic_recording,
+)
+
+
+class ConstantPolicy:
+    """Just enough of `Policy` for `evaluate`: every chunk is `value` everywhere (the prompt
+    "nan" gets NaN, as a broken low-precision engine might), so the metrics are known exactly."""
+
+    def __init__(self, value: float = 0.0, horizon: int = 4, action_dim: int = 2) -> None:
+        self.value, self.chunk_size, self.action_dim = value, horizon, action_dim
+        self.adapter = type("A", (), {"chunk_size": horizon, "model_action_dim": action_dim})()
+        self.device, self.per_sample_rtc = "cpu", True
+
+    def infer(self, observations, rtc=None, noise=None):
+        actions = np.full((len(observations), self.chunk_size, self.action_dim), self.value, np.float32)
+        for i, o in enumerate(observations):
+            if o.prompt == "nan":
+                actions[i, 1] = np.nan
+        return type("R", (), {"actions": actions, "stage_ms": {}})()
+
+
+def _frame(target_rows: list[float] | None, prompt: str = "", action_dim: int = 2) -> Frame:
+    target = None if target_rows is None else np.repeat(np.asarray(target_rows, np.float32)[:, None], action_dim, 1)
+    return Frame(Observation(images={}, state=np.zeros(2, np.float32), prompt=prompt), None, target)
 
 
 def test_read_recording_in_the_daemons_layout(tmp_path):
@@ -80,9 +110,22 @@ def test_lerobot_dataset_with_embedded_images(tmp_path, tiny_policy):
     f = eps[0].frames[1]  # frame 2: the target is the recorded actions 2 .. 5
     assert len(eps[0].frames) == 3 and f.target.shape == (4, 14) and f.obs.prompt == "fold the towel"
     assert f.obs.images["top"].shape == (16, 20, 3) and f.obs.images["top"].dtype == np.uint8
-    from phyai_edge.serve.evaluate import evaluate
-
     rep = evaluate(tiny_policy, eps, batch=3)
     assert rep["overall"]["frames"] == 6 and np.isfinite(rep["overall"]["recorded_mae"])
     with pytest.raises(ValueError, match="no feature"):
         read_lerobot(root, 50, camera_map={"top": "observation.images.nope"})
+
+
+def test_mean_error_is_over_every_compared_action_value():
+    """At an episode's end a frame's target is shorter than the chunk (the recorded actions that
+    remain): it weighs by the actions it compares, not as much as a full chunk."""
+    full, tail = _frame([1.0, 1.0, 1.0, 1.0]), _frame([3.0])  # errors 1 x 4 rows, 3 x 1 row
+    other = Episode("b", [_frame([2.0, 2.0, 2.0, 2.0])])
+    rep = evaluate(ConstantPolicy(0.0), [Episode("a", [full, tail]), other], ConstantPolicy(0.5), batch=2)
+    a, b = rep["episodes"]
+    assert a["recorded_mae"] == pytest.approx((4 * 1.0 + 1 * 3.0) / 5)  # not (1 + 3) / 2
+    assert a["recorded_max"] == 3.0 and b["recorded_mae"] == 2.0
+    # Overall: pooled over every compared value of every episode, as each episode is.
+    assert rep["overall"]["recorded_mae"] == pytest.approx((4 * 1.0 + 1 * 3.0 + 4 * 2.0) / 9)
+    assert rep["overall"]["reference_mae"] == 0.5 and rep["overall"]["reference_max"] == 0.5
+

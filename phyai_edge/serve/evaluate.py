@@ -253,51 +253,62 @@ def _predict(policy: Any, batch: list[tuple[int, int, Frame]], seed: int, batch_
     return run_items(policy, items, batch_sizes)
 
 
+class _Error:
+    """Absolute action error pooled over every compared value: a frame weighs by how many
+    recorded actions it is compared with (fewer at an episode's end, where the chunk runs past
+    the recording), so a frame with one action left counts one action's worth, not a chunk's."""
+
+    def __init__(self) -> None:
+        self.total, self.count, self.max = 0.0, 0, -math.inf
+
+    def add(self, diff: np.ndarray) -> None:
+        self.total += float(diff.sum(dtype=np.float64))
+        self.count += diff.size
+        self.max = max(self.max, float(diff.max()))
+
+    def merge(self, other: _Error) -> None:
+        self.total, self.count, self.max = self.total + other.total, self.count + other.count, max(self.max, other.max)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+    @property
+    def maximum(self) -> float:
+        return self.max if self.count else math.nan
+
+
 def evaluate(policy: Any, episodes: list[Episode], reference: Any = None, batch: int = 8, seed: int = 0,
              batch_sizes: Sequence[int] | None = None) -> dict[str, Any]:
     """Replay every frame through `policy` (and `reference`, with the same noise), in batches
     of `batch` frames; returns per-episode and overall error tables as a dict."""
     flat = [(e, i, f) for e, ep in enumerate(episodes) for i, f in enumerate(ep.frames)]
-    acc: dict[int, dict[str, list[float]]] = {e: {"rec_abs": [], "rec_max": [], "ref_abs": [], "ref_max": []}
-                                              for e in range(len(episodes))}
-    failures = dict.fromkeys(range(len(episodes)), 0)
+    rec = [_Error() for _ in episodes]
+    ref = [_Error() for _ in episodes]
+    failures = [0] * len(episodes)
     for chunk in _batches(flat, max(1, batch)):
         got = _predict(policy, chunk, seed, batch_sizes)
-        ref = _predict(reference, chunk, seed, batch_sizes) if reference is not None else [None] * len(chunk)
-        for (e, _, f), r, rr in zip(chunk, got, ref):
+        other = _predict(reference, chunk, seed, batch_sizes) if reference is not None else [None] * len(chunk)
+        for (e, _, f), r, rr in zip(chunk, got, other):
             if r.actions is None or (rr is not None and rr.actions is None):
                 failures[e] += 1
                 continue
             pred = r.actions[0]
             if f.target is not None and f.target.size:
                 n = min(len(f.target), len(pred))
-                diff = np.abs(pred[:n] - f.target[:n])
-                acc[e]["rec_abs"].append(float(diff.mean()))
-                acc[e]["rec_max"].append(float(diff.max()))
+                rec[e].add(np.abs(pred[:n] - f.target[:n]))
             if rr is not None:
-                diff = np.abs(pred - rr.actions[0])
-                acc[e]["ref_abs"].append(float(diff.mean()))
-                acc[e]["ref_max"].append(float(diff.max()))
-    reports = []
-    for e, ep in enumerate(episodes):
-        a = acc[e]
-        reports.append(EpisodeReport(
-            ep.name, len(ep.frames),
-            float(np.mean(a["rec_abs"])) if a["rec_abs"] else math.nan,
-            float(np.max(a["rec_max"])) if a["rec_max"] else math.nan,
-            float(np.mean(a["ref_abs"])) if a["ref_abs"] else math.nan,
-            float(np.max(a["ref_max"])) if a["ref_max"] else math.nan,
-            failures[e],
-        ))
-    def overall(key: str, agg: Any) -> float:
-        vals = [v for x in acc.values() for v in x[key]]
-        return float(agg(vals)) if vals else math.nan
-
+                ref[e].add(np.abs(pred - rr.actions[0]))
+    reports = [EpisodeReport(ep.name, len(ep.frames), rec[e].mean, rec[e].maximum, ref[e].mean, ref[e].maximum,
+                             failures[e]) for e, ep in enumerate(episodes)]
+    rec_all, ref_all = _Error(), _Error()
+    for e in range(len(episodes)):
+        rec_all.merge(rec[e])
+        ref_all.merge(ref[e])
     return {
         "episodes": [r.__dict__ for r in reports],
-        "overall": {"frames": len(flat), "recorded_mae": overall("rec_abs", np.mean),
-                    "recorded_max": overall("rec_max", np.max), "reference_mae": overall("ref_abs", np.mean),
-                    "reference_max": overall("ref_max", np.max), "failures": sum(failures.values())},
+        "overall": {"frames": len(flat), "recorded_mae": rec_all.mean, "recorded_max": rec_all.maximum,
+                    "reference_mae": ref_all.mean, "reference_max": ref_all.maximum, "failures": sum(failures)},
     }
 
 
