@@ -129,3 +129,16 @@ def test_mean_error_is_over_every_compared_action_value():
     assert rep["overall"]["recorded_mae"] == pytest.approx((4 * 1.0 + 1 * 3.0 + 4 * 2.0) / 9)
     assert rep["overall"]["reference_mae"] == 0.5 and rep["overall"]["reference_max"] == 0.5
 
+
+def test_non_finite_actions_fail_the_frame():
+    """A chunk with NaN in it is a failed inference (exit status 1), not a metric of NaN that
+    the table prints as "-" (nothing to compare) and the JSON as null."""
+    ep = Episode("a", [_frame([1.0] * 4), _frame([1.0] * 4, prompt="nan")])
+    rep = evaluate(ConstantPolicy(0.0), [ep], batch=2)
+    assert rep["overall"]["failures"] == 1 and rep["episodes"][0]["failures"] == 1
+    assert rep["overall"]["recorded_mae"] == 1.0  # the finite frame still counts
+    # The same for the reference: a broken reference is no reference.
+    rep = evaluate(ConstantPolicy(0.0), [ep], reference=ConstantPolicy(0.0), batch=2)
+    assert rep["overall"]["failures"] == 1 and rep["overall"]["reference_max"] == 0.0
+    rep = evaluate(ConstantPolicy(0.0), [Episode("a", [_frame([1.0] * 4, prompt="nan")])], batch=1)
+    assert rep["overall"]["failures"] == 1 and np.isnan(rep["overall"]["recorded_mae"])

@@ -278,10 +278,16 @@ class _Error:
         return self.max if self.count else math.nan
 
 
+def _finite(r: Any) -> bool:
+    return r is not None and r.actions is not None and bool(np.isfinite(r.actions).all())
+
+
 def evaluate(policy: Any, episodes: list[Episode], reference: Any = None, batch: int = 8, seed: int = 0,
              batch_sizes: Sequence[int] | None = None) -> dict[str, Any]:
     """Replay every frame through `policy` (and `reference`, with the same noise), in batches
-    of `batch` frames; returns per-episode and overall error tables as a dict."""
+    of `batch` frames; returns per-episode and overall error tables as a dict. A frame fails
+    when either engine raised or returned a non-finite action (a NaN would otherwise read as
+    "nothing to compare"); its errors are not counted."""
     flat = [(e, i, f) for e, ep in enumerate(episodes) for i, f in enumerate(ep.frames)]
     rec = [_Error() for _ in episodes]
     ref = [_Error() for _ in episodes]
@@ -290,7 +296,7 @@ def evaluate(policy: Any, episodes: list[Episode], reference: Any = None, batch:
         got = _predict(policy, chunk, seed, batch_sizes)
         other = _predict(reference, chunk, seed, batch_sizes) if reference is not None else [None] * len(chunk)
         for (e, _, f), r, rr in zip(chunk, got, other):
-            if r.actions is None or (rr is not None and rr.actions is None):
+            if not _finite(r) or (reference is not None and not _finite(rr)):
                 failures[e] += 1
                 continue
             pred = r.actions[0]
