@@ -387,11 +387,25 @@ def test_stats_report_percentiles_and_forget_idle_robots():
     st.batch(4)
     rep = st.report()
     a = rep["robots"]["a"]
-    assert (a["served"], a["deadline_misses"], a["latency_ms"]["p50"], a["latency_ms"]["p99"]) == (100, 2, 51.0, 99.0)
+    assert (a["served"], a["deadline_misses"], a["latency_ms"]["p50"], a["latency_ms"]["p99"]) == (100, 2, 50.0, 99.0)
     assert rep["robots"]["b"]["rejected"] == 1 and rep["batch_size"]["max"] == 4
     assert "a" in format_report(rep)
     time.sleep(0.1)
     assert st.report()["robots"] == {}
+
+
+def test_percentile_is_nearest_rank():
+    from phyai_edge.serve.stats import percentile
+
+    # The smallest sample with at least q % of the samples at or below it.
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.0  # 2 of 4 at or below 2
+    assert percentile([1.0, 2.0, 3.0], 50) == 2.0
+    # Under 100 samples the p99 is the worst one (docs/scenarios.md relies on it); rounding
+    # q % of (n - 1) gave the second worst from 52 samples on.
+    assert percentile([float(i) for i in range(60)], 99) == 59.0
+    assert percentile([float(i) for i in range(1, 352)], 99) == 348.0  # ceil(347.49)
+    assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
+    assert percentile([7.0], 99) == percentile([7.0], 0) == 7.0 and percentile([], 50) == 0.0
 
 
 def test_a_busy_endpoint_is_one_line_naming_it(server, tiny_policy):

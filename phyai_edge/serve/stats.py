@@ -3,6 +3,7 @@ report (torch-free)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -11,12 +12,16 @@ from typing import Any
 
 
 def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile; 0.0 for no samples (a report, not a statistic to divide by)."""
+    """Nearest-rank percentile: the smallest sample with at least q % of the samples at or
+    below it (so with fewer than 100 samples the p99 is the largest one: a robot's worst
+    latency is never hidden by a small sample); 0.0 for no samples (a report, not a statistic
+    to divide by)."""
     if not xs:
         return 0.0
     s = sorted(xs)
-    k = min(len(s) - 1, max(0, round(q / 100.0 * (len(s) - 1))))
-    return s[k]
+    # q * n is exact for the integer q and n a report uses, so an exact rank is not rounded up.
+    rank = math.ceil(q * len(s) / 100.0)
+    return s[min(len(s), max(1, rank)) - 1]
 
 
 @dataclass
