@@ -327,6 +327,11 @@ def test_over_capacity_is_refused_with_a_clear_reply(tiny_policy, make_obs):
             t.join(10)
         assert results[0].actions.shape == (1, 50, 14) and results[1].actions.shape == (1, 50, 14)
         assert srv.report()["robots"]["r2"]["rejected"] == 1
+        # More observations than an engine call takes: a permanent error, not busy-retry.
+        with pytest.raises(ServeError) as err:
+            clients[2].infer([obs, obs])
+        assert not isinstance(err.value, ServerBusyError) and err.value.code == wire.ERR_BAD_REQUEST
+        assert "2 observations" in str(err.value) and "at most 1" in str(err.value)
         for c in clients:
             c.close()
 

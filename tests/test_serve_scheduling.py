@@ -86,7 +86,13 @@ def test_a_batch_larger_than_the_largest_size_is_never_formed():
     for i in range(6):
         assert s.submit(_p(f"r{i}", clock.t + 10, clock.t)) is None
     assert len(s.next_batch(0)) == 4
-    assert s.submit(_p("big", clock.t + 10, clock.t, size=5)) == wire.ERR_OVERLOADED
+    # A request no engine call can take is refused as malformed, not as back-pressure to
+    # retry (the robot would retry it forever), even while the queue is full.
+    assert s.submit(_p("big", clock.t + 10, clock.t, size=5)) == wire.ERR_BAD_REQUEST
+    for i in range(s.cfg.capacity - len(s)):
+        assert s.submit(_p(f"q{i}", clock.t + 10, clock.t)) is None
+    assert s.submit(_p("small", clock.t + 10, clock.t)) == wire.ERR_OVERLOADED
+    assert s.submit(_p("big", clock.t + 10, clock.t, size=5)) == wire.ERR_BAD_REQUEST
 
 
 # -- the latency rule --------------------------------------------------------------------------

@@ -5,7 +5,9 @@ Admission (`submit`), from the intake thread:
   `overloaded` (the robot keeps executing its current chunk and retries; queueing it would only
   make every robot late);
 - per-robot share: a robot with `per_robot` requests already queued is rejected with
-  `robot_limit`, so one chatty or misbehaving robot cannot fill the queue.
+  `robot_limit`, so one chatty or misbehaving robot cannot fill the queue;
+- a request of more observations than one engine call takes (`limit`) is refused with
+  `bad_request`: it could never run, so it must not read as back-pressure to retry.
 A request that is admitted is always run and answered, late if need be (the reply says so);
 the scheduler never drops one.
 
@@ -43,7 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from phyai_edge.serve.wire import ERR_OVERLOADED, ERR_ROBOT_LIMIT, ERR_SHUTDOWN
+from phyai_edge.serve.wire import ERR_BAD_REQUEST, ERR_OVERLOADED, ERR_ROBOT_LIMIT, ERR_SHUTDOWN
 
 Clock = Callable[[], float]
 
@@ -181,12 +183,13 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 return ERR_SHUTDOWN
+            if p.size > self.limit:
+                # Permanent, whatever the load: `overloaded` would tell the robot to retry.
+                return ERR_BAD_REQUEST
             if len(self._queue) >= self.cfg.capacity:
                 return ERR_OVERLOADED
             if self._per_robot.get(p.robot, 0) >= self.cfg.per_robot:
                 return ERR_ROBOT_LIMIT
-            if p.size > self.limit:
-                return ERR_OVERLOADED
             p.arrival = p.arrival or self.clock()
             p.seq = self._seq
             self._seq += 1

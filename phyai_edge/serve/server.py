@@ -313,7 +313,7 @@ class PolicyServer:
         self.stats.intake((time.monotonic() - arrival) * 1e3)
         if code is not None:
             self.stats.rejected(req.robot)
-            self._reply_error(ident, req.req_id, code, _reject_message(code, self.sched.cfg))
+            self._reply_error(ident, req.req_id, code, _reject_message(code, self.sched, p.size))
 
     # -- inference threads -----------------------------------------------------------------
     def _worker_loop(self) -> None:
@@ -390,10 +390,13 @@ def _peek_id(body: list[Any]) -> int:
         return -1
 
 
-def _reject_message(code: str, cfg: SchedulerConfig) -> str:
+def _reject_message(code: str, sched: Scheduler, size: int) -> str:
+    cfg = sched.cfg
+    if code == wire.ERR_BAD_REQUEST:
+        return (f"obs: {size} observations in one request; this server runs at most {sched.limit} per engine call "
+                f"(--max-batch, --batch-sizes): send fewer per request")
     if code == wire.ERR_OVERLOADED:
-        return (f"server at capacity ({cfg.capacity} queued requests, at most {cfg.max_batch} observations "
-                f"per request); keep executing the current chunk and retry")
+        return (f"server at capacity ({cfg.capacity} queued requests); keep executing the current chunk and retry")
     if code == wire.ERR_ROBOT_LIMIT:
         return f"this robot already has {cfg.per_robot} requests queued; wait for their answers"
     return "server is shutting down"
