@@ -235,16 +235,26 @@ def test_a_hung_worker_is_killed_after_the_inference_timeout_and_restarted(tmp_p
         run.wait_for(lambda: d.worker.deaths >= 1, 20, "the hung worker noticed")
         assert "hung (no result within 1 s); killed" in (d.worker.down_reason or ""), d.worker.down_reason
         hang.unlink()
-        run.wait_for(lambda: d.worker.up and d.worker.restarts >= 1, 30, "a new worker")
-        n = len(run.actions())
-        run.wait_for(lambda: any(not h.flags & Flag.HOLD for h, _ in run.actions()[n:]), 20, "policy actions again")
-        run.stop()
+        _runs_again_on_a_new_worker(run)
     finally:
         if run.thread.is_alive():
             run.daemon.stop()
+    _replaced_without_a_gap(run, old_pid, daemon_log)
+
+
+def _runs_again_on_a_new_worker(run: Running) -> None:
+    """After a hung worker was killed: a new one comes up and policy actions resume; then stop."""
+    d = run.daemon
+    run.wait_for(lambda: d.worker.up and d.worker.restarts >= 1, 30, "a new worker")
+    n = len(run.actions())
+    run.wait_for(lambda: any(not h.flags & Flag.HOLD for h, _ in run.actions()[n:]), 20, "policy actions again")
+    run.stop()
+
+
+def _replaced_without_a_gap(run: Running, old_pid: int, daemon_log: Captured) -> None:
     seqs = [h.seq for h, _ in run.actions()]
     assert seqs == list(range(len(seqs))) and run.listener.stats.gaps == 0
-    assert d.worker.pid != old_pid
+    assert run.daemon.worker.pid != old_pid
     assert any(f"process {old_pid} hung" in ln for ln in daemon_log.lines), daemon_log.lines
 
 
@@ -270,19 +280,13 @@ def test_a_frozen_worker_is_killed_even_when_the_job_cannot_be_sent(daemon_log):
         os.kill(old_pid, signal.SIGSTOP)
         run.wait_for(lambda: d.worker.deaths >= 1, 20, "the frozen worker noticed")
         assert "hung" in (d.worker.down_reason or ""), d.worker.down_reason
-        run.wait_for(lambda: d.worker.up and d.worker.restarts >= 1, 30, "a new worker")
-        n = len(run.actions())
-        run.wait_for(lambda: any(not h.flags & Flag.HOLD for h, _ in run.actions()[n:]), 20, "policy actions again")
-        run.stop()
+        _runs_again_on_a_new_worker(run)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(old_pid, signal.SIGKILL)
         if run.thread.is_alive():
             run.daemon.stop()
-    seqs = [h.seq for h, _ in run.actions()]
-    assert seqs == list(range(len(seqs))) and run.listener.stats.gaps == 0
-    assert d.worker.pid != old_pid
-    assert any(f"process {old_pid} hung" in ln for ln in daemon_log.lines), daemon_log.lines
+    _replaced_without_a_gap(run, old_pid, daemon_log)
 
 
 @pytest.mark.parametrize("phase", ["loading", "warm-up"])
