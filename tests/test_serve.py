@@ -399,6 +399,17 @@ def test_stats_report_percentiles_and_forget_idle_robots():
     assert st.report()["robots"] == {}
 
 
+def test_requests_queued_at_shutdown_are_counted(tiny_policy):
+    """The report printed at exit: every robot's requests are served, refused or failed."""
+    srv = PolicyServer(LocalExecutor(tiny_policy), "tcp://127.0.0.1:*")
+    for i in range(2):
+        srv.stats.arrived("a")
+        assert srv.sched.submit(Pending("a", i, 1, time.monotonic() + 10, None, (b"a", None))) is None
+    srv.stop()
+    a = srv.report()["robots"]["a"]
+    assert a["requests"] == a["served"] + a["rejected"] + a["errors"] == 2
+
+
 def test_percentile_is_nearest_rank():
     from phyai_edge.serve.stats import percentile
 

@@ -175,6 +175,7 @@ class PolicyServer:
     def stop(self, timeout: float = 5.0) -> None:
         # Close intake first so queued robots hear "shutting down" before the socket goes.
         for p in self.sched.close():
+            self.stats.rejected(p.robot)  # counted, so the final report's columns add up
             self._reply_error(p.payload[0], p.req_id, wire.ERR_SHUTDOWN, "server is shutting down")
         self._stop.set()
         for t in self._threads:
