@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -110,6 +110,9 @@ def policy_spec_from_config(cfg: DaemonConfig) -> PolicySpec:
     return PolicySpec("phyai_edge.engines.policy:load_policy", kwargs, m.threads)
 
 
+_T = TypeVar("_T")
+
+
 class StartupInterruptedError(Exception):
     """`stop` (SIGTERM, SIGINT) arrived while `setup` was loading or warming up the policy."""
 
@@ -175,12 +178,7 @@ class Daemon:
         else:
             self.worker = ProcessWorker(policy_spec_from_config(cfg), cfg.model.restart_backoff_s,
                                         cfg.model.restart_backoff_max_s, cfg.model.inference_timeout_s)
-        try:
-            info = self.worker.start(cfg.model.load_timeout_s)
-        except Exception:
-            self._raise_if_stopped()
-            raise
-        self._raise_if_stopped()  # a thread worker's load cannot be cut short: checked after it
+        info = self._unless_stopped(lambda: self.worker.start(cfg.model.load_timeout_s))
         self.info = info
         log.info(
             "policy: %s, H=%d, %d actions, %d state values, cameras %s (%s worker, loaded in %.1f s)",
@@ -210,12 +208,7 @@ class Daemon:
         for i in range(cfg.model.warmup):
             took = []
             for job in rounds:
-                try:
-                    res = self.worker.run_sync(job)
-                except Exception:
-                    self._raise_if_stopped()
-                    raise
-                self._raise_if_stopped()
+                res = self._unless_stopped(lambda job=job: self.worker.run_sync(job))
                 if res.error:
                     raise RuntimeError(f"warm-up inference failed (RTC {job.rtc_mode}): {res.error}")
                 took.append(res.infer_ms)
@@ -583,9 +576,19 @@ class Daemon:
         self.stats.hold(reason)
         self.metrics.holds.labels(reason).inc()
 
-    def _raise_if_stopped(self) -> None:
+    def _unless_stopped(self, step: Callable[[], _T]) -> _T:
+        """A start-up step (load, warm-up inference). `stop` closes the worker, which ends a process
+        worker's step with an error: that, or a step that ends after the stop (a thread worker's
+        load cannot be cut short), is a StartupInterruptedError."""
+        try:
+            out = step()
+        except Exception:
+            if self._stop.is_set():
+                raise StartupInterruptedError("stopped during start-up") from None
+            raise
         if self._stop.is_set():
             raise StartupInterruptedError("stopped during start-up")
+        return out
 
     def _chunk_shape_error(self, actions: np.ndarray | None) -> str | None:
         """Why a worker's chunk cannot run on this robot, or None if it can."""
