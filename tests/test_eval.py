@@ -58,6 +58,8 @@ def test_read_recording_in_the_daemons_layout(tmp_path):
     arrays["error"] = np.array("timeout")
     np.savez(one / "obs_000002.npz", **arrays)
     assert len(read_recording(one)[0].frames) == 2
+    # A frame keeps its number (its noise's) when one before it is skipped.
+    assert [f.index for f in read_recording(one)[0].frames] == [0, 2]
     assert read_recording(one, use_rtc=False)[0].frames[1].rtc is None
     with pytest.raises(ValueError, match=r"no meta\.json"):
         read_recording(tmp_path)
@@ -109,6 +111,8 @@ def test_lerobot_dataset_with_embedded_images(tmp_path, tiny_policy):
     assert [e.name for e in eps] == ["episode_000000", "episode_000001"]
     f = eps[0].frames[1]  # frame 2: the target is the recorded actions 2 .. 5
     assert len(eps[0].frames) == 3 and f.target.shape == (4, 14) and f.obs.prompt == "fold the towel"
+    assert f.index == 2 and [e.index for e in eps] == [0, 1]  # the dataset's numbers, for the noise
+    assert read_lerobot(root, horizon=50, episodes=[1])[0].index == 1
     assert f.obs.images["top"].shape == (16, 20, 3) and f.obs.images["top"].dtype == np.uint8
     rep = evaluate(tiny_policy, eps, batch=3)
     assert rep["overall"]["frames"] == 6 and np.isfinite(rep["overall"]["recorded_mae"])
@@ -142,3 +146,24 @@ def test_non_finite_actions_fail_the_frame():
     assert rep["overall"]["failures"] == 1 and rep["overall"]["reference_max"] == 0.0
     rep = evaluate(ConstantPolicy(0.0), [Episode("a", [_frame([1.0] * 4, prompt="nan")])], batch=1)
     assert rep["overall"]["failures"] == 1 and np.isnan(rep["overall"]["recorded_mae"])
+
+
+class NoisePolicy(ConstantPolicy):
+    """Its chunk is the noise it was given: shows which noise each frame got."""
+
+    def infer(self, observations, rtc=None, noise=None):
+        return type("R", (), {"actions": noise[:, :, :self.action_dim].numpy().copy(), "stage_ms": {}})()
+
+
+def test_a_frames_noise_depends_on_its_own_episode_and_frame_numbers():
+    """Not on which episodes (--episodes) or frames (--stride, --max-frames, failed frames
+    skipped) are evaluated beside it."""
+    from phyai_edge.serve.evaluate import frame_noise
+
+    def episode() -> Episode:
+        target = frame_noise(3, 7, 4, 4, 2)[0].numpy()  # dataset episode 7, frame 4, seed 3
+        return Episode("e7", [Frame(_frame(None).obs, None, target, index=4)], index=7)
+
+    alone = evaluate(NoisePolicy(), [episode()], seed=3)
+    beside = evaluate(NoisePolicy(), [Episode("e1", [_frame([0.0] * 4)] * 3), episode()], seed=3)
+    assert alone["episodes"][0]["recorded_max"] == beside["episodes"][1]["recorded_max"] == 0.0

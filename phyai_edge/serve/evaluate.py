@@ -11,7 +11,8 @@ Inputs:
   videos); the target of frame t is the recorded actions t .. t+H-1. Needs pyarrow, and
   OpenCV for images.
 
-Noise: every frame gets its own noise from (seed, episode, frame), and the evaluated and the
+Noise: every frame gets its own noise from (seed, episode, frame) (the dataset's own episode and
+frame numbers: `Episode.index`, `Frame.index`), and the evaluated and the
 reference engine get the same noise, so their difference is the engines' alone. The recorded
 actions were sampled with noise that was not recorded, so the error against them includes
 the policy's sampling spread (zero only for a deterministic policy).
@@ -39,12 +40,19 @@ class Frame:
     obs: Observation
     rtc: RTCRequest | None = None
     target: np.ndarray | None = None  # (n <= H, action_dim) recorded actions, robot units
+    # The frame's own number for its noise (its position among the recording's files, failed
+    # ones included; a dataset's frame_index), so that skipped frames, --stride and
+    # --max-frames do not change another frame's noise; None: its position in the episode.
+    index: int | None = None
 
 
 @dataclass
 class Episode:
     name: str
     frames: list[Frame] = field(default_factory=list)
+    # The dataset's episode_index, for its frames' noise (so --episodes does not change it);
+    # None: its position in the list evaluated (a folder of recordings: sorted by name).
+    index: int | None = None
 
 
 # -- readers -------------------------------------------------------------------------------
@@ -68,7 +76,7 @@ def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: 
         meta = json.loads((d / "meta.json").read_text())
         s = int(meta.get("execution_horizon") or 0)
         ep = Episode(d.name)
-        for f in sorted(d.glob("obs_*.npz")):
+        for number, f in enumerate(sorted(d.glob("obs_*.npz"))):
             with np.load(f, allow_pickle=False) as z:
                 if str(_scalar(z, "error", "")):
                     continue  # the daemon got no actions for it; nothing to compare against
@@ -84,7 +92,7 @@ def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: 
                     rtc = RTCRequest(mode, prefix.astype(np.float32), min(d_req, len(prefix)), s,  # type: ignore[arg-type]
                                      max_guidance_weight)
                 target = z["actions"].astype(np.float32) if "actions" in z.files and z["actions"].size else None
-                ep.frames.append(Frame(obs, rtc, target))
+                ep.frames.append(Frame(obs, rtc, target, number))
         episodes.append(ep)
     return episodes
 
@@ -159,7 +167,7 @@ def read_lerobot(path: str | Path, horizon: int, camera_map: dict[str, str] | No
         rows = rows[np.argsort(np.asarray(table["frame_index"])[rows])]
         actions = np.asarray([table["action"][r] for r in rows], dtype=np.float32)
         videos = {cam: _VideoFrames(root, info, col, e) for cam, col in cmap.items() if features[col]["dtype"] == "video"}
-        ep = Episode(f"episode_{e:06d}")
+        ep = Episode(f"episode_{e:06d}", index=int(e))
         picks = list(range(0, len(rows), stride))[:max_frames]
         for t in picks:
             r = rows[t]
@@ -169,7 +177,7 @@ def read_lerobot(path: str | Path, horizon: int, camera_map: dict[str, str] | No
             task = prompt or tasks.get(int(table["task_index"][r]) if "task_index" in table else -1, "")
             obs = Observation(images=images, state=np.asarray(table["observation.state"][r], np.float32), prompt=task,
                               timestamp=float(table["timestamp"][r]) if "timestamp" in table else 0.0)
-            ep.frames.append(Frame(obs, None, actions[t:t + horizon]))
+            ep.frames.append(Frame(obs, None, actions[t:t + horizon], int(table["frame_index"][r])))
         out.append(ep)
     return out
 
@@ -241,15 +249,18 @@ class EpisodeReport:
     failures: int = 0
 
 
-def _batches(frames: list[tuple[int, int, Frame]], size: int) -> Iterator[list[tuple[int, int, Frame]]]:
+_Flat = tuple[int, tuple[int, int], Frame]
+
+
+def _batches(frames: list[_Flat], size: int) -> Iterator[list[_Flat]]:
     for i in range(0, len(frames), size):
         yield frames[i:i + size]
 
 
-def _predict(policy: Any, batch: list[tuple[int, int, Frame]], seed: int, batch_sizes: Sequence[int] | None) -> list[Any]:
+def _predict(policy: Any, batch: list[_Flat], seed: int, batch_sizes: Sequence[int] | None) -> list[Any]:
     a = policy.adapter
     items = [BatchItem([f.obs], f.rtc, frame_noise(seed, e, i, a.chunk_size, a.model_action_dim))
-             for e, i, f in batch]
+             for _, (e, i), f in batch]
     return run_items(policy, items, batch_sizes)
 
 
@@ -288,7 +299,9 @@ def evaluate(policy: Any, episodes: list[Episode], reference: Any = None, batch:
     of `batch` frames; returns per-episode and overall error tables as a dict. A frame fails
     when either engine raised or returned a non-finite action (a NaN would otherwise read as
     "nothing to compare"); its errors are not counted."""
-    flat = [(e, i, f) for e, ep in enumerate(episodes) for i, f in enumerate(ep.frames)]
+    # (position, noise key of the episode and of the frame, frame)
+    flat = [(e, (ep.index if ep.index is not None else e, f.index if f.index is not None else i), f)
+            for e, ep in enumerate(episodes) for i, f in enumerate(ep.frames)]
     rec = [_Error() for _ in episodes]
     ref = [_Error() for _ in episodes]
     failures = [0] * len(episodes)
