@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from phyai_edge.serve.scheduler import DEFAULT_BATCH_SIZES
+from phyai_edge.serve.stats import percentile as nearest_rank
 
 
 def say(msg: str) -> None:
@@ -61,10 +62,8 @@ def say(msg: str) -> None:
 
 
 def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+    """The server's nearest-rank percentile (`serve.stats.percentile`), NaN for no samples."""
+    return nearest_rank(xs, q) if xs else float("nan")
 
 
 # -- model -----------------------------------------------------------------------------------
