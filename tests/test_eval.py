@@ -148,6 +148,22 @@ def test_non_finite_actions_fail_the_frame():
     assert rep["overall"]["failures"] == 1 and np.isnan(rep["overall"]["recorded_mae"])
 
 
+def test_recorded_actions_of_another_width_are_one_clear_error(tmp_path, capsys):
+    """A dataset recorded for another robot (3 action values where the policy outputs 2) is named
+    before any engine runs, not a numpy broadcast error out of the middle of the loop; and an
+    evaluation left with no frame at all is an error, not exit status 0."""
+    ep = Episode("other_robot", [_frame([1.0] * 4), _frame([1.0] * 4, action_dim=3)])
+    with pytest.raises(ValueError, match=r"episode other_robot: its recorded actions are \(4, 3\) .* outputs 2"):
+        evaluate(ConstantPolicy(0.0), [ep], batch=2)
+    data = tmp_path / "rec"
+    assert cli(["eval", str(data), "--synthetic", "--json"]) == 0
+    capsys.readouterr()
+    for f in data.glob("episode_*/obs_*.npz"):
+        f.unlink()
+    assert cli(["eval", str(data)]) == 2
+    assert "no frames to evaluate" in capsys.readouterr().err
+
+
 class NoisePolicy(ConstantPolicy):
     """Its chunk is the noise it was given: shows which noise each frame got."""
 

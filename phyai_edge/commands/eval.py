@@ -107,8 +107,17 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"phyai-edge eval: {exc}", file=sys.stderr)
         return 2
+    if not any(ep.frames for ep in episodes):
+        # Exit 0 would read as "every frame passed" for a run that compared nothing.
+        print(f"phyai-edge eval: no frames to evaluate in {args.data} (check --episodes, --max-frames, --stride)",
+              file=sys.stderr)
+        return 2
     sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else fixed_sizes(policy, reference)
-    rep = evaluate(policy, episodes, reference, batch=args.batch, seed=args.seed, batch_sizes=sizes)
+    try:
+        rep = evaluate(policy, episodes, reference, batch=args.batch, seed=args.seed, batch_sizes=sizes)
+    except ValueError as exc:
+        print(f"phyai-edge eval: {exc}", file=sys.stderr)
+        return 2
     rep["policy"] = {"backend": getattr(policy.engine, "backend", args.backend), "device": args.device, "dtype": args.dtype,
                      "engine": args.engine}
     if reference is not None:

@@ -299,6 +299,14 @@ def evaluate(policy: Any, episodes: list[Episode], reference: Any = None, batch:
     of `batch` frames; returns per-episode and overall error tables as a dict. A frame fails
     when either engine raised or returned a non-finite action (a NaN would otherwise read as
     "nothing to compare"); its errors are not counted."""
+    width = policy.action_dim
+    for ep in episodes:
+        bad = next((f.target.shape for f in ep.frames if f.target is not None and f.target.size
+                    and (f.target.ndim != 2 or f.target.shape[1] != width)), None)
+        if bad is not None:
+            raise ValueError(f"episode {ep.name}: its recorded actions are {tuple(bad)} per frame, the policy "
+                             f"outputs {width} values an action: a dataset for another robot, or a camera/state map "
+                             "that does not fit this policy")
     # (position, noise key of the episode and of the frame, frame)
     flat = [(e, (ep.index if ep.index is not None else e, f.index if f.index is not None else i), f)
             for e, ep in enumerate(episodes) for i, f in enumerate(ep.frames)]
