@@ -54,6 +54,26 @@ def _seeded(clock: FakeClock, sizes: Sequence[int], engine: Callable[[int], floa
     return s
 
 
+def test_requests_of_another_rtc_kind_do_not_make_the_batch_full():
+    """Four queued observations with max_batch 4, but two of them carry another RTC kind and
+    cannot share the batch: the window stays open for company of the head's kind instead of
+    closing at once with a half batch; once two more of its kind arrive, it is full."""
+    clock = FakeClock()
+    s = _seeded(clock, POWERS_OF_TWO, max_batch=4, window_s=0.010)
+    a, b = ("guided", 5.0, 3, 25), ("inpaint", 5.0, 3, 25)  # delay-carrying keys: no mixing
+
+    def req(robot: str, key: tuple) -> Pending:
+        return Pending(robot, 0, 1, clock.t + 10, key, robot, clock.t)
+
+    for robot, key in (("r0", a), ("r1", a), ("r2", b), ("r3", b)):
+        assert s.submit(req(robot, key)) is None
+    assert s.ready_at() == pytest.approx(clock.t + 0.010)  # the window, not now
+    for robot in ("r4", "r5"):
+        assert s.submit(req(robot, a)) is None
+    assert s.ready_at() == clock.t  # four of the head's kind: full
+    assert [p.robot for p in s.next_batch(timeout=0)] == ["r0", "r1", "r4", "r5"]
+
+
 # -- service times ---------------------------------------------------------------------------
 def test_service_times_lean_slow_and_fill_unmeasured_sizes():
     t = ServiceTimes(prior_s=0.05)

@@ -13,9 +13,9 @@ the scheduler never drops one.
 
 Batch formation (`next_batch`), from an inference thread:
 - the window opens with the oldest queued request and closes after `window_s`, when enough
-  observations are queued to fill `max_batch`, or earlier when waiting longer would make the
-  earliest deadline miss (deadline - the expected service time of a batch of what is queued),
-  whichever comes first;
+  observations that may share the batch are queued to fill `max_batch` (requests of another RTC
+  kind do not count), or earlier when waiting longer would make the earliest deadline miss
+  (deadline - the expected service time of such a batch), whichever comes first;
 - candidates are ordered earliest deadline first, at most one per robot in the first pass (so
   a robot with two queued requests cannot push another robot's only request to the next
   batch), then further requests by deadline; only requests that may share an engine call
@@ -233,18 +233,22 @@ class Scheduler:
             return self.times.snapshot()
 
     # -- batch formation -------------------------------------------------------------------
+    def _fill(self) -> int:
+        """Observations the next batch would hold now: its candidates, not the whole queue (a
+        request of another RTC kind cannot join it, so it does not make the batch full)."""
+        return sum(p.size for p in self._candidates())
+
     def _close_time(self) -> float:
         oldest = min(p.arrival for p in self._queue)
         earliest = min(p.deadline for p in self._queue)
-        queued = min(sum(p.size for p in self._queue), self.limit)
-        return min(oldest + self.cfg.window_s, earliest - self.times.estimate(self.padded(queued)))
+        return min(oldest + self.cfg.window_s, earliest - self.times.estimate(self.padded(self._fill())))
 
     def ready_at(self) -> float | None:
         """When `next_batch` would hand out a batch if nothing else arrived (None: queue empty)."""
         with self._cond:
             if not self._queue:
                 return None
-            if sum(p.size for p in self._queue) >= self.limit:
+            if self._fill() >= self.limit:
                 return self.clock()
             return self._close_time()
 
@@ -318,8 +322,7 @@ class Scheduler:
                     return []
                 now = self.clock()
                 if self._queue:
-                    queued = sum(p.size for p in self._queue)
-                    if queued >= self.limit or now >= self._close_time():
+                    if self._fill() >= self.limit or now >= self._close_time():
                         return self._select()
                     wait = self._close_time() - now
                 else:
