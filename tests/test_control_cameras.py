@@ -134,3 +134,81 @@ def test_a_sender_clock_running_ahead_never_dates_a_reading_after_its_arrival(so
     finally:
         reader.stop()
         pub.close(0)
+
+
+class ScriptedCapture:
+    """A capture that serves `frames` in order (read, or grab + retrieve), then reads fail."""
+
+    def __init__(self, frames: list[np.ndarray]) -> None:
+        self.frames = list(frames)
+        self.grabbed: np.ndarray | None = None
+
+    def isOpened(self) -> bool:  # noqa: N802 - OpenCV's name
+        return True
+
+    def grab(self) -> bool:
+        time.sleep(0.001)
+        if not self.frames:
+            return False
+        self.grabbed = self.frames.pop(0)
+        return True
+
+    def retrieve(self):
+        return self.grabbed is not None, self.grabbed
+
+    def read(self):
+        return (self.retrieve() if self.grab() else (False, None))
+
+    def get(self, prop: int) -> float:
+        return 0.0
+
+    def set(self, *args) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
+
+
+def _first_frame(cam: OpenCVCamera, timeout_s: float = 10.0):
+    end = time.monotonic() + timeout_s
+    while cam.latest() is None and time.monotonic() < end:
+        time.sleep(0.005)
+    assert cam.latest() is not None, "no frame arrived"
+    return cam.latest()
+
+
+@pytest.mark.parametrize("shape", [(24, 32), (24, 32, 1), (24, 32, 4)])
+def test_gray_and_four_channel_opencv_frames_arrive_as_three_channel_bgr(shape):
+    """GStreamer pipelines ending in GRAY8 or BGRx give HxW / HxWx4 frames; the policy only takes 3
+    channels, so every inference failed. The capture thread converts them (gray replicated, alpha
+    dropped) and the frame still says BGR, so the worker's one BGR -> RGB swap is right."""
+    pytest.importorskip("cv2")
+    image = np.zeros(shape, np.uint8)
+    image[..., 0] = 10  # gray value, or B of BGRA
+    if len(shape) == 3 and shape[2] == 4:
+        image[..., 1], image[..., 2], image[..., 3] = 20, 30, 255
+    cam = OpenCVCamera(CameraConfig("top", source="gstreamer"), open_capture=lambda cfg: ScriptedCapture([image] * 3))
+    cam.start()
+    try:
+        fr = _first_frame(cam)
+    finally:
+        cam.stop()
+    assert fr.image.shape == (24, 32, 3) and fr.image.dtype == np.uint8 and fr.bgr
+    expected = [10, 10, 10] if len(shape) == 2 or shape[2] == 1 else [10, 20, 30]
+    assert fr.image[0, 0].tolist() == expected
+
+
+def test_a_camera_delivering_another_size_than_configured_is_logged_once(caplog):
+    frames = [np.zeros((48, 64, 3), np.uint8)] * 5
+    cam = OpenCVCamera(CameraConfig("top", source="v4l2", width=32, height=24),
+                       open_capture=lambda cfg: ScriptedCapture(frames), backoff_s=(5.0, 5.0))
+    with caplog.at_level("INFO", logger="phyai_edge.control"):
+        cam.start()
+        try:
+            end = time.monotonic() + 10
+            while (cam.latest() is None or cam.latest().seq < 5) and time.monotonic() < end:
+                time.sleep(0.005)
+        finally:
+            cam.stop()
+    lines = [r.getMessage() for r in caplog.records if "delivers" in r.getMessage()]
+    assert lines == ["camera top: delivers 64x48 frames (configured 32x24)"]

@@ -109,6 +109,22 @@ def _open_opencv(cfg: CameraConfig) -> Any:
     return cap
 
 
+def _as_bgr(image: np.ndarray) -> np.ndarray:
+    """An OpenCV frame as HxWx3 BGR, converted on the capture thread (cvtColor releases the GIL).
+    V4L2 and FFmpeg give BGR already, but a GStreamer pipeline ending in GRAY8 gives HxW frames
+    and one ending in BGRx / BGRA (what Jetson's nvvidconv outputs) gives 4 channels: the policy
+    takes neither, so every inference on them failed."""
+    import cv2
+
+    if image.ndim == 2 or (image.ndim == 3 and image.shape[2] == 1):
+        return cv2.cvtColor(image, cv2.COLOR_GRAY2BGR)
+    if image.ndim == 3 and image.shape[2] == 4:
+        return cv2.cvtColor(image, cv2.COLOR_BGRA2BGR)
+    if image.ndim == 3 and image.shape[2] == 3 and image.dtype == np.uint8:
+        return image
+    raise OSError(f"unsupported frame: shape {image.shape}, {image.dtype} (expected 8-bit gray, BGR or BGRA)")
+
+
 class OpenCVCamera:
     """One capture thread; `latest()` reads an attribute the thread replaces (atomic under the GIL)."""
 
@@ -149,6 +165,7 @@ class OpenCVCamera:
         seq = 0
         is_file = self.cfg.source == "file"
         period = 1.0 / self.cfg.fps
+        size = (self.cfg.height, self.cfg.width)  # the last frame size logged
         while not self._stop.is_set():
             cap = None
             try:
@@ -167,8 +184,15 @@ class OpenCVCamera:
                             cap.set(1, 0)  # CAP_PROP_POS_FRAMES: back to the first frame
                             continue
                         raise OSError("read failed")
+                    image = _as_bgr(image)
+                    if image.shape[:2] != size:
+                        # Not an error (the policy resizes any frame), but a camera that ignored the
+                        # requested mode costs a larger copy every frame: say so once per change.
+                        size = image.shape[:2]
+                        log.info("camera %s: delivers %dx%d frames (configured %dx%d)", self.name,
+                                 size[1], size[0], self.cfg.width, self.cfg.height)
                     seq += 1
-                    self._latest = Frame(image, now, seq, bgr=image.ndim == 3)
+                    self._latest = Frame(image, now, seq, bgr=True)
                     if is_file:  # files read as fast as the disk allows; pace them like a camera
                         next_t += period
                         self._stop.wait(max(0.0, next_t - time.monotonic()))
