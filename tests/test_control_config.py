@@ -74,6 +74,9 @@ BAD = [
     ({"cameras": {}}, "cameras: no camera is configured"),
     ({"model": {"backend": "tensorrt-llm"}}, "model.backend: expected one of eager, cudagraph, onnxruntime, tensorrt"),
     ({"model": {"device": "gpu"}}, "model.device: expected cpu, cuda or cuda:N, got \"gpu\""),
+    ({"model": {"adapter_options": "padded"}}, "model.adapter_options: expected a table of plain values"),
+    ({"model": {"bundle": "/tmp", "adapter_options": {"prompt_state": "padded"}}},
+     "model.adapter_options: only used with model.checkpoint or model.preset"),
     ({"rbot": {}}, "rbot: unknown key"),
 ]
 
@@ -134,6 +137,14 @@ def test_shipped_daemon_configs_are_valid():
     assert files
     for f in files:
         load_config(f)
+
+
+def test_model_adapter_options_reach_load_policy():
+    from phyai_edge.control.daemon import policy_spec_from_config
+
+    cfg = parse_config({"model": {"adapter_options": {"prompt_state": "padded"}}, **ONE_CAMERA})
+    assert policy_spec_from_config(cfg).kwargs["adapter_options"] == {"prompt_state": "padded"}
+    assert policy_spec_from_config(parse_config(ONE_CAMERA)).kwargs["adapter_options"] is None
 
 
 def test_model_tokenizer_reaches_load_policy(tmp_path):

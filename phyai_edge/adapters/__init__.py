@@ -11,7 +11,10 @@ example, run through the runtime by tests/test_second_adapter.py). The module pr
   `load_bundle_adapter(folder, weights_included)` (the adapter's own metadata format).
   Optional keywords, passed only to functions that name them: `weight_dtype` (save: store the
   weights for an engine of that precision), `device` and `timings` (load: put the weights on
-  that device; add `read_s` / `to_device_s` to the dict).
+  that device; add `read_s` / `to_device_s` to the dict);
+- optionally `OPTIONS`: {name: help} of the extra `load_adapter` keywords a user may set (the
+  daemon's `[model.adapter_options]`, the CLI's `--adapter-option NAME=VALUE`); any other name
+  is refused here, naming the ones there are.
 
 Not yet model-agnostic: the cudagraph engine (PI0.5's graph, prompt-length buckets) and the
 TensorRT engine's run loop (PI0.5's stage and tensor names).
@@ -25,10 +28,16 @@ from typing import Any
 ADAPTERS = {"pi05": "phyai_edge.adapters.pi05"}
 
 
-def load_adapter(name: str, **kwargs: Any):
-    """`name` -> its module's `load_adapter(**kwargs)`."""
+def load_adapter(name: str, options: dict[str, Any] | None = None, **kwargs: Any):
+    """`name` -> its module's `load_adapter(**kwargs, **options)`. `options` are the user's
+    (checked against the module's `OPTIONS`); `kwargs` the runtime's own."""
     try:
         module = importlib.import_module(ADAPTERS[name])
     except KeyError:
         raise ValueError(f"unknown adapter {name!r}; available: {sorted(ADAPTERS)}") from None
-    return module.load_adapter(**kwargs)
+    known: dict[str, str] = getattr(module, "OPTIONS", {})
+    unknown = sorted(set(options or {}) - set(known))
+    if unknown:
+        takes = "; ".join(f"{k}: {v}" for k, v in known.items()) or "none"
+        raise ValueError(f"adapter {name!r} has no option {unknown[0]!r} (its options: {takes})")
+    return module.load_adapter(**kwargs, **(options or {}))

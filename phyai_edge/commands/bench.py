@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any
 
+from phyai_edge.commands.common import adapter_options, add_adapter_option_argument
+
 HELP = "time a model's stages on a backend and device"
 DESCRIPTION = """Time each stage of a model (preprocess, vision, prefix, one denoise step, the whole
 solver loop, postprocess) on synthetic inputs and print median and p90 latency and samples/s,
@@ -32,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", default="pi05", help="model adapter (default: pi05)")
     p.add_argument("--preset", default="tiny", help="built-in size when no checkpoint is given: tiny | full")
     p.add_argument("--checkpoint", help="checkpoint folder (LeRobot, openpi or native)")
+    add_adapter_option_argument(p)
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model (or folder), if not in the checkpoint")
     p.add_argument("--engine", help="an exported engine bundle folder (overrides --backend)")
     p.add_argument("--backend", default="eager", help="eager | cudagraph | onnxruntime | tensorrt")
@@ -76,7 +79,12 @@ def run_bench(args: argparse.Namespace) -> dict:
     import torch
 
     from phyai_edge.adapters.base import ModelInputs, Observation, SolverSpec
-    from phyai_edge.commands.common import LOAD_ERRORS, check_device, fail, load_policy_or_fail
+    from phyai_edge.commands.common import (
+        LOAD_ERRORS,
+        check_device,
+        fail,
+        load_policy_or_fail,
+    )
 
     check_device("bench", args.device, allow_meta=True)
     if args.threads:
@@ -112,7 +120,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         options["triton_gemm"] = args.triton_gemm
     policy = load_policy_or_fail("bench", adapter=args.adapter, checkpoint=args.checkpoint, preset=args.preset,
                                  backend=args.backend, device=args.device, dtype=args.dtype, bundle=args.engine,
-                                 tokenizer=args.tokenizer, engine_options=options)
+                                 tokenizer=args.tokenizer, engine_options=options,
+                                 adapter_options=adapter_options("bench", args))
     adapter = policy.adapter
     if args.steps:
         adapter.solver = SolverSpec(args.steps)

@@ -6,6 +6,7 @@ Not a command: `phyai_edge.cli` lists its commands by name, so this module is ne
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -49,3 +50,22 @@ def load_policy_or_fail(command: str, device_flag: str = "--device", **kwargs: A
         return load_policy(**kwargs)
     except LOAD_ERRORS as exc:
         fail(command, str(exc) or type(exc).__name__)
+
+
+def add_adapter_option_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an option of the model adapter, repeatable (PI0.5: prompt_state=padded for a policy "
+                   "fine-tuned with LeRobot v0.4.x, which wrote the state zero-padded to 32 values into the "
+                   "prompt; a wrong name lists the adapter's options)")
+
+
+def adapter_options(command: str, args: argparse.Namespace) -> dict[str, str]:
+    """`--adapter-option NAME=VALUE` flags as a dict (the adapter checks the names and values)."""
+    out: dict[str, str] = {}
+    for item in args.adapter_option:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            fail(command, f"--adapter-option {item!r}: expected NAME=VALUE")
+        out[name.strip()] = value.strip()
+    return out
+

@@ -8,6 +8,8 @@ import math
 import sys
 from typing import Any
 
+from phyai_edge.commands.common import adapter_options, add_adapter_option_argument
+
 HELP = "replay recorded observations through an engine and compare actions"
 DESCRIPTION = """Replay a recorded observation set (`phyai-edge run --record DIR`, or a folder of
 such recordings, one per episode) or a LeRobot dataset folder through an engine, and report per
@@ -28,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lerobot", action="store_true", help="DATA is a LeRobot dataset folder")
     p.add_argument("--synthetic", action="store_true", help="first write a synthetic recording into DATA (2 episodes)")
     p.add_argument("--adapter", default="pi05", help="model adapter")
+    add_adapter_option_argument(p)
     p.add_argument("--checkpoint", help="checkpoint folder (LeRobot, openpi or native)")
     p.add_argument("--preset", default="tiny", help="built-in size without a checkpoint")
     p.add_argument("--engine", help="engine bundle folder to evaluate (overrides --backend)")
@@ -85,7 +88,8 @@ def main(args: argparse.Namespace) -> int:
         write_synthetic_recording,
     )
 
-    common = {"adapter": args.adapter, "checkpoint": args.checkpoint, "preset": args.preset, "seed": args.seed}
+    common = {"adapter": args.adapter, "checkpoint": args.checkpoint, "preset": args.preset, "seed": args.seed,
+              "adapter_options": adapter_options("eval", args)}
     policy = load_policy_or_fail("eval", backend=args.backend, device=args.device, dtype=args.dtype,
                                  bundle=args.engine, **common)
     reference = None

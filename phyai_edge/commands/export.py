@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from phyai_edge.commands.common import adapter_options, add_adapter_option_argument
+
 HELP = "build an engine bundle (ONNX, TensorRT, CUDA graph) from a checkpoint"
 DESCRIPTION = """\
 Build a self-describing engine bundle that the daemon (`[model] bundle = "engines/NAME"` in its
@@ -55,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint", type=Path, help="checkpoint folder (LeRobot, openpi or native)")
     g.add_argument("--preset", default="tiny", help="built-in seeded preset when no checkpoint (default: tiny)")
     src.add_argument("--tokenizer", type=Path, help="tokenizer file or folder, if not in the checkpoint")
+    add_adapter_option_argument(src)
     out = p.add_argument_group("bundle")
     out.add_argument("--out", type=Path, required=True, help="bundle folder, e.g. engines/aloha-fp16")
     out.add_argument("--backend", default="onnx", choices=["onnx", "tensorrt", "cudagraph"],
@@ -109,6 +112,7 @@ def main(args: argparse.Namespace) -> int:
         # A bar redraws itself with carriage returns: in a CI log, a file or journald that is one
         # unreadable line per redraw, so off a terminal each step gets a plain line instead.
         overwrite=args.overwrite, progress=not args.no_progress and sys.stderr.isatty(), tokenizer=args.tokenizer,
+        adapter_options=adapter_options("export", args),
     )
     missing = [m for m in NEEDS.get(req.backend, ()) if importlib.util.find_spec(m) is None]
     if missing:

@@ -13,6 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from phyai_edge.commands.common import adapter_options, add_adapter_option_argument
+
 HELP = "one engine on one GPU serving many robot daemons over ZeroMQ"
 DESCRIPTION = """Serve one policy to many robots. Robot daemons connect with a ZeroMQ DEALER
 (`phyai_edge.serve.client.RemotePolicy`, selected in the daemon config with
@@ -37,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default="tcp://127.0.0.1:5570", help="ZeroMQ endpoint the ROUTER binds")
     p.add_argument("--adapter", default="pi05", help="model adapter")
     p.add_argument("--checkpoint", help="checkpoint folder (LeRobot, openpi or native)")
+    add_adapter_option_argument(p)
     p.add_argument("--preset", default="tiny", help="built-in size without a checkpoint")
     p.add_argument("--engine", help="exported engine bundle folder (overrides --backend)")
     p.add_argument("--backend", default="eager", help="eager | cudagraph | onnxruntime | tensorrt")
@@ -79,7 +82,8 @@ def main(args: argparse.Namespace) -> int:
 
     load_kwargs: dict[str, Any] = {"adapter": args.adapter, "checkpoint": args.checkpoint, "preset": args.preset,
                                    "backend": args.backend, "device": args.device, "dtype": args.dtype,
-                                   "bundle": args.engine, "seed": args.seed}
+                                   "bundle": args.engine, "seed": args.seed,
+                                   "adapter_options": adapter_options("serve", args)}
     workers = args.workers
     policy = None
     if args.ray:

@@ -113,6 +113,8 @@ class ModelConfig:
     load_timeout_s: float = 600.0
     factory: str = ""  # "module:function" building the policy; "" means load_policy (tests use fakes)
     factory_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments for `factory`
+    # The adapter's own options (its module's OPTIONS; PI0.5: prompt_state), checked when it loads.
+    adapter_options: dict[str, Any] = field(default_factory=dict)
     restart_backoff_s: float = 0.5  # first wait before restarting a dead worker process; doubles per failure
     restart_backoff_max_s: float = 30.0  # the longest wait between restart attempts (they never stop)
     inference_timeout_s: float = 10.0  # a process worker's inference taking longer: killed and restarted
@@ -435,6 +437,16 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         if not cfg.model.factory:
             raise ConfigError("model.factory_args: only meaningful with model.factory")
         cfg.model.factory_args = dict(fargs)
+    present, aopts = m._take("adapter_options")
+    if present:
+        if not isinstance(aopts, dict) or any(isinstance(v, (dict, list)) for v in aopts.values()):
+            raise ConfigError(f"model.adapter_options: expected a table of plain values, got {_show(aopts)}")
+        if cfg.model.bundle or cfg.model.factory:
+            # A bundle was exported with its options (phyai-edge export --adapter-option); a
+            # factory builds its own policy.
+            raise ConfigError("model.adapter_options: only used with model.checkpoint or model.preset, "
+                              "not with model.bundle or model.factory")
+        cfg.model.adapter_options = dict(aopts)
     if cfg.model.factory and ":" not in cfg.model.factory:
         raise ConfigError(f"model.factory: expected \"module:function\", got {_show(cfg.model.factory)}")
     if cfg.model.restart_backoff_max_s < cfg.model.restart_backoff_s:
@@ -661,6 +673,8 @@ warmup = 1                   # warm-up rounds before the clock starts: a chunk w
 restart_backoff_s = 0.5      # a dead worker process is restarted after this, doubling per failed attempt
 restart_backoff_max_s = 30.0 # up to this; attempts never stop (the daemon holds meanwhile)
 inference_timeout_s = 10.0   # an inference still running after this: the worker is hung, killed and restarted
+# adapter_options = { prompt_state = "padded" }   # the adapter's options (PI0.5: prompt_state = robot |
+                             # padded; padded for a policy fine-tuned with LeRobot v0.4.x)
 
 [chunking]
 mode = "guided-approx"       # none | crossfade | inpaint | guided-approx | guided

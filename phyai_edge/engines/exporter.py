@@ -71,6 +71,7 @@ class ExportRequest:
     overwrite: bool = False
     progress: bool = True
     tokenizer: Path | None = None
+    adapter_options: dict[str, Any] = field(default_factory=dict)  # the adapter's OPTIONS, e.g. prompt_state
 
     def normalised(self) -> ExportRequest:
         self.backend = BACKEND_ALIASES.get(self.backend, self.backend)
@@ -211,8 +212,8 @@ def export_bundle(
     if adapter is None:
         from phyai_edge.adapters import load_adapter
 
-        adapter = load_adapter(req.adapter, checkpoint=req.checkpoint, preset_name=req.preset, device="cpu",
-                               tokenizer=req.tokenizer, seed=req.seed)
+        adapter = load_adapter(req.adapter, req.adapter_options, checkpoint=req.checkpoint, preset_name=req.preset,
+                               device="cpu", tokenizer=req.tokenizer, seed=req.seed)
     views = _set_views(adapter, req.views)
     if req.steps is not None:
         if req.steps < 1:
@@ -366,7 +367,8 @@ def _export_onnx(req: ExportRequest, adapter: Adapter, views: int, work: Path, c
                         from phyai_edge.calibration.ort_quant import quantize_stage
 
                         src = export_stage(twin.module, spec, work / ".tmp" / f"b{b}" / f"{spec.name}.onnx")
-                        quantize_stage(src, dst, samples[spec.name], kind=req.precision)
+                        quantize_stage(src, dst, samples[spec.name], kind=req.precision,
+                                       keep_float=_float32_weights(twin.module))
                     else:
                         export_stage(twin.module, spec, dst)
                     timings[f"b{b}/{spec.name}"] = time.perf_counter() - t0
@@ -374,6 +376,18 @@ def _export_onnx(req: ExportRequest, adapter: Adapter, views: int, work: Path, c
                     done(spec.name)
     shutil.rmtree(work / ".tmp", ignore_errors=True)
     return {"files": files, "opset": 17}
+
+
+def _float32_weights(module: torch.nn.Module) -> list[Any]:
+    """The weights of the linears the model keeps in float32 at every reduced precision (its
+    `precision_dtypes` rule; PI0.5: the adaptive norms' modulation, the time MLP, the action
+    projections), which the quantised ONNX leaves in float as well. None without such a rule."""
+    rule = getattr(module, "precision_dtypes", None)
+    if rule is None:
+        return []
+    dtypes = rule(torch.float16)
+    return [m.weight.detach().float().cpu().numpy() for name, m in module.named_modules()
+            if isinstance(m, torch.nn.Linear) and dtypes.get(f"{name}.weight") == torch.float32]
 
 
 def _export_tensorrt(req: ExportRequest, adapter: Adapter, views: int, work: Path, calib: list[Observation],

@@ -176,17 +176,23 @@ def load_policy(
     tokenizer: str | Path | None = None,
     camera_names: list[str] | None = None,
     engine_options: dict[str, Any] | None = None,
+    adapter_options: dict[str, Any] | None = None,
 ) -> Policy:
     """Build a ready Policy. `bundle` (an exported engine folder) takes precedence over backend.
-    `engine_options`: extra keyword arguments for the engine (e.g. cudagraph's `fp8="expert"`)."""
+    `engine_options`: extra keyword arguments for the engine (e.g. cudagraph's `fp8="expert"`);
+    `adapter_options`: the adapter's user options (its module's OPTIONS, e.g. PI0.5's
+    `prompt_state`). A bundle was exported with its own: it takes none."""
     _check_device(device)
     if bundle is not None:
+        if adapter_options:
+            raise ValueError(f"adapter options ({', '.join(sorted(adapter_options))}) apply when a bundle is "
+                             "exported (phyai-edge export --adapter-option), not when it is loaded")
         # A checkpoint given too is what the bundle must have been exported from (checked, not ignored).
         return load_bundle_policy(Path(bundle), device=device, checkpoint=checkpoint, seed=seed,
                                   **(engine_options or {}))
     # A checkpoint loads on the CPU and the engine moves it; a preset without one is drawn where it
     # runs (a full-size preset has no weights to load: random ones, drawn on the GPU in seconds).
-    ad = load_adapter(adapter, checkpoint=checkpoint, preset_name=preset,
+    ad = load_adapter(adapter, adapter_options, checkpoint=checkpoint, preset_name=preset,
                       device="cpu" if checkpoint is not None else device, tokenizer=tokenizer,
                       camera_names=camera_names, seed=seed)
     engine = make_engine(backend, ad, device=device, dtype=dtype, seed=seed, **(engine_options or {}))

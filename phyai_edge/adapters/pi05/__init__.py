@@ -6,17 +6,30 @@ from phyai_edge.adapters.pi05.config import PI05Config, full, preset, tiny
 from phyai_edge.adapters.pi05.loaders import detect_format, load_pi05, save_native
 from phyai_edge.adapters.pi05.model import PI05Model
 
+PROMPT_STATES = ("robot", "padded")
+OPTIONS = {
+    "prompt_state": "robot | padded: the state values the prompt carries, the robot's own (LeRobot "
+                    "v0.5.0 and later, openpi) or zero-padded to 32 (policies fine-tuned with LeRobot "
+                    "v0.4.x, whose folders do not say so); default: the checkpoint's own convention",
+}
+
 
 def load_adapter(checkpoint=None, preset_name: str = "tiny", device="cpu", tokenizer=None, camera_names=None,
-                 seed: int = 0, structure=None) -> PI05Adapter:
+                 seed: int = 0, structure=None, prompt_state: str | None = None) -> PI05Adapter:
     """A checkpoint folder if given, else the built-in seeded preset (the full one with random
     weights drawn on `device`, or on the meta device for `device="meta"`: `builtin_adapter`).
     `structure` (a preset name or PI05Config) sizes LeRobot/openpi checkpoints, which do not
-    record it (default: full)."""
+    record it (default: full). `prompt_state`: see OPTIONS."""
+    if prompt_state is not None and prompt_state not in PROMPT_STATES:
+        raise ValueError(f"prompt_state {prompt_state!r}: choose one of {', '.join(PROMPT_STATES)}")
     if checkpoint is not None:
-        return load_pi05(checkpoint, device=device, tokenizer=tokenizer, camera_names=camera_names,
-                         structure=structure)
-    return builtin_adapter(preset_name, seed=seed, camera_names=camera_names, device=device)
+        adapter = load_pi05(checkpoint, device=device, tokenizer=tokenizer, camera_names=camera_names,
+                            structure=structure)
+    else:
+        adapter = builtin_adapter(preset_name, seed=seed, camera_names=camera_names, device=device)
+    if prompt_state is not None:
+        adapter.io.pad_state_in_prompt = prompt_state == "padded"
+    return adapter
 
 
 def save_bundle_checkpoint(adapter: PI05Adapter, folder, with_weights: bool, weight_dtype=None) -> None:
