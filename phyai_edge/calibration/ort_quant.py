@@ -7,32 +7,59 @@ machine, and TensorRT consumes the same file as explicit quantisation. Scales ar
 
 Only products with a weight (an initializer input) are quantised: the attention products
 QK^T and PV take two activations, and quantising those costs much more accuracy than it
-saves time at these sizes.
+saves time at these sizes. Products whose weight is one of `keep_float` (the linears the model
+keeps in float32 at every reduced precision: for PI0.5 the adaptive norms' modulation, the time
+MLP and the action projections, `PI05Model.precision_dtypes`) stay float too: they are tiny,
+and in int8 they cost most of the accuracy (the action output projection writes the velocity).
+They are found by value (the stored weight or its transpose), because the exported node names
+keep only the last module name ("/dense_3/Gemm", "/action_out_proj/MatMul").
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 QUANT_OPS = ("MatMul", "Gemm", "Conv")
 
 
-def weight_nodes(path: str | Path) -> list[str]:
-    """Names of MatMul / Gemm / Conv nodes that multiply by a weight initializer."""
+def weight_nodes(path: str | Path, keep_float: Sequence[np.ndarray] = ()) -> list[str]:
+    """Names of MatMul / Gemm / Conv nodes that multiply by a weight initializer, except those
+    whose weight is one of `keep_float` ((out, in) linear weights; stored as is or transposed)."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    inits = {i.name for i in model.graph.initializer}
+    weights: dict[str, Any] = {i.name: i for i in model.graph.initializer}
     # Constant nodes feeding a product count as weights too (constant folding may leave them).
-    consts = {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
-    return [n.name for n in model.graph.node
-            if n.op_type in QUANT_OPS and any(i in inits or i in consts for i in n.input[1:2])]
+    for n in model.graph.node:
+        if n.op_type == "Constant":
+            value = next((a.t for a in n.attribute if a.name == "value"), None)
+            weights[n.output[0]] = value
+    nodes = [n for n in model.graph.node if n.op_type in QUANT_OPS and n.input[1:2] and n.input[1] in weights]
+    return [n.name for n in nodes if not _is_kept(weights[n.input[1]], keep_float, Path(path).parent)]
+
+
+def _is_kept(tensor: Any, keep_float: Sequence[np.ndarray], base_dir: Path) -> bool:
+    if tensor is None or not keep_float:
+        return False
+    from onnx import external_data_helper, numpy_helper
+
+    dims = tuple(tensor.dims)
+    if not any(dims in (w.shape, w.shape[::-1]) for w in keep_float):
+        return False
+    if external_data_helper.uses_external_data(tensor):
+        tensor = copy.deepcopy(tensor)
+        external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
+    value = numpy_helper.to_array(tensor)
+    return any(np.array_equal(value, w) or np.array_equal(value, w.T) for w in keep_float
+               if dims in (w.shape, w.shape[::-1]))
 
 
 @contextlib.contextmanager
@@ -53,8 +80,11 @@ def quantize_stage(
     samples: list[dict[str, np.ndarray]],
     kind: str = "int8",
     per_channel: bool = True,
+    keep_float: Sequence[np.ndarray] = (),
 ) -> Path:
-    """Quantise `src` into `dst` using `samples` (stage inputs by name) for activation ranges."""
+    """Quantise `src` into `dst` using `samples` (stage inputs by name) for activation ranges;
+    products by a weight in `keep_float` ((out, in) linear weights) are left in float."""
+    import onnx
     from onnxruntime.quantization import (
         CalibrationDataReader,
         CalibrationMethod,
@@ -74,14 +104,19 @@ def quantize_stage(
             return next(self._it, None)
 
     qtype = {"int8": QuantType.QInt8, "fp8": QuantType.QFLOAT8E4M3FN}[kind]
-    nodes = weight_nodes(src)
+    nodes = weight_nodes(src, keep_float)
+    # The rest are excluded by name too: an empty nodes_to_quantize means "every node" to the quantiser.
+    chosen = set(nodes)
+    excluded = [n.name for n in onnx.load(str(src), load_external_data=False).graph.node
+                if n.op_type in QUANT_OPS and n.name not in chosen]
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     # The float8 path prints its histogram progress to stdout: keep the CLI's table readable.
     with _quiet_root_logger(), contextlib.redirect_stdout(io.StringIO()):
         quantize_static(
             str(src), str(dst), Reader(), quant_format=QuantFormat.QDQ, activation_type=qtype, weight_type=qtype,
-            per_channel=per_channel and kind == "int8", nodes_to_quantize=nodes, op_types_to_quantize=list(QUANT_OPS),
+            per_channel=per_channel and kind == "int8", nodes_to_quantize=nodes, nodes_to_exclude=excluded,
+            op_types_to_quantize=list(QUANT_OPS),
             # Float8 ranges come from the activation distribution (the only method ORT allows).
             calibrate_method=CalibrationMethod.MinMax if kind == "int8" else CalibrationMethod.Distribution,
             extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
