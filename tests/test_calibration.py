@@ -213,3 +213,25 @@ def test_int8_onnx_keeps_the_float32_parts_in_float(tmp_path, adapter):
     cal = read_manifest(out)["calibration"]["report"]
     print(f"int8 vs fp32 rel-RMSE {cal['vs_fp32']['relative_rmse']:.3g}")
     assert cal["vs_fp32"]["relative_rmse"] < 0.005  # 0.0086 with those parts in int8, 0.0022 without
+
+
+def test_recorded_failed_frames_are_left_out(adapter, tmp_path):
+    """A frame the daemon got no actions for (its `error` set; here a NaN state, which the adapter
+    refuses) and a file the recorder left half written are skipped, not the end of the export."""
+    from phyai_edge.control.recorder import Recorder
+
+    rec = Recorder(tmp_path, {"cameras": {}})
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        state = np.full(14, np.nan, np.float32) if i == 1 else rng.uniform(-1, 1, 14).astype(np.float32)
+        rec.add({"job_id": i, "images": {"top": rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)}, "bgr": {},
+                 "state": state, "timestamp": float(i), "prompt": "fold the towel", "rtc_mode": "none", "prefix": None,
+                 "delay_estimate": 0, "start_slot": i, "actions": None, "delay": 0,
+                 "error": "ValueError: observation 0: state has NaN or Inf values" if i == 1 else ""})
+    rec.close()
+    (tmp_path / "obs_000004.npz").write_bytes((tmp_path / "obs_000003.npz").read_bytes()[:100])  # cut short
+    obs = read_records(tmp_path, adapter.camera_names)
+    assert [o.timestamp for o in obs] == [0.0, 2.0, 3.0]
+    cset = load_calibration_set(tmp_path, adapter, limit=8)
+    assert len(cset.observations) == 3
+    collect_stage_inputs(adapter, cset.observations)  # every one a valid model input

@@ -3,11 +3,16 @@
 The format is the daemon's (phyai_edge/control/recorder.py, docs/daemon.md): `meta.json` plus
 one `obs_NNNNNN.npz` per inference holding `image.<view>` (uint8 HxWx3 RGB; absent when that
 camera had no frame), `state`, `timestamp`, `prompt` and the inference's request and result.
-Only the observation part is read here.
+Only the observation part is read here, and only of inferences that succeeded: a frame with an
+`error` (the daemon got no actions for it, often because of the observation itself, such as a
+NaN state) and a file that cannot be read (a write cut short) are skipped with a warning, as
+`phyai-edge eval` skips them.
 """
 
 from __future__ import annotations
 
+import logging
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +20,7 @@ import numpy as np
 from phyai_edge.adapters.base import Observation
 
 IMAGE_KEY = "image."
+log = logging.getLogger(__name__)
 
 
 def is_recording(folder: Path) -> bool:
@@ -31,18 +37,36 @@ def read_records(folder: str | Path, camera_names: list[str] | None = None, limi
     if not files:
         raise ValueError(f"{folder} holds no obs_*.npz records (written by `phyai-edge run --record`)")
     out: list[Observation] = []
+    failed: list[str] = []
+    unreadable: list[str] = []
     for f in files:
-        with np.load(f, allow_pickle=False) as z:
-            views = {k[len(IMAGE_KEY):]: z[k] for k in z.files if k.startswith(IMAGE_KEY)}
-            names = camera_names if camera_names is not None else sorted(views)
-            unknown = set(views) - set(names)
-            if unknown:
-                raise ValueError(f"{f.name}: recorded cameras {sorted(unknown)} are not model cameras {names}")
-            images: dict[str, np.ndarray | None] = {n: views.get(n) for n in names}
-            state = np.asarray(z["state"], dtype=np.float32).reshape(-1)
-            prompt = str(z["prompt"]) if "prompt" in z.files else ""
-            ts = float(z["timestamp"]) if "timestamp" in z.files else 0.0
+        try:
+            with np.load(f, allow_pickle=False) as z:
+                if "error" in z.files and str(z["error"]):
+                    failed.append(f.name)
+                    continue
+                views = {k[len(IMAGE_KEY):]: z[k] for k in z.files if k.startswith(IMAGE_KEY)}
+                state = np.asarray(z["state"], dtype=np.float32).reshape(-1)
+                prompt = str(z["prompt"]) if "prompt" in z.files else ""
+                ts = float(z["timestamp"]) if "timestamp" in z.files else 0.0
+        except (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as exc:
+            unreadable.append(f"{f.name} ({type(exc).__name__})")
+            continue
+        names = camera_names if camera_names is not None else sorted(views)
+        unknown = set(views) - set(names)
+        if unknown:
+            raise ValueError(f"{f.name}: recorded cameras {sorted(unknown)} are not model cameras {names}")
+        images: dict[str, np.ndarray | None] = {n: views.get(n) for n in names}
         out.append(Observation(images, state, prompt, ts))
         if limit is not None and len(out) >= limit:
             break
+    if failed:
+        log.warning("%s: left out %d frame(s) whose inference failed (error recorded): %s", folder, len(failed),
+                    ", ".join(failed[:5]) + (" ..." if len(failed) > 5 else ""))
+    if unreadable:
+        log.warning("%s: left out %d unreadable record(s): %s", folder, len(unreadable),
+                    ", ".join(unreadable[:5]) + (" ..." if len(unreadable) > 5 else ""))
+    if not out:
+        raise ValueError(f"{folder}: none of its {len(files)} records is usable ({len(failed)} failed inferences, "
+                         f"{len(unreadable)} unreadable)")
     return out
