@@ -29,12 +29,18 @@ class FlakyCapture:
     def isOpened(self) -> bool:  # noqa: N802 - OpenCV's name
         return self.ok
 
-    def read(self):
+    def grab(self) -> bool:
         time.sleep(0.002)
         if self.left <= 0:
-            return False, None
+            return False
         self.left -= 1
+        return True
+
+    def retrieve(self):
         return True, np.zeros((4, 4, 3), np.uint8)
+
+    def get(self, prop: int) -> float:
+        return 0.0
 
     def set(self, *args) -> bool:
         return True
@@ -212,3 +218,69 @@ def test_a_camera_delivering_another_size_than_configured_is_logged_once(caplog)
             cam.stop()
     lines = [r.getMessage() for r in caplog.records if "delivers" in r.getMessage()]
     assert lines == ["camera top: delivers 64x48 frames (configured 32x24)"]
+
+
+class TimedCapture(ScriptedCapture):
+    """Each frame comes with an age: `get(CAP_PROP_POS_MSEC)` gives its V4L2 buffer timestamp,
+    that long before the grab (None: no timestamp, as FFmpeg and GStreamer give). Decoding
+    (retrieve) takes 20 ms and notes when it started."""
+
+    def __init__(self, frames: list[tuple[np.ndarray, float | None]]) -> None:
+        super().__init__([image for image, _ in frames])
+        self.ages = [age for _, age in frames]
+        self.stamp_ms = 0.0
+        self.retrieve_started: list[float] = []
+        self.exhausted = threading.Event()
+
+    def grab(self) -> bool:
+        if not super().grab():
+            self.exhausted.set()
+            return False
+        age = self.ages.pop(0)
+        self.stamp_ms = 0.0 if age is None else (time.monotonic() - age) * 1e3
+        return True
+
+    def retrieve(self):
+        self.retrieve_started.append(time.monotonic())
+        time.sleep(0.02)
+        return super().retrieve()
+
+    def get(self, prop: int) -> float:
+        return self.stamp_ms if prop == 0 else 0.0  # 0: cv2.CAP_PROP_POS_MSEC
+
+
+def _run_out(cam: OpenCVCamera, cap: TimedCapture):
+    """Start `cam`, wait until `cap` has no frame left, stop; the last frame published."""
+    cam.start()
+    try:
+        assert cap.exhausted.wait(10), "the capture thread did not read every frame"
+    finally:
+        cam.stop()
+    return cam.latest()
+
+
+@pytest.mark.parametrize("source", ["v4l2", "rtsp", "gstreamer"])
+def test_a_frame_is_dated_before_its_decode(source):
+    """read() is grab + decode; dating a frame after it made it look younger by the decode time."""
+    cap = TimedCapture([(np.zeros((4, 4, 3), np.uint8), None)])
+    fr = _run_out(OpenCVCamera(CameraConfig("top", source=source), open_capture=lambda cfg: cap,
+                               backoff_s=(5.0, 5.0)), cap)
+    assert fr is not None and fr.capture_s < cap.retrieve_started[0]
+
+
+def test_a_v4l2_frame_is_dated_by_its_buffer_timestamp():
+    cap = TimedCapture([(np.zeros((4, 4, 3), np.uint8), 0.040)])
+    fr = _run_out(OpenCVCamera(CameraConfig("top", source="v4l2"), open_capture=lambda cfg: cap,
+                               backoff_s=(5.0, 5.0)), cap)
+    assert fr is not None and fr.capture_s == pytest.approx(cap.stamp_ms / 1e3, abs=1e-9)
+
+
+def test_queued_v4l2_frames_are_skipped_for_the_newest():
+    """Three frames the driver queued while the thread was busy (dated 0.5 s ago), then a live one:
+    the only frame published is the live one, never an old buffered one."""
+    frames = [(np.full((4, 4, 3), i, np.uint8), 0.5) for i in range(3)] + [(np.full((4, 4, 3), 9, np.uint8), 0.001)]
+    cap = TimedCapture(frames)
+    fr = _run_out(OpenCVCamera(CameraConfig("top", source="v4l2", fps=30.0), open_capture=lambda cfg: cap,
+                               backoff_s=(5.0, 5.0)), cap)
+    assert fr is not None and fr.seq == 1 and int(fr.image[0, 0, 0]) == 9
+    assert len(cap.retrieve_started) == 1  # the skipped frames were never decoded

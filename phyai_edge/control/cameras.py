@@ -125,6 +125,11 @@ def _as_bgr(image: np.ndarray) -> np.ndarray:
     raise OSError(f"unsupported frame: shape {image.shape}, {image.dtype} (expected 8-bit gray, BGR or BGRA)")
 
 
+# At most this many queued V4L2 frames are skipped for a newer one (OpenCV asks the driver for
+# one buffer, but drivers may insist on more; OpenCV's own maximum is 10).
+_MAX_QUEUED_FRAMES = 10
+
+
 class OpenCVCamera:
     """One capture thread; `latest()` reads an attribute the thread replaces (atomic under the GIL)."""
 
@@ -160,6 +165,42 @@ class OpenCVCamera:
         where = {"v4l2": self.cfg.device, "gstreamer": self.cfg.pipeline, "rtsp": self.cfg.url, "file": self.cfg.path}
         return f"{self.cfg.source} {where.get(self.cfg.source, '')}"
 
+    def _next_frame(self, cap: Any, period: float) -> tuple[bool, Any, float]:
+        """(ok, image, capture time): grab, date, then decode. read() is grab + retrieve, and dating
+        after it made every frame look younger by its decode (an MJPEG or H.264 frame: milliseconds
+        to tens of them on an edge CPU)."""
+        if not cap.grab():
+            return False, None, 0.0
+        captured = self._capture_time(cap)
+        if self.cfg.source == "v4l2":
+            # Frames the driver queued while this thread was decoding are older than the newest:
+            # skip them (a V4L2 grab only dequeues a buffer, the decode is in retrieve). One dated
+            # more than two periods ago means a newer one has completed since (the transfer takes
+            # at most a period). Only buffer timestamps count: a frame dated at its grab never
+            # looks old. A camera slower than configured may have a grab wait for the next frame,
+            # never end with an older one.
+            for _ in range(_MAX_QUEUED_FRAMES):
+                if time.monotonic() - captured <= 2 * period:
+                    break
+                if not cap.grab():
+                    return False, None, 0.0
+                captured = self._capture_time(cap)
+        ok, image = cap.retrieve()
+        return ok, image, captured
+
+    def _capture_time(self, cap: Any) -> float:
+        """When the grabbed frame was captured, on time.monotonic()'s clock. V4L2 reports the
+        driver's buffer timestamp (CLOCK_MONOTONIC in uvcvideo and most drivers: when the frame
+        started arriving); it is used when plausible (not ahead of now, under 5 s old). Elsewhere
+        CAP_PROP_POS_MSEC is a position in the stream, not a clock, and the grab time is used."""
+        now = time.monotonic()
+        if self.cfg.source == "v4l2":
+            with contextlib.suppress(Exception):
+                stamp = float(cap.get(0)) / 1e3  # cv2.CAP_PROP_POS_MSEC
+                if 0.0 < stamp <= now and now - stamp < 5.0:
+                    return stamp
+        return now
+
     def _run(self) -> None:
         delay = self._backoff[0]
         seq = 0
@@ -177,8 +218,7 @@ class OpenCVCamera:
                 delay = self._backoff[0]
                 next_t = time.monotonic()
                 while not self._stop.is_set():
-                    ok, image = cap.read()
-                    now = time.monotonic()
+                    ok, image, now = self._next_frame(cap, period)
                     if not ok or image is None:
                         if is_file and self.cfg.loop and seq > 0:
                             cap.set(1, 0)  # CAP_PROP_POS_FRAMES: back to the first frame
