@@ -235,3 +235,21 @@ def test_recorded_failed_frames_are_left_out(adapter, tmp_path):
     cset = load_calibration_set(tmp_path, adapter, limit=8)
     assert len(cset.observations) == 3
     collect_stage_inputs(adapter, cset.observations)  # every one a valid model input
+
+
+def test_a_lerobot_dataset_without_the_model_cameras_is_refused(adapter, tmp_path):
+    """Calibrating with every camera absent would set the vision tower's ranges from the blank
+    images of absent cameras: refused, naming both sides' cameras. So is a camera map that
+    names a camera the model does not have."""
+    _lerobot(tmp_path)
+    from phyai_edge.calibration.lerobot import read_lerobot
+
+    info = json.loads((tmp_path / "meta" / "info.json").read_text())
+    for k in [k for k in info["features"] if k.startswith("observation.images.")]:
+        del info["features"][k]
+    (tmp_path / "meta" / "info.json").write_text(json.dumps(info))
+    with pytest.raises(ValueError, match=r"none of the model's cameras \['top', 'left_wrist', 'right_wrist'\]"):
+        load_calibration_set(tmp_path, adapter, limit=3)
+    _lerobot(tmp_path / "two")
+    with pytest.raises(ValueError, match=r"not model cameras: \['front'\]"):
+        read_lerobot(tmp_path / "two", adapter.camera_names, limit=2, camera_map={"front": "top"})

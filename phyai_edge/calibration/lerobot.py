@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import numpy as np
 from phyai_edge.adapters.base import Observation
 
 IMAGE_PREFIX = "observation.images."
+log = logging.getLogger(__name__)
 
 
 def is_lerobot_dataset(folder: Path) -> bool:
@@ -91,6 +93,18 @@ def read_lerobot(
     unknown = [d for d in camera_map.values() if d not in ds_cams]
     if unknown:
         raise ValueError(f"{root}: dataset has no cameras {unknown}; it has {ds_cams}")
+    strangers = [c for c in camera_map if c not in camera_names]
+    if strangers:
+        raise ValueError(f"{root}: the camera map names cameras that are not model cameras: {strangers} "
+                         f"(the model has {list(camera_names)})")
+    if not camera_map:
+        # Every camera absent: the vision tower would be calibrated on the absent cameras' blank images.
+        raise ValueError(f"{root}: none of the model's cameras {list(camera_names)} maps onto the dataset's "
+                         f"{ds_cams}; calibrate from a recording or a dataset with the policy's cameras")
+    absent = [c for c in camera_names if c not in camera_map]
+    if absent:
+        log.warning("%s: model cameras %s have no dataset camera and are calibrated as absent (dataset: %s; "
+                    "mapping used: %s)", root, absent, ds_cams, camera_map)
     files = sorted((root / "data").rglob("*.parquet"))
     if not files:
         raise ValueError(f"{root}: no parquet files under data/")
