@@ -284,3 +284,83 @@ def test_queued_v4l2_frames_are_skipped_for_the_newest():
                                backoff_s=(5.0, 5.0)), cap)
     assert fr is not None and fr.seq == 1 and int(fr.image[0, 0, 0]) == 9
     assert len(cap.retrieve_started) == 1  # the skipped frames were never decoded
+
+
+class OpensButNeverReads(ScriptedCapture):
+    """A replugged USB camera whose device node opens but whose every read fails."""
+
+    opens = 0
+
+    def __init__(self) -> None:
+        super().__init__([])
+        OpensButNeverReads.opens += 1
+
+
+class RecordingEvent(threading.Event):
+    """A stop event that notes every wait's timeout (the backoff) and waits 1 ms instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout)
+        return super().wait(0.001)
+
+
+def test_a_camera_that_opens_but_never_delivers_backs_off_and_logs_rarely(caplog):
+    """The backoff was reset by every successful open, so a device node that opens but fails every
+    read was reopened every 0.2 s forever, logging 'connected' and 'lost' each time."""
+    OpensButNeverReads.opens = 0
+    cam = OpenCVCamera(CameraConfig("top", source="v4l2"), open_capture=lambda cfg: OpensButNeverReads(),
+                       backoff_s=(0.01, 0.04))
+    stop = cam._stop = RecordingEvent()
+    with caplog.at_level("INFO", logger="phyai_edge.control"):
+        cam.start()
+        try:
+            end = time.monotonic() + 10
+            while OpensButNeverReads.opens < 12 and time.monotonic() < end:
+                time.sleep(0.005)
+        finally:
+            cam.stop()
+    assert OpensButNeverReads.opens >= 12
+    assert stop.waits[:5] == [0.01, 0.02, 0.04, 0.04, 0.04]
+    lines = [r.getMessage() for r in caplog.records if r.name == "phyai_edge.control"]
+    assert lines[:2] == ["camera top: read failed (attempt 1); retrying in 0.0 s",
+                         "camera top: read failed (attempt 10); retrying in 0.0 s"]
+    assert len(lines) == 2 and not cam.connected
+
+
+def test_a_camera_lost_and_back_logs_once_each_way_and_restarts_its_backoff(caplog):
+    """Unplugged after 3 frames, two failed reopens, then frames again: one 'lost', one attempt
+    line, one 'connected ... after 2 attempts'; the backoff after the loss starts from the bottom."""
+    frame = np.zeros((4, 4, 3), np.uint8)
+    script = [[frame] * 3, [], [], [frame] * 2]
+    opened = threading.Event()
+
+    def open_capture(cfg):
+        cap = ScriptedCapture(script.pop(0) if script else [])
+        if not script:
+            opened.set()
+        return cap
+
+    cam = OpenCVCamera(CameraConfig("top", source="v4l2", width=4, height=4), open_capture=open_capture,
+                       backoff_s=(0.01, 0.04))
+    stop = cam._stop = RecordingEvent()
+    with caplog.at_level("INFO", logger="phyai_edge.control"):
+        cam.start()
+        try:
+            assert opened.wait(10)
+            end = time.monotonic() + 10
+            while (cam.latest() is None or cam.latest().seq < 5) and time.monotonic() < end:
+                time.sleep(0.005)
+        finally:
+            cam.stop()
+    assert cam.latest().seq == 5
+    # the loss waits 0.01; the failed attempts 0.01, then 0.02; the second loss 0.01 again
+    assert stop.waits[:4] == [0.01, 0.01, 0.02, 0.01]
+    lines = [r.getMessage() for r in caplog.records if r.name == "phyai_edge.control"]
+    assert lines[0] == "camera top: connected (v4l2 0)"
+    assert lines[1] == "camera top: lost (read failed); reconnecting"
+    assert lines[2] == "camera top: read failed (attempt 1); retrying in 0.0 s"
+    assert lines[3].startswith("camera top: connected (v4l2 0) after 2 attempts, ")

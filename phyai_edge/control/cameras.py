@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -207,15 +208,15 @@ class OpenCVCamera:
         is_file = self.cfg.source == "file"
         period = 1.0 / self.cfg.fps
         size = (self.cfg.height, self.cfg.width)  # the last frame size logged
+        failures = 0  # attempts since the last frame (each open that gave no frame is one)
+        down_since = time.monotonic()
         while not self._stop.is_set():
             cap = None
+            got_frame = False
             try:
                 cap = self._open(self.cfg)
                 if not cap.isOpened():
                     raise OSError("could not open")
-                self.connected = True
-                log.info("camera %s: connected (%s)", self.name, self.describe())
-                delay = self._backoff[0]
                 next_t = time.monotonic()
                 while not self._stop.is_set():
                     ok, image, now = self._next_frame(cap, period)
@@ -233,14 +234,25 @@ class OpenCVCamera:
                                  size[1], size[0], self.cfg.width, self.cfg.height)
                     seq += 1
                     self._latest = Frame(image, now, seq, bgr=True)
+                    if not got_frame:
+                        # Connected means frames, not an open device: a replugged USB camera's node
+                        # can open and then fail every read. Only a frame resets the backoff.
+                        got_frame, self.connected = True, True
+                        log.info("camera %s: connected (%s)%s", self.name, self.describe(),
+                                 f" after {failures} attempts, {now - down_since:.1f} s without frames" if failures else "")
+                        failures, delay = 0, self._backoff[0]
                     if is_file:  # files read as fast as the disk allows; pace them like a camera
                         next_t += period
                         self._stop.wait(max(0.0, next_t - time.monotonic()))
             except Exception as exc:
-                if self.connected:
+                if got_frame:
+                    down_since = time.monotonic()
                     log.warning("camera %s: lost (%s); reconnecting", self.name, exc)
                 else:
-                    log.warning("camera %s: %s; retrying in %.1f s", self.name, exc, delay)
+                    failures += 1
+                    # A camera left unplugged retries for hours: log the 1st, 10th, 100th... attempt.
+                    if math.log10(failures).is_integer():
+                        log.warning("camera %s: %s (attempt %d); retrying in %.1f s", self.name, exc, failures, delay)
                 self.connected = False
             finally:
                 if cap is not None:
@@ -249,7 +261,8 @@ class OpenCVCamera:
             if self._stop.wait(delay):
                 break
             self.reconnects += 1
-            delay = min(delay * 2, self._backoff[1])
+            if not got_frame:
+                delay = min(delay * 2, self._backoff[1])
 
 
 # ---------------------------------------------------------------- ZeroMQ (simulator frames)
