@@ -253,3 +253,20 @@ def test_a_lerobot_dataset_without_the_model_cameras_is_refused(adapter, tmp_pat
     _lerobot(tmp_path / "two")
     with pytest.raises(ValueError, match=r"not model cameras: \['front'\]"):
         read_lerobot(tmp_path / "two", adapter.camera_names, limit=2, camera_map={"front": "top"})
+
+
+def test_fewer_calibration_samples_than_asked_are_reported(adapter, tmp_path):
+    """A recording shorter than --calibration-samples + --holdout calibrates with what it has:
+    said at export time and recorded in the report (how many calibrated, how many held out)."""
+    pytest.importorskip("onnxruntime")
+    from phyai_edge.engines.bundle import read_manifest
+    from phyai_edge.engines.exporter import ExportRequest, export_bundle
+
+    _record(tmp_path / "rec", 5, adapter.camera_names)
+    said: list[str] = []
+    out = tmp_path / "b"
+    export_bundle(ExportRequest(out=out, backend="onnx", precision="int8", calibration=str(tmp_path / "rec"),
+                                calibration_samples=8, holdout=2, progress=False), adapter=adapter, echo=said.append)
+    assert any("3 calibration sample(s) of the 8 asked" in s for s in said), said
+    cal = read_manifest(out)["calibration"]
+    assert (cal["samples"], cal["held_out"]) == (3, 2) and cal["report"]["vs_fp32"]["samples"] == 2

@@ -303,7 +303,7 @@ def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progres
         "versions": here.versions,
         "build_seconds": {k: round(v, 3) for k, v in timings.items()},
         "calibration": calibration_info if calibration_info is not None else (
-            {"source": calib_source} if calib_source else None),
+            {"source": calib_source, "samples": len(calib_obs), "held_out": len(held_out)} if calib_source else None),
     }
     if req.precision == "fp8" and req.backend == "cudagraph":
         # What the loader converts (engines/bundle.py cudagraph_fp8_options): these linears, these
@@ -339,7 +339,11 @@ def _calibration(req: ExportRequest, adapter: Adapter,
         return [], synthetic_observations(adapter, n_val, seed=req.seed + 1000), None
     cset = load_calibration_set(source, adapter, limit=req.calibration_samples + req.holdout, seed=req.seed)
     calib, held = cset.split(req.holdout)
+    if len(calib) < req.calibration_samples:
+        echo(f"note: {cset.source} gave {len(calib)} calibration sample(s) of the {req.calibration_samples} asked "
+             f"({len(held)} more held out for the accuracy report)")
     if not held:
+        echo("note: no sample left to hold out; the accuracy report uses synthetic observations")
         held = synthetic_observations(adapter, n_val, seed=req.seed + 1000)
     return calib, held, cset.source
 
