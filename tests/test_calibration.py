@@ -270,3 +270,28 @@ def test_fewer_calibration_samples_than_asked_are_reported(adapter, tmp_path):
     assert any("3 calibration sample(s) of the 8 asked" in s for s in said), said
     cal = read_manifest(out)["calibration"]
     assert (cal["samples"], cal["held_out"]) == (3, 2) and cal["report"]["vs_fp32"]["samples"] == 2
+
+
+def test_calibration_noise_is_not_the_held_out_reports(adapter, tmp_path, monkeypatch):
+    """The report runs each held-out sample from noise drawn with the export's seed; calibration
+    must not have seen that noise (x_t at t = 1 is the noise itself): its draws come from another
+    seed, so no held-out input is one a scale was set from."""
+    pytest.importorskip("onnxruntime")
+    import phyai_edge.engines.stage_inputs as stage_inputs
+    from phyai_edge.engines.exporter import ExportRequest, export_bundle
+
+    seen: list[np.ndarray] = []
+    real = stage_inputs.collect_stage_inputs
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.extend(s["x_t"] for s in out["denoise_step"] if float(s["t"][0]) == 1.0)
+        return out
+
+    monkeypatch.setattr(stage_inputs, "collect_stage_inputs", spy)
+    export_bundle(ExportRequest(out=tmp_path / "b", backend="onnx", precision="int8", calibration="synthetic",
+                                calibration_samples=4, holdout=2, progress=False, validate=False), adapter=adapter)
+    gen = torch.Generator().manual_seed(0)  # compare_engines' draws for the held-out samples
+    report = [torch.randn(1, adapter.chunk_size, adapter.model_action_dim, generator=gen).numpy() for _ in range(2)]
+    assert len(seen) == 4
+    assert not any(np.array_equal(x, r) for x in seen for r in report)
