@@ -364,3 +364,61 @@ def test_a_camera_lost_and_back_logs_once_each_way_and_restarts_its_backoff(capl
     assert lines[1] == "camera top: lost (read failed); reconnecting"
     assert lines[2] == "camera top: read failed (attempt 1); retrying in 0.0 s"
     assert lines[3].startswith("camera top: connected (v4l2 0) after 2 attempts, ")
+
+
+def _write_clip(path: str, frames: int) -> None:
+    cv2 = pytest.importorskip("cv2")
+    w = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"MJPG"), 25, (32, 24))
+    for i in range(frames):
+        w.write(np.full((24, 32, 3), i * 40, np.uint8))
+    w.release()
+
+
+def test_a_video_file_without_loop_ends_instead_of_playing_again(tmp_path):
+    """loop = false went through the reconnect path at the end: the file was reopened and played
+    again after the backoff, with a 'lost' warning, so a replay never ended."""
+    path = str(tmp_path / "clip.avi")
+    _write_clip(path, 3)
+    cam = OpenCVCamera(CameraConfig("top", source="file", path=path, fps=200.0, loop=False), backoff_s=(0.01, 0.01))
+    cam.start()
+    try:
+        assert cam._thread is not None
+        cam._thread.join(10)
+        assert not cam._thread.is_alive(), "the file source did not end"
+    finally:
+        cam.stop()
+    fr = cam.latest()
+    assert fr is not None and fr.seq == 3 and cam.reconnects == 0 and not cam.connected
+
+
+class CannotRewind(ScriptedCapture):
+    """A file whose seek does nothing: after its frames, every read fails."""
+
+    opens = 0
+    grabs_after_end = 0
+
+    def __init__(self) -> None:
+        super().__init__([np.zeros((4, 4, 3), np.uint8)] * 2)
+        CannotRewind.opens += 1
+
+    def grab(self) -> bool:
+        ok = super().grab()
+        CannotRewind.grabs_after_end += not ok
+        return ok
+
+
+def test_a_looping_file_that_cannot_rewind_is_reopened_not_spun_on():
+    """The rewind was retried in a busy loop for as long as reads failed (a file that cannot seek:
+    a core at 100 % and the GIL contended, the clock thread's included)."""
+    CannotRewind.opens = CannotRewind.grabs_after_end = 0
+    cam = OpenCVCamera(CameraConfig("top", source="file", path="x", fps=500.0), open_capture=lambda cfg: CannotRewind(),
+                       backoff_s=(0.01, 0.01))
+    cam.start()
+    try:
+        end = time.monotonic() + 10
+        while CannotRewind.opens < 3 and time.monotonic() < end:
+            time.sleep(0.005)
+    finally:
+        cam.stop()
+    assert CannotRewind.opens >= 3 and cam.latest().seq >= 4
+    assert CannotRewind.grabs_after_end <= 2 * CannotRewind.opens  # one failed read, one failed rewind per open

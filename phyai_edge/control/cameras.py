@@ -218,13 +218,25 @@ class OpenCVCamera:
                 if not cap.isOpened():
                     raise OSError("could not open")
                 next_t = time.monotonic()
+                played = 0  # frames since this file was opened or rewound
                 while not self._stop.is_set():
                     ok, image, now = self._next_frame(cap, period)
                     if not ok or image is None:
-                        if is_file and self.cfg.loop and seq > 0:
+                        if is_file and played and not self.cfg.loop:
+                            # The end of a replay: its last frame goes stale and the daemon holds.
+                            # (This went through the reconnect path and played the file again.)
+                            log.info("camera %s: end of %s after %d frames (loop = false)", self.name,
+                                     self.cfg.path, played)
+                            self.connected = False
+                            return
+                        if is_file and played:
+                            # Rewind. A second failure in a row (a file that cannot seek) reopens it
+                            # through the reconnect path below instead of rewinding in a busy loop.
                             cap.set(1, 0)  # CAP_PROP_POS_FRAMES: back to the first frame
+                            played = 0
                             continue
-                        raise OSError("read failed")
+                        raise OSError("end of file" if is_file else "read failed")
+                    played += 1
                     image = _as_bgr(image)
                     if image.shape[:2] != size:
                         # Not an error (the policy resizes any frame), but a camera that ignored the
