@@ -422,3 +422,49 @@ def test_a_looping_file_that_cannot_rewind_is_reopened_not_spun_on():
         cam.stop()
     assert CannotRewind.opens >= 3 and cam.latest().seq >= 4
     assert CannotRewind.grabs_after_end <= 2 * CannotRewind.opens  # one failed read, one failed rewind per open
+
+
+class StalledCapture(ScriptedCapture):
+    """One frame, then a grab that blocks until `release_read` is set (an RTSP stream that stalls)."""
+
+    def __init__(self) -> None:
+        super().__init__([np.zeros((4, 4, 3), np.uint8)])
+        self.blocked = threading.Event()
+        self.release_read = threading.Event()
+        self.released = threading.Event()
+
+    def grab(self) -> bool:
+        if self.frames:
+            return super().grab()
+        self.blocked.set()
+        self.release_read.wait(30)
+        return False
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def test_stop_does_not_wait_for_a_read_blocked_on_a_stalled_stream(caplog):
+    """stop() joined for 2 s, and the daemon's shutdown stops every camera in turn: three stalled
+    RTSP cameras kept the process 6 s after its final HOLD. The frame already read goes stale."""
+    cap = StalledCapture()
+    cam = OpenCVCamera(CameraConfig("top", source="rtsp", url="rtsp://x"), open_capture=lambda cfg: cap)
+    cam.start()
+    try:
+        assert cap.blocked.wait(10), "the read never blocked"
+        frame = cam.latest()
+        assert frame is not None and frame.seq == 1
+        with caplog.at_level("INFO", logger="phyai_edge.control"):
+            t0 = time.monotonic()
+            cam.stop()
+            took = time.monotonic() - t0
+        assert took < 1.5, f"stop() waited {took:.2f} s for a blocked read"
+        assert "camera top: capture thread still blocked in a read; not waiting for it" in caplog.messages
+        assert cam.latest() is frame  # nothing new: its age grows and the daemon counts it stale
+    finally:
+        cap.release_read.set()
+    # When the read returns, the thread releases the capture and ends on its own.
+    assert cap.released.wait(10)
+    assert cam._thread is not None
+    cam._thread.join(10)
+    assert not cam._thread.is_alive()

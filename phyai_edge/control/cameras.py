@@ -157,10 +157,17 @@ class OpenCVCamera:
     def latest(self) -> Frame | None:
         return self._latest
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 0.25) -> None:
+        """Ends the capture thread, waiting at most `join_s` (a read at 4 fps or more returns in
+        that). A read blocked on a stalled stream (FFmpeg waits up to its read timeout, 30 s by
+        default) is not waited for: the daemon's shutdown stops each camera in turn and must stay
+        fast (this waited 2 s per camera). The thread is a daemon thread; it releases the capture
+        and ends when its read returns."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2.0)
+            self._thread.join(timeout=join_s)
+            if self._thread.is_alive():
+                log.info("camera %s: capture thread still blocked in a read; not waiting for it", self.name)
 
     def describe(self) -> str:
         where = {"v4l2": self.cfg.device, "gstreamer": self.cfg.pipeline, "rtsp": self.cfg.url, "file": self.cfg.path}
