@@ -468,3 +468,31 @@ def test_stop_does_not_wait_for_a_read_blocked_on_a_stalled_stream(caplog):
     assert cam._thread is not None
     cam._thread.join(10)
     assert not cam._thread.is_alive()
+
+
+def test_an_rtsp_open_on_a_silent_server_gives_up_after_its_timeout_not_ffmpegs_30_s(monkeypatch):
+    """A server that accepts the connection and never answers (a camera hung mid-reboot): FFmpeg's
+    default open timeout is 30 s, and so is its read timeout for a stream that stalls (that one
+    is passed the same way, next to it)."""
+    pytest.importorskip("cv2")
+    import socket
+
+    from phyai_edge.control import cameras
+
+    monkeypatch.setattr(cameras, "_RTSP_OPEN_TIMEOUT_MS", 300, raising=False)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        cap = cameras._open_opencv(CameraConfig("top", source="rtsp", url=f"rtsp://127.0.0.1:{server.getsockname()[1]}/x"))
+        took = time.monotonic() - t0
+        assert not cap.isOpened()
+        assert took < 15, f"the open took {took:.1f} s"
+        assert accepted, "FFmpeg never connected: the test proved nothing"
+    finally:
+        server.close()
+        for conn in accepted:
+            conn.close()

@@ -89,6 +89,11 @@ class SyntheticCamera:
 # ---------------------------------------------------------------- OpenCV (V4L2, GStreamer, RTSP, file)
 
 
+# RTSP (FFmpeg) limits: opening, and waiting for the next frame before the stream counts as lost.
+_RTSP_OPEN_TIMEOUT_MS = 5000
+_RTSP_READ_TIMEOUT_MS = 2000
+
+
 def _open_opencv(cfg: CameraConfig) -> Any:
     import cv2  # lazily: the `camera` extra
 
@@ -97,7 +102,14 @@ def _open_opencv(cfg: CameraConfig) -> Any:
     elif cfg.source == "gstreamer":
         cap = cv2.VideoCapture(cfg.pipeline, cv2.CAP_GSTREAMER)
     elif cfg.source == "rtsp":
-        cap = cv2.VideoCapture(cfg.url, cv2.CAP_FFMPEG)
+        # FFmpeg's own limits are 30 s for the open and for each read: a camera that rebooted or a
+        # network that dropped held the reconnect back 30 s after the stream was gone (the daemon
+        # holding STALE all along), and every open of an unreachable camera took 30 s.
+        timeouts = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, _RTSP_OPEN_TIMEOUT_MS, cv2.CAP_PROP_READ_TIMEOUT_MSEC, _RTSP_READ_TIMEOUT_MS]
+        try:
+            cap = cv2.VideoCapture(cfg.url, cv2.CAP_FFMPEG, timeouts)
+        except TypeError:  # OpenCV before 4.5.2 has no constructor with parameters
+            cap = cv2.VideoCapture(cfg.url, cv2.CAP_FFMPEG)
     else:
         cap = cv2.VideoCapture(cfg.path)
     if cap.isOpened():
