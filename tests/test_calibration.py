@@ -295,3 +295,33 @@ def test_calibration_noise_is_not_the_held_out_reports(adapter, tmp_path, monkey
     report = [torch.randn(1, adapter.chunk_size, adapter.model_action_dim, generator=gen).numpy() for _ in range(2)]
     assert len(seen) == 4
     assert not any(np.array_equal(x, r) for x in seen for r in report)
+
+
+def test_accuracy_counts_real_samples_not_the_last_batchs_filler():
+    """Three held-out observations at batch 2 run as two batches, the second filled with a
+    repeat of the first: the report says 3 samples, and the filler's error is not in it."""
+    from phyai_edge.adapters.pi05 import builtin_adapter
+    from phyai_edge.calibration import synthetic_observations
+    from phyai_edge.engines.accuracy import compare_engines
+
+    adapter = builtin_adapter("tiny", seed=0)
+    obs = synthetic_observations(adapter, 3, seed=1)
+
+    class Offset:
+        """The reference plus 1 in the rows of the filler only (batch row 1 of the second call)."""
+
+        def __init__(self, ref) -> None:
+            self.ref, self.calls = ref, 0
+
+        def run(self, inputs, noise=None):
+            out = self.ref.run(inputs, noise=noise).clone()
+            self.calls += 1
+            if self.calls == 2:
+                out[1:] += 1.0
+            return out
+
+    from phyai_edge.engines.accuracy import reference_engine
+
+    ref = reference_engine(adapter)
+    rep = compare_engines(adapter, Offset(ref), ref, obs, batch_size=2)
+    assert rep["samples"] == 3 and rep["max_abs_error"] == 0.0

@@ -34,21 +34,25 @@ def compare_engines(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Model-space chunk errors over `observations` (grouped by the engine's batch size):
-    max and mean absolute error, RMSE, and RMSE relative to the reference chunk's RMS."""
+    max and mean absolute error, RMSE, and RMSE relative to the reference chunk's RMS. The
+    last group's filler rows (repeats, for the engine's static batch) are run but not counted."""
     gen = torch.Generator().manual_seed(seed)
     max_abs, sum_abs, sum_sq, ref_sq, count, n = 0.0, 0.0, 0.0, 0.0, 0, 0
+    left = len(observations)
     for group in batches(list(observations), batch_size):
         inputs = adapter.preprocess(group)
         noise = torch.randn(len(group), adapter.chunk_size, adapter.model_action_dim, generator=gen)
-        ref = reference.run(inputs, noise=noise).float().cpu()[..., : adapter.action_dim]
-        out = engine.run(inputs, noise=noise).float().cpu()[..., : adapter.action_dim]
+        real = min(len(group), left)
+        left -= real
+        ref = reference.run(inputs, noise=noise).float().cpu()[:real, ..., : adapter.action_dim]
+        out = engine.run(inputs, noise=noise).float().cpu()[:real, ..., : adapter.action_dim]
         err = (out - ref).abs()
         max_abs = max(max_abs, float(err.max()))
         sum_abs += float(err.sum())
         sum_sq += float((err**2).sum())
         ref_sq += float((ref**2).sum())
         count += err.numel()
-        n += len(group)
+        n += real
     if count == 0:
         return {"samples": 0}
     rmse = math.sqrt(sum_sq / count)
