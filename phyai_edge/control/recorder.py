@@ -14,10 +14,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import os
 import queue
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -28,24 +32,47 @@ class Recorder:
     def __init__(self, directory: str | Path, meta: dict[str, Any], max_pending: int = 64) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=max_pending)
+        _write_atomically(self.dir / "meta.json", lambda f: f.write(json.dumps(meta, indent=2, default=str).encode()))
+        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=max_pending)
+        self._closing = threading.Event()
+        self._deadline = float("inf")  # time.monotonic() after which close() gives up on what is pending
         self.written = 0
-        self.dropped = 0
+        self.dropped = 0  # not queued (queue full, or after close) or left behind by close()
+        self.failed = 0  # writes that raised (disk full, permissions)
         self._thread = threading.Thread(target=self._run, name="recorder", daemon=True)
         self._thread.start()
 
     def add(self, record: dict[str, Any]) -> None:
+        if self._closing.is_set():
+            self.dropped += 1
+            return
         try:
             self._queue.put_nowait(record)
         except queue.Full:
             self.dropped += 1
 
     def _run(self) -> None:
+        next_drop_log = 1  # drops are logged here at 1, 10, 100, ... (never on the clock thread)
         while True:
-            rec = self._queue.get()
-            if rec is None:
-                return
+            if self.dropped >= next_drop_log:
+                log.warning("record: %d records dropped so far (writing is slower than inference)", self.dropped)
+                while self.dropped >= next_drop_log:
+                    next_drop_log *= 10
+            try:
+                rec = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                if self._closing.is_set():
+                    return
+                continue
+            if time.monotonic() > self._deadline:
+                # close() stopped waiting: what is left is dropped, and counted as such.
+                self.dropped += 1
+                while True:
+                    try:
+                        self._queue.get_nowait()
+                    except queue.Empty:
+                        return
+                    self.dropped += 1
             try:
                 arrays: dict[str, Any] = {}
                 for name, img in rec.pop("images").items():
@@ -54,12 +81,37 @@ class Recorder:
                 rec.pop("bgr")
                 for key, value in rec.items():
                     arrays[key] = np.asarray(value if value is not None else np.zeros(0, np.float32))
-                np.savez(self.dir / f"obs_{rec['job_id']:06d}.npz", **arrays)
+                _write_atomically(self.dir / f"obs_{rec['job_id']:06d}.npz", lambda f, arrays=arrays: np.savez(f, **arrays))
                 self.written += 1
             except Exception as exc:
-                log.error("record: writing failed (%s)", exc)
+                self.failed += 1
+                if math.log10(self.failed).is_integer():  # a full disk fails every record: 1st, 10th, ...
+                    log.error("record: writing failed (%s); %d so far", exc, self.failed)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        with contextlib.suppress(queue.Full):
-            self._queue.put(None, timeout=timeout_s)
-        self._thread.join(timeout=timeout_s)
+        """Writes what is pending for at most `timeout_s`, then drops (and counts) the rest. It put
+        a None that waited up to `timeout_s` for room behind a full queue, joined for as long again,
+        and lost whatever was still queued without counting it."""
+        self._deadline = time.monotonic() + timeout_s
+        self._closing.set()
+        self._thread.join(timeout=timeout_s + 0.5)
+        # A write still under way at exit leaves no file (see _write_atomically); count it as lost.
+        lost = self._queue.qsize() + self._thread.is_alive()
+        dropped = self.dropped + lost
+        (log.warning if dropped or self.failed else log.info)(
+            "record: %d observations written to %s, %d dropped, %d failed", self.written, self.dir, dropped, self.failed)
+
+
+def _write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """`path` appears whole or not at all: written under a temporary name (which the readers'
+    `obs_*.npz` does not match), then renamed. A process ended mid-write (SIGKILL, systemd's stop
+    timeout, exit while this daemon thread writes) left a truncated `.npz` under the final name."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
