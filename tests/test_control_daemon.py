@@ -289,6 +289,7 @@ def test_record_writes_observations_and_chunks(tmp_path):
     assert z["image.top"].shape == (32, 32, 3) and z["state"].shape == (6,)
     assert z["actions"].shape == (50, 6) and str(z["error"]) == ""
     assert int(z["delay"]) >= 1 and z["prefix"].shape[1] == 6
+    assert d.summary()["recorder"] == {"dropped": 0, "failed": 0}  # `--summary` shows what a recording lost
 
 
 @pytest.mark.parametrize("mode", ["crossfade", "guided-approx"])

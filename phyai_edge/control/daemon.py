@@ -667,6 +667,9 @@ class Daemon:
             "clamped": {"limit": self.guard.counters.clamped_limit, "rate": self.guard.counters.clamped_rate},
             "nonfinite_actions": self.guard.counters.nonfinite,
             "stop_to_final_ms": st.stop_to_final_ms,
+            # --record: what did not reach the disk (None without recording).
+            "recorder": None if self.recorder is None else {"dropped": self.recorder.dropped,
+                                                            "failed": self.recorder.failed},
         }
 
 
