@@ -645,7 +645,8 @@ view = "top"                 # which of the policy's camera slots this feeds (to
 width = 224
 height = 224
 fps = 30.0
-# device = 0                 # v4l2: index or "/dev/video0"
+# device = 0                 # v4l2: index or a path; "/dev/v4l/by-id/usb-..." keeps naming the same
+                             # camera after a replug, where its index may change
 # pipeline = "..."           # gstreamer: a pipeline ending in appsink
 # url = "rtsp://..."         # rtsp
 # path = "clip.mp4"          # file (loop = true)
