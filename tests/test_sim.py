@@ -163,3 +163,37 @@ def test_sim_applies_the_newest_action_and_holds_its_own_target_on_hold(tmp_path
     applied = [s for s in lg.applied_seq if s >= 0]
     assert applied == sorted(applied) and len(applied) >= 10
     assert robot.seq.gaps == 0 and robot.seq.repeats == 0
+
+
+@needs_sim
+def test_frame_capture_times_on_both_clocks_are_taken_before_rendering() -> None:
+    """The frame's capture time is the physics state it shows, on the monotonic and the realtime
+    clock alike: a daemon with `clock = "realtime"` (another host) must see render time as age."""
+    from phyai_edge.control.protocol import FrameMessage
+    from phyai_edge.sim.robot import CameraStream, SimRobot, SimSettings
+
+    cam = CameraStream("top", "top", "tcp://127.0.0.1:1", 64, 48)
+    robot = SimRobot(SimSettings(cameras=[cam], report_every_s=0))
+    rendered: list[tuple[int, int]] = []
+    sent: list[bytes] = []
+
+    def render(camera: str, width: int, height: int) -> np.ndarray:
+        rendered.append((time.monotonic_ns(), time.time_ns()))
+        return np.zeros((height, width, 3), np.uint8)
+
+    class Socket:
+        def send(self, data: bytes, copy: bool = True) -> None:
+            sent.append(bytes(data))
+
+    robot.sim.render = render  # type: ignore[method-assign]
+    robot._camera_pubs[cam.endpoint] = Socket()
+    try:
+        robot._publish_frames()
+    finally:
+        robot._camera_pubs.clear()
+        robot.close()
+    frame = FrameMessage.decode(sent[0])
+    assert frame.image.shape == (48, 64, 3) and frame.seq == 0
+    render_mono, render_wall = rendered[0]
+    assert frame.capture_mono_ns <= render_mono
+    assert frame.capture_wall_ns <= render_wall, "the realtime capture time was read after rendering"

@@ -349,12 +349,13 @@ class SimRobot:
             if sock is None:
                 continue
             # The capture time is when the physics was in the state the image shows (like a
-            # camera's exposure), so rendering and encoding count towards the frame's age.
-            capture_ns = time.monotonic_ns()
+            # camera's exposure), so rendering and encoding count towards the frame's age. Both
+            # clocks are read together: a daemon with `clock = "realtime"` must see the same age.
+            capture_ns, capture_wall_ns = time.monotonic_ns(), time.time_ns()
             t0 = time.perf_counter()
             image = self.sim.render(cam.mujoco_camera, cam.width, cam.height)
             render_ms = (time.perf_counter() - t0) * 1e3
-            msg = FrameMessage(cam.name, image, cam.seq, capture_ns, time.time_ns())
+            msg = FrameMessage(cam.name, image, cam.seq, capture_ns, capture_wall_ns)
             sock.send(msg.encode(), copy=False)
             sent_ns = time.monotonic_ns()
             self._recent_render_ms.append(render_ms)
