@@ -7,6 +7,7 @@ import importlib.util
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -197,3 +198,89 @@ def test_frame_capture_times_on_both_clocks_are_taken_before_rendering() -> None
     render_mono, render_wall = rendered[0]
     assert frame.capture_mono_ns <= render_mono
     assert frame.capture_wall_ns <= render_wall, "the realtime capture time was read after rendering"
+
+
+class _StandIn:
+    """A stand-in daemon: a PUB the sim connects to, the sim running in a thread."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        from phyai_edge.sim.robot import SimRobot, SimSettings
+
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        settings = SimSettings(
+            state_endpoint=f"tcp://127.0.0.1:{launch.free_port()}",
+            action_endpoint=f"tcp://127.0.0.1:{port}",
+            cameras=[],
+            report_every_s=0,
+            duration_s=60.0,
+        )
+        self.robot = SimRobot(settings, context=self.ctx)
+        self.robot.open()
+        self.thread = threading.Thread(target=self.robot.run, daemon=True)
+        self.thread.start()
+        self.start = self.robot.sim.target.astype(np.float32)
+        self.seq = 0
+
+    def send(self, values: np.ndarray, flags: int = 0, seq: int | None = None) -> None:
+        seq = self.seq if seq is None else seq
+        now = time.monotonic_ns()
+        header = ActionHeader(seq, now, time.time_ns(), now, 1, seq % 50, 1, 14, flags, 42)
+        self.pub.send_multipart(encode_actions(b"action", header, values[None]))
+        self.seq = max(self.seq, seq + 1)
+        time.sleep(0.02)
+
+    def join(self) -> None:
+        """Until the SUB has joined (ZeroMQ drops messages before that), hold the start pose."""
+        deadline = time.monotonic() + 20
+        while self.robot.received == 0 and time.monotonic() < deadline:
+            self.send(self.start, Flag.HOLD | Flag.WARMUP)
+        assert self.robot.received > 0, "the sim never received an action"
+
+    def wait(self, condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+            time.sleep(0.01)
+
+    def steps(self) -> int:
+        return len(self.robot.log.step_ns)
+
+    def close(self) -> None:
+        self.robot.stop()
+        self.thread.join(10)
+        self.robot.close()
+        self.pub.close(0)
+        self.ctx.term()
+
+
+@needs_sim
+def test_sim_never_applies_a_repeated_or_older_action() -> None:
+    """Within one daemon session an action whose seq is not newer than the last one received is
+    logged and counted, never applied: it would move the arm back to an older command."""
+    d = _StandIn()
+    try:
+        d.join()
+        newer = d.start.copy()
+        newer[1] += 0.1
+        d.send(newer)
+        last = d.seq - 1
+        d.wait(lambda: d.robot.applied >= 1, "the motion action to be applied")
+        older = d.start.copy()
+        older[1] += 0.3
+        received = d.robot.received
+        d.send(older, seq=last - 1)  # out of order
+        d.send(older, seq=last)  # a repeat
+        d.wait(lambda: d.robot.received == received + 2, "the two stale messages")
+        steps = d.steps()
+        d.wait(lambda: d.steps() >= steps + 3, "three more steps")
+    finally:
+        d.close()
+    targets = np.asarray(d.robot.log.target)
+    assert not np.any(np.isclose(targets[:, 1], older[1])), "an older action was applied"
+    np.testing.assert_allclose(targets[-1], newer)
+    assert d.robot.seq.repeats == 2
+    assert d.robot.log.applied_seq.count(last) == 1 and max(d.robot.log.applied_seq) == last

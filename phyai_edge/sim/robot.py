@@ -155,6 +155,10 @@ class SeqChecker:
         self.repeats = 0
         self.sessions = 0
 
+    def stale(self, header: ActionHeader) -> bool:
+        """Not newer than the last seq of its session: a repeat or an older message."""
+        return header.session == self.session and self.last is not None and header.seq <= self.last
+
     def check(self, header: ActionHeader) -> str | None:
         """Returns a message describing a problem, or None when this seq follows the last."""
         if header.session != self.session:
@@ -191,6 +195,7 @@ class SimRobot:
         self.superseded = 0  # received but replaced by a newer one before the step applied it
         self.hold_steps = 0  # steps held because of HOLD / ESTOP / SHUTDOWN, or before any action
         self.idle_steps = 0
+        self.stale_dropped = 0  # repeated or older seqs of the session: received, never applied
         self.late_steps = 0
         self.hold_flags_seen = 0
         self._stop = False
@@ -299,13 +304,19 @@ class SimRobot:
             if header.rows != 1 or header.dim != 14:
                 log.warning("action seq %d: %dx%d values, the ALOHA needs 1x14; ignored", header.seq, header.rows, header.dim)
                 continue
+            # A repeated or older message is logged and counted but never applied: it would move
+            # the arm back to a command the daemon has already replaced.
+            stale = self.seq.stale(header)
             problem = self.seq.check(header)
             if problem:
-                log.warning("%s", problem)
+                log.warning("%s%s", problem, "; not applied" if stale else "")
             self.received += 1
             if header.flags & Flag.HOLD:
                 self.hold_flags_seen += 1
-            self._pending.append((header, values[0]))
+            if stale:
+                self.stale_dropped += 1
+            else:
+                self._pending.append((header, values[0]))
             self._recent_latency_ms.append((recv_ns - header.publish_mono_ns) / 1e6)
             lg = self.log
             if lg is not None:
@@ -486,6 +497,7 @@ class SimRobot:
             "seq_gaps": self.seq.gaps,
             "seq_lost": self.seq.lost,
             "seq_repeats": self.seq.repeats,
+            "stale_dropped": self.stale_dropped,
             "sessions": self.seq.sessions,
             "frames": sum(c.seq for c in self.s.cameras),
         }
