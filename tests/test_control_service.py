@@ -6,18 +6,23 @@ STOPPING arrive on $NOTIFY_SOCKET; logs carry journald priority prefixes under J
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
 
 import pytest
 
 from phyai_edge.control.config import DEFAULT_CONFIG_TOML
 from phyai_edge.control.listener import Listener
+from phyai_edge.control.notify import Notifier
 from phyai_edge.control.protocol import Flag
+from phyai_edge.control.state import SyntheticState
 
 pytest.importorskip("phyai_edge.engines.policy")
 
@@ -98,3 +103,71 @@ def test_daemon_import_path_stays_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"imported on the robot-side path: {out}"
+
+
+class StallingState(SyntheticState):
+    """State whose read holds the clock thread: once (`stall_once`), or on every tick (`stall_every`)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.stall_once = 0.0
+        self.stall_every = 0.0
+
+    def latest(self):
+        stall, self.stall_once = self.stall_once, 0.0
+        time.sleep(stall or self.stall_every)
+        return super().latest()
+
+
+def test_one_late_tick_does_not_cost_the_watchdog_but_a_loop_that_keeps_overrunning_does():
+    """systemd kills the service when two WATCHDOG=1 are WATCHDOG_USEC apart. One missed deadline
+    (a stall of a few periods) must not get there; a clock that keeps missing them must."""
+    from test_control_daemon import Running
+
+    from phyai_edge.control.daemon import Daemon
+    from phyai_edge.control.fakes import FakePolicy, test_config
+
+    name = f"@phyai-edge-wd-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name[1:])
+    sock.settimeout(0.1)
+    timeout_s = 1.0
+    pings: list[float] = []
+    done = threading.Event()
+
+    def receive() -> None:
+        while not done.is_set():
+            try:
+                msg = sock.recv(65536).decode()
+            except TimeoutError:
+                continue
+            if "WATCHDOG=1" in msg.split("\n"):
+                pings.append(time.monotonic())
+
+    rx = threading.Thread(target=receive, daemon=True)
+    rx.start()
+    state = StallingState(6)
+    notifier = Notifier({"NOTIFY_SOCKET": name, "WATCHDOG_USEC": str(round(timeout_s * 1e6))})
+    run = Running(Daemon(test_config(), policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), state=state,
+                         realtime=False, notifier=notifier))
+    try:
+        d = run.daemon
+        run.wait_for(lambda: len(pings) >= 3, 10, "watchdog pings")
+        state.stall_once = 0.07  # 3.5 periods at 50 Hz: one tick wakes late, 2 or 3 slots are skipped
+        run.wait_for(lambda: d.stats.missed_slots >= 2, 5, "the missed slots")
+        t_stall = time.monotonic()
+        time.sleep(3 * timeout_s)
+        single = [b - a for a, b in itertools.pairwise(pings) if b > t_stall - timeout_s]
+        state.stall_every = 0.03  # every tick now overruns its period
+        t_overrun = time.monotonic()
+        time.sleep(3 * timeout_s)
+        overrun = [p for p in pings if p > t_overrun + 0.5 * timeout_s]
+    finally:
+        state.stall_every = 0.0
+        run.stop()
+        done.set()
+        rx.join(2)
+        sock.close()
+    assert d.stats.missed_slots >= 2
+    assert single and max(single) < timeout_s, f"ping gaps around one late tick: {single}"
+    assert not overrun, f"pinged while every tick overran: {[round(p - t_overrun, 2) for p in overrun]}"

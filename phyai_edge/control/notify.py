@@ -23,8 +23,12 @@ class Notifier:
         usec = env.get("WATCHDOG_USEC", "")
         pid = env.get("WATCHDOG_PID", "")
         watchdog_ok = usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid()))
-        # Ping at half the timeout, as sd_watchdog_enabled(3) recommends.
-        self.watchdog_interval_s = int(usec) / 2e6 if watchdog_ok else 0.0
+        # How often the clock offers a ping: a quarter of the timeout (sd_watchdog_enabled(3) asks
+        # for at least every half). The daemon skips an offer after a missed deadline; at half the
+        # timeout one skip already made the gap reach WatchdogSec, so a single late tick got the
+        # service killed and reloaded. At a quarter it takes three skipped offers in a row (a loop
+        # that keeps overrunning) or a clock that stopped ticking.
+        self.watchdog_interval_s = int(usec) / 4e6 if watchdog_ok else 0.0
 
     @property
     def enabled(self) -> bool:
