@@ -6,6 +6,7 @@ STOPPING arrive on $NOTIFY_SOCKET; logs carry journald priority prefixes under J
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -171,3 +172,58 @@ def test_one_late_tick_does_not_cost_the_watchdog_but_a_loop_that_keeps_overrunn
     assert d.stats.missed_slots >= 2
     assert single and max(single) < timeout_s, f"ping gaps around one late tick: {single}"
     assert not overrun, f"pinged while every tick overran: {[round(p - t_overrun, 2) for p in overrun]}"
+
+
+def test_start_up_extends_systemds_start_timeout_to_the_load_timeouts(tmp_path, monkeypatch):
+    """A full-size load plus warm-up (Triton compiles, graph capture) may take minutes past the
+    unit's TimeoutStartSec=; before the load starts the daemon sends EXTEND_TIMEOUT_USEC covering
+    what its own `model.load_timeout_s` allows (the load and each warm-up inference)."""
+    import argparse
+    import logging
+
+    from phyai_edge.commands import run as run_cmd
+    from phyai_edge.control import daemon as daemon_mod
+
+    name = f"@phyai-edge-start-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name[1:])
+    sock.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", name)
+    cfg = tmp_path / "robot.toml"
+    assert 'mode = "guided-approx"' in DEFAULT_CONFIG_TOML  # a solver mode: two warm-up inferences per round
+    cfg.write_text(DEFAULT_CONFIG_TOML.replace("warmup = 1 ", "load_timeout_s = 400.0\nwarmup = 2 ", 1))
+    seen_at_setup: list[str] = []
+
+    class FakeDaemon:
+        def __init__(self, cfg, **kwargs):
+            self.cfg = cfg
+
+        def install_signal_handlers(self):
+            pass
+
+        def setup(self):
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    seen_at_setup.extend(sock.recv(65536).decode().split("\n"))
+            raise daemon_mod.StartupInterruptedError("stopped during start-up")
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(daemon_mod, "Daemon", FakeDaemon)
+    root = logging.getLogger("phyai_edge")
+    handlers, level, propagate = list(root.handlers), root.level, root.propagate
+    args = argparse.Namespace(print_default_config=False, check_config=None, log_level="warning", config=str(cfg),
+                              record=None, no_realtime=True, duration=None, summary=None)
+    try:
+        assert run_cmd.main(args) == 0
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        root.propagate = propagate
+        sock.close()
+    extend = [f for f in seen_at_setup if f.startswith("EXTEND_TIMEOUT_USEC=")]
+    assert extend, seen_at_setup
+    # The load and 2 warm-up rounds of 2 inferences, each allowed 400 s.
+    assert int(extend[0].split("=", 1)[1]) >= 400e6 * (1 + 2 * 2)
+    assert any(f.startswith("STATUS=starting") for f in seen_at_setup), seen_at_setup

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 HELP = "the real-time control daemon (fixed-period loop, RTC, ZeroMQ actions)"
 DESCRIPTION = """Run a policy on a robot: a fixed-period loop publishes one action per tick over
@@ -34,6 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=os.environ.get("PHYAI_EDGE_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"],
                    help="lowest level logged (default: $PHYAI_EDGE_LOG_LEVEL, else info)")
+
+
+def startup_budget_s(cfg: Any) -> float:
+    """The longest start-up the daemon's own limits allow: loading the policy and every warm-up
+    inference (each RTC mode's in a solver mode) may each take `model.load_timeout_s` (first calls
+    compile Triton kernels and capture CUDA graphs), plus a minute for cameras, state and sockets."""
+    from phyai_edge.control.rtc import SOLVER_MODES
+
+    rounds = 2 if cfg.chunking.mode in SOLVER_MODES else 1
+    return cfg.model.load_timeout_s * (1 + cfg.model.warmup * rounds) + 60.0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -66,8 +77,15 @@ def main(args: argparse.Namespace) -> int:
     log.info("configuration: %s", cfg.source)
 
     from phyai_edge.control.daemon import Daemon, StartupInterruptedError
+    from phyai_edge.control.notify import Notifier
 
-    daemon = Daemon(cfg, record_dir=args.record, realtime=not args.no_realtime)
+    notifier = Notifier()
+    # Under systemd a full-size start-up (load, Triton compiles, graph capture) can outlast the
+    # unit's TimeoutStartSec=; extend it to what `model.load_timeout_s` allows, so the daemon's
+    # own limits (which say what timed out) are the ones that end a start-up that hangs.
+    budget = startup_budget_s(cfg)
+    notifier.extend_timeout(budget, f"starting: loading and warming up the policy (limit {budget:.0f} s)")
+    daemon = Daemon(cfg, record_dir=args.record, realtime=not args.no_realtime, notifier=notifier)
     daemon.install_signal_handlers()
     try:
         daemon.setup()

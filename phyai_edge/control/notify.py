@@ -46,6 +46,12 @@ class Notifier:
     def ready(self, status: str = "") -> bool:
         return self.notify("READY=1", *( [f"STATUS={status}"] if status else []))
 
+    def extend_timeout(self, seconds: float, status: str = "") -> bool:
+        """EXTEND_TIMEOUT_USEC: the current phase (start-up, stop) may run `seconds` from now even
+        past TimeoutStartSec= / TimeoutStopSec= (systemd >= 236)."""
+        fields = [f"EXTEND_TIMEOUT_USEC={max(1, round(seconds * 1e6))}"]
+        return self.notify(*fields, *([f"STATUS={status}"] if status else []))
+
     def watchdog(self) -> bool:
         return self.notify("WATCHDOG=1")
 
