@@ -284,3 +284,38 @@ def test_sim_never_applies_a_repeated_or_older_action() -> None:
     np.testing.assert_allclose(targets[-1], newer)
     assert d.robot.seq.repeats == 2
     assert d.robot.log.applied_seq.count(last) == 1 and max(d.robot.log.applied_seq) == last
+
+
+@needs_sim
+def test_sim_treats_a_silent_action_stream_as_hold() -> None:
+    """docs/protocol.md: a controller treats a silent stream (no message for a few periods) as
+    HOLD. The sim keeps its last target, and says it is holding, until the next policy action."""
+    d = _StandIn()
+
+    def applied_steps() -> list[int]:
+        return [i for i, s in enumerate(list(d.robot.log.applied_seq)) if s >= 0]
+
+    def held_after_motion() -> bool:
+        a = applied_steps()
+        return bool(a) and any(list(d.robot.log.hold)[a[0] + 1 :])
+
+    try:
+        d.join()
+        motion = d.start.copy()
+        motion[8] += 0.1
+        d.send(motion)
+        d.wait(lambda: len(applied_steps()) >= 1, "the motion action to be applied")
+        # The daemon falls silent (a crash without its SHUTDOWN message).
+        d.wait(held_after_motion, "the sim to hold on a silent stream", timeout=10.0)
+        motion2 = motion.copy()
+        motion2[8] += 0.1
+        d.send(motion2)
+        d.wait(lambda: len(applied_steps()) >= 2, "the next motion action to be applied")
+    finally:
+        d.close()
+    lg = d.robot.log
+    a0, a1 = applied_steps()
+    np.testing.assert_allclose(np.asarray(lg.target[a0:a1]), np.broadcast_to(motion, (a1 - a0, 14)))
+    assert not lg.hold[a0] and any(lg.hold[a0:a1]) and not lg.hold[a1]
+    kinds = [k for k, _ in lg.events]
+    assert kinds == ["hold_end", "hold_start", "hold_end"], kinds

@@ -70,6 +70,8 @@ class SimSettings:
     duration_s: float = 0.0  # 0: until a signal
     report_every_s: float = 5.0
     camera_max_age_ms: float = 0.0  # the daemon's limit, from its config: recorded for the report
+    # No action message for this many periods is a HOLD (docs/protocol.md: a silent stream); 0: off.
+    silent_hold_periods: float = 5.0
     # Scripted camera outages (start_s, length_s) after the first step, for demos and recordings.
     camera_outages: list[tuple[float, float]] = field(default_factory=list)
 
@@ -206,6 +208,7 @@ class SimRobot:
         self._recent_render_ms: deque[float] = deque(maxlen=4096)
         self.last_flags = 0
         self._pending: list[tuple[ActionHeader, np.ndarray]] = []
+        self._last_rx_ns: int | None = None  # arrival of the newest well-formed action message
         self._sub: Any = None
         self._state_pub: Any = None
         missing = [c.mujoco_camera for c in settings.cameras if c.mujoco_camera not in self.sim.camera_names()]
@@ -311,6 +314,7 @@ class SimRobot:
             if problem:
                 log.warning("%s%s", problem, "; not applied" if stale else "")
             self.received += 1
+            self._last_rx_ns = recv_ns
             if header.flags & Flag.HOLD:
                 self.hold_flags_seen += 1
             if stale:
@@ -440,6 +444,12 @@ class SimRobot:
                     else:
                         self._event("hold_end", f"seq {header.seq} chunk {header.chunk_id} index {header.index}, "
                                     f"published {lag_ms:.1f} ms ago")
+            silent_ns = round(s.silent_hold_periods * period_ns)
+            if not holding and silent_ns and self._last_rx_ns is not None and t_step - self._last_rx_ns > silent_ns:
+                # A silent stream is a HOLD (docs/protocol.md). The target stays as it is anyway;
+                # this makes the HOLD visible (events, status line, log) until the next action.
+                holding = True
+                self._event("hold_start", f"no action message for {(t_step - self._last_rx_ns) / 1e6:.0f} ms")
             if holding:
                 self.hold_steps += 1
             elif applied_seq < 0:
