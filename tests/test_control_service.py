@@ -49,11 +49,17 @@ def test_sigterm_publishes_hold_within_one_period_and_notifies_systemd(tmp_path)
     notify_path = str(tmp_path / "notify.sock")
     nsock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     nsock.bind(notify_path)
-    env = {**os.environ, "NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "200000", "JOURNAL_STREAM": "8:1234"}
+    # systemd names the stdout it connected to the journal in JOURNAL_STREAM: this pipe here.
+    out_r, out_w = os.pipe()
+    st = os.fstat(out_w)
+    env = {**os.environ, "NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "200000",
+           "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
     env.pop("WATCHDOG_PID", None)
     lis = Listener(endpoint, "action", keep=True)
     proc = subprocess.Popen([sys.executable, "-m", "phyai_edge", "run", "--config", str(cfg)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=out_w, stderr=subprocess.STDOUT, text=True)
+    os.close(out_w)
+    proc_stdout = os.fdopen(out_r)
     seen: list[str] = []
     try:
         assert recv_notify(nsock, "READY=1", 120, seen), f"no READY=1; got {seen}"
@@ -72,7 +78,8 @@ def test_sigterm_publishes_hold_within_one_period_and_notifies_systemd(tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
-        out = proc.stdout.read()
+        out = proc_stdout.read()
+        proc_stdout.close()
         lis.close()
         nsock.close()
     assert rc == 0, out
@@ -227,3 +234,36 @@ def test_start_up_extends_systemds_start_timeout_to_the_load_timeouts(tmp_path, 
     # The load and 2 warm-up rounds of 2 inferences, each allowed 400 s.
     assert int(extend[0].split("=", 1)[1]) >= 400e6 * (1 + 2 * 2)
     assert any(f.startswith("STATUS=starting") for f in seen_at_setup), seen_at_setup
+
+
+def journal_pipe(env_value: str | None = None) -> tuple[int, int, str]:
+    """A pipe standing in for systemd's journal stream, and the JOURNAL_STREAM naming it."""
+    r, w = os.pipe()
+    st = os.fstat(w)
+    return r, w, env_value if env_value is not None else f"{st.st_dev}:{st.st_ino}"
+
+
+def run_logging(code: str, journal_stream: str | None) -> tuple[str, str]:
+    """`code` after setup_logging() in a fresh interpreter whose stdout is a pipe; (stdout, stderr)."""
+    r, w, value = journal_pipe(journal_stream)
+    env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
+    env["JOURNAL_STREAM"] = value
+    prog = ("import logging, threading; from phyai_edge.control.log import setup_logging; setup_logging(); "
+            "log = logging.getLogger('phyai_edge.control'); " + code)
+    proc = subprocess.Popen([sys.executable, "-c", prog], env=env, stdout=w, stderr=subprocess.PIPE, text=True)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    err = proc.stderr.read()
+    proc.wait(30)
+    proc.stderr.close()
+    return out, err
+
+
+def test_priority_prefixes_only_when_stdout_is_the_journal_stream():
+    """JOURNAL_STREAM is inherited by everything a service starts (a shell, tmux, a script that
+    redirects to a file); only a stdout whose device:inode it names is the journal."""
+    out, _ = run_logging("log.warning('hold: stale state')", None)
+    assert out == "<4>hold: stale state\n", out
+    out, _ = run_logging("log.warning('hold: stale state')", "8:1234")
+    assert not out.startswith("<") and "WARNING hold: stale state" in out and out[:4].isdigit(), out

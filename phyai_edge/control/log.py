@@ -1,8 +1,8 @@
 """Logging for a daemon on stdout: one line per event, journald priorities when under systemd.
 
-Under systemd (JOURNAL_STREAM set) each line starts with `<N>` (sd-daemon(3) priority prefixes)
-and carries no timestamp (journald adds one). On a terminal or in a file: an ISO-ish timestamp
-and the level. Never colours.
+Under systemd (stdout is the stream JOURNAL_STREAM names) each line starts with `<N>`
+(sd-daemon(3) priority prefixes) and carries no timestamp (journald adds one). On a terminal or in
+a file: an ISO-ish timestamp and the level. Never colours.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import sys
+from typing import Any
 
 _PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
 
@@ -44,8 +45,21 @@ class _StatusAwareHandler(logging.StreamHandler):
         super().emit(record)
 
 
-def under_journald() -> bool:
-    return bool(os.environ.get("JOURNAL_STREAM"))
+def under_journald(stream: Any = None) -> bool:
+    """Whether `stream` (default stdout) is the journal stream systemd connected this process to.
+
+    JOURNAL_STREAM holds that stream's "device:inode" (systemd.exec(5)); it is inherited by every
+    process started from a service (a shell, tmux, a script redirecting to a file), so its mere
+    presence does not mean our output goes to the journal: the file descriptor must match.
+    """
+    dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    if not (dev.isdigit() and ino.isdigit()):
+        return False
+    try:
+        st = os.fstat((sys.stdout if stream is None else stream).fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
+    return (st.st_dev, st.st_ino) == (int(dev), int(ino))
 
 
 def setup_logging(level: int = logging.INFO) -> logging.Handler:
