@@ -267,3 +267,16 @@ def test_priority_prefixes_only_when_stdout_is_the_journal_stream():
     assert out == "<4>hold: stale state\n", out
     out, _ = run_logging("log.warning('hold: stale state')", "8:1234")
     assert not out.startswith("<") and "WARNING hold: stale state" in out and out[:4].isdigit(), out
+
+
+def test_uncaught_tracebacks_under_journald_are_one_entry_with_a_priority():
+    """Python prints an uncaught traceback on stderr, one journal entry per line at priority info
+    (`journalctl -p warning` shows none of it); under journald each is one line with <2> / <3>."""
+    code = ("t = threading.Thread(target=lambda: 1 / 0, name='camera-top'); t.start(); t.join(); "
+            "raise RuntimeError('the clock loop broke')")
+    out, err = run_logging(code, None)
+    lines = out.splitlines()
+    assert err == "", err
+    assert len(lines) == 2, out
+    assert lines[0].startswith("<3>thread camera-top died: uncaught ZeroDivisionError") and "Traceback" in lines[0]
+    assert lines[1].startswith("<2>uncaught RuntimeError: the clock loop broke") and "Traceback" in lines[1]

@@ -62,9 +62,35 @@ def under_journald(stream: Any = None) -> bool:
     return (st.st_dev, st.st_ino) == (int(dev), int(ino))
 
 
+def _log_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    """sys.excepthook under journald: the traceback as one CRITICAL entry, not one INFO entry per line."""
+    if issubclass(exc_type, KeyboardInterrupt):
+        sys.__excepthook__(exc_type, exc, tb)
+        return
+    logging.getLogger("phyai_edge").critical("uncaught %s: %s", exc_type.__name__, exc, exc_info=(exc_type, exc, tb))
+
+
+def _log_uncaught_in_thread(args: Any) -> None:
+    """threading.excepthook under journald: a helper thread that died, as one ERROR entry."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("phyai_edge").error("thread %s died: uncaught %s: %s", name, args.exc_type.__name__,
+                                          args.exc_value, exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+
 def setup_logging(level: int = logging.INFO) -> logging.Handler:
     handler = _StatusAwareHandler(sys.stdout)
-    handler.setFormatter(JournalFormatter() if under_journald() else LineFormatter())
+    journal = under_journald()
+    handler.setFormatter(JournalFormatter() if journal else LineFormatter())
+    if journal:
+        # Python prints uncaught tracebacks on stderr, one journal entry per line at the default
+        # priority (info): `journalctl -p warning` would not show them, and they interleave with
+        # other lines. Route them through the logger instead.
+        import threading
+
+        sys.excepthook = _log_uncaught
+        threading.excepthook = _log_uncaught_in_thread
     root = logging.getLogger("phyai_edge")
     for h in list(root.handlers):
         root.removeHandler(h)
