@@ -319,3 +319,32 @@ def test_sim_treats_a_silent_action_stream_as_hold() -> None:
     assert not lg.hold[a0] and any(lg.hold[a0:a1]) and not lg.hold[a1]
     kinds = [k for k, _ in lg.events]
     assert kinds == ["hold_end", "hold_start", "hold_end"], kinds
+
+
+def test_roofline_bench_keeps_the_worker_time_outside_the_model_stages() -> None:
+    """`phyai-edge roofline --metrics` books the worker's whole-job time minus its stages as
+    transport; the bench the sim report writes from the same histograms must not drop it, or the
+    loop's L would be shorter than the daemon's own inference."""
+    from phyai_edge.roofline.sources import parse_bench
+    from phyai_edge.sim.report import roofline_bench
+
+    def ms(p50: float, p90: float) -> dict[str, float]:
+        return {"n": 20, "p50_ms": p50, "p90_ms": p90}
+
+    result = {
+        "meta": {"control_hz": 50.0},
+        "timing": {"camera_age_at_inference": ms(30.0, 50.0), "transport": ms(0.3, 1.0), "chunk_delay": ms(40.0, 60.0)},
+        "daemon_inference": {
+            "inference": ms(35.0, 47.0), "preprocess": ms(3.0, 4.0), "embed_images": ms(4.0, 8.0),
+            "encode_prefix": ms(7.0, 9.0), "solver_loop": ms(15.0, 19.0), "denoise_step": ms(1.5, 1.9),
+            "postprocess": ms(0.5, 0.9),
+        },
+    }
+    bench = roofline_bench(result)
+    for stat, (whole, parts, camera, transport) in {"p50": (35.0, 29.5, 30.0, 0.3), "p90": (47.0, 40.9, 50.0, 1.0)}.items():
+        m = parse_bench(bench, stat=stat)[0]
+        st = m.stage_times()
+        assert st.camera_age_s == pytest.approx(camera / 1e3)
+        assert st.transport_s == pytest.approx((transport + whole - parts) / 1e3)
+        model = st.preprocess_s + st.vision_s + st.prefix_s + st.denoise_step_s * st.steps + st.postprocess_s
+        assert model + st.transport_s - transport / 1e3 == pytest.approx(whole / 1e3)

@@ -369,11 +369,13 @@ def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
     """The loop's measured stage times as a bench document for `phyai-edge roofline --bench`.
 
     camera_age: the frame's age when the daemon assembled the observation (render and send
-    included); transport: daemon publish -> sim receive of an action; inference: the daemon's own
-    histogram when its metrics were captured, else the measured chunk delay (d ticks, an upper
-    bound quantised to the period).
+    included); transport: daemon publish -> sim receive of an action, plus the worker's time
+    outside the model's stages when those are known; inference: the daemon's own histogram when
+    its metrics were captured, else the measured chunk delay (d ticks, an upper bound quantised
+    to the period).
     """
     t = result["timing"]
+    meta = result.get("meta", {})
 
     def pick(s: dict[str, float]) -> dict[str, float]:
         return {k: v for k, v in s.items() if k.endswith("_ms")}
@@ -399,11 +401,23 @@ def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
         for stage in ("embed_images", "encode_prefix", "solver_loop", "denoise_step"):
             if stage in inf:
                 stages[stage] = pick(inf[stage])
+        if any(stage in inf for stage in ("embed_images", "encode_prefix", "solver_loop", "denoise_step")):
+            # With the model's stages the roofline ignores the whole-inference aggregate, so the
+            # worker's time outside them (observation and chunk across the worker pipe) would be
+            # lost: book it as transport, as `phyai-edge roofline --metrics` does.
+            stages["transport"] = dict(stages["transport"])
+            for k, whole in pick(inf["inference"]).items():
+                solver = inf.get("solver_loop", {}).get(k)
+                if solver is None:
+                    solver = inf.get("denoise_step", {}).get(k, 0.0) * int(meta.get("steps", 10))
+                parts = solver + sum(inf.get(stage, {}).get(k, 0.0) for stage in
+                                     ("preprocess", "embed_images", "encode_prefix", "postprocess"))
+                if k in stages["transport"]:
+                    stages["transport"][k] += max(0.0, whole - parts)
         source = "daemon metrics"
     else:
         stages["inference"] = pick(t["chunk_delay"])
         source = "chunk delay (upper bound)"
-    meta = result.get("meta", {})
     return {
         "adapter": "pi05",
         "preset": meta.get("preset", "tiny"),
