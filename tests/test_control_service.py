@@ -280,3 +280,25 @@ def test_uncaught_tracebacks_under_journald_are_one_entry_with_a_priority():
     assert len(lines) == 2, out
     assert lines[0].startswith("<3>thread camera-top died: uncaught ZeroDivisionError") and "Traceback" in lines[0]
     assert lines[1].startswith("<2>uncaught RuntimeError: the clock loop broke") and "Traceback" in lines[1]
+
+
+def test_a_multi_line_status_stays_one_status_field():
+    """A worker's load error (torch's CUDA errors span several lines) ends up in STATUS=: its lines
+    must not become fields of their own (systemd would show only the first, the rest dropped)."""
+    name = f"@phyai-edge-status-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name[1:])
+    sock.settimeout(2)
+    n = Notifier({"NOTIFY_SOCKET": name})
+    text = "HOLDING, WORKER DOWN: RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be reported later\n"
+    try:
+        assert n.status(text + "| seq 12")
+        got = sock.recv(65536).decode()
+        assert n.ready("up\nREADY=0")
+        got_ready = sock.recv(65536).decode()
+    finally:
+        n.close()
+        sock.close()
+    assert got == "STATUS=HOLDING, WORKER DOWN: RuntimeError: CUDA error: out of memory | CUDA kernel errors might be " \
+                  "reported later | | seq 12", got
+    assert got_ready == "READY=1\nSTATUS=up | READY=0", got_ready

@@ -9,6 +9,13 @@ import os
 import socket
 
 
+def _status_field(text: str) -> str:
+    """STATUS=text on one line. The datagram is newline-separated assignments, so a multi-line
+    text (a worker's CUDA error in the status) would be cut at its first line, the rest taken
+    as assignments of its own."""
+    return "STATUS=" + " | ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 class Notifier:
     def __init__(self, environ: dict[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
@@ -44,19 +51,19 @@ class Notifier:
             return False  # systemd gone or socket full: never let this stop the clock
 
     def ready(self, status: str = "") -> bool:
-        return self.notify("READY=1", *( [f"STATUS={status}"] if status else []))
+        return self.notify("READY=1", *([_status_field(status)] if status else []))
 
     def extend_timeout(self, seconds: float, status: str = "") -> bool:
         """EXTEND_TIMEOUT_USEC: the current phase (start-up, stop) may run `seconds` from now even
         past TimeoutStartSec= / TimeoutStopSec= (systemd >= 236)."""
         fields = [f"EXTEND_TIMEOUT_USEC={max(1, round(seconds * 1e6))}"]
-        return self.notify(*fields, *([f"STATUS={status}"] if status else []))
+        return self.notify(*fields, *([_status_field(status)] if status else []))
 
     def watchdog(self) -> bool:
         return self.notify("WATCHDOG=1")
 
     def status(self, text: str) -> bool:
-        return self.notify(f"STATUS={text}")
+        return self.notify(_status_field(text))
 
     def stopping(self) -> bool:
         return self.notify("STOPPING=1")
