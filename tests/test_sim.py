@@ -348,3 +348,24 @@ def test_roofline_bench_keeps_the_worker_time_outside_the_model_stages() -> None
         assert st.transport_s == pytest.approx((transport + whole - parts) / 1e3)
         model = st.preprocess_s + st.vision_s + st.prefix_s + st.denoise_step_s * st.steps + st.postprocess_s
         assert model + st.transport_s - transport / 1e3 == pytest.approx(whole / 1e3)
+
+
+def test_report_frame_rate_is_per_camera_and_leaves_out_outages() -> None:
+    """Two cameras at 25 fps with a 1 s outage: the report's frame rate is 25 Hz, not the frames
+    of both cameras over the whole span (outage included)."""
+    from phyai_edge.sim.report import SimRun, timing
+
+    t = np.concatenate([np.arange(0, 25), np.arange(50, 75)]) * 40_000_000  # 0-1 s, 2-3 s
+    frames = np.repeat(t, 2) + np.tile([0, 5_000_000], t.size)
+    i64 = lambda *v: np.asarray(v, np.int64)  # noqa: E731
+    data = {
+        "step_ns": np.arange(0, 4_000_000_000, 20_000_000, dtype=np.int64), "step_ms": np.ones(200, np.float32),
+        "applied_seq": np.full(200, -1, np.int64), "rx_seq": i64(), "rx_recv_ns": i64(), "rx_publish_ns": i64(),
+        "rx_flags": i64(), "rx_chunk": i64(), "rx_obs_ns": i64(), "rx_index": i64(),
+        "frame_camera": np.tile(np.asarray(["top", "left_wrist"]), t.size), "frame_capture_ns": frames,
+        "frame_sent_ns": frames + 1_000_000, "frame_render_ms": np.full(frames.size, 0.5, np.float32),
+        "event_kind": np.asarray(["camera_stop", "camera_start"]), "event_ns": i64(1_000_000_000, 2_000_000_000),
+    }
+    out = timing(SimRun(data, {"control_hz": 50.0}))
+    assert out["frames"] == 100
+    assert out["frame_rate_hz"] == pytest.approx(25.0)

@@ -129,9 +129,18 @@ def timing(run: SimRun) -> dict[str, Any]:
 
     fr = run.frame_capture_ns
     if fr.size:
-        span = (fr[-1] - fr[0]) / 1e9
+        # Per camera, over the intervals while its stream was on: an outage is not a slow camera,
+        # and several cameras on one PUB are not a faster one.
+        stops = np.sort(run.event_ns[run.event_kind == "camera_stop"])
+        intervals, span = 0, 0
+        for cam in np.unique(run.frame_camera):
+            c = fr[run.frame_camera == cam]
+            # no camera stop in (previous frame, this frame]
+            on = np.searchsorted(stops, c[1:], "right") == np.searchsorted(stops, c[:-1], "right")
+            intervals += int(np.count_nonzero(on))
+            span += int(np.diff(c)[on].sum())
         out["frames"] = int(fr.size)
-        out["frame_rate_hz"] = float((fr.size - 1) / span) if span > 0 else float("nan")
+        out["frame_rate_hz"] = float(intervals / (span / 1e9)) if span > 0 else float("nan")
         out["render"] = stats_ms(run.frame_render_ms)
         out["frame_send"] = stats_ms((run.frame_sent_ns - fr) / 1e6 - run.frame_render_ms)
 
