@@ -335,3 +335,29 @@ def test_a_stop_during_start_up_ends_it_at_once(tmp_path, phase):
     assert not t.is_alive(), f"setup still running {took:.1f} s after stop() during {phase}"
     assert len(outcome) == 1 and isinstance(outcome[0], StartupInterruptedError), outcome
     assert took < 5, took
+
+
+def test_the_worker_process_logs_as_the_daemon_does(capfd):
+    """A spawned worker starts with no logging: the engine's INFO lines (bundle load, graph
+    captures) were dropped. It now repeats the daemon's setup, so they reach the same stream."""
+    from phyai_edge.control import log as daemon_log_mod
+    from phyai_edge.control.worker import PolicySpec, ProcessWorker
+
+    root = logging.getLogger("phyai_edge")
+    saved = (list(root.handlers), root.level, root.propagate, list(daemon_log_mod._CONFIGURED))
+    daemon_log_mod.setup_logging(logging.INFO)
+    try:
+        w = ProcessWorker(PolicySpec("phyai_edge.control.fakes:make_fake_policy",
+                                     {"announce": "captured the loop (from the worker)"}))
+        w.start(60)
+        w.close()
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved[0]:
+            root.addHandler(h)
+        root.setLevel(saved[1])
+        root.propagate = saved[2]
+        daemon_log_mod._CONFIGURED[:] = saved[3]
+    assert "captured the loop (from the worker)" in capfd.readouterr().out
+

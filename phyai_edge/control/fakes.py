@@ -77,13 +77,18 @@ class FakePolicy:
         return FakeResult(actions[None], {"preprocess": 0.1, "denoise": 1000 * self.latency_s})
 
 
-def make_fake_policy(refuse_if_exists: str = "", load_s: float = 0.0, **kwargs: Any) -> FakePolicy:
+def make_fake_policy(refuse_if_exists: str = "", load_s: float = 0.0, announce: str = "", **kwargs: Any) -> FakePolicy:
     """Factory for `PolicySpec(factory="phyai_edge.control.fakes:make_fake_policy", kwargs=...)`.
 
     `refuse_if_exists`: a path; while it exists, building fails (a worker restart that keeps failing).
     `load_s`: how long building takes (a full-size checkpoint's load and compile).
+    `announce`: an INFO line to log while building (as an engine logs its graph captures).
     """
+    import logging
     import os
+
+    if announce:
+        logging.getLogger("phyai_edge.engines").info(announce)
 
     time.sleep(load_s)
     if refuse_if_exists and os.path.exists(refuse_if_exists):

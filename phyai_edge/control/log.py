@@ -79,7 +79,17 @@ def _log_uncaught_in_thread(args: Any) -> None:
                                           args.exc_value, exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
 
 
+_CONFIGURED: list[int] = []  # the level `setup_logging` was last called with, for child processes
+
+
+def configured_level() -> int | None:
+    """The level `setup_logging` set in this process (None: it was not called, e.g. a library
+    user or a test): what a worker process repeats so that its lines reach the journal alike."""
+    return _CONFIGURED[-1] if _CONFIGURED else None
+
+
 def setup_logging(level: int = logging.INFO) -> logging.Handler:
+    _CONFIGURED[:] = [level]
     handler = _StatusAwareHandler(sys.stdout)
     journal = under_journald()
     handler.setFormatter(JournalFormatter() if journal else LineFormatter())

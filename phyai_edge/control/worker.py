@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from phyai_edge.control.log import configured_level
 from phyai_edge.control.rtc import SOLVER_MODES
 
 log = logging.getLogger("phyai_edge.control")
@@ -272,8 +273,15 @@ def _recv_job(conn: Any) -> Job | None:
     return Job(images=images, **head)
 
 
-def _child_main(conn: Any, spec: PolicySpec) -> None:
-    """Worker process: build the policy, report its shape, then serve jobs until told to stop."""
+def _child_main(conn: Any, spec: PolicySpec, log_level: int | None = None) -> None:
+    """Worker process: build the policy, report its shape, then serve jobs until told to stop.
+    `log_level`: the daemon's logging, set up here alike (a spawned process starts with none, so
+    the engine's lines, captured graphs and bundle load times, were lost, and its warnings reached
+    journald without a priority)."""
+    if log_level is not None:
+        from phyai_edge.control.log import setup_logging
+
+        setup_logging(log_level)
     try:
         policy = spec.build()
         conn.send(("ready", policy_info(policy)))
@@ -348,7 +356,8 @@ class ProcessWorker(_JobSlot):
 
     def _spawn(self) -> PolicyInfo:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_child_main, args=(child, self._spec), name="phyai-edge-worker", daemon=True)
+        proc = self._ctx.Process(target=_child_main, args=(child, self._spec, configured_level()),
+                                 name="phyai-edge-worker", daemon=True)
         proc.start()
         child.close()
         self._proc, self._conn = proc, parent
