@@ -669,6 +669,9 @@ dtype = "float32"
 prompt = "pick up the cube"
 worker = "process"           # process | thread: where the policy runs
 threads = 1                  # torch threads in the worker (leave a core for the clock)
+load_timeout_s = 600.0       # loading the policy may take this long (a full-size checkpoint, Triton's
+                             # first compile); each warm-up inference too (graph capture). systemd's
+                             # start timeout is extended to match
 warmup = 1                   # warm-up rounds before the clock starts: a chunk without RTC and, in a
                              # solver RTC mode, one with it (graphs captured, kernels compiled)
 restart_backoff_s = 0.5      # a dead worker process is restarted after this, doubling per failed attempt
