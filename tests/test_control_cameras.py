@@ -16,7 +16,20 @@ from phyai_edge.control.protocol import FrameMessage, StateMessage
 from phyai_edge.control.state import ZmqState
 
 
-class FlakyCapture:
+class _CaptureProps:
+    """What OpenCVCamera asks of a capture besides frames: no properties, settings accepted."""
+
+    def get(self, prop: int) -> float:
+        return 0.0
+
+    def set(self, *args) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
+
+
+class FlakyCapture(_CaptureProps):
     """Opens on the 2nd try, delivers `frames` frames, then its reads fail (unplugged)."""
 
     opens = 0
@@ -39,14 +52,6 @@ class FlakyCapture:
     def retrieve(self):
         return True, np.zeros((4, 4, 3), np.uint8)
 
-    def get(self, prop: int) -> float:
-        return 0.0
-
-    def set(self, *args) -> bool:
-        return True
-
-    def release(self) -> None:
-        pass
 
 
 def test_opencv_camera_reconnects_with_backoff():
@@ -142,7 +147,7 @@ def test_a_sender_clock_running_ahead_never_dates_a_reading_after_its_arrival(so
         pub.close(0)
 
 
-class ScriptedCapture:
+class ScriptedCapture(_CaptureProps):
     """A capture that serves `frames` in order (read, or grab + retrieve), then reads fail."""
 
     def __init__(self, frames: list[np.ndarray]) -> None:
@@ -165,14 +170,6 @@ class ScriptedCapture:
     def read(self):
         return (self.retrieve() if self.grab() else (False, None))
 
-    def get(self, prop: int) -> float:
-        return 0.0
-
-    def set(self, *args) -> bool:
-        return True
-
-    def release(self) -> None:
-        pass
 
 
 def _first_frame(cam: OpenCVCamera, timeout_s: float = 10.0):

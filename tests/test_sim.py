@@ -102,56 +102,22 @@ def test_physics_follows_a_target_and_the_camera_renders() -> None:
 def test_sim_applies_the_newest_action_and_holds_its_own_target_on_hold(tmp_path: Path) -> None:
     """A stand-in daemon publishes motion, then HOLD with a different payload, then SHUTDOWN:
     the sim must keep the last motion target through HOLD and log contiguous sequence numbers."""
-    import zmq
-
-    from phyai_edge.sim.robot import SimRobot, SimSettings
-
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    settings = SimSettings(
-        state_endpoint=f"tcp://127.0.0.1:{launch.free_port()}",
-        action_endpoint=f"tcp://127.0.0.1:{port}",
-        cameras=[],
-        report_every_s=0,
-        duration_s=30.0,
-    )
-    robot = SimRobot(settings, context=ctx)
-    robot.open()
-    thread = threading.Thread(target=robot.run, daemon=True)
-    thread.start()
-    start = robot.sim.target.astype(np.float32)
-    seq = 0
-
-    def send(values: np.ndarray, flags: int = 0) -> None:
-        nonlocal seq
-        header = ActionHeader(seq, time.monotonic_ns(), time.time_ns(), time.monotonic_ns(), 1, seq, 1, 14, flags, 42)
-        pub.send_multipart(encode_actions(b"action", header, values[None]))
-        seq += 1
-        time.sleep(0.02)
-
+    daemon = _StandIn()
+    robot, start = daemon.robot, daemon.start
     try:
-        # Until the SUB has joined (ZeroMQ drops messages before that), hold the start pose.
-        deadline = time.monotonic() + 20
-        while robot.received == 0 and time.monotonic() < deadline:
-            send(start, Flag.HOLD | Flag.WARMUP)
-        assert robot.received > 0, "the sim never received an action"
+        daemon.join()
         motion = start.copy()
         for k in range(25):
             motion = start.copy()
             motion[1] += 0.01 * k
-            send(motion)
+            daemon.send(motion)
         last_motion = motion.copy()
         for _ in range(25):
-            send(np.full(14, 0.5, np.float32), Flag.HOLD | Flag.STALE)  # a payload the sim must ignore
-        send(np.zeros(14, np.float32), Flag.HOLD | Flag.SHUTDOWN)
+            daemon.send(np.full(14, 0.5, np.float32), Flag.HOLD | Flag.STALE)  # a payload the sim must ignore
+        daemon.send(np.zeros(14, np.float32), Flag.HOLD | Flag.SHUTDOWN)
         time.sleep(0.1)
     finally:
-        robot.stop()
-        thread.join(10)
-        robot.close()
-        pub.close(0)
-        ctx.term()
+        daemon.close()
 
     lg = robot.log
     rx_flags = np.asarray(lg.rx_flags)
