@@ -53,7 +53,6 @@ class FlakyCapture(_CaptureProps):
         return True, np.zeros((4, 4, 3), np.uint8)
 
 
-
 def test_opencv_camera_reconnects_with_backoff():
     FlakyCapture.opens = 0
     cam = OpenCVCamera(CameraConfig("top", source="v4l2"), open_capture=lambda cfg: FlakyCapture(5), backoff_s=(0.01, 0.04))
@@ -169,7 +168,6 @@ class ScriptedCapture(_CaptureProps):
 
     def read(self):
         return (self.retrieve() if self.grab() else (False, None))
-
 
 
 def _first_frame(cam: OpenCVCamera, timeout_s: float = 10.0):
