@@ -198,7 +198,9 @@ def test_start_up_extends_systemds_start_timeout_to_the_load_timeouts(tmp_path, 
     monkeypatch.setenv("NOTIFY_SOCKET", name)
     cfg = tmp_path / "robot.toml"
     assert 'mode = "guided-approx"' in DEFAULT_CONFIG_TOML  # a solver mode: two warm-up inferences per round
-    cfg.write_text(DEFAULT_CONFIG_TOML.replace("warmup = 1 ", "load_timeout_s = 400.0\nwarmup = 2 ", 1))
+    assert "load_timeout_s = 600.0 " in DEFAULT_CONFIG_TOML and "warmup = 1 " in DEFAULT_CONFIG_TOML
+    cfg.write_text(DEFAULT_CONFIG_TOML.replace("load_timeout_s = 600.0 ", "load_timeout_s = 400.0 ", 1)
+                   .replace("warmup = 1 ", "warmup = 2 ", 1))
     seen_at_setup: list[str] = []
 
     class FakeDaemon:
