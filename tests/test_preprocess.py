@@ -280,7 +280,7 @@ def test_antialiased_resize_is_what_openpi_feeds_its_checkpoints():
     """openpi resizes with PIL's BILINEAR (antialiased on a downscale) and hands the model the
     uint8 result. `resize_antialias` reproduces it to a level or two; the plain bilinear resize
     (LeRobot's) is far from it on a detailed frame, which is why the choice follows the checkpoint."""
-    from PIL import Image
+    Image = pytest.importorskip("PIL.Image", reason="Pillow (the test extra's matplotlib brings it) is openpi's resize")
 
     frame = _textured(480, 640)
     rh, rw, top, left = 168, 224, 28, 0
