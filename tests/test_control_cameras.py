@@ -275,10 +275,31 @@ def test_queued_v4l2_frames_are_skipped_for_the_newest():
     the only frame published is the live one, never an old buffered one."""
     frames = [(np.full((4, 4, 3), i, np.uint8), 0.5) for i in range(3)] + [(np.full((4, 4, 3), 9, np.uint8), 0.001)]
     cap = TimedCapture(frames)
-    fr = _run_out(OpenCVCamera(CameraConfig("top", source="v4l2", fps=30.0), open_capture=lambda cfg: cap,
+    # 5 fps: the 0.5 s old frames are over two periods old, and a queued frame's 1 ms grab stays far
+    # under the half period that would mean "waited for the camera" even on a loaded machine.
+    fr = _run_out(OpenCVCamera(CameraConfig("top", source="v4l2", fps=5.0), open_capture=lambda cfg: cap,
                                backoff_s=(5.0, 5.0)), cap)
     assert fr is not None and fr.seq == 1 and int(fr.image[0, 0, 0]) == 9
     assert len(cap.retrieve_started) == 1  # the skipped frames were never decoded
+
+
+class LaggingStamps(TimedCapture):
+    """A camera whose buffer stamps all run 0.5 s behind (a slow transfer, a driver's clock) and
+    whose grab waits a frame period for the next frame: nothing is ever queued."""
+
+    def grab(self) -> bool:
+        time.sleep(1 / 30)
+        return super().grab()
+
+
+def test_stamps_that_run_behind_do_not_make_the_camera_skip_live_frames():
+    """Skipping stops at the first grab that had to wait for the camera: that frame is live. With
+    every stamp 0.5 s old, the thread must not grab ten frames (ten periods) for each it uses."""
+    frames = [(np.full((4, 4, 3), i, np.uint8), 0.5) for i in range(6)]
+    cap = LaggingStamps(frames)
+    _run_out(OpenCVCamera(CameraConfig("top", source="v4l2", fps=30.0), open_capture=lambda cfg: cap,
+                          backoff_s=(5.0, 5.0)), cap)
+    assert len(cap.retrieve_started) == 3  # each frame used after at most one skipped: 6 grabs, 3 decoded
 
 
 class OpensButNeverReads(ScriptedCapture):
