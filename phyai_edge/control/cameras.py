@@ -189,16 +189,21 @@ class OpenCVCamera:
         """(ok, image, capture time): grab, date, then decode. read() is grab + retrieve, and dating
         after it made every frame look younger by its decode (an MJPEG or H.264 frame: milliseconds
         to tens of them on an edge CPU)."""
+        asked = time.monotonic()
         if not cap.grab():
             return False, None, 0.0
         captured = self._capture_time(cap)
-        if self.cfg.source == "v4l2":
+        waited = time.monotonic() - asked > period / 2
+        if self.cfg.source == "v4l2" and not waited:
             # Frames the driver queued while this thread was decoding are older than the newest:
             # skip them (a V4L2 grab only dequeues a buffer, the decode is in retrieve). One dated
             # more than two periods ago means a newer one has completed since (the transfer takes
             # at most a period). Only buffer timestamps count: a frame dated at its grab never
             # looks old. A camera slower than configured may have a grab wait for the next frame,
-            # never end with an older one.
+            # never end with an older one. A grab that waited for the camera (more than half a
+            # period) found nothing queued: its frame is the newest there is, whatever its stamp
+            # says (a driver whose stamps run over two periods behind would otherwise cost up to
+            # ten periods a frame).
             for _ in range(_MAX_QUEUED_FRAMES):
                 if time.monotonic() - captured <= 2 * period:
                     break
@@ -207,9 +212,6 @@ class OpenCVCamera:
                     return False, None, 0.0
                 captured = self._capture_time(cap)
                 if time.monotonic() - asked > period / 2:
-                    # This grab waited for the camera: nothing was queued, so the frame is the
-                    # newest there is, whatever its stamp says (a driver whose stamps run more
-                    # than two periods behind would otherwise cost up to ten periods a frame).
                     break
         ok, image = cap.retrieve()
         return ok, image, captured
