@@ -335,3 +335,24 @@ def test_report_frame_rate_is_per_camera_and_leaves_out_outages() -> None:
     out = timing(SimRun(data, {"control_hz": 50.0}))
     assert out["frames"] == 100
     assert out["frame_rate_hz"] == pytest.approx(25.0)
+
+
+@needs_sim
+def test_a_loop_that_fails_still_saves_its_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the loop logged before it died is what explains the failure: `--log` keeps it (with
+    the error in its meta), and the command exits 1 instead of raising past the save."""
+    from phyai_edge.cli import main as cli
+    from phyai_edge.sim import robot as robot_mod
+    from phyai_edge.sim.report import load_log
+
+    def dies(self, on_step=None):
+        self.log.step_ns.extend([1, 2, 3])  # three steps logged, then the failure
+        raise RuntimeError("physics diverged")
+
+    monkeypatch.setattr(robot_mod.SimRobot, "run", dies)
+    path, cfg = tmp_path / "run.npz", tmp_path / "loop.toml"
+    launch.loop_config(cfg)  # free ports
+    rc = cli(["sim", "--config", str(cfg), "--log", str(path), "--duration", "1"])
+    assert rc == 1 and path.exists()
+    run = load_log(str(path))
+    assert run.meta["error"] == "RuntimeError: physics diverged" and run.meta["summary"]["steps"] == 3

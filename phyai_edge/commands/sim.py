@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 HELP = "a simulated ALOHA robot process that talks to the daemon over ZeroMQ"
@@ -144,8 +145,16 @@ def main(args: argparse.Namespace) -> int:
         log.error("cannot open the sockets: %s", exc)
         robot.close()
         return 1
+    started = time.monotonic()
+    failure = ""
     try:
         summary = robot.run()
+    except Exception as exc:
+        # The loop died: what it logged up to then is what explains it, so --log still keeps it.
+        log.exception("the simulation loop failed")
+        failure = f"{type(exc).__name__}: {exc}"
+        steps = len(robot.log.step_ns) if robot.log is not None else 0  # counted only when logging
+        summary = robot.summary(steps, time.monotonic() - started)
     finally:
         robot.close()
     log.info(
@@ -157,7 +166,7 @@ def main(args: argparse.Namespace) -> int:
     if args.log:
         meta = {"task": settings.task, "control_hz": settings.control_hz, "render_every": settings.render_every,
                 "cameras": [c.__dict__ for c in settings.cameras], "config": args.config or "",
-                "camera_max_age_ms": settings.camera_max_age_ms, "summary": summary,
+                "camera_max_age_ms": settings.camera_max_age_ms, "summary": summary, "error": failure,
                 # Timings on a shared 2-core machine mean little without the load they ran under.
                 "cpus": os.cpu_count(), "loadavg_end": list(os.getloadavg())}
         robot.log.save(args.log, meta)
@@ -165,4 +174,4 @@ def main(args: argparse.Namespace) -> int:
     if args.summary:
         _write_json(summary, args.summary)
     sys.stdout.flush()
-    return 0
+    return 1 if failure else 0
