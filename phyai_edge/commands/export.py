@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from phyai_edge.commands.common import adapter_options, add_adapter_option_argument
+from phyai_edge.commands.common import adapter_options, add_adapter_option_argument, check_device
 
 HELP = "build an engine bundle (ONNX, TensorRT, CUDA graph) from a checkpoint"
 DESCRIPTION = """\
@@ -121,12 +121,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     # Before the export: a device torch cannot use would otherwise fail only at validation,
     # after every stage was exported, and in torch's words rather than the flag's.
-    from phyai_edge.engines.device import device_problem
-
-    problem = device_problem(args.device, flag="--device") if args.device is not None else None
-    if problem is not None:
-        print(f"phyai-edge export: {problem}", file=sys.stderr)
-        return 2
+    check_device("export", args.device)
     try:
         manifest = export_bundle(req)
     except (BundleError, ValueError, FileNotFoundError, RuntimeError) as exc:
