@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from phyai_edge.control.log import configured_level
+from phyai_edge.control.log import configured_level, setup_logging
 from phyai_edge.control.rtc import SOLVER_MODES
 
 log = logging.getLogger("phyai_edge.control")
@@ -279,8 +279,6 @@ def _child_main(conn: Any, spec: PolicySpec, log_level: int | None = None) -> No
     the engine's lines, captured graphs and bundle load times, were lost, and its warnings reached
     journald without a priority)."""
     if log_level is not None:
-        from phyai_edge.control.log import setup_logging
-
         setup_logging(log_level)
     try:
         policy = spec.build()
