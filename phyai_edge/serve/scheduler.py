@@ -238,19 +238,23 @@ class Scheduler:
         request of another RTC kind cannot join it, so it does not make the batch full)."""
         return sum(p.size for p in self._candidates())
 
-    def _close_time(self) -> float:
+    def _close_time(self, now: float) -> float:
+        """When the next batch is ready (queue not empty): `now` if its candidates fill it, else
+        the window's end or the earliest deadline less that batch's service time. One candidate
+        sort serves both."""
+        fill = self._fill()
+        if fill >= self.limit:
+            return now
         oldest = min(p.arrival for p in self._queue)
         earliest = min(p.deadline for p in self._queue)
-        return min(oldest + self.cfg.window_s, earliest - self.times.estimate(self.padded(self._fill())))
+        return min(oldest + self.cfg.window_s, earliest - self.times.estimate(self.padded(fill)))
 
     def ready_at(self) -> float | None:
         """When `next_batch` would hand out a batch if nothing else arrived (None: queue empty)."""
         with self._cond:
             if not self._queue:
                 return None
-            if self._fill() >= self.limit:
-                return self.clock()
-            return self._close_time()
+            return self._close_time(self.clock())
 
     def _candidates(self) -> list[Pending]:
         """Queued requests in the order a batch takes them: earliest deadline first, one per
@@ -322,9 +326,10 @@ class Scheduler:
                     return []
                 now = self.clock()
                 if self._queue:
-                    if self._fill() >= self.limit or now >= self._close_time():
+                    close = self._close_time(now)
+                    if now >= close:
                         return self._select()
-                    wait = self._close_time() - now
+                    wait = close - now
                 else:
                     wait = None
                 if end is not None:
