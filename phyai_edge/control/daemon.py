@@ -111,6 +111,11 @@ def policy_spec_from_config(cfg: DaemonConfig) -> PolicySpec:
     return PolicySpec("phyai_edge.engines.policy:load_policy", kwargs, m.threads)
 
 
+def warmup_inferences_per_round(mode: str) -> int:
+    """A warm-up round (`Daemon.setup`): a chunk without RTC and, in a solver RTC mode, one with it."""
+    return 2 if mode in SOLVER_MODES else 1
+
+
 _T = TypeVar("_T")
 
 
@@ -202,7 +207,7 @@ class Daemon:
         # solver RTC mode, one as every later one goes: an engine that captures a graph per RTC mode
         # (cudagraph) would otherwise capture the second on the second chunk, inside the control loop.
         rounds = [make_warmup_job(info, cfg.model.prompt)]
-        if ch.mode in SOLVER_MODES:
+        if warmup_inferences_per_round(ch.mode) == 2:
             rounds.append(make_warmup_job(info, cfg.model.prompt, rtc_mode=ch.mode,
                                           execution_horizon=ch.execution_horizon, delay=ch.delay or ch.delay_initial,
                                           max_guidance_weight=ch.max_guidance_weight))
