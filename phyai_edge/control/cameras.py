@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from phyai_edge.control.config import CameraConfig
+from phyai_edge.control.log import worth_logging
 
 log = logging.getLogger("phyai_edge.control")
 
@@ -290,7 +290,7 @@ class OpenCVCamera:
                 else:
                     failures += 1
                     # A camera left unplugged retries for hours: log the 1st, 10th, 100th... attempt.
-                    if math.log10(failures).is_integer():
+                    if worth_logging(failures):
                         log.warning("camera %s: %s (attempt %d); retrying in %.1f s", self.name, exc, failures, delay)
                 self.connected = False
             finally:

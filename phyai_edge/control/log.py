@@ -79,6 +79,14 @@ def _log_uncaught_in_thread(args: Any) -> None:
                                           args.exc_value, exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
 
 
+def worth_logging(count: int) -> bool:
+    """For a failure that can repeat every period for hours (a camera left unplugged, a full
+    disk): log its 1st, 10th, 100th, ... occurrence."""
+    while count >= 10 and count % 10 == 0:
+        count //= 10
+    return count == 1
+
+
 _CONFIGURED: list[int] = []  # the level `setup_logging` was last called with, for child processes
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import queue
 import threading
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+
+from phyai_edge.control.log import worth_logging
 
 log = logging.getLogger("phyai_edge.control")
 
@@ -85,7 +86,7 @@ class Recorder:
                 self.written += 1
             except Exception as exc:
                 self.failed += 1
-                if math.log10(self.failed).is_integer():  # a full disk fails every record: 1st, 10th, ...
+                if worth_logging(self.failed):  # a full disk fails every record: 1st, 10th, ...
                     log.error("record: writing failed (%s); %d so far", exc, self.failed)
 
     def close(self, timeout_s: float = 5.0) -> None:
