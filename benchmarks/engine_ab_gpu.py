@@ -19,6 +19,8 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
                             `triton_attention.FEW_BLOCKS` (the batch-1 expert attention's tiling)
   mid=bm,bn,warps,stages,min_keys,inline,tma[,keys_as_rows]
                             `triton_attention.MID_BLOCKS` (the batch-1 prefix's attention tiling)
+  big=bm,bn,warps,stages,min_keys,inline,tma[,keys_as_rows]
+                            `triton_attention.BIG_BLOCKS` (the expert's from batch 24, the prefix's from 2)
   grad-keys-as-rows         the exact-RTC attention backward's dq key blocks transposed
                             (`triton_grad.GradConfig.keys_as_rows` on the rule's tiling; with --rtc guided)
 
@@ -53,7 +55,7 @@ from attention_timeline_gpu import split_config
 from pi05_gpu import VALID_TOKENS, rtc_guidance, seeded_adapter, sync
 
 # knob -> the `triton_attention` tiling it replaces
-ATTENTION_TILINGS = {"few": "FEW_BLOCKS", "mid": "MID_BLOCKS"}
+ATTENTION_TILINGS = {"few": "FEW_BLOCKS", "mid": "MID_BLOCKS", "big": "BIG_BLOCKS"}
 
 
 @dataclass

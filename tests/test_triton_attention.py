@@ -314,16 +314,51 @@ def test_tma_tilings_start_at_their_compact_form_without_tma(monkeypatch):
     monkeypatch.setattr(ta, "_has_tma", lambda device: False)
     assert ta._tilings(ta.MID_BLOCKS, cpu)[0] is ta.MID_BLOCKS_COMPACT
     assert ta._tilings(ta.FEW_BLOCKS, cpu)[0] is ta.FEW_BLOCKS_COMPACT
-    assert ta._tilings(ta.BIG_BLOCKS, cpu)[0] is ta.BIG_BLOCKS
+    assert ta._tilings(ta.BIG_BLOCKS, cpu)[0] is ta.BIG_BLOCKS_COMPACT
+    assert ta._tilings(ta.MANY_BLOCKS, cpu)[0] is ta.MANY_BLOCKS
     k = torch.zeros(1, 1, 64, 32)
     assert ta._kv_descriptors(k, k, k, k, 32) is None
+
+
+class _RefusesTma:
+    """A kernel stand-in refusing, as `OutOfResources`, every launch that loads tiles by TMA."""
+
+    def __init__(self, kernel):
+        self.kernel, self.refused = kernel, 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            if kw["TMA"]:
+                self.refused += 1
+                raise triton_dispatch.OutOfResources(238592, 232448, "shared memory")
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@kernels
+def test_big_tma_tiling_falls_back_to_128_rows_without_tma(monkeypatch):
+    """The 128-row TMA tiling that does not fit falls back to the same blocks loaded by pointers
+    (`BIG_BLOCKS_COMPACT`), not to the 64-row class."""
+    monkeypatch.setattr(triton_dispatch, "_DOES_NOT_FIT", set())
+    monkeypatch.setattr(ta, "_sm_count", lambda device: 8)  # 6 blocks of 128 rows fill 70% of 8 SMs
+    b, hq, hkv, tq, tk, d = 6, 8, 1, 5, 90, 32
+    assert ta.default_config(hq * tq, b, 8) is ta.BIG_BLOCKS and ta.BIG_BLOCKS.tma
+    q, k, v = _qkv(b, hq, hkv, tq, tk, d, torch.float32, seed=25)
+    mask = _key_mask(b, tk, seed=26)
+    want = ta.attention_split(q, k, v, mask, backend="triton", config=ta.BIG_BLOCKS_COMPACT)
+    refusing = _RefusesTma(ta._split_attn_kernel)
+    monkeypatch.setattr(ta, "_split_attn_kernel", refusing)
+    got = ta.attention_split(q, k, v, mask, backend="triton")
+    assert refusing.refused == 1 and torch.equal(got, want)
+    assert _rel(got, attention_ref(q, k, v, mask)) < 2e-5
 
 
 @kernels
 def test_a_tiling_too_big_for_the_gpu_falls_back(monkeypatch, caplog):
     """Where the shape's tiling does not fit the GPU (here: 128-row blocks refused, as an RTX GPU's
-    99 KB would), the next fallback tiling runs, gives that tiling's own result, is said once in the
-    log, and later calls go straight to it; when none fits, the error names the kernel."""
+    99 KB would), the first fallback tiling that fits runs, gives that tiling's own result, each
+    refused tiling is said once in the log, and later calls go straight to it; when none fits, the
+    error names the kernel."""
     monkeypatch.setattr(triton_dispatch, "_DOES_NOT_FIT", set())
     monkeypatch.setattr(ta, "default_config", lambda rows, groups, sms: ta.BIG_BLOCKS)
     refusing = _RefusesBlockRows(ta._split_attn_kernel, ta.BIG_BLOCKS.block_m)
@@ -336,8 +371,8 @@ def test_a_tiling_too_big_for_the_gpu_falls_back(monkeypatch, caplog):
         got = ta.attention_split(q, k, v, mask, backend="triton")
         again = ta.attention_split(q, k, v, mask, backend="triton")
     assert torch.equal(got, want) and torch.equal(again, want)
-    assert refusing.refused == 1
-    assert sum("does not fit this GPU" in r.getMessage() for r in caplog.records) == 1
+    assert refusing.refused == 2  # the 128-row tiling with TMA, then without; the second call tries neither
+    assert sum("does not fit this GPU" in r.getMessage() for r in caplog.records) == 2
     assert _rel(got, attention_ref(q, k, v, mask)) < 2e-5
     monkeypatch.setattr(ta, "FALLBACK_TILINGS", ())
     monkeypatch.setattr(triton_dispatch, "_DOES_NOT_FIT", set())

@@ -77,8 +77,8 @@ class SplitConfig:
     tma: bool = False
     # Compute each key block transposed (scores as keys x rows, the output as D x rows): the products
     # then have the keys or D as their 64-row side, which Hopper's warpgroup MMA needs, where 16
-    # query rows alone compile to the older synchronous MMA (Triton 3.6 and 3.9 for sm_90, on the
-    # CPU). Not yet timed on a GPU (`benchmarks/attention_timeline_gpu.py` takes it): off everywhere.
+    # query rows alone compile to the older synchronous MMA (Triton 3.6 and 3.9 for sm_90). Pays
+    # only for 16-row blocks (`FEW_BLOCKS`); 32 rows or more measured slower (RESULTS.md 2026-12-05).
     keys_as_rows: bool = False
 
 
@@ -97,8 +97,11 @@ class SplitConfig:
 # tiles by TMA, three stages on 4 warps, the merge unrolled: 12.2 -> 10.9 us alone, the batch-1 flow
 # loop -3.8% end to end. Compiled for sm_90 (Triton 3.6 and 3.9) it asks 141344 bytes of shared memory;
 # before Hopper (no TMA: Orin, RTX 30 / 40) or where it does not fit, `FEW_BLOCKS_COMPACT`, the tiling
-# it replaced, runs instead (`_tilings`).
-FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=4, stages=3, min_keys=128, inline_merge=True, tma=True)
+# it replaced, runs instead (`_tilings`). Since 2026-12-05 (eighteenth session) each key block is computed
+# keys x rows (`keys_as_rows`: warpgroup MMA instead of synchronous MMA), 11.9 -> 11.5 us alone
+# (207872 bytes of shared memory on sm_90).
+FEW_BLOCKS = SplitConfig(block_m=16, block_n=64, warps=4, stages=3, min_keys=128, inline_merge=True, tma=True,
+                         keys_as_rows=True)
 FEW_BLOCKS_COMPACT = SplitConfig(block_m=16, block_n=64, warps=8, stages=2, min_keys=128, inline_merge=True)
 MANY_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=1, min_keys=64, inline_merge=False)
 # 64-row blocks (the prefix at batch 1, the expert at batch 8-16) since 2026-12-04 (sixteenth
@@ -109,7 +112,12 @@ MANY_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=1, min_keys=64
 # fit, `MID_BLOCKS_COMPACT`, the tiling it replaced, runs instead.
 MID_BLOCKS = SplitConfig(block_m=64, block_n=64, warps=4, stages=3, min_keys=NO_SPLIT, inline_merge=False, tma=True)
 MID_BLOCKS_COMPACT = SplitConfig(block_m=64, block_n=64, warps=4, stages=2, min_keys=NO_SPLIT, inline_merge=False)
-BIG_BLOCKS = SplitConfig(block_m=128, block_n=64, warps=8, stages=2, min_keys=NO_SPLIT, inline_merge=False)
+# 128-row blocks (the expert from batch 24, the prefix from batch 2) since 2026-12-05 (eighteenth
+# session, `benchmarks/attention_gpu.py`, side by side): key / value tiles by TMA, the same warps and
+# stages: expert b24 38.9 -> 38.1 us, b32 43.1 -> 41.6, prefix b2 41.8 -> 38.7, b8 171.9 -> 155.8.
+# Before Hopper or where it does not fit, `BIG_BLOCKS_COMPACT`, the tiling it replaced, runs instead.
+BIG_BLOCKS = SplitConfig(block_m=128, block_n=64, warps=8, stages=2, min_keys=NO_SPLIT, inline_merge=False, tma=True)
+BIG_BLOCKS_COMPACT = SplitConfig(block_m=128, block_n=64, warps=8, stages=2, min_keys=NO_SPLIT, inline_merge=False)
 BIG_BLOCK_M = 128
 # Where the shape's tiling asks for more shared memory than the GPU has (compiled by Triton 3.9:
 # BIG_BLOCKS 128 KB, MID_BLOCKS_COMPACT 96 KB, FEW_BLOCKS_COMPACT 72 KB a block, against 99 KB on an
@@ -121,7 +129,9 @@ FALLBACK_TILINGS = (MID_BLOCKS_COMPACT, FEW_BLOCKS_COMPACT, SMALL_BLOCKS)
 
 def _fallbacks(chosen: SplitConfig) -> tuple[SplitConfig, ...]:
     """The tilings `launch_fitting` tries after `chosen` where it does not fit the GPU."""
-    return (FEW_BLOCKS_COMPACT, SMALL_BLOCKS) if chosen is FEW_BLOCKS else FALLBACK_TILINGS
+    if chosen is FEW_BLOCKS:
+        return FEW_BLOCKS_COMPACT, SMALL_BLOCKS
+    return (BIG_BLOCKS_COMPACT, *FALLBACK_TILINGS) if chosen is BIG_BLOCKS else FALLBACK_TILINGS
 
 
 def _tilings(chosen: SplitConfig, device: torch.device) -> tuple[SplitConfig, ...]:
