@@ -8,15 +8,20 @@ tests check everything but the capture itself; the GPU tests at the end check ca
 from __future__ import annotations
 
 import copy
+import math
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
-from phyai_edge.adapters.base import ModelInputs
+from phyai_edge.adapters.base import ModelInputs, Observation
 from phyai_edge.adapters.pi05 import builtin_adapter
+from phyai_edge.control.worker import make_warmup_job, policy_info, run_job
 from phyai_edge.engines import make_engine
 from phyai_edge.engines.cudagraph import CudaGraphEngine, prompt_bucket
 from phyai_edge.engines.eager import EagerEngine
+from phyai_edge.engines.policy import load_policy
 from phyai_edge.engines.rtc import RTCGuidance, prefix_weights
 
 
@@ -196,3 +201,34 @@ def test_float32_matmuls_in_tf32_restores_the_process_setting() -> None:
         assert matmul.allow_tf32 is False
     finally:
         matmul.fp32_precision = before
+
+
+def test_prompt_bucket_keeps_at_least() -> None:
+    mask = torch.arange(40)[None, :] < torch.tensor([[5], [17]])
+    assert prompt_bucket(mask, 16, at_least=20) == 32
+    assert prompt_bucket(mask, 16, at_least=33) == 40  # never more than the prompt has
+    same = torch.arange(40)[None, :] < torch.tensor([[12], [12]])
+    assert prompt_bucket(same, 16, exact=True, at_least=12) == 12
+    assert prompt_bucket(same, 16, exact=True, at_least=13) == 16  # room kept: the bucket
+
+
+def test_a_warmup_job_keeps_room_for_every_robot_state() -> None:
+    """The daemon's prompt stays fixed while the robot state moves, and PI0.5 writes the state into
+    the prompt: with the tiny tokenizer its length runs from 54 to 65 tokens, across two buckets. A
+    warm-up job (zero state) has the engine keep room for the longest, so every live state runs the
+    graph set the warm-up captured, instead of a state of fewer tokens capturing another inside
+    the control loop."""
+    policy = load_policy(preset="tiny", backend="cudagraph", device="cpu")
+    prompt = "pick up the cube"
+    warm = make_warmup_job(policy_info(policy), prompt)
+    rng = np.random.default_rng(0)
+    states = [(rng.standard_normal(policy.state_dim) * s).astype(np.float32) for s in (0.1, 1.0, 5.0) for _ in range(40)]
+    lengths = [int(policy.adapter.prompt_tokens([Observation({}, st, prompt)])[1].sum()) for st in [warm.state, *states]]
+    longest = policy.adapter.longest_prompt_tokens(prompt)
+    assert max(lengths) == longest  # no state writes more, and the bound is reached
+    assert len({math.ceil(n / 16) for n in lengths}) == 2
+    assert run_job(policy, warm).error is None
+    shortest = states[lengths.index(min(lengths)) - 1]
+    for st in (shortest, *states[:3]):
+        assert run_job(policy, replace(warm, state=st, warmup=False)).error is None
+    assert list(policy.engine._sets) == [(1, len(policy.camera_names), 80)]

@@ -121,6 +121,10 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
                 img = img.copy()  # frames are shared read-only views; the policy gets its own
             images[name] = img
         obs = Observation(images=images, state=job.state, prompt=job.prompt, timestamp=job.timestamp)
+        fix_prompt = getattr(policy, "fix_prompt_positions", None)
+        if job.warmup and fix_prompt is not None:
+            # the warm-up's zero state must capture the graphs every live state will run
+            fix_prompt(job.prompt)
         rtc = None
         if job.prefix is not None and job.rtc_mode in SOLVER_RTC_MODES:
             rtc = RTCRequest(

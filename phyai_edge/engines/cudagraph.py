@@ -128,10 +128,11 @@ def float32_matmuls_in_tf32(on: bool) -> Iterator[None]:
             matmul.allow_tf32 = legacy
 
 
-def prompt_bucket(token_mask: torch.Tensor, bucket: int, exact: bool = False) -> int:
-    """How many prompt positions the prefix must keep: the longest valid prompt in the batch,
-    rounded up to `bucket`, when every row is right-padded (valid tokens first); else all.
-    `exact`: when every row has the same number of valid tokens, that number (no padding left)."""
+def prompt_bucket(token_mask: torch.Tensor, bucket: int, exact: bool = False, at_least: int = 0) -> int:
+    """How many prompt positions the prefix must keep: the longest valid prompt in the batch (or
+    `at_least`, if more), rounded up to `bucket`, when every row is right-padded (valid tokens
+    first); else all. `exact`: when every row has the same number of valid tokens, at least
+    `at_least`, that number (no padding left)."""
     mask = token_mask.detach().to("cpu", torch.bool)
     length = mask.shape[1]
     valid = mask.sum(dim=1)
@@ -139,9 +140,9 @@ def prompt_bucket(token_mask: torch.Tensor, bucket: int, exact: bool = False) ->
     if not right_padded or bucket <= 0:
         return length
     longest = max(int(valid.max()), 1)
-    if exact and int(valid.min()) == longest:
+    if exact and int(valid.min()) == longest >= at_least:
         return longest
-    return min(length, math.ceil(longest / bucket) * bucket)
+    return min(length, math.ceil(max(longest, at_least) / bucket) * bucket)
 
 
 class _HostStaging:
@@ -322,6 +323,9 @@ class CudaGraphEngine(EngineBase):
         module.eval().requires_grad_(False)
         self.module = module
         self.trim_prompt, self.token_bucket = trim_prompt, token_bucket
+        # Prompt positions every call keeps at least (`Policy.fix_prompt_positions`): a caller whose
+        # prompt's length varies with the robot state then runs one graph set for all of them.
+        self.min_prompt_positions = 0
         self.modulation_tables = modulation_tables and hasattr(module, "time_modulation")
         if hasattr(module, "attend_keys_only"):
             module.attend_keys_only = True
@@ -476,10 +480,11 @@ class CudaGraphEngine(EngineBase):
         buckets: a new length there would be a capture in the middle of a control loop."""
         b = token_mask.shape[0]
         token_mask = token_mask.detach().to("cpu", torch.bool)  # one device-to-host copy for both calls
-        bucketed = prompt_bucket(token_mask, self.token_bucket)
+        floor = self.min_prompt_positions
+        bucketed = prompt_bucket(token_mask, self.token_bucket, at_least=floor)
         if not any(self._unmasked(b)):
             return bucketed
-        exact = prompt_bucket(token_mask, self.token_bucket, exact=True)
+        exact = prompt_bucket(token_mask, self.token_bucket, exact=True, at_least=floor)
         if exact == bucketed:
             return bucketed
         held = self._exact_lengths.setdefault((b, views), set())

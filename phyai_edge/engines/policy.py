@@ -6,6 +6,7 @@ so they give the same actions for the same observations and noise.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from phyai_edge.adapters.base import Adapter, Observation
 from phyai_edge.engines import make_engine
 from phyai_edge.engines.base import SOLVER_RTC_MODES, InferenceResult, RTCRequest
 from phyai_edge.engines.rtc import RTCGuidance, prefix_weights
+
+log = logging.getLogger(__name__)
 
 
 class Policy:
@@ -136,6 +139,22 @@ class Policy:
             raise ValueError(f"the {getattr(self.engine, 'backend', '?')} engine takes one RTC soft mask per batch; "
                              "batch only requests with the same delay and prefix length")
         return g
+
+    def fix_prompt_positions(self, prompt: str) -> int | None:
+        """For a caller whose prompt stays `prompt` while the robot state changes (the daemon): has
+        the engine keep room for that prompt with any state, so every state runs the graphs captured
+        at warm-up. Otherwise a state whose numbers take more tokens reaches a new prompt length, and
+        its graphs would be captured inside the control loop (about a second of held ticks on an
+        H200). Returns the prompt tokens kept, or None where the adapter's prompt does not follow the
+        state or the engine keeps no prompt length (nothing to fix)."""
+        longest = getattr(self.adapter, "longest_prompt_tokens", None)
+        if longest is None or not hasattr(self.engine, "min_prompt_positions"):
+            return None
+        n = int(longest(prompt))
+        if n != self.engine.min_prompt_positions:
+            log.info("prompt: up to %d tokens with any robot state; the engine keeps room for them", n)
+        self.engine.min_prompt_positions = n
+        return n
 
     def infer(
         self,

@@ -187,6 +187,23 @@ class PI05Adapter:
             ids[i], mask[i] = self._tokenize(format_prompt(prompt, bins[i]))
         return ids, mask
 
+    def longest_prompt_tokens(self, prompt: str = "") -> int:
+        """The most valid prompt tokens (BOS included) `prompt` (empty: the default prompt) takes with
+        any robot state. Each state value is written as its bin's number, one to a few tokens, so the
+        prompt's length follows the state. The numbers are separated by spaces (no token spans two),
+        so trying every bin in every free position at once finds the longest; padded positions keep
+        the bin of 0."""
+        prompt = prompt or self.io.default_prompt
+        if not prompt:
+            raise ValueError("empty prompt and no default prompt configured")
+        written = self.cfg.max_action_dim if self.io.pad_state_in_prompt else self.state_dim
+        pad_bin = int(discretize_state(np.zeros(1), self.cfg.state_bins)[0])
+        longest = 0
+        for b in range(-1, self.cfg.state_bins):
+            bins = np.array([b] * self.state_dim + [pad_bin] * (written - self.state_dim))
+            longest = max(longest, int(self._tokenize(format_prompt(prompt, bins))[1].sum()))
+        return longest
+
     def _tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         n = self.cfg.max_token_len
         # Keyed by the exact text, for the tokenizer and length it was filled with: a tokenizer
