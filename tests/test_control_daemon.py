@@ -392,6 +392,44 @@ class SlowerWithRTC(FakePolicy):
         return super().infer(observations, rtc, noise)
 
 
+class SlowFirstCall(FakePolicy):
+    """A fresh engine's first chunk compiles kernels and captures graphs: far slower than the rest."""
+
+    def __init__(self, first_s: float, **kw) -> None:
+        super().__init__(**kw)
+        self.first_s = first_s
+
+    def infer(self, observations, rtc=None, noise=None):
+        if self.calls == 0:
+            time.sleep(self.first_s)
+        return super().infer(observations, rtc, noise)
+
+
+@pytest.mark.parametrize("delay", [0, 4])
+def test_the_delay_estimate_never_starts_from_the_capturing_round(delay):
+    """With one warm-up round the daemon times a second one for the first delay estimate: the first
+    (0.6 s here, 8.8 s for the full-size cudagraph engine on an H200) would have started it at 31
+    slots and warned that the execution horizon is below it. A fixed delay needs no timing round."""
+    from phyai_edge.commands.run import startup_budget_s
+    from phyai_edge.control.daemon import warmup_rounds
+
+    cfg = test_config(model={"warmup": 1}, chunking={"mode": "guided-approx", "execution_horizon": 10,
+                                                      "delay_initial": 2, "delay": delay})
+    pol = SlowFirstCall(0.6, action_dim=6, state_dim=6, latency_s=0.005)
+    d = Daemon(cfg, policy=pol, realtime=False)
+    try:
+        d.setup()
+        assert pol.calls == (4 if delay == 0 else 2)
+        assert warmup_rounds(cfg) == (2 if delay == 0 else 1)
+        assert startup_budget_s(cfg) == cfg.model.load_timeout_s * (1 + 2 * warmup_rounds(cfg)) + 60.0
+        if delay == 0:
+            assert 2 <= d.delays.initial <= 4, d.delays.initial  # 5 ms chunks: the floor of 2, or a slot more
+        assert d.delays.estimate() == (delay or d.delays.initial)
+        assert len(d.worker.warmup_jobs) == 2  # a restarted worker still runs the configured round only
+    finally:
+        d.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["guided", "guided-approx", "inpaint", "crossfade", "none"])
 def test_warm_up_meets_the_rtc_mode_the_loop_will_run(mode):
     """Every chunk after the first carries the executing chunk as an RTC prefix. A cudagraph engine

@@ -41,10 +41,10 @@ def startup_budget_s(cfg: Any) -> float:
     """The longest start-up the daemon's own limits allow: loading the policy and every warm-up
     inference (each RTC mode's in a solver mode) may each take `model.load_timeout_s` (first calls
     compile Triton kernels and capture CUDA graphs), plus a minute for cameras, state and sockets."""
-    from phyai_edge.control.daemon import warmup_inferences_per_round
+    from phyai_edge.control.daemon import warmup_inferences_per_round, warmup_rounds
 
     per_round = warmup_inferences_per_round(cfg.chunking.mode)
-    return cfg.model.load_timeout_s * (1 + cfg.model.warmup * per_round) + 60.0
+    return cfg.model.load_timeout_s * (1 + warmup_rounds(cfg) * per_round) + 60.0
 
 
 def main(args: argparse.Namespace) -> int:

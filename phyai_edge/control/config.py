@@ -673,7 +673,9 @@ load_timeout_s = 600.0       # loading the policy may take this long (a full-siz
                              # first compile); each warm-up inference too (graph capture). systemd's
                              # start timeout is extended to match
 warmup = 1                   # warm-up rounds before the clock starts: a chunk without RTC and, in a
-                             # solver RTC mode, one with it (graphs captured, kernels compiled)
+                             # solver RTC mode, one with it (graphs captured, kernels compiled); with
+                             # one round and chunking.delay = 0, a second round times a chunk for the
+                             # delay estimate (the first's time is mostly compiling and capturing)
 restart_backoff_s = 0.5      # a dead worker process is restarted after this, doubling per failed attempt
 restart_backoff_max_s = 30.0 # up to this; attempts never stop (the daemon holds meanwhile)
 inference_timeout_s = 10.0   # an inference still running after this: the worker is hung, killed and restarted

@@ -116,6 +116,15 @@ def warmup_inferences_per_round(mode: str) -> int:
     return 2 if mode in SOLVER_MODES else 1
 
 
+def warmup_rounds(cfg: DaemonConfig) -> int:
+    """The warm-up rounds `Daemon.setup` runs: `model.warmup`, and where the delay is estimated
+    (`chunking.delay` 0) from a single one, a second to time. The first round of a fresh engine
+    compiles kernels and captures graphs (8.8 s for the full-size cudagraph engine on an H200,
+    against 16 ms a chunk after it), so it says nothing of what a chunk will cost."""
+    extra = cfg.model.warmup == 1 and not cfg.chunking.delay
+    return cfg.model.warmup + int(extra)
+
+
 _T = TypeVar("_T")
 
 
@@ -211,7 +220,8 @@ class Daemon:
             rounds.append(make_warmup_job(info, cfg.model.prompt, rtc_mode=ch.mode,
                                           execution_horizon=ch.execution_horizon, delay=ch.delay or ch.delay_initial,
                                           max_guidance_weight=ch.max_guidance_weight))
-        for i in range(cfg.model.warmup):
+        n_rounds = warmup_rounds(cfg)
+        for i in range(n_rounds):
             took = []
             for job in rounds:
                 res = self._unless_stopped(lambda job=job: self.worker.run_sync(job))
@@ -220,9 +230,10 @@ class Daemon:
                 took.append(res.infer_ms)
             log.info("warm-up inference %d: %s", i + 1, ", ".join(
                 f"{ms:.1f} ms ({'no RTC' if job.prefix is None else job.rtc_mode})" for job, ms in zip(rounds, took)))
-            if i == cfg.model.warmup - 1 and not ch.delay:
+            if i == n_rounds - 1 and i > 0 and not ch.delay:
                 # Start the delay estimate from what inference really costs here (the slower mode:
-                # exact guidance runs a backward pass too), plus a slot of margin.
+                # exact guidance runs a backward pass too; not the first round, which captured), plus
+                # a slot of margin.
                 self.delays.initial = max(ch.delay_initial, math.ceil(max(took) / 1e3 / cfg.robot.period_s) + 1)
         # A restarted worker process runs these before it counts as up (at least one round: it proves
         # the new process can infer before the daemon relies on it).
