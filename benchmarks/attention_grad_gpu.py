@@ -10,8 +10,7 @@ cached prefix keys, a few of them masked, and the step's own 50 keys; head size 
 - the backward launch alone for that tiling ("default") and every tiling of a sweep
   (`triton_grad.GradConfig`; `--focus`: a short one around the rule's two tilings; `--kv-focus`: the
   dk / dv programs' key blocks, row blocks and row ranges around both; `--latency-focus`: the large
-  tiling's pipeline depth, key blocks and dq key ranges; `--transposed-focus`: the dq key blocks as
-  keys x rows beside the same tilings as rows x keys), each checked against fp32 autograd first.
+  tiling's pipeline depth, key blocks and dq key ranges), each checked against fp32 autograd first.
 Every gradient is checked against the fp32 reference (q, the new keys, the new values; relative
 Frobenius error). Prints one table per shape and the rule it suggests for
 `triton_attention.GRAD_KERNEL_MAX_HEADS`.
@@ -54,21 +53,13 @@ BATCHES = (1, 2, 4, 8, 16, 32)
 CALLS = 10  # calls per captured graph
 
 
-def sweep(tiny: bool, focus: bool = False, kv_focus: bool = False, latency_focus: bool = False,
-          transposed_focus: bool = False) -> list[Any]:
+def sweep(tiny: bool, focus: bool = False, kv_focus: bool = False, latency_focus: bool = False) -> list[Any]:
     from phyai_edge.layers.triton_dispatch import NO_SPLIT
     from phyai_edge.layers.triton_grad import LARGE_GRAD, GradConfig
 
     if tiny:
         return [GradConfig(block_n=16, min_keys=16, min_rows=16), GradConfig(block_m=32, kv_block_m=32)]
     out = []
-    if transposed_focus:
-        # the dq key blocks computed as keys x rows (`GradConfig.keys_as_rows`: Hopper's warpgroup MMA
-        # for 32-row blocks too), beside the same tilings as rows x keys
-        for base in (GradConfig(), LARGE_GRAD, GradConfig(block_n=32), GradConfig(stages=2), GradConfig(block_m=16),
-                     GradConfig(block_m=64, kv_block_m=64)):
-            out += [base, replace(base, keys_as_rows=True)]
-        return out
     if latency_focus:
         # the dq programs walk every key in sequence; read from memory (not L2) each key block waits
         # longer, which deeper pipelines, narrower key blocks or more programs (key ranges) could hide
@@ -253,8 +244,6 @@ def main() -> None:
     p.add_argument("--focus", action="store_true", help="a short sweep around the tilings the rule chooses")
     p.add_argument("--kv-focus", action="store_true",
                    help="a sweep of the dk / dv programs' blocks and row ranges around both tilings")
-    p.add_argument("--transposed-focus", action="store_true",
-                   help="the dq key blocks as keys x rows (GradConfig.keys_as_rows) beside the same tilings as rows x keys")
     p.add_argument("--latency-focus", action="store_true",
                    help="a sweep of the large tiling's dq pipeline depth, key blocks and key ranges (use with --cold)")
     p.add_argument("--cold", action="store_true",
@@ -267,8 +256,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16
     batches = tuple(int(x) for x in args.batches.split(",")) if args.batches else ((1, 2) if args.tiny else BATCHES)
-    configs = [] if (args.no_sweep or args.fwd_bwd_only) else sweep(args.tiny, args.focus, args.kv_focus, args.latency_focus,
-                                                                    args.transposed_focus)
+    configs = [] if (args.no_sweep or args.fwd_bwd_only) else sweep(args.tiny, args.focus, args.kv_focus, args.latency_focus)
     if args.block_m:
         keep = {int(x) for x in args.block_m.split(",")}
         configs = [c for c in configs if c.block_m in keep]

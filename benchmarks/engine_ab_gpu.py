@@ -21,8 +21,6 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
                             `triton_attention.MID_BLOCKS` (the batch-1 prefix's attention tiling)
   big=bm,bn,warps,stages,min_keys,inline,tma[,keys_as_rows]
                             `triton_attention.BIG_BLOCKS` (the expert's from batch 24, the prefix's from 2)
-  grad-keys-as-rows         the exact-RTC attention backward's dq key blocks transposed
-                            (`triton_grad.GradConfig.keys_as_rows` on the rule's tiling; with --rtc guided)
 
     python benchmarks/engine_ab_gpu.py --variants "default;split qkv:qkv_rope/m64=64,16,128,4,4,2" --reps 150
     python benchmarks/engine_ab_gpu.py --rtc guided --variants "default;compact attention:few=16,64,8,2,128,1,0"
@@ -43,7 +41,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +61,13 @@ class Variant:
     name: str
     fold: bool = True
     fold_io: bool = True
-    grad_keys_as_rows: bool = False
     configs: dict[str, Any] = field(default_factory=dict)  # CONFIGS key (or "residual") -> GemmConfig
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """The knobs set, and put back after (they are read when the step is captured on a GPU, or
         at every call where nothing is captured)."""
-        from phyai_edge.layers import triton_attention, triton_fold, triton_gemm, triton_grad
+        from phyai_edge.layers import triton_attention, triton_fold, triton_gemm
         from phyai_edge.layers.fused_stacks import set_fold_norms, set_fold_projections
 
         fold_before = set_fold_norms(self.fold)
@@ -78,11 +75,7 @@ class Variant:
         saved = dict(triton_gemm.CONFIGS)
         residual_before = triton_fold.RESIDUAL_CONFIG
         tilings_before = {key: getattr(triton_attention, name) for key, name in ATTENTION_TILINGS.items()}
-        rule_before = triton_grad.grad_config
         try:
-            if self.grad_keys_as_rows:
-                triton_grad.grad_config = lambda rows, groups, sms: replace(rule_before(rows, groups, sms),
-                                                                            keys_as_rows=True)
             for key, cfg in self.configs.items():
                 if key in ATTENTION_TILINGS:
                     setattr(triton_attention, ATTENTION_TILINGS[key], cfg)
@@ -97,7 +90,6 @@ class Variant:
             triton_gemm.CONFIGS.clear()
             triton_gemm.CONFIGS.update(saved)
             triton_fold.RESIDUAL_CONFIG = residual_before
-            triton_grad.grad_config = rule_before
             for key, cfg in tilings_before.items():
                 setattr(triton_attention, ATTENTION_TILINGS[key], cfg)
 
@@ -110,13 +102,11 @@ def parse_variants(text: str) -> list[Variant]:
         name, _, knobs = item.partition(":")
         v = Variant(name.strip())
         for knob in filter(None, (k.strip() for k in knobs.split("+"))):
-            if knob in ("unfolded", "plain-io", "grad-keys-as-rows"):
+            if knob in ("unfolded", "plain-io"):
                 if knob == "unfolded":
                     v.fold = False
-                elif knob == "plain-io":
-                    v.fold_io = False
                 else:
-                    v.grad_keys_as_rows = True
+                    v.fold_io = False
                 continue
             key, eq, spec = knob.partition("=")
             if key in ATTENTION_TILINGS and eq:

@@ -74,7 +74,7 @@ def backward(cfg: tg.GradConfig, arch: int) -> tuple[Any, dict[str, str], dict[s
                              "dv_ptr"), "*bf16"), "m_ptr": "*u8",
             **dict.fromkeys(("lse_ptr", "pq_ptr", "pkv_ptr"), "*fp32"), "ticket_ptr": "*i32"}
     const = dict(HKV=1, D=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=cfg.kv_block_m,
-                 KV_BLOCK_N=cfg.kv_block_n, UPCAST=False, IEEE=False, PDL=False, KEYS_AS_ROWS=cfg.keys_as_rows)
+                 KV_BLOCK_N=cfg.kv_block_n, UPCAST=False, IEEE=False, PDL=False)
     return tg._attn_bwd_kernel, _signature(tg._attn_bwd_kernel, ptrs, {"scale_log2", "scale"}), const
 
 
@@ -98,8 +98,7 @@ def main() -> None:
                 "SMALL_BLOCKS")]
     tilings += [("forward FEW keys as rows", forward, replace(ta.FEW_BLOCKS, keys_as_rows=True))]
     tilings += [("backward GradConfig()", backward, tg.GradConfig()), ("backward LARGE_GRAD", backward, tg.LARGE_GRAD),
-                ("backward SMALL_GRAD", backward, tg.SMALL_GRAD),
-                ("backward keys as rows", backward, replace(tg.GradConfig(), keys_as_rows=True))]
+                ("backward SMALL_GRAD", backward, tg.SMALL_GRAD)]
     heads = [" ".join((f"sm_{a}", NAMES.get(a, ""))) for a in archs]
     if args.mma:
         print(f"triton {triton.__version__}; matrix products as compiled (TTGIR)")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -113,14 +112,6 @@ def test_engine_ab_variants_set_their_knobs_and_put_them_back() -> None:
         assert active == want
         assert triton_attention.FEW_BLOCKS is few
     assert triton_attention.MID_BLOCKS is mid
-    from phyai_edge.layers import triton_grad
-
-    (g,) = parse_variants("g:grad-keys-as-rows")
-    rule = triton_grad.grad_config
-    with g.active():
-        assert triton_grad.grad_config(400, 1, 132) == replace(rule(400, 1, 132), keys_as_rows=True)
-        assert triton_grad.grad_config(400, 32, 132).block_m == triton_grad.LARGE_GRAD.block_m
-    assert triton_grad.grad_config is rule and not rule(400, 1, 132).keys_as_rows
     for bad in ("x:geglu/m65=64,32,128,4,3", "x:geglu/m64=64,32", "x;x", "x:few=16,64", "x:mid=64,64,4,2,2000,0,0,1,1"):
         with pytest.raises(SystemExit):
             parse_variants(bad)

@@ -182,15 +182,11 @@ def _attention_case(b, h, hkv, t, p, d, dtype):
 
 
 # Tilings of the backward on the interpreter's 8 "SMs": one range of each kind; dq's keys and dk / dv's
-# rows both split (the in-kernel merges); the large-batch tiling (64-row blocks, 64-row dk / dv blocks);
-# the dq key blocks computed transposed, whole and split.
+# rows both split (the in-kernel merges); the large-batch tiling (64-row blocks, 64-row dk / dv blocks).
 GRAD_TILINGS = {
     "whole": triton_grad.GradConfig(min_keys=1 << 20, min_rows=1 << 20),
     "split": triton_grad.GradConfig(block_n=16, kv_block_m=16, min_keys=16, min_rows=16),
     "large": triton_grad.LARGE_GRAD,
-    "whole keys as rows": triton_grad.GradConfig(min_keys=1 << 20, min_rows=1 << 20, keys_as_rows=True),
-    "split keys as rows": triton_grad.GradConfig(block_n=16, kv_block_m=16, min_keys=16, min_rows=16,
-                                                 keys_as_rows=True),
 }
 
 
@@ -223,7 +219,7 @@ def test_split_attention_grad_tilings(poisoned_grads, dtype, tiling) -> None:
     cfg = GRAD_TILINGS[tiling]
     rows, keys = h // hkv * t, p + t
     q_splits, _, kv_splits, _ = triton_grad.plan_grad(rows, keys, t, b * hkv, triton_grad._sm_count(q.device), cfg)
-    assert (q_splits > 1 and kv_splits > 1) if tiling.startswith("split") else (q_splits == kv_splits == 1)
+    assert (q_splits > 1 and kv_splits > 1) if tiling == "split" else (q_splits == kv_splits == 1)
     key_mask = triton_attention.kernel_key_mask(mask, b)
     scale = d ** -0.5
     lse = torch.empty(b * hkv, rows, dtype=torch.float32, device=DEVICE)
@@ -238,7 +234,7 @@ def test_split_attention_grad_tilings(poisoned_grads, dtype, tiling) -> None:
     again = triton_grad.split_attention_grad(q, k_cached, k_new, v_cached, v_new, key_mask, out, lse, dout, scale,
                                              tickets, cfg)
     assert all(torch.equal(a, g) for a, g in zip(again, got))
-    if tiling.startswith("split"):
+    if tiling == "split":
         assert tickets._buf is not None and int(tickets._buf.abs().sum()) == 0
 
 

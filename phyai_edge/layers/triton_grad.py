@@ -249,23 +249,6 @@ if triton is not None:
         return acc + _dot(ds.to(kb.dtype), kb, UPCAST, IEEE)
 
     @triton.jit
-    def _dq_block_t(qt, dot, lse, delta, kb, vb, ok, acc_t, scale_log2, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-        """`_dq_block` transposed: qt, dot (D, BLOCK_M) (q and dO), the scores (BLOCK_N, BLOCK_M),
-        acc_t (D, BLOCK_M), so every product has the keys or D on its 64-row side."""
-        s = _dot(kb, qt, UPCAST, IEEE) * scale_log2
-        p = tl.where(ok[:, None], tl.exp2(s - lse[None, :]), 0.0)
-        ds = p * (_dot(vb, dot, UPCAST, IEEE) - delta[None, :])
-        return acc_t + _dot(tl.trans(kb), ds.to(kb.dtype), UPCAST, IEEE)
-
-    @triton.jit
-    def _dq_either(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                   KEYS_AS_ROWS: tl.constexpr):
-        if KEYS_AS_ROWS:
-            return _dq_block_t(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
-        else:
-            return _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
-
-    @triton.jit
     def _merge_partials(part_ptr, stride_split, splits, offs, mask):
         """The sum of `splits` float32 partials at offs (split s at s * stride_split), in split order
         (the same sum whichever program merges); read through L2: other programs wrote them."""
@@ -281,10 +264,9 @@ if triton is not None:
         sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, sdq_b, sdq_h, sdq_t,
         sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-        KEYS_AS_ROWS: tl.constexpr,
     ):
         """One (query block, key range) program of `_attn_bwd_kernel`: dq = scale * sum p (dp - delta) k
-        over its keys, one loop per key part (KEYS_AS_ROWS: each key block transposed, `_dq_block_t`)."""
+        over its keys, one loop per key part."""
         d = tl.arange(0, D)
         keys = keys1 + keys2
         blk = pid % q_blocks
@@ -292,12 +274,7 @@ if triton is not None:
         r = blk * BLOCK_M + tl.arange(0, BLOCK_M)
         q, do, lse, delta = _rows_in(q_ptr, do_ptr, o_ptr, lse_ptr, b, h, bh, r, rows, rows, tq, groups,
                                      sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, d)
-        if KEYS_AS_ROWS:
-            q = tl.trans(q)
-            do = tl.trans(do)
-            acc = tl.zeros([D, BLOCK_M], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, D], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
         start = split * keys_per_split
         end = tl.minimum(start + keys_per_split, keys)
         end1 = tl.minimum(end, keys1)
@@ -307,7 +284,7 @@ if triton is not None:
             kb = tl.load(k_ptr + b * sk_b + h * sk_h + c[:, None] * sk_n + d[None, :], mask=inb[:, None], other=0.0)
             vb = tl.load(v_ptr + b * sv_b + h * sv_h + c[:, None] * sv_n + d[None, :], mask=inb[:, None], other=0.0)
             ok = _keys_allowed(m_ptr, b, sm_b, c, end1)
-            acc = _dq_either(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE, KEYS_AS_ROWS)
+            acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
         for n0 in range(tl.maximum(start, keys1), end, BLOCK_N):  # the step's own
             c = n0 + tl.arange(0, BLOCK_N)
             inb = c < end
@@ -317,9 +294,7 @@ if triton is not None:
             vb = tl.load(v2_ptr + b * sv2_b + h * sv2_h + c2[:, None] * sv2_n + d[None, :], mask=inb[:, None],
                          other=0.0)
             ok = _keys_allowed(m_ptr, b, sm_b, c, end)
-            acc = _dq_either(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE, KEYS_AS_ROWS)
-        if KEYS_AS_ROWS:
-            acc = tl.trans(acc)
+            acc = _dq_block(q, do, lse, delta, kb, vb, ok, acc, scale_log2, UPCAST, IEEE)
         live = r < rows
         dst = _folded_rows(dq_ptr, b, h * groups + r // tq, r % tq, sdq_b, sdq_h, sdq_t, d)
         if q_splits == 1:
@@ -393,7 +368,7 @@ if triton is not None:
         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
         HKV: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         KV_BLOCK_M: tl.constexpr, KV_BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, KEYS_AS_ROWS: tl.constexpr = False,
+        UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
         """The split attention's backward, two kinds of program in one launch (they need nothing from
         each other: each row's log-sum-exp comes from the forward, delta is recomputed where needed).
@@ -413,7 +388,7 @@ if triton is not None:
                         pid, b, h, bh, rows, keys1, keys2, tq, groups, scale_log2, scale, q_blocks, q_splits,
                         keys_per_split, sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, so_b, so_h, so_t, sdq_b, sdq_h, sdq_t,
                         sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sk2_b, sk2_h, sk2_n, sv2_b, sv2_h, sv2_n, sm_b,
-                        D, BLOCK_M, BLOCK_N, UPCAST, IEEE, KEYS_AS_ROWS)
+                        D, BLOCK_M, BLOCK_N, UPCAST, IEEE)
         else:
             _dkdv_program(q_ptr, do_ptr, o_ptr, k2_ptr, v2_ptr, m_ptr, lse_ptr, dk_ptr, dv_ptr, pkv_ptr, ticket_ptr,
                           pid - q_blocks * q_splits, b, h, bh, rows, keys1, keys2, tq, groups, scale_log2, scale,
@@ -439,10 +414,6 @@ class GradConfig:
     stages: int = 1
     min_keys: int = 64
     min_rows: int = 32
-    # The dq programs' key blocks computed transposed (scores as keys x rows, dq as D x rows), so
-    # 32-row blocks compile to Hopper's warpgroup MMA instead of mma.sync (Triton 3.6 and 3.9 for
-    # sm_90, on the CPU). Not measured on a GPU: off everywhere.
-    keys_as_rows: bool = False
 
 
 # 64-row dq blocks on one warpgroup (4 warps: Hopper's wgmma takes 64 rows a warpgroup) with three
@@ -523,8 +494,7 @@ def split_attention_grad(q: torch.Tensor, k_cached: torch.Tensor, k_new: torch.T
             *k_cached.stride()[:3], *v_cached.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3],
             key_mask.stride(0), *dk.stride()[:3], *dv.stride()[:3],
             HKV=hkv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KV_BLOCK_M=cfg.kv_block_m,
-            KV_BLOCK_N=cfg.kv_block_n, UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32,
-            KEYS_AS_ROWS=cfg.keys_as_rows, num_warps=cfg.warps,
+            KV_BLOCK_N=cfg.kv_block_n, UPCAST=interpret_mode(), IEEE=q.dtype == torch.float32, num_warps=cfg.warps,
             num_stages=cfg.stages, **launch_options(q),
         )
         return dq, dk, dv
