@@ -141,3 +141,28 @@ def test_serve_command_batch_sizes_and_warm_inputs(tiny_policy):
     assert rtcs[0] is None and rtcs[1].mode == "guided-approx" and rtcs[1].prefix.shape == (25, 14)
     with pytest.raises(SystemExit, match="--warm-rtc"):
         warm_inputs(tiny_policy, None, "sideways")
+
+
+def test_warming_a_prompt_keeps_room_for_it_with_any_robot_state():
+    """PI0.5 writes the state into the prompt, so robots on one task send prompts of different
+    lengths (54-65 tokens with the tiny tokenizer: two buckets). The local executor's warm-up has the
+    engine keep room for its prompts with any state: a robot's request never captures graphs."""
+    import math
+
+    from phyai_edge.adapters.base import Observation
+    from phyai_edge.engines.policy import load_policy
+
+    policy = load_policy(preset="tiny", backend="cudagraph", device="cpu")
+    prompt = "pick up the cube"
+    frames = {n: np.zeros((32, 32, 3), np.uint8) for n in policy.camera_names}
+    rng = np.random.default_rng(1)
+    states = [(rng.standard_normal(policy.state_dim) * s).astype(np.float32) for s in (0.1, 1.0, 5.0) for _ in range(20)]
+    lengths = [int(policy.adapter.prompt_tokens([Observation(frames, st, prompt)])[1].sum()) for st in states]
+    assert len({math.ceil(n / 16) for n in lengths}) == 2
+    executor = LocalExecutor(policy, [1, 2], max_batch=2)
+    executor.warm_up([Observation(frames, states[lengths.index(max(lengths))], prompt)])
+    warmed = set(policy.engine._sets)
+    short = Observation(frames, states[lengths.index(min(lengths))], prompt)
+    got = executor.run([BatchItem([short], None), BatchItem([short], None)])
+    assert all(r.actions is not None for r in got)
+    assert set(policy.engine._sets) == warmed and len(warmed) == 2  # one set per batch size

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,17 +141,18 @@ class Policy:
                              "batch only requests with the same delay and prefix length")
         return g
 
-    def fix_prompt_positions(self, prompt: str) -> int | None:
-        """For a caller whose prompt stays `prompt` while the robot state changes (the daemon): has
-        the engine keep room for that prompt with any state, so every state runs the graphs captured
-        at warm-up. Otherwise a state whose numbers take more tokens reaches a new prompt length, and
-        its graphs would be captured inside the control loop (about a second of held ticks on an
-        H200). Returns the prompt tokens kept, or None where the adapter's prompt does not follow the
-        state or the engine keeps no prompt length (nothing to fix)."""
+    def fix_prompt_positions(self, prompts: str | Sequence[str]) -> int | None:
+        """For callers whose prompts stay these while the robot states change (the daemon, the
+        server's warmed prompts): has the engine keep room for the longest of them with any state,
+        so every state runs the graphs captured at warm-up. Otherwise a state whose numbers take
+        more tokens reaches a new prompt length, and its graphs would be captured inside the control
+        loop (about a second of held ticks on an H200) or on a robot's request. Returns the prompt
+        tokens kept, or None where the adapter's prompt does not follow the state or the engine keeps
+        no prompt length (nothing to fix)."""
         longest = getattr(self.adapter, "longest_prompt_tokens", None)
         if longest is None or not hasattr(self.engine, "min_prompt_positions"):
             return None
-        n = int(longest(prompt))
+        n = max(int(longest(p)) for p in ([prompts] if isinstance(prompts, str) else prompts))
         if n != self.engine.min_prompt_positions:
             log.info("prompt: up to %d tokens with any robot state; the engine keeps room for them", n)
         self.engine.min_prompt_positions = n

@@ -88,9 +88,14 @@ class LocalExecutor:
     def warm_up(self, observations: Sequence[Observation],
                 rtcs: Sequence[RTCRequest | None] = (None,)) -> dict[int, float]:
         """Every captured batch size once per observation and RTC request (see
-        `batching.warm_up`); nothing to do for an engine that takes any size."""
+        `batching.warm_up`), with room kept for the observations' prompts with any robot state
+        (`Policy.fix_prompt_positions`); nothing to do for an engine that takes any size."""
         if not self.batch_sizes:
             return {}
+        fix_prompt = getattr(self.policy, "fix_prompt_positions", None)
+        if fix_prompt is not None and observations:
+            # the robots send these prompts with states of their own: one prompt length for them all
+            fix_prompt([o.prompt for o in observations])
         # Every size a batch of up to max_batch observations can be padded to, and no larger.
         top = pad_size(min(self.max_batch or max(self.batch_sizes), max(self.batch_sizes)), self.batch_sizes)
         return warm_up(self.policy, [b for b in self.batch_sizes if b <= top], observations, rtcs)
