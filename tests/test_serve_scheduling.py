@@ -91,6 +91,21 @@ def test_service_times_lean_slow_and_fill_unmeasured_sizes():
     assert list(t.snapshot()) == [8, 32]
 
 
+def test_a_one_off_stall_moves_the_service_time_by_half_and_a_lasting_slowdown_is_followed():
+    t = ServiceTimes()
+    t.record(8, 0.060)
+    t.record(8, 1.000)  # a capture or a pause: counts as twice the estimate
+    assert t.estimate(8) == pytest.approx(0.090)
+    for _ in range(6):
+        t.record(8, 0.060)
+    assert t.estimate(8) < 0.080  # back within a third of the true time in six batches
+    slow = ServiceTimes()
+    slow.record(8, 0.060)
+    for _ in range(6):
+        slow.record(8, 0.300)  # the GPU now really takes five times as long
+    assert 0.28 < slow.estimate(8) <= 0.300  # within 5% after six batches
+
+
 def test_serving_batch_sizes_stop_at_max_batch_and_include_it():
     assert serving_batch_sizes(64) == list(DEFAULT_BATCH_SIZES)
     assert serving_batch_sizes(16) == [1, 2, 4, 8, 12, 16]

@@ -86,7 +86,11 @@ class ServiceTimes:
 
     A size's estimate is a moving average that leans towards the slow side (a slow batch moves
     it half way, a fast one a tenth of the way): closing a batch late costs a deadline, a batch
-    a little smaller than it could have been costs little. A size not yet measured is read off
+    a little smaller than it could have been costs little. A batch counts as at most twice the
+    estimate: a one-off stall (a capture, a collection pause: ~1 s against 60 ms) then raises it by
+    half, where it would have raised it eightfold and taken ~40 batches of that size to come back
+    down, closing batches early and small meanwhile; a lasting slowdown is still followed, the
+    estimate growing by half a batch. A size not yet measured is read off
     its measured neighbours: linearly between the nearest below and above; above the largest,
     that size's time per observation (the engine's time per observation falls as batches grow,
     so this errs slow); below the smallest, the smallest's time (a smaller batch is not
@@ -101,7 +105,7 @@ class ServiceTimes:
         if old is None:
             self._s[size] = seconds
         elif seconds > old:
-            self._s[size] = 0.5 * old + 0.5 * seconds
+            self._s[size] = 0.5 * old + 0.5 * min(seconds, 2.0 * old)
         else:
             self._s[size] = 0.9 * old + 0.1 * seconds
 
