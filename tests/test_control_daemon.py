@@ -458,3 +458,64 @@ def test_warm_up_meets_the_rtc_mode_the_loop_will_run(mode):
             ["none", mode] * 2 if solver_mode else ["none"] * 2)
     finally:
         d.shutdown()
+
+
+def _solver_policy(cameras: tuple[str, ...], steps: int) -> FakePolicy:
+    """A stand-in whose adapter names its solver's steps, as an engine policy's does."""
+    from types import SimpleNamespace
+
+    pol = FakePolicy(action_dim=6, state_dim=6, camera_names=cameras, latency_s=0.005)
+    pol.adapter = SimpleNamespace(solver=SimpleNamespace(num_steps=steps))  # type: ignore[attr-defined]
+    return pol
+
+
+def test_prometheus_says_which_model_runs_a_bundles_from_its_manifest(tmp_path):
+    """phyai_model_info: a bundle's adapter, preset, backend and dtype from its manifest (the
+    config's defaults do not apply to it), the device from the config, views, horizon and steps
+    from the loaded policy; the bundle's path, with a quote and a backslash in it, escaped."""
+    import json
+    import socket
+    import urllib.request
+
+    from phyai_edge.sim.report import daemon_model
+
+    pytest.importorskip("prometheus_client")
+    bundle = tmp_path / 'full "bf16" \\ cudagraph'
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text(json.dumps({
+        "format": "phyai-edge/bundle/1", "adapter": {"name": "pi05", "preset": "full"},
+        "backend": "cudagraph", "dtype": "bfloat16", "steps": 10, "views": 3}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = test_config(metrics={"port": port}, model={"bundle": str(bundle), "device": "cuda"})
+    d = Daemon(cfg, policy=_solver_policy(("top", "left_wrist", "right_wrist"), 10), realtime=False)
+    try:
+        d.setup()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        d.shutdown()
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("phyai_model_info")]
+    escaped = str(bundle).replace("\\", "\\\\").replace('"', '\\"')
+    assert line == (f'phyai_model_info{{adapter="pi05",backend="cudagraph",bundle="{escaped}",device="cuda",'
+                    'dtype="bfloat16",horizon="50",preset="full",steps="10",views="3"} 1.0'), line
+    assert daemon_model(text) == {"adapter": "pi05", "preset": "full", "backend": "cudagraph", "device": "cuda",
+                                  "dtype": "bfloat16", "bundle": str(bundle), "views": "3", "horizon": "50",
+                                  "steps": "10"}
+
+
+def test_model_info_labels_follow_what_decides_the_model():
+    """The config's model section, unless a factory builds the policy (its arguments of those
+    names, the rest left out); views and horizon from the policy, steps only when it says."""
+    from phyai_edge.control.daemon import model_info_labels
+    from phyai_edge.control.worker import policy_info
+
+    cfg = test_config(model={"backend": "eager", "device": "cpu", "dtype": "bfloat16", "preset": "tiny"})
+    info = policy_info(_solver_policy(("top", "wrist"), 5))
+    assert model_info_labels(cfg, info) == {"adapter": "pi05", "preset": "tiny", "backend": "eager", "device": "cpu",
+                                            "dtype": "bfloat16", "views": "2", "horizon": "50", "steps": "5"}
+    factory = test_config(model={"factory": "phyai_edge.control.fakes:make_fake_policy",
+                                 "factory_args": {"preset": "full", "device": "cuda:1", "latency_s": 0.01}})
+    plain = policy_info(FakePolicy(chunk_size=30, camera_names=("top",)))
+    assert plain.steps == 0
+    assert model_info_labels(factory, plain) == {"preset": "full", "device": "cuda:1", "views": "1", "horizon": "30"}

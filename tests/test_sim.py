@@ -356,3 +356,92 @@ def test_a_loop_that_fails_still_saves_its_log(tmp_path: Path, monkeypatch: pyte
     assert rc == 1 and path.exists()
     run = load_log(str(path))
     assert run.meta["error"] == "RuntimeError: physics diverged" and run.meta["summary"]["steps"] == 3
+
+
+# As the daemon's prometheus-client writes it (labels sorted, values escaped).
+MODEL_INFO = ('# HELP phyai_model_info The model the daemon runs\n# TYPE phyai_model_info gauge\n'
+              'phyai_model_info{adapter="pi05",backend="cudagraph",bundle="C:\\\\e \\"x\\"\\nq",device="cuda",'
+              'dtype="bfloat16",horizon="50",preset="full",steps="5",views="3"} 1.0\n')
+
+
+def test_report_reads_the_model_info_line_and_unescapes_it() -> None:
+    from phyai_edge.sim.report import daemon_model
+
+    labels = daemon_model("phyai_inference_seconds_count 3.0\n" + MODEL_INFO)
+    assert labels["bundle"] == 'C:\\e "x"\nq'
+    assert labels["preset"] == "full" and labels["views"] == "3" and labels["dtype"] == "bfloat16"
+    # An escaped backslash before an n is a backslash and an n, not a line break.
+    assert daemon_model('phyai_model_info{bundle="a\\\\nb"} 1.0') == {"bundle": "a\\nb"}
+    assert daemon_model("phyai_inference_seconds_count 3.0\n") == {}
+
+
+def test_report_metrics_round_trip_through_the_daemon_s_metrics() -> None:
+    """Label values with a quote, a backslash and a line break survive prometheus-client's
+    escaping and the report's parser."""
+    pytest.importorskip("prometheus_client")
+    import socket
+
+    from phyai_edge.control.metrics import Metrics
+    from phyai_edge.sim.launch import fetch_metrics
+    from phyai_edge.sim.report import daemon_model
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    labels = {"adapter": "pi05", "bundle": 'a "b" \\c\nd \\n', "views": "2"}
+    assert Metrics().serve("127.0.0.1", port, labels)
+    text = fetch_metrics(port)
+    assert 'bundle="a \\"b\\" \\\\c\\nd \\\\n"' in text
+    assert daemon_model(text) == labels
+
+
+def test_roofline_bench_takes_the_model_from_the_daemon_metrics(tmp_path: Path) -> None:
+    """With phyai_model_info in the captured metrics the roofline document names the model that
+    ran (not the tiny CPU default), and `phyai-edge roofline --bench` reads it back: views,
+    precision, preset, device, backend, steps, horizon. The solver's steps also split the
+    worker's time (denoise_step x steps) when only per-step times were reported."""
+    import json
+
+    from phyai_edge.roofline.sources import load_bench
+    from phyai_edge.sim.report import daemon_inference, daemon_model, roofline_bench
+
+    def ms(p50: float) -> dict[str, float]:
+        return {"n": 20, "p50_ms": p50, "p90_ms": p50}
+
+    result = {
+        "meta": {"control_hz": 50.0},
+        "timing": {"camera_age_at_inference": ms(30.0), "transport": ms(0.5), "chunk_delay": ms(40.0)},
+        "daemon_inference": {"inference": ms(20.0), "embed_images": ms(4.0), "encode_prefix": ms(6.0),
+                             "denoise_step": ms(1.0)},
+    }
+    assert daemon_inference(MODEL_INFO) == {}
+    bench = roofline_bench({**result, "daemon_model": daemon_model(MODEL_INFO)})
+    assert {k: bench[k] for k in ("adapter", "preset", "device", "backend", "dtype", "views", "steps", "horizon")} == {
+        "adapter": "pi05", "preset": "full", "device": "cuda", "backend": "cudagraph", "dtype": "bfloat16",
+        "views": 3, "steps": 5, "horizon": 50}
+    # 20 ms whole minus 4 + 6 + 5 x 1 ms: 5 ms outside the model's stages, booked as transport.
+    assert bench["stages"]["transport"]["p50_ms"] == pytest.approx(0.5 + 5.0)
+    (tmp_path / "loop.json").write_text(json.dumps(bench))
+    (m,) = load_bench(tmp_path / "loop.json")
+    assert (m.views, m.precision, m.preset, m.device, m.backend, m.steps, m.horizon) == (
+        3, "bf16", "full", "cuda", "cudagraph", 5, 50)
+    assert m.calibratable
+
+    # Without the metrics: the defaults as before, and no dtype or views the daemon did not give.
+    bench = roofline_bench(result)
+    assert (bench["preset"], bench["device"], bench["horizon"]) == ("tiny", "cpu (phyai-edge sim closed loop)", 50)
+    assert not {"dtype", "views", "steps", "backend"} & set(bench)
+    assert bench["stages"]["transport"]["p50_ms"] == pytest.approx(0.5)  # 20 - (4 + 6 + 10 x 1)
+
+
+def test_report_analysis_keeps_the_model_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`phyai-edge sim --report --metrics-file` (analyse) carries the model info to the roofline
+    document; the parts of the analysis that need a whole log are stubbed out here."""
+    from phyai_edge.sim import report
+
+    for part in ("sequence_check", "timing", "holds", "outages", "closed_loop"):
+        monkeypatch.setattr(report, part, lambda run: {})
+    run = report.SimRun({"step_ns": np.zeros(0, np.int64)}, {"control_hz": 50.0})
+    assert report.analyse(run, MODEL_INFO)["daemon_model"]["preset"] == "full"
+    assert "daemon_model" not in report.analyse(run, "phyai_inference_seconds_count 0.0\n")
+    assert "daemon_model" not in report.analyse(run)

@@ -12,6 +12,7 @@ The policy runs in the worker (worker.py); the daemon neither waits for it nor k
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -123,6 +125,46 @@ def warmup_rounds(cfg: DaemonConfig) -> int:
     against 16 ms a chunk after it), so it says nothing of what a chunk will cost."""
     extra = cfg.model.warmup == 1 and not cfg.chunking.delay
     return cfg.model.warmup + int(extra)
+
+
+_MODEL_KEYS = ("adapter", "preset", "backend", "device", "dtype")
+
+
+def model_info_labels(cfg: DaemonConfig, info: PolicyInfo) -> dict[str, str]:
+    """The labels of `phyai_model_info`: which model this daemon runs, as far as it knows without
+    torch. Adapter, preset, backend, device and dtype are the config's `model` section, but where
+    it does not decide them: with `model.factory`, the factory's keyword arguments of those names;
+    with `model.bundle`, the bundle's manifest.json (plain JSON, as the config check reads it) for
+    all but the device. Views (the policy's cameras, masked ones included: the model runs them),
+    horizon (its chunk size) and steps (its solver's, when it says) come from the loaded policy.
+    A label not known is left out."""
+    m = cfg.model
+    named: dict[str, Any]
+    if m.factory:
+        named = {k: m.factory_args.get(k) for k in _MODEL_KEYS}
+    elif m.bundle:
+        manifest = _bundle_manifest(m.bundle)
+        adapter = manifest.get("adapter")
+        adapter = adapter if isinstance(adapter, dict) else {}
+        named = {"adapter": adapter.get("name"), "preset": adapter.get("preset"), "backend": manifest.get("backend"),
+                 "device": m.device, "dtype": manifest.get("dtype"), "bundle": m.bundle}
+    else:
+        named = {k: getattr(m, k) for k in _MODEL_KEYS}
+    labels = {k: v for k, v in named.items() if isinstance(v, str) and v}
+    labels["views"] = str(len(info.camera_names))
+    labels["horizon"] = str(info.chunk_size)
+    if info.steps:
+        labels["steps"] = str(info.steps)
+    return labels
+
+
+def _bundle_manifest(bundle: str) -> dict[str, Any]:
+    """An engine bundle's manifest.json; {} when it cannot be read (the labels it gives are left out)."""
+    try:
+        data = json.loads((Path(bundle) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 _T = TypeVar("_T")
@@ -263,7 +305,7 @@ class Daemon:
             cfg.robot.control_hz, ch.mode, ch.horizon, ch.execution_horizon,
         )
         if cfg.metrics.port:
-            self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
+            self.metrics.serve(cfg.metrics.host, cfg.metrics.port, model_info_labels(cfg, info))
         if self.record_dir:
             from phyai_edge.control.recorder import Recorder
 

@@ -7,6 +7,7 @@ or with `metrics.port = 0`, every update is an empty method call.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 log = logging.getLogger("phyai_edge.control")
 
@@ -28,6 +29,9 @@ class _Nop:
     def set(self, value: float) -> None:
         pass
 
+    def info(self, labels: dict[str, str]) -> None:
+        pass
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -46,9 +50,11 @@ class Metrics:
         self.worker_restarts = nop
         self.worker_deaths = nop
         self.worker_up = nop
+        self.model_info = nop
 
-    def serve(self, host: str, port: int) -> bool:
-        """Start the HTTP endpoint. Returns False (after one log line) when that is not possible."""
+    def serve(self, host: str, port: int, model: Mapping[str, str] | None = None) -> bool:
+        """Start the HTTP endpoint. Returns False (after one log line) when that is not possible.
+        `model`: the labels of phyai_model_info (which model runs), set before the first scrape."""
         try:
             import prometheus_client as pc
         except ImportError:
@@ -79,6 +85,14 @@ class Metrics:
         self.worker_deaths = pc.Counter("phyai_worker_deaths", "Inference worker processes that died", registry=registry)
         self.worker_up = pc.Gauge("phyai_worker_up", "1 while the inference worker is up, 0 while it is down", registry=registry)
         self.worker_up.set(1)
+        # An info gauge, phyai_model_info{adapter="pi05",preset="full",...} 1: which model runs,
+        # for readers of these metrics (`phyai-edge sim --report`'s roofline document). The daemon
+        # starts the endpoint once the policy is loaded; prometheus-client escapes the values.
+        self.model_info = pc.Info(
+            "phyai_model", "The model the daemon runs (labels; those it does not know are left out)", registry=registry
+        )
+        if model:
+            self.model_info.info(dict(model))
         try:
             pc.start_http_server(port, addr=host, registry=registry)
         except OSError as exc:

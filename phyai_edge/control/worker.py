@@ -50,6 +50,7 @@ class PolicyInfo:
     state_dim: int
     camera_names: tuple[str, ...]
     description: str = ""
+    steps: int = 0  # the solver's flow steps per chunk; 0: the policy does not say
 
 
 @dataclass(frozen=True)
@@ -97,12 +98,16 @@ class JobResult:
 
 
 def policy_info(policy: PolicyLike) -> PolicyInfo:
+    # An engine policy's adapter carries its solver spec; a stand-in policy may have neither.
+    solver = getattr(getattr(policy, "adapter", None), "solver", None)
+    steps = getattr(solver, "num_steps", 0)
     return PolicyInfo(
         int(policy.chunk_size),
         int(policy.action_dim),
         int(policy.state_dim),
         tuple(policy.camera_names),
         type(policy).__name__,
+        steps if isinstance(steps, int) and steps > 0 else 0,
     )
 
 

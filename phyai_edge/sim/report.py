@@ -318,6 +318,27 @@ def _histograms(text: str) -> dict[tuple[str, str], dict[str, Any]]:
     return out
 
 
+_LABEL = re.compile(r'\s*([a-zA-Z_]\w*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+
+
+def daemon_model(metrics_text: str) -> dict[str, str]:
+    """The labels of the daemon's `phyai_model_info` line (which model ran: adapter, preset,
+    backend, device, dtype, views, horizon, steps, as far as the daemon knew), unescaped per the
+    Prometheus text format; {} when the metrics have no such line."""
+    for line in metrics_text.splitlines():
+        line = line.strip()
+        if not line.startswith("phyai_model_info{"):
+            continue
+        body, pos, labels = line[len("phyai_model_info{"):], 0, {}
+        while m := _LABEL.match(body, pos):
+            # \\ \" \n, in one pass so that an escaped backslash before an n stays two characters
+            labels[m.group(1)] = re.sub(r"\\(.)", lambda e: "\n" if e.group(1) == "n" else e.group(1), m.group(2))
+            pos = m.end()
+        if body[pos:].lstrip().startswith("}"):
+            return labels
+    return {}
+
+
 def _hist_quantile(q: float, buckets: dict[float, float]) -> float:
     """Linear interpolation inside the bucket holding rank q (Prometheus' histogram_quantile)."""
     items = sorted(buckets.items())
@@ -371,11 +392,27 @@ def analyse(run: SimRun, metrics_text: str | None = None) -> dict[str, Any]:
     }
     if metrics_text:
         result["daemon_inference"] = daemon_inference(metrics_text)
+        model = daemon_model(metrics_text)
+        if model:
+            result["daemon_model"] = model
     return result
+
+
+def _count(value: Any) -> int | None:
+    """A positive whole number from a label value ("3"), else None."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        return None
+    return n if n > 0 else None
 
 
 def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
     """The loop's measured stage times as a bench document for `phyai-edge roofline --bench`.
+
+    What ran (adapter, preset, backend, device, dtype, views, steps, horizon) is the daemon's
+    `phyai_model_info` when its metrics were captured; without them, or for a label it left out,
+    the tiny CPU preset the sim runs by default is assumed.
 
     camera_age: the frame's age when the daemon assembled the observation (render and send
     included); transport: daemon publish -> sim receive of an action, plus the worker's time
@@ -385,6 +422,8 @@ def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
     """
     t = result["timing"]
     meta = result.get("meta", {})
+    model = result.get("daemon_model", {})
+    steps = _count(model.get("steps"))
 
     def pick(s: dict[str, float]) -> dict[str, float]:
         return {k: v for k, v in s.items() if k.endswith("_ms")}
@@ -418,7 +457,7 @@ def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
             for k, whole in pick(inf["inference"]).items():
                 solver = inf.get("solver_loop", {}).get(k)
                 if solver is None:
-                    solver = inf.get("denoise_step", {}).get(k, 0.0) * int(meta.get("steps", 10))
+                    solver = inf.get("denoise_step", {}).get(k, 0.0) * (steps or int(meta.get("steps", 10)))
                 parts = solver + sum(inf.get(stage, {}).get(k, 0.0) for stage in
                                      ("preprocess", "embed_images", "encode_prefix", "postprocess"))
                 if k in stages["transport"]:
@@ -427,16 +466,27 @@ def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
     else:
         stages["inference"] = pick(t["chunk_delay"])
         source = "chunk delay (upper bound)"
-    return {
-        "adapter": "pi05",
-        "preset": meta.get("preset", "tiny"),
-        "device": meta.get("device", "cpu (phyai-edge sim closed loop)"),
-        "batch": 1,
-        "horizon": meta.get("horizon", 50),
-        "rate_hz": meta.get("control_hz", 50.0),
-        "source": f"phyai-edge sim --report; inference from {source}",
-        "stages": stages,
+    # The keys `phyai-edge roofline --bench` reads (roofline/sources.py `_fill_run_info`); dtype
+    # is a torch name there ("bfloat16" -> bf16).
+    doc: dict[str, Any] = {
+        "adapter": model.get("adapter") or "pi05",
+        "preset": model.get("preset") or meta.get("preset", "tiny"),
+        "device": model.get("device") or meta.get("device", "cpu (phyai-edge sim closed loop)"),
     }
+    for key in ("backend", "dtype"):
+        if model.get(key):
+            doc[key] = model[key]
+    doc["batch"] = 1
+    if _count(model.get("views")):
+        doc["views"] = _count(model["views"])
+    if steps:
+        doc["steps"] = steps
+    doc["horizon"] = _count(model.get("horizon")) or meta.get("horizon", 50)
+    doc["rate_hz"] = meta.get("control_hz", 50.0)
+    what = "model from the daemon's phyai_model_info" if model else "model assumed (no phyai_model_info)"
+    doc["source"] = f"phyai-edge sim --report; inference from {source}; {what}"
+    doc["stages"] = stages
+    return doc
 
 
 # ---------------------------------------------------------------- the chart
