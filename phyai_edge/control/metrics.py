@@ -88,10 +88,11 @@ class Metrics:
         # An info gauge, phyai_model_info{adapter="pi05",preset="full",...} 1: which model runs,
         # for readers of these metrics (`phyai-edge sim --report`'s roofline document). The daemon
         # starts the endpoint once the policy is loaded; prometheus-client escapes the values.
-        self.model_info = pc.Info(
-            "phyai_model", "The model the daemon runs (labels; those it does not know are left out)", registry=registry
-        )
-        if model:
+        if model:  # no labels: no line (a bare info line would say nothing)
+            self.model_info = pc.Info(
+                "phyai_model", "The model the daemon runs (labels; those it does not know are left out)",
+                registry=registry,
+            )
             self.model_info.info(dict(model))
         try:
             pc.start_http_server(port, addr=host, registry=registry)
