@@ -220,3 +220,31 @@ def test_a_float32_bench_is_noted_once(tmp_path: Path, capsys: pytest.CaptureFix
     notes = out.split("notes:", 1)[1].splitlines()
     assert sum("calibrat" in n for n in notes) == 1, notes
     assert "efficiency compute 0.50, bandwidth 0.70, default (0.5 of peak FLOPs" in out and "((" not in out
+
+
+def test_metrics_of_a_daemon_model_the_model_it_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--metrics` against the daemon's own endpoint: phyai_model_info decides preset, views,
+    steps, precision and H, and its gpu label is the device the run calibrates on."""
+    pytest.importorskip("prometheus_client")
+    import socket
+
+    from phyai_edge.control.metrics import Metrics
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    metrics = Metrics()
+    model = {"adapter": "pi05", "preset": "full", "backend": "cudagraph", "device": "cuda", "gpu": "NVIDIA H200",
+             "dtype": "bfloat16", "precision": "fp8", "views": "2", "horizon": "30", "steps": "5"}
+    assert metrics.serve("127.0.0.1", port, model)
+    for _ in range(10):
+        metrics.stage_seconds.labels("embed_images").observe(0.003)
+        metrics.stage_seconds.labels("encode_prefix").observe(0.008)
+        metrics.stage_seconds.labels("denoise_step").observe(0.0012)
+    rc, out, _ = run(["--metrics", f"127.0.0.1:{port}", "--no-plot", "--json", "-"], capsys)
+    assert rc == 0
+    report = json.loads(out)
+    assert {k: report["model"][k] for k in ("preset", "views", "steps", "precision")} == {
+        "preset": "full", "views": 2, "steps": 5, "precision": "fp8"}
+    assert report["robot"]["horizon"] == 30
+    assert "calibrated" in report["efficiency"]["source"]  # found "NVIDIA H200" in the device table

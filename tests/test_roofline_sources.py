@@ -236,3 +236,61 @@ def test_real_daemon_metrics_endpoint() -> None:
     t = m.stage_times()
     assert t.denoise_step_s == pytest.approx(0.0015)  # denoise_step histogram, (1, 2] ms
     assert t.transport_s >= 0 and "transport" in m.stages_s
+
+
+def test_label_escapes_are_undone_in_one_pass() -> None:
+    """An escaped backslash followed by an n is a backslash and an n, not a line break; \\n alone
+    is a line break, \\" a quote; a backslash before anything else stays."""
+    (s,) = parse_prometheus(r'm{a="x\\ny",b="l1\nl2",c="say \"hi\"",d="C:\\dir\\",e="\t"} 1')
+    assert s.labels == {"a": "x\\ny", "b": "l1\nl2", "c": 'say "hi"', "d": "C:\\dir\\", "e": "\\t"}
+
+
+# A daemon's /metrics: two stage histograms, the worker's whole job, and which model ran.
+MODEL_METRICS = r"""
+# TYPE phyai_stage_seconds histogram
+phyai_stage_seconds_bucket{stage="embed_images",le="0.002"} 0.0
+phyai_stage_seconds_bucket{stage="embed_images",le="0.005"} 10.0
+phyai_stage_seconds_bucket{stage="embed_images",le="+Inf"} 10.0
+phyai_stage_seconds_bucket{stage="denoise_step",le="0.001"} 0.0
+phyai_stage_seconds_bucket{stage="denoise_step",le="0.002"} 10.0
+phyai_stage_seconds_bucket{stage="denoise_step",le="+Inf"} 10.0
+phyai_inference_seconds_bucket{le="0.01"} 0.0
+phyai_inference_seconds_bucket{le="0.02"} 10.0
+phyai_inference_seconds_bucket{le="+Inf"} 10.0
+# HELP phyai_model_info The model the daemon runs
+# TYPE phyai_model_info gauge
+phyai_model_info{adapter="pi05",backend="cudagraph",bundle="/e/a\\nb",device="cuda",dtype="bfloat16",gpu="NVIDIA H200",horizon="30",precision="fp8",preset="full",steps="5",views="2"} 1.0
+"""
+
+
+def test_metrics_take_the_model_from_phyai_model_info() -> None:
+    """`roofline --metrics` models what the daemon says it runs: preset, views, steps, horizon,
+    backend, the precision (fp8 over the bundle's bfloat16 dtype) and the GPU's name where the
+    device is only "cuda"; the steps also split the worker's time into its stages."""
+    from phyai_edge.roofline.sources import daemon_model
+
+    m = measurement_from_metrics(MODEL_METRICS)
+    assert (m.adapter, m.preset, m.backend, m.device, m.precision) == ("pi05", "full", "cudagraph", "NVIDIA H200", "fp8")
+    assert (m.views, m.steps, m.horizon, m.calibratable) == (2, 5, 30, True)
+    # 15 ms whole job - 3.5 ms vision - 5 x 1.5 ms steps: 4 ms outside the stages.
+    assert m.stages_s["transport"] == pytest.approx(0.004)
+    assert set(m.stages_s) == {"vision", "denoise_step", "inference", "transport"}  # the info line is no stage
+    assert daemon_model(MODEL_METRICS)["bundle"] == "/e/a\\nb"
+
+    # Without the GPU's name: the config's "cuda"; a float32 CPU daemon is not calibrated on.
+    cpu = MODEL_METRICS.replace('gpu="NVIDIA H200",', "").replace('precision="fp8",', "")
+    assert measurement_from_metrics(cpu).device == "cuda" and measurement_from_metrics(cpu).precision == "bf16"
+    f32 = measurement_from_metrics(cpu.replace('device="cuda"', 'device="cpu"').replace("bfloat16", "float32"))
+    assert f32.device == "cpu" and f32.precision is None and not f32.calibratable
+    # No model line (an older daemon): nothing assumed, the flags and defaults decide.
+    old = measurement_from_metrics(MODEL_METRICS.split("# HELP phyai_model_info")[0])
+    assert (old.preset, old.device, old.precision, old.views, old.steps, old.horizon) == (None,) * 6
+    # A gauge naming the horizon or the steps still wins over the label.
+    assert measurement_from_metrics(MODEL_METRICS + "phyai_chunk_size 50\n").horizon == 50
+
+
+def test_one_model_info_parser_for_the_sim_and_the_roofline() -> None:
+    from phyai_edge.roofline import sources
+    from phyai_edge.sim import report
+
+    assert report.daemon_model is sources.daemon_model

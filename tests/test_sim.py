@@ -445,3 +445,21 @@ def test_report_analysis_keeps_the_model_info(monkeypatch: pytest.MonkeyPatch) -
     assert report.analyse(run, MODEL_INFO)["daemon_model"]["preset"] == "full"
     assert "daemon_model" not in report.analyse(run, "phyai_inference_seconds_count 0.0\n")
     assert "daemon_model" not in report.analyse(run)
+
+
+def test_roofline_bench_names_the_gpu_and_an_fp8_bundle(tmp_path: Path) -> None:
+    """The daemon's gpu label names the device the roofline looks up where device is only
+    "cuda", and an fp8 bundle's precision label wins over its bfloat16 dtype."""
+    import json
+
+    from phyai_edge.roofline.sources import load_bench
+    from phyai_edge.sim.report import daemon_model, roofline_bench
+
+    info = MODEL_INFO.replace('device="cuda",', 'device="cuda",gpu="NVIDIA H200",precision="fp8",')
+    result = {"meta": {"control_hz": 50.0}, "timing": {"camera_age_at_inference": {"p50_ms": 30.0},
+                                                       "transport": {"p50_ms": 0.5}, "chunk_delay": {"p50_ms": 40.0}}}
+    bench = roofline_bench({**result, "daemon_model": daemon_model(info)})
+    assert (bench["device"], bench["gpu"], bench["dtype"], bench["precision"]) == ("cuda", "NVIDIA H200", "bfloat16", "fp8")
+    (tmp_path / "loop.json").write_text(json.dumps(bench))
+    (m,) = load_bench(tmp_path / "loop.json")
+    assert (m.device, m.precision, m.calibratable) == ("NVIDIA H200", "fp8", True)

@@ -254,10 +254,13 @@ class Sample:
 
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?\s*$")
 _LABEL_RE = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+_ESCAPE_RE = re.compile(r'\\(["\\n])')  # a backslash, then what it escapes: " \ n
 
 
 def _unescape(v: str) -> str:
-    return v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+    """A label value's escapes (backslash, quote, line feed) undone in one pass, so that an
+    escaped backslash followed by an n stays a backslash and an n. Other backslashes are kept."""
+    return _ESCAPE_RE.sub(lambda e: "\n" if e.group(1) == "n" else e.group(1), v)
 
 
 def parse_prometheus(text: str) -> list[Sample]:
@@ -288,6 +291,21 @@ def parse_prometheus(text: str) -> list[Sample]:
             continue
         out.append(Sample(name, labels, value))
     return out
+
+
+MODEL_INFO = "phyai_model_info"
+
+
+def daemon_model(text: str) -> dict[str, str]:
+    """The labels of the daemon's `phyai_model_info` line: which model it runs (adapter, preset,
+    backend, device, gpu, dtype, precision, bundle, views, horizon, steps, as far as it knew),
+    unescaped; {} when the metrics have no such line. `phyai-edge roofline --metrics` and
+    `phyai-edge sim --report` both read it here."""
+    return _model_labels(parse_prometheus(text))
+
+
+def _model_labels(samples: Iterable[Sample]) -> dict[str, str]:
+    return next((dict(s.labels) for s in samples if s.name == MODEL_INFO), {})
 
 
 def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
@@ -330,7 +348,10 @@ def _metric_stage(sample_name: str, labels: Mapping[str, str]) -> str | None:
 
 def measurement_from_metrics(text: str, stat: str = "p50", label: str = "daemon (measured)") -> Measurement:
     """Stage times from a daemon's /metrics text. Per stage, in order of preference: a summary
-    quantile, a histogram quantile, a histogram/summary mean (sum / count), a gauge value."""
+    quantile, a histogram quantile, a histogram/summary mean (sum / count), a gauge value.
+    What ran (adapter, preset, device or gpu, backend, views, steps, horizon, precision or dtype)
+    from the daemon's `phyai_model_info` labels, read as a bench run's keys; a gauge named for
+    the horizon or the steps overrides its label."""
     q_wanted = {"p50": 0.5, "median": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}.get(stat, 0.5)
     quantiles: dict[str, dict[float, float]] = {}
     buckets: dict[str, dict[float, float]] = {}  # stage -> le -> count, summed over label sets
@@ -338,7 +359,11 @@ def measurement_from_metrics(text: str, stat: str = "p50", label: str = "daemon 
     counts: dict[str, float] = {}
     gauges: dict[str, float] = {}
     m = Measurement(label=label, stages_s={}, stat=stat)
-    for s in parse_prometheus(text):
+    samples = parse_prometheus(text)
+    model = _model_labels(samples)
+    if model:
+        _fill_run_info(m, model)
+    for s in samples:
         base = normalise_name(s.name)
         _robot_param(m, base, s.value)
         if s.name.endswith("_created"):  # prometheus-client's creation timestamps, not timings

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from phyai_edge.control.protocol import Flag
+from phyai_edge.roofline.sources import daemon_model  # phyai_model_info, as roofline --metrics reads it
 
 # The joints whose position servos are stiff enough to follow a target within a few steps
 # (kp 800-1600 against frictionloss 50-60); forearm roll and the wrists (kp 10-50 against
@@ -318,27 +319,6 @@ def _histograms(text: str) -> dict[tuple[str, str], dict[str, Any]]:
     return out
 
 
-_LABEL = re.compile(r'\s*([a-zA-Z_]\w*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-
-
-def daemon_model(metrics_text: str) -> dict[str, str]:
-    """The labels of the daemon's `phyai_model_info` line (which model ran: adapter, preset,
-    backend, device, dtype, views, horizon, steps, as far as the daemon knew), unescaped per the
-    Prometheus text format; {} when the metrics have no such line."""
-    for line in metrics_text.splitlines():
-        line = line.strip()
-        if not line.startswith("phyai_model_info{"):
-            continue
-        body, pos, labels = line[len("phyai_model_info{"):], 0, {}
-        while m := _LABEL.match(body, pos):
-            # \\ \" \n, in one pass so that an escaped backslash before an n stays two characters
-            labels[m.group(1)] = re.sub(r"\\(.)", lambda e: "\n" if e.group(1) == "n" else e.group(1), m.group(2))
-            pos = m.end()
-        if body[pos:].lstrip().startswith("}"):
-            return labels
-    return {}
-
-
 def _hist_quantile(q: float, buckets: dict[float, float]) -> float:
     """Linear interpolation inside the bucket holding rank q (Prometheus' histogram_quantile)."""
     items = sorted(buckets.items())
@@ -410,9 +390,9 @@ def _count(value: Any) -> int | None:
 def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
     """The loop's measured stage times as a bench document for `phyai-edge roofline --bench`.
 
-    What ran (adapter, preset, backend, device, dtype, views, steps, horizon) is the daemon's
-    `phyai_model_info` when its metrics were captured; without them, or for a label it left out,
-    the tiny CPU preset the sim runs by default is assumed.
+    What ran (adapter, preset, backend, device, gpu, dtype, precision, views, steps, horizon) is
+    the daemon's `phyai_model_info` when its metrics were captured; without them, or for a label
+    it left out, the tiny CPU preset the sim runs by default is assumed.
 
     camera_age: the frame's age when the daemon assembled the observation (render and send
     included); transport: daemon publish -> sim receive of an action, plus the worker's time
@@ -467,13 +447,14 @@ def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
         stages["inference"] = pick(t["chunk_delay"])
         source = "chunk delay (upper bound)"
     # The keys `phyai-edge roofline --bench` reads (roofline/sources.py `_fill_run_info`); dtype
-    # is a torch name there ("bfloat16" -> bf16).
+    # is a torch name there ("bfloat16" -> bf16), precision (an fp8 bundle's) wins over it, and
+    # gpu names the device where device is only "cuda".
     doc: dict[str, Any] = {
         "adapter": model.get("adapter") or "pi05",
         "preset": model.get("preset") or meta.get("preset", "tiny"),
         "device": model.get("device") or meta.get("device", "cpu (phyai-edge sim closed loop)"),
     }
-    for key in ("backend", "dtype"):
+    for key in ("backend", "gpu", "dtype", "precision"):
         if model.get(key):
             doc[key] = model[key]
     doc["batch"] = 1
