@@ -506,7 +506,8 @@ def test_prometheus_says_which_model_runs_a_bundles_from_its_manifest(tmp_path):
 
 def test_model_info_labels_follow_what_decides_the_model():
     """The config's model section, unless a factory builds the policy (its arguments of those
-    names, the rest left out); views and horizon from the policy, steps only when it says."""
+    names, the rest left out); views from the policy, steps only when it says; horizon the
+    policy's chunk unless chunking.horizon is set."""
     from phyai_edge.control.daemon import model_info_labels
     from phyai_edge.control.worker import policy_info
 
@@ -519,3 +520,127 @@ def test_model_info_labels_follow_what_decides_the_model():
     plain = policy_info(FakePolicy(chunk_size=30, camera_names=("top",)))
     assert plain.steps == 0
     assert model_info_labels(factory, plain) == {"preset": "full", "device": "cuda:1", "views": "1", "horizon": "30"}
+    # horizon is the H the daemon executes: chunking.horizon where set below the chunk.
+    short = test_config(model={"device": "cpu"}, chunking={"horizon": 20})
+    assert model_info_labels(short, info)["horizon"] == "20"
+
+
+def _fake_torch(monkeypatch, name: str = "NVIDIA H200") -> list:
+    """A stand-in torch module in sys.modules whose CUDA device is `name`; returns the devices asked
+    for. The control package never imports torch; the worker finds it already loaded by the policy."""
+    import sys
+    from types import SimpleNamespace
+
+    asked: list = []
+
+    def get_device_name(device):
+        asked.append(device)
+        return name
+
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(get_device_name=get_device_name)))
+    return asked
+
+
+def test_policy_info_names_the_gpu_a_cuda_policy_runs_on(monkeypatch):
+    """PolicyInfo.device_name: torch's name for the policy's CUDA device, asked where torch is
+    loaded already; "" for a policy on the CPU, one that names no device, or without torch. It
+    crosses the worker pipe pickled, and becomes phyai_model_info's gpu label."""
+    import pickle
+    import sys
+    from types import SimpleNamespace
+
+    from phyai_edge.control.daemon import model_info_labels
+    from phyai_edge.control.worker import PolicyInfo, policy_info
+
+    pol = FakePolicy(camera_names=("top",))
+    assert policy_info(pol).device_name == ""  # no device attribute
+    asked = _fake_torch(monkeypatch)
+    pol.device = SimpleNamespace(type="cpu", index=None)  # type: ignore[attr-defined]  # a torch.device's shape
+    assert policy_info(pol).device_name == "" and asked == []
+    pol.device = SimpleNamespace(type="cuda", index=1)  # type: ignore[attr-defined]
+    info = policy_info(pol)
+    assert info.device_name == "NVIDIA H200" and asked == [pol.device]
+    assert pickle.loads(pickle.dumps(info)) == info
+    pol.device = "cuda:0"  # type: ignore[attr-defined]  # a plain string names the type too
+    assert policy_info(pol).device_name == "NVIDIA H200"
+    cfg = test_config(model={"device": "cuda"})
+    assert model_info_labels(cfg, info)["gpu"] == "NVIDIA H200"
+    assert "gpu" not in model_info_labels(cfg, PolicyInfo(50, 6, 6, ("top",)))
+
+    monkeypatch.delitem(sys.modules, "torch")  # torch not loaded in this process: not imported for a name
+    assert policy_info(pol).device_name == "" and "torch" not in sys.modules
+
+    def fails(device):
+        raise RuntimeError("CUDA driver initialization failed")
+
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(get_device_name=fails)))
+    assert policy_info(pol).device_name == ""
+
+
+def _manifest(precision: str, backend: str, dtype: str) -> dict:
+    """A manifest.json as `phyai-edge export` writes one (the fields the daemon reads)."""
+    manifest = {"format": "phyai-edge/bundle/1", "adapter": {"name": "pi05", "preset": "full"}, "backend": backend,
+                "dtype": dtype, "precision": dict.fromkeys(("embed_images", "encode_prefix", "denoise_step"), precision),
+                "steps": 10, "views": 3}
+    if precision == "fp8" and backend == "cudagraph":
+        manifest["fp8"] = {"scope": "expert", "scales": "calibration/fp8_scales.safetensors", "activations": "static",
+                           "format": "e4m3fn, per-tensor"}
+    return manifest
+
+
+def test_model_info_says_a_bundle_is_fp8_where_its_dtype_says_bfloat16(tmp_path):
+    """An fp8 bundle's manifest has dtype bfloat16 (its activations) and fp8 per stage: the label
+    precision="fp8" says it, as the roofline reads it; int8 likewise; a bf16 bundle has no
+    precision label (its dtype says it)."""
+    import json
+
+    from phyai_edge.control.daemon import model_info_labels
+    from phyai_edge.control.worker import PolicyInfo
+
+    info = PolicyInfo(50, 6, 6, ("top", "left_wrist", "right_wrist"), steps=10)
+    labels = {}
+    for name, args in {"fp8": ("fp8", "cudagraph", "bfloat16"), "int8": ("int8", "onnxruntime", "float32"),
+                       "bf16": ("bf16", "cudagraph", "bfloat16")}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps(_manifest(*args)))
+        cfg = test_config(model={"bundle": str(tmp_path / name), "device": "cuda"})
+        labels[name] = model_info_labels(cfg, info)
+    assert labels["fp8"]["precision"] == "fp8" and labels["fp8"]["dtype"] == "bfloat16"
+    assert labels["int8"]["precision"] == "int8"
+    assert "precision" not in labels["bf16"] and labels["bf16"]["dtype"] == "bfloat16"
+    # A TensorRT fp8 bundle records no `fp8` section: its stages' precision still says it.
+    (tmp_path / "trt").mkdir()
+    (tmp_path / "trt" / "manifest.json").write_text(json.dumps(_manifest("fp8", "tensorrt", "bfloat16")))
+    assert model_info_labels(test_config(model={"bundle": str(tmp_path / "trt")}), info)["precision"] == "fp8"
+
+
+def test_roofline_reads_the_running_daemon_s_model(tmp_path, monkeypatch):
+    """End to end: a daemon running an fp8 bundle on a CUDA policy with chunking.horizon 30 (the
+    policy's chunk is 50) exports phyai_model_info, and `phyai-edge roofline --metrics`' reader
+    makes of it the GPU's name, fp8, the views, the steps and the H the daemon executes."""
+    import json
+    import socket
+    import urllib.request
+    from types import SimpleNamespace
+
+    from phyai_edge.roofline.sources import measurement_from_metrics
+
+    pytest.importorskip("prometheus_client")
+    (tmp_path / "manifest.json").write_text(json.dumps(_manifest("fp8", "cudagraph", "bfloat16")))
+    _fake_torch(monkeypatch, "NVIDIA H200")
+    pol = _solver_policy(("top", "left_wrist", "right_wrist"), 10)
+    pol.device = SimpleNamespace(type="cuda", index=0)  # type: ignore[attr-defined]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = test_config(metrics={"port": port}, model={"bundle": str(tmp_path), "device": "cuda"},
+                      chunking={"horizon": 30})
+    d = Daemon(cfg, policy=pol, realtime=False)
+    try:
+        d.setup()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        d.shutdown()
+    m = measurement_from_metrics(text)
+    assert (m.adapter, m.preset, m.backend, m.device, m.precision) == ("pi05", "full", "cudagraph", "NVIDIA H200", "fp8")
+    assert (m.views, m.steps, m.horizon, m.calibratable) == (3, 10, 30, True)

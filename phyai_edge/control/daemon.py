@@ -135,9 +135,11 @@ def model_info_labels(cfg: DaemonConfig, info: PolicyInfo) -> dict[str, str]:
     torch. Adapter, preset, backend, device and dtype are the config's `model` section, but where
     it does not decide them: with `model.factory`, the factory's keyword arguments of those names;
     with `model.bundle`, the bundle's manifest.json (plain JSON, as the config check reads it) for
-    all but the device. Views (the policy's cameras, masked ones included: the model runs them),
-    horizon (its chunk size) and steps (its solver's, when it says) come from the loaded policy.
-    A label not known is left out."""
+    all but the device, and precision ("fp8", "int8") where its weights are quantised. Views (the
+    policy's cameras, masked ones included: the model runs them), steps (its solver's, when it
+    says) and gpu (the GPU's name, which the worker asked torch for) come from the loaded policy;
+    horizon is the H the daemon runs, `chunking.horizon` (the policy's chunk size unless set
+    lower). A label not known is left out."""
     m = cfg.model
     named: dict[str, Any]
     if m.factory:
@@ -147,12 +149,16 @@ def model_info_labels(cfg: DaemonConfig, info: PolicyInfo) -> dict[str, str]:
         adapter = manifest.get("adapter")
         adapter = adapter if isinstance(adapter, dict) else {}
         named = {"adapter": adapter.get("name"), "preset": adapter.get("preset"), "backend": manifest.get("backend"),
-                 "device": m.device, "dtype": manifest.get("dtype"), "bundle": m.bundle}
+                 "device": m.device, "dtype": manifest.get("dtype"), "precision": _bundle_precision(manifest),
+                 "bundle": m.bundle}
     else:
         named = {k: getattr(m, k) for k in _MODEL_KEYS}
     labels = {k: v for k, v in named.items() if isinstance(v, str) and v}
+    if info.device_name:
+        labels["gpu"] = info.device_name
     labels["views"] = str(len(info.camera_names))
-    labels["horizon"] = str(info.chunk_size)
+    # H as the roofline means it: the actions of a chunk the daemon executes from (RTC's d <= s <= H - d).
+    labels["horizon"] = str(cfg.chunking.horizon or info.chunk_size)
     if info.steps:
         labels["steps"] = str(info.steps)
     return labels
@@ -165,6 +171,17 @@ def _bundle_manifest(bundle: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _bundle_precision(manifest: dict[str, Any]) -> str | None:
+    """"fp8" / "int8" for a bundle whose stages run quantised weights (the manifest's `precision`,
+    stage -> precision, as the loader reads it; an fp8 bundle's `dtype` is "bfloat16", what its
+    activations run in); None otherwise: the dtype says it."""
+    precision = manifest.get("precision")
+    values = {v for v in (precision.values() if isinstance(precision, dict) else [precision]) if isinstance(v, str)}
+    if "fp8" in values or isinstance(manifest.get("fp8"), dict):
+        return "fp8"
+    return "int8" if "int8" in values else None
 
 
 _T = TypeVar("_T")

@@ -86,7 +86,7 @@ class Metrics:
         self.worker_up = pc.Gauge("phyai_worker_up", "1 while the inference worker is up, 0 while it is down", registry=registry)
         self.worker_up.set(1)
         # An info gauge, phyai_model_info{adapter="pi05",preset="full",...} 1: which model runs,
-        # for readers of these metrics (`phyai-edge sim --report`'s roofline document). The daemon
+        # for readers of these metrics (`phyai-edge roofline --metrics`, `phyai-edge sim --report`). The daemon
         # starts the endpoint once the policy is loaded; prometheus-client escapes the values.
         if model:  # no labels: no line (a bare info line would say nothing)
             self.model_info = pc.Info(

@@ -18,6 +18,7 @@ import importlib
 import logging
 import multiprocessing as mp
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -51,6 +52,7 @@ class PolicyInfo:
     camera_names: tuple[str, ...]
     description: str = ""
     steps: int = 0  # the solver's flow steps per chunk; 0: the policy does not say
+    device_name: str = ""  # the GPU's name ("NVIDIA H200") when the policy runs on CUDA; "": not known
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,25 @@ def policy_info(policy: PolicyLike) -> PolicyInfo:
         tuple(policy.camera_names),
         type(policy).__name__,
         steps if isinstance(steps, int) and steps > 0 else 0,
+        device_name(policy),
     )
+
+
+def device_name(policy: PolicyLike) -> str:
+    """The name of the GPU the policy runs on ("NVIDIA H200", "Orin"), from torch where this
+    process has already imported it (the worker that built the policy); "" for a policy off CUDA,
+    one that names no device, or where torch is not loaded. Never imports torch itself: with the
+    thread worker this runs in the daemon's own process."""
+    device = getattr(policy, "device", None)
+    kind = getattr(device, "type", None) or str(device).partition(":")[0]
+    torch = sys.modules.get("torch")
+    if kind != "cuda" or torch is None:
+        return ""
+    try:
+        name = torch.cuda.get_device_name(device)
+    except Exception:  # only a label: the policy runs without it
+        return ""
+    return name if isinstance(name, str) else ""
 
 
 def run_job(policy: PolicyLike, job: Job) -> JobResult:
