@@ -472,7 +472,8 @@ def _solver_policy(cameras: tuple[str, ...], steps: int) -> FakePolicy:
 def test_prometheus_says_which_model_runs_a_bundles_from_its_manifest(tmp_path):
     """phyai_model_info: a bundle's adapter, preset, backend and dtype from its manifest (the
     config's defaults do not apply to it), the device from the config, views, horizon and steps
-    from the loaded policy; the bundle's path, with a quote and a backslash in it, escaped."""
+    from the loaded policy, rate and s from the config; the bundle's path, with a quote and a
+    backslash in it, escaped."""
     import json
     import socket
     import urllib.request
@@ -498,10 +499,11 @@ def test_prometheus_says_which_model_runs_a_bundles_from_its_manifest(tmp_path):
     (line,) = [ln for ln in text.splitlines() if ln.startswith("phyai_model_info")]
     escaped = str(bundle).replace("\\", "\\\\").replace('"', '\\"')
     assert line == (f'phyai_model_info{{adapter="pi05",backend="cudagraph",bundle="{escaped}",device="cuda",'
-                    'dtype="bfloat16",horizon="50",preset="full",steps="10",views="3"} 1.0'), line
+                    'dtype="bfloat16",exec_horizon="10",horizon="50",preset="full",rate_hz="50",steps="10",'
+                    'views="3"} 1.0'), line
     assert daemon_model(text) == {"adapter": "pi05", "preset": "full", "backend": "cudagraph", "device": "cuda",
                                   "dtype": "bfloat16", "bundle": str(bundle), "views": "3", "horizon": "50",
-                                  "steps": "10"}
+                                  "steps": "10", "rate_hz": "50", "exec_horizon": "10"}
 
 
 def test_model_info_labels_follow_what_decides_the_model():
@@ -514,15 +516,32 @@ def test_model_info_labels_follow_what_decides_the_model():
     cfg = test_config(model={"backend": "eager", "device": "cpu", "dtype": "bfloat16", "preset": "tiny"})
     info = policy_info(_solver_policy(("top", "wrist"), 5))
     assert model_info_labels(cfg, info) == {"adapter": "pi05", "preset": "tiny", "backend": "eager", "device": "cpu",
-                                            "dtype": "bfloat16", "views": "2", "horizon": "50", "steps": "5"}
+                                            "dtype": "bfloat16", "views": "2", "horizon": "50", "steps": "5",
+                                            "rate_hz": "50", "exec_horizon": "10"}
     factory = test_config(model={"factory": "phyai_edge.control.fakes:make_fake_policy",
                                  "factory_args": {"preset": "full", "device": "cuda:1", "latency_s": 0.01}})
     plain = policy_info(FakePolicy(chunk_size=30, camera_names=("top",)))
     assert plain.steps == 0
-    assert model_info_labels(factory, plain) == {"preset": "full", "device": "cuda:1", "views": "1", "horizon": "30"}
+    assert model_info_labels(factory, plain) == {"preset": "full", "device": "cuda:1", "views": "1", "horizon": "30",
+                                                 "rate_hz": "50", "exec_horizon": "10"}
     # horizon is the H the daemon executes: chunking.horizon where set below the chunk.
     short = test_config(model={"device": "cpu"}, chunking={"horizon": 20})
     assert model_info_labels(short, info)["horizon"] == "20"
+
+
+def test_model_info_labels_name_the_control_rate_and_the_execution_horizon():
+    """rate_hz is robot.control_hz and exec_horizon chunking.execution_horizon, the keys the
+    roofline reads for --rate and --exec-horizon; a rate %g would round keeps all its digits."""
+    from phyai_edge.control.daemon import model_info_labels
+    from phyai_edge.control.worker import PolicyInfo
+
+    info = PolicyInfo(50, 6, 6, ("top",))
+    cfg = test_config(robot={"control_hz": 30.0}, chunking={"mode": "guided-approx", "execution_horizon": 12})
+    labels = model_info_labels(cfg, info)
+    assert (labels["rate_hz"], labels["exec_horizon"], labels["horizon"]) == ("30", "12", "50")
+    odd = model_info_labels(test_config(robot={"control_hz": 100 / 3}), info)["rate_hz"]
+    assert float(odd) == 100 / 3
+    assert "rtc_mode" not in labels and "mode" not in labels  # the roofline's s holds in every RTC mode
 
 
 def _fake_torch(monkeypatch, name: str = "NVIDIA H200") -> list:
@@ -644,3 +663,4 @@ def test_roofline_reads_the_running_daemon_s_model(tmp_path, monkeypatch):
     m = measurement_from_metrics(text)
     assert (m.adapter, m.preset, m.backend, m.device, m.precision) == ("pi05", "full", "cudagraph", "NVIDIA H200", "fp8")
     assert (m.views, m.steps, m.horizon, m.calibratable) == (3, 10, 30, True)
+    assert (m.rate_hz, m.exec_horizon) == (50.0, 10)  # robot.control_hz, chunking.execution_horizon

@@ -248,3 +248,35 @@ def test_metrics_of_a_daemon_model_the_model_it_runs(capsys: pytest.CaptureFixtu
         "preset": "full", "views": 2, "steps": 5, "precision": "fp8"}
     assert report["robot"]["horizon"] == 30
     assert "calibrated" in report["efficiency"]["source"]  # found "NVIDIA H200" in the device table
+
+
+def test_metrics_give_the_rate_and_s_unless_the_flags_do(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--metrics` alone: the daemon's rate_hz and exec_horizon labels are the robot side the
+    roofline analyses; `--rate` and `--exec-horizon` given on the command line win over them."""
+    pytest.importorskip("prometheus_client")
+    import socket
+
+    from phyai_edge.control.metrics import Metrics
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    metrics = Metrics()
+    model = {"adapter": "pi05", "preset": "full", "device": "cuda", "gpu": "NVIDIA H200", "dtype": "bfloat16",
+             "views": "3", "horizon": "50", "steps": "10", "rate_hz": "30", "exec_horizon": "12"}
+    assert metrics.serve("127.0.0.1", port, model)
+    for _ in range(10):
+        metrics.stage_seconds.labels("embed_images").observe(0.003)
+        metrics.stage_seconds.labels("encode_prefix").observe(0.008)
+        metrics.stage_seconds.labels("denoise_step").observe(0.0012)
+    source = ["--metrics", f"127.0.0.1:{port}", "--no-plot", "--json", "-"]
+    rc, out, _ = run(source, capsys)
+    assert rc == 0
+    report = json.loads(out)
+    assert {k: report["robot"][k] for k in ("rate_hz", "horizon", "exec_horizon")} == {
+        "rate_hz": 30.0, "horizon": 50, "exec_horizon": 12}
+    assert report["points"][0]["result"]["exec_horizon"] == 12
+    rc, out, _ = run([*source, "--rate", "50", "--exec-horizon", "20"], capsys)
+    assert rc == 0
+    robot = json.loads(out)["robot"]
+    assert (robot["rate_hz"], robot["exec_horizon"], robot["control_period_ms"]) == (50.0, 20, pytest.approx(20.0))

@@ -294,3 +294,19 @@ def test_one_model_info_parser_for_the_sim_and_the_roofline() -> None:
     from phyai_edge.sim import report
 
     assert report.daemon_model is sources.daemon_model
+
+
+def test_metrics_take_the_rate_and_s_from_phyai_model_info() -> None:
+    """The daemon's rate_hz and exec_horizon labels are the run's rate and s; a gauge named for
+    either still wins; without them (an older daemon) both are left to the flags and defaults."""
+    labels = 'phyai_model_info{adapter="pi05",'
+    text = MODEL_METRICS.replace(labels, labels + 'exec_horizon="12",rate_hz="30",')
+    m = measurement_from_metrics(text)
+    assert (m.rate_hz, m.exec_horizon, m.horizon) == (30.0, 12, 30)
+    assert (measurement_from_metrics(MODEL_METRICS).rate_hz, measurement_from_metrics(MODEL_METRICS).exec_horizon) == (
+        None, None)
+    gauged = measurement_from_metrics(text + "phyai_control_rate_hz 40\nphyai_execution_horizon 8\n")
+    assert (gauged.rate_hz, gauged.exec_horizon) == (40.0, 8)
+    # Labels that are no rate or no s are left out rather than failing the roofline.
+    bad = measurement_from_metrics(text.replace('rate_hz="30"', 'rate_hz="0"').replace('"12"', '"x"'))
+    assert (bad.rate_hz, bad.exec_horizon) == (None, None)

@@ -463,3 +463,28 @@ def test_roofline_bench_names_the_gpu_and_an_fp8_bundle(tmp_path: Path) -> None:
     (tmp_path / "loop.json").write_text(json.dumps(bench))
     (m,) = load_bench(tmp_path / "loop.json")
     assert (m.device, m.precision, m.calibratable) == ("NVIDIA H200", "fp8", True)
+
+
+def test_roofline_bench_takes_the_rate_and_s_from_the_daemon(tmp_path: Path) -> None:
+    """The daemon's rate_hz and exec_horizon labels go into the roofline document, and `phyai-edge
+    roofline --bench` reads them back as the run's rate and s; without them the sim's control rate
+    and no s (the roofline leaves it free)."""
+    import json
+
+    from phyai_edge.roofline.sources import load_bench
+    from phyai_edge.sim.report import daemon_model, roofline_bench
+
+    info = MODEL_INFO.replace('horizon="50",', 'exec_horizon="20",horizon="50",rate_hz="30",')
+    result = {"meta": {"control_hz": 50.0}, "timing": {"camera_age_at_inference": {"p50_ms": 30.0},
+                                                       "transport": {"p50_ms": 0.5}, "chunk_delay": {"p50_ms": 40.0}}}
+    bench = roofline_bench({**result, "daemon_model": daemon_model(info)})
+    assert (bench["rate_hz"], bench["exec_horizon"], bench["horizon"]) == (30.0, 20, 50)
+    (tmp_path / "loop.json").write_text(json.dumps(bench))
+    (m,) = load_bench(tmp_path / "loop.json")
+    assert (m.rate_hz, m.exec_horizon, m.horizon) == (30.0, 20, 50)
+
+    bench = roofline_bench({**result, "daemon_model": daemon_model(MODEL_INFO)})
+    assert bench["rate_hz"] == 50.0 and "exec_horizon" not in bench
+    (tmp_path / "old.json").write_text(json.dumps(bench))
+    (m,) = load_bench(tmp_path / "old.json")
+    assert (m.rate_hz, m.exec_horizon) == (50.0, None)

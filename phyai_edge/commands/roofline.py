@@ -20,6 +20,7 @@ physical loop) and the margin; draw the roofline chart.
 Sources (any mix; with none, every device in the table is predicted):
   --bench FILE      a `phyai-edge bench --json` file (measured point; also calibrates predictions)
   --metrics URL     a running daemon's Prometheus endpoint, e.g. http://127.0.0.1:9100/metrics
+                    (its model, rate, H and s too: --rate, --horizon, --exec-horizon override them)
   --device NAME     predict from FLOP/byte counts and the device table ('all' for every device)
 
 Examples:
@@ -61,12 +62,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="weight and GEMM precision (default: the bench's, else bf16)")
 
     robot = p.add_argument_group("robot")
-    robot.add_argument("--rate", type=float, default=None, help="control rate in Hz (default 50)")
+    # The first measured source's robot side: a bench's rate_hz / horizon / exec_horizon keys, or
+    # a daemon's phyai_model_info labels of those names (--metrics); a flag given wins over it.
     robot.add_argument(
-        "--physical-rate", type=float, default=None, help="task's max loop rate (default: --rate)"
+        "--rate", type=float, default=None,
+        help="control rate in Hz (default: the first measured source's rate_hz, e.g. the daemon's "
+             "robot.control_hz, else 50)"
     )
-    robot.add_argument("--horizon", type=int, default=None, help="prediction horizon H (default: chunk size)")
-    robot.add_argument("--exec-horizon", type=int, default=None, help="execution horizon s (default: free)")
+    robot.add_argument(
+        "--physical-rate", type=float, default=None, help="task's max loop rate (default: the control rate)"
+    )
+    robot.add_argument(
+        "--horizon", type=int, default=None,
+        help="prediction horizon H (default: the first measured source's horizon, e.g. the daemon's "
+             "chunking.horizon, else the adapter's chunk size)"
+    )
+    robot.add_argument(
+        "--exec-horizon", type=int, default=None,
+        help="execution horizon s (default: the first measured source's exec_horizon, e.g. the "
+             "daemon's chunking.execution_horizon, else free)"
+    )
     # Measured sources keep their own value unless the flag is given; predictions cannot see these.
     robot.add_argument("--camera-age-ms", type=float, default=None,
                        help="age of the frame at assembly (default: measured, else 0)")

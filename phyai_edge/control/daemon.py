@@ -139,7 +139,9 @@ def model_info_labels(cfg: DaemonConfig, info: PolicyInfo) -> dict[str, str]:
     policy's cameras, masked ones included: the model runs them), steps (its solver's, when it
     says) and gpu (the GPU's name, which the worker asked torch for) come from the loaded policy;
     horizon is the H the daemon runs, `chunking.horizon` (the policy's chunk size unless set
-    lower). A label not known is left out."""
+    lower). The robot side the roofline needs besides H comes from the config: rate_hz
+    (`robot.control_hz`) and exec_horizon (`chunking.execution_horizon`, the s of d <= s <= H - d,
+    which every RTC mode keeps, so the mode is not a label). A label not known is left out."""
     m = cfg.model
     named: dict[str, Any]
     if m.factory:
@@ -161,7 +163,16 @@ def model_info_labels(cfg: DaemonConfig, info: PolicyInfo) -> dict[str, str]:
     labels["horizon"] = str(cfg.chunking.horizon or info.chunk_size)
     if info.steps:
         labels["steps"] = str(info.steps)
+    # Named as the roofline's bench documents name them (`phyai-edge sim --report` writes rate_hz).
+    labels["rate_hz"] = _number(cfg.robot.control_hz)
+    labels["exec_horizon"] = str(cfg.chunking.execution_horizon)
     return labels
+
+
+def _number(value: float) -> str:
+    """A label value for a number: "50" for 50.0, all of its digits where %g would round it."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
 
 
 def _bundle_manifest(bundle: str) -> dict[str, Any]:

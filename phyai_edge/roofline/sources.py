@@ -221,6 +221,19 @@ def _fill_run_info(m: Measurement, run: Mapping[str, Any]) -> None:
             prec = None
     m.precision = prec
     m.horizon = _int_or_none(run.get("horizon", run.get("chunk_size")))
+    # The robot side a run was measured under (the daemon's phyai_model_info, the sim's document);
+    # `--rate` / `--exec-horizon` given on the command line win over these.
+    m.rate_hz = _rate_or_none(run.get("rate_hz", run.get("control_hz")))
+    m.exec_horizon = _int_or_none(run.get("exec_horizon", run.get("execution_horizon"))) or None
+
+
+def _rate_or_none(v: Any) -> float | None:
+    """A control rate in Hz from a number or a label's text ("50"); None unless finite and > 0."""
+    try:
+        rate = float(v)
+    except (TypeError, ValueError):
+        return None
+    return rate if math.isfinite(rate) and rate > 0 else None
 
 
 def _default_label(m: Measurement, i: int, n: int) -> str:
@@ -350,8 +363,9 @@ def measurement_from_metrics(text: str, stat: str = "p50", label: str = "daemon 
     """Stage times from a daemon's /metrics text. Per stage, in order of preference: a summary
     quantile, a histogram quantile, a histogram/summary mean (sum / count), a gauge value.
     What ran (adapter, preset, device or gpu, backend, views, steps, horizon, precision or dtype)
-    from the daemon's `phyai_model_info` labels, read as a bench run's keys; a gauge named for
-    the horizon or the steps overrides its label."""
+    and the robot side (rate_hz, exec_horizon) from the daemon's `phyai_model_info` labels, read
+    as a bench run's keys; a gauge named for the horizon, the steps, the rate or s overrides its
+    label."""
     q_wanted = {"p50": 0.5, "median": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}.get(stat, 0.5)
     quantiles: dict[str, dict[float, float]] = {}
     buckets: dict[str, dict[float, float]] = {}  # stage -> le -> count, summed over label sets

@@ -387,12 +387,22 @@ def _count(value: Any) -> int | None:
     return n if n > 0 else None
 
 
+def _rate(value: Any) -> float | None:
+    """A positive, finite rate from a label value ("50"), else None."""
+    try:
+        rate = float(value)
+    except (TypeError, ValueError):
+        return None
+    return rate if math.isfinite(rate) and rate > 0 else None
+
+
 def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
     """The loop's measured stage times as a bench document for `phyai-edge roofline --bench`.
 
-    What ran (adapter, preset, backend, device, gpu, dtype, precision, views, steps, horizon) is
-    the daemon's `phyai_model_info` when its metrics were captured; without them, or for a label
-    it left out, the tiny CPU preset the sim runs by default is assumed.
+    What ran (adapter, preset, backend, device, gpu, dtype, precision, views, steps, horizon) and
+    the daemon's rate_hz and exec_horizon are its `phyai_model_info` when its metrics were
+    captured; without them, or for a label it left out, the tiny CPU preset the sim runs by
+    default is assumed, at the sim's control rate, with s left free.
 
     camera_age: the frame's age when the daemon assembled the observation (render and send
     included); transport: daemon publish -> sim receive of an action, plus the worker's time
@@ -463,7 +473,9 @@ def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
     if steps:
         doc["steps"] = steps
     doc["horizon"] = _count(model.get("horizon")) or meta.get("horizon", 50)
-    doc["rate_hz"] = meta.get("control_hz", 50.0)
+    doc["rate_hz"] = _rate(model.get("rate_hz")) or meta.get("control_hz", 50.0)
+    if _count(model.get("exec_horizon")):  # s; without it the roofline leaves s free
+        doc["exec_horizon"] = _count(model["exec_horizon"])
     what = "model from the daemon's phyai_model_info" if model else "model assumed (no phyai_model_info)"
     doc["source"] = f"phyai-edge sim --report; inference from {source}; {what}"
     doc["stages"] = stages
