@@ -405,6 +405,33 @@ class SlowFirstCall(FakePolicy):
         return super().infer(observations, rtc, noise)
 
 
+class SeesFrames(FakePolicy):
+    """Records, per call, each policy camera's frame shape (None: masked)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.seen: list[dict[str, tuple[int, ...] | None]] = []
+
+    def infer(self, observations, rtc=None, noise=None):
+        self.seen.append({n: None if im is None else im.shape for n, im in observations[0].images.items()})
+        return super().infer(observations, rtc, noise)
+
+
+def test_warm_up_frames_are_the_cameras_as_configured():
+    """The warm-up's frames have each camera's configured size, and a policy camera with no source
+    is masked, as it will be in every live job: the first live chunk then takes the host path
+    (resize, staging buffers, masked views) the warm-up already took."""
+    cfg = test_config(model={"warmup": 1}, cameras={"top": {"source": "synthetic", "width": 64, "height": 48}},
+                      chunking={"mode": "guided-approx", "execution_horizon": 10, "delay": 3})
+    pol = SeesFrames(camera_names=("top", "wrist"), latency_s=0.0)
+    d = Daemon(cfg, policy=pol, realtime=False)
+    try:
+        d.setup()
+        assert pol.seen == [{"top": (48, 64, 3), "wrist": None}] * 2  # the chunk without RTC, then with
+    finally:
+        d.shutdown()
+
+
 @pytest.mark.parametrize("delay", [0, 4])
 def test_the_delay_estimate_never_starts_from_the_capturing_round(delay):
     """With one warm-up round the daemon times a second one for the first delay estimate: the first

@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -125,6 +125,15 @@ def warmup_rounds(cfg: DaemonConfig) -> int:
     against 16 ms a chunk after it), so it says nothing of what a chunk will cost."""
     extra = cfg.model.warmup == 1 and not cfg.chunking.delay
     return cfg.model.warmup + int(extra)
+
+
+def warmup_frames(cfg: DaemonConfig, camera_names: Sequence[str]) -> dict[str, tuple[int, int] | None] | None:
+    """(height, width) of the camera feeding each policy camera as configured, None for a policy
+    camera no source feeds (masked in every live job); None where no policy camera has a source
+    (`make_warmup_job` then gives them all blank frames)."""
+    by_view = {c.view_name: (c.height, c.width) for c in cfg.cameras.values()}
+    frames = {n: by_view.get(n) for n in camera_names}
+    return frames if any(v is not None for v in frames.values()) else None
 
 
 _MODEL_KEYS = ("adapter", "preset", "backend", "device", "dtype")
@@ -285,11 +294,14 @@ class Daemon:
         # Each warm-up round runs a chunk as the first one goes (no executing chunk, no RTC) and, in a
         # solver RTC mode, one as every later one goes: an engine that captures a graph per RTC mode
         # (cudagraph) would otherwise capture the second on the second chunk, inside the control loop.
-        rounds = [make_warmup_job(info, cfg.model.prompt)]
+        # Its frames are the cameras' configured sizes, and missing where a policy camera has no
+        # source, as the live jobs' will be.
+        frames = warmup_frames(cfg, info.camera_names)
+        rounds = [make_warmup_job(info, cfg.model.prompt, frames=frames)]
         if warmup_inferences_per_round(ch.mode) == 2:
             rounds.append(make_warmup_job(info, cfg.model.prompt, rtc_mode=ch.mode,
                                           execution_horizon=ch.execution_horizon, delay=ch.delay or ch.delay_initial,
-                                          max_guidance_weight=ch.max_guidance_weight))
+                                          max_guidance_weight=ch.max_guidance_weight, frames=frames))
         n_rounds = warmup_rounds(cfg)
         for i in range(n_rounds):
             took = []

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -176,11 +177,17 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
 
 
 def make_warmup_job(info: PolicyInfo, prompt: str, size: int = 224, rtc_mode: str = "none",
-                    execution_horizon: int = 0, delay: int = 0, max_guidance_weight: float = 5.0) -> Job:
+                    execution_horizon: int = 0, delay: int = 0, max_guidance_weight: float = 5.0,
+                    frames: Mapping[str, tuple[int, int] | None] | None = None) -> Job:
     """A job of blank frames and zero state. With a solver RTC mode it carries a zero prefix of
     the length the daemon sends in steady state (the chunk minus the execution horizon), so the
-    engine meets that mode's solver path, and captures its graph, before the clock starts."""
-    images: dict[str, np.ndarray | None] = {n: np.zeros((size, size, 3), np.uint8) for n in info.camera_names}
+    engine meets that mode's solver path, and captures its graph, before the clock starts.
+    `frames`: each policy camera's (height, width) as its source is configured, or None for a
+    camera with no source (masked, as in every live job); None: `size` x `size` for all."""
+    shapes = frames if frames is not None else {n: (size, size) for n in info.camera_names}
+    images: dict[str, np.ndarray | None] = {
+        n: None if shapes.get(n) is None else np.zeros((*shapes[n], 3), np.uint8) for n in info.camera_names
+    }
     prefix = None
     if rtc_mode in SOLVER_MODES:
         rows = max(1, info.chunk_size - execution_horizon)
