@@ -1,0 +1,122 @@
+"""Where a daemon chunk's time goes around the engine: `Policy.infer` against `engine.run` alone.
+
+On the H200 (2026-12-05, RESULTS.md eighteenth session, call 4) the daemon's worker timed a full-size
+chunk at 19.1-20.9 ms while `pi05_gpu.py` times the engine at 15.2 ms with its inputs already on the
+device. This builds the policy as the daemon does (`load_policy`: seeded full-size PI0.5, cudagraph,
+bf16, the daemon's prompt room kept for any state), and for each frame layout times, side by side:
+
+- `policy.infer(observation)` as the worker calls it (a moving state, so the prompt's text changes
+  every call as on a robot), wall time to the actions on the host;
+- its own stage times (`preprocess`, the engine's stages, `postprocess`);
+- `engine.run` alone on the same call's inputs, prepared beforehand (what `pi05_gpu.py` times);
+- one `policy.infer` under cProfile (host time per function, waits included).
+
+Frame layouts: `1+2 masked` (one 224x224 camera, the other two without a source: the daemon's
+synthetic default), `3 x 224`, `3 x 640x480` (cameras as they come, resized on the device).
+
+    PYTHONPATH=$PWD python3 benchmarks/policy_overhead_gpu.py --json $OUT/policy_overhead.json   # H200
+    PYTHONPATH=. python benchmarks/policy_overhead_gpu.py --device cpu --tiny --reps 3            # plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pi05_gpu import sync
+
+PROMPT = "pick up the cube"
+LAYOUTS = {"1+2 masked": [(224, 224), None, None], "3 x 224": [(224, 224)] * 3, "3 x 640x480": [(480, 640)] * 3}
+
+
+def observation(policy: Any, shapes: list[tuple[int, int] | None], i: int) -> Any:
+    from phyai_edge.adapters.base import Observation
+
+    rng = np.random.default_rng(i)
+    images = {name: None if hw is None else rng.integers(0, 256, (*hw, 3), dtype=np.uint8)
+              for name, hw in zip(policy.camera_names, shapes)}
+    state = (0.3 * np.sin(0.1 * i + np.arange(policy.state_dim))).astype(np.float32)  # a robot moving
+    return Observation(images=images, state=state, prompt=PROMPT, timestamp=time.monotonic())
+
+
+def measure(policy: Any, shapes: list[tuple[int, int] | None], device: str, reps: int) -> dict[str, Any]:
+    obs = [observation(policy, shapes, i) for i in range(reps + 3)]
+    for o in obs[:3]:
+        policy.infer(o)
+    walls, stages = [], []
+    for o in obs[3:]:
+        sync(device)
+        t0 = time.perf_counter()
+        res = policy.infer(o)
+        walls.append((time.perf_counter() - t0) * 1e3)  # postprocess copied the actions: the device is done
+        stages.append(res.stage_ms)
+    inputs = [policy.adapter.preprocess([o], device=policy.device) for o in obs[3:]]
+    engine_walls = []
+    for x in inputs:
+        sync(device)
+        t0 = time.perf_counter()
+        policy.engine.run(x)
+        sync(device)
+        engine_walls.append((time.perf_counter() - t0) * 1e3)
+    prof = cProfile.Profile()
+    sync(device)
+    prof.enable()
+    policy.infer(obs[3])
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(16)
+    keys = sorted({k for s in stages for k in s})
+    return {"infer_ms": statistics.median(walls), "engine_run_ms": statistics.median(engine_walls),
+            "stage_ms": {k: statistics.median(s.get(k, 0.0) for s in stages) for k in keys},
+            "profile": buf.getvalue()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="the tiny preset in float32 (plumbing on a CPU)")
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {list(LAYOUTS)}")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    from phyai_edge.engines.policy import load_policy
+
+    dev = args.device
+    policy = load_policy(preset="tiny" if args.tiny else "full", backend="cudagraph", device=dev,
+                         dtype="float32" if args.tiny else "bfloat16")
+    policy.fix_prompt_positions(PROMPT)
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
+                           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "layouts": {}}
+    rows = []
+    for name in (n.strip() for n in args.layouts.split(",") if n.strip()):
+        if name not in LAYOUTS:
+            raise SystemExit(f"--layouts: unknown {name!r}; expected some of {list(LAYOUTS)}")
+        r = measure(policy, LAYOUTS[name][: len(policy.camera_names)], dev, args.reps)
+        out["layouts"][name] = r
+        st = r["stage_ms"]
+        model = sum(st.get(k, 0.0) for k in ("embed_images", "encode_prefix", "solver_loop"))
+        rows.append(f"| {name} | {r['infer_ms']:.3f} | {r['engine_run_ms']:.3f} | {st.get('preprocess', 0):.3f} | "
+                    f"{model:.3f} | {st.get('postprocess', 0):.3f} | {r['infer_ms'] - r['engine_run_ms']:.3f} |")
+        print(f"{name}: one policy.infer under cProfile\n{r['profile']}")
+    print("| frames | policy.infer ms | engine.run alone ms | preprocess | model stages | postprocess | infer - run |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
