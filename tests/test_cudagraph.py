@@ -232,3 +232,25 @@ def test_a_warmup_job_keeps_room_for_every_robot_state() -> None:
     for st in (shortest, *states[:3]):
         assert run_job(policy, replace(warm, state=st, warmup=False)).error is None
     assert list(policy.engine._sets) == [(1, len(policy.camera_names), 80)]
+
+
+def test_a_live_job_that_builds_graphs_is_logged(caplog) -> None:
+    """A live (not warm-up) job that makes the engine build graphs, here an RTC mode the warm-up
+    never ran, is a capture inside the control loop on a GPU: the worker says so, once per job that
+    does it, and not for jobs that reuse what was built."""
+    policy = load_policy(preset="tiny", backend="cudagraph", device="cpu")
+    warm = make_warmup_job(policy_info(policy), "pick up the cube")
+    assert run_job(policy, warm).error is None
+    built = policy.engine.graphs_built
+    assert built == 2  # one graph set and its loop without RTC
+    prefix = np.zeros((policy.chunk_size - 10, policy.action_dim), np.float32)
+    with caplog.at_level("WARNING", logger="phyai_edge.control"):
+        assert run_job(policy, replace(warm, warmup=False)).error is None  # the shape the warm-up ran
+        assert not caplog.records
+        guided = replace(warm, warmup=False, job_id=7, rtc_mode="guided-approx", prefix=prefix, delay=3,
+                         execution_horizon=10)
+        assert run_job(policy, guided).error is None
+        assert run_job(policy, guided).error is None
+    assert policy.engine.graphs_built == built + 1
+    (record,) = caplog.records
+    assert "inference 7 met a shape or RTC mode the warm-up did not run" in record.getMessage()

@@ -385,6 +385,13 @@ class CudaGraphEngine(EngineBase):
 
     # -- public ---------------------------------------------------------------------------
 
+    @property
+    def graphs_built(self) -> int:
+        """Graph sets and solver loops built so far, each a capture where graphs are on: compared
+        across a call, it says whether that call met a shape or RTC mode for the first time."""
+        sets = [*self._sets.values(), *self._stage_sets.values()]
+        return len(sets) + sum(len(s.loops) for s in sets)
+
     def warmup(self, batch: int, views: int, prompt_tokens: int | None = None,
                modes: tuple[str, ...] = ("none",)) -> None:
         """Capture the graphs for a shape before the first real call (start-up, not first tick).
