@@ -223,12 +223,13 @@ def _fill_run_info(m: Measurement, run: Mapping[str, Any]) -> None:
     m.horizon = _int_or_none(run.get("horizon", run.get("chunk_size")))
     # The robot side a run was measured under (the daemon's phyai_model_info, the sim's document);
     # `--rate` / `--exec-horizon` given on the command line win over these.
-    m.rate_hz = _rate_or_none(run.get("rate_hz", run.get("control_hz")))
+    m.rate_hz = positive_rate(run.get("rate_hz", run.get("control_hz")))
     m.exec_horizon = _int_or_none(run.get("exec_horizon", run.get("execution_horizon"))) or None
 
 
-def _rate_or_none(v: Any) -> float | None:
-    """A control rate in Hz from a number or a label's text ("50"); None unless finite and > 0."""
+def positive_rate(v: Any) -> float | None:
+    """A control rate in Hz from a number or a label's text ("50"); None unless finite and > 0
+    (also the sim report's reading of the daemon's rate_hz label)."""
     try:
         rate = float(v)
     except (TypeError, ValueError):

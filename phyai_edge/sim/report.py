@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from phyai_edge.control.protocol import Flag
-from phyai_edge.roofline.sources import daemon_model  # phyai_model_info, as roofline --metrics reads it
+from phyai_edge.roofline.sources import daemon_model, positive_rate  # as `roofline --metrics` reads them
 
 # The joints whose position servos are stiff enough to follow a target within a few steps
 # (kp 800-1600 against frictionloss 50-60); forearm roll and the wrists (kp 10-50 against
@@ -387,15 +387,6 @@ def _count(value: Any) -> int | None:
     return n if n > 0 else None
 
 
-def _rate(value: Any) -> float | None:
-    """A positive, finite rate from a label value ("50"), else None."""
-    try:
-        rate = float(value)
-    except (TypeError, ValueError):
-        return None
-    return rate if math.isfinite(rate) and rate > 0 else None
-
-
 def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
     """The loop's measured stage times as a bench document for `phyai-edge roofline --bench`.
 
@@ -473,7 +464,7 @@ def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
     if steps:
         doc["steps"] = steps
     doc["horizon"] = _count(model.get("horizon")) or meta.get("horizon", 50)
-    doc["rate_hz"] = _rate(model.get("rate_hz")) or meta.get("control_hz", 50.0)
+    doc["rate_hz"] = positive_rate(model.get("rate_hz")) or meta.get("control_hz", 50.0)
     if _count(model.get("exec_horizon")):  # s; without it the roofline leaves s free
         doc["exec_horizon"] = _count(model["exec_horizon"])
     what = "model from the daemon's phyai_model_info" if model else "model assumed (no phyai_model_info)"
