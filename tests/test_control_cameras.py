@@ -170,10 +170,15 @@ class ScriptedCapture(_CaptureProps):
         return (self.retrieve() if self.grab() else (False, None))
 
 
-def _first_frame(cam: OpenCVCamera, timeout_s: float = 10.0):
+def _wait_until(done, timeout_s: float = 10.0) -> None:
+    """Poll `done()` every 5 ms until it holds or `timeout_s` passes (the caller's asserts say which)."""
     end = time.monotonic() + timeout_s
-    while cam.latest() is None and time.monotonic() < end:
+    while not done() and time.monotonic() < end:
         time.sleep(0.005)
+
+
+def _first_frame(cam: OpenCVCamera, timeout_s: float = 10.0):
+    _wait_until(lambda: cam.latest() is not None, timeout_s)
     assert cam.latest() is not None, "no frame arrived"
     return cam.latest()
 
@@ -206,9 +211,7 @@ def test_a_camera_delivering_another_size_than_configured_is_logged_once(caplog)
     with caplog.at_level("INFO", logger="phyai_edge.control"):
         cam.start()
         try:
-            end = time.monotonic() + 10
-            while (cam.latest() is None or cam.latest().seq < 5) and time.monotonic() < end:
-                time.sleep(0.005)
+            _wait_until(lambda: cam.latest() is not None and cam.latest().seq >= 5)
         finally:
             cam.stop()
     lines = [r.getMessage() for r in caplog.records if "delivers" in r.getMessage()]
@@ -334,9 +337,7 @@ def test_a_camera_that_opens_but_never_delivers_backs_off_and_logs_rarely(caplog
     with caplog.at_level("INFO", logger="phyai_edge.control"):
         cam.start()
         try:
-            end = time.monotonic() + 10
-            while OpensButNeverReads.opens < 12 and time.monotonic() < end:
-                time.sleep(0.005)
+            _wait_until(lambda: OpensButNeverReads.opens >= 12)
         finally:
             cam.stop()
     assert OpensButNeverReads.opens >= 12
@@ -367,9 +368,7 @@ def test_a_camera_lost_and_back_logs_once_each_way_and_restarts_its_backoff(capl
         cam.start()
         try:
             assert opened.wait(10)
-            end = time.monotonic() + 10
-            while (cam.latest() is None or cam.latest().seq < 5) and time.monotonic() < end:
-                time.sleep(0.005)
+            _wait_until(lambda: cam.latest() is not None and cam.latest().seq >= 5)
         finally:
             cam.stop()
     assert cam.latest().seq == 5
@@ -431,9 +430,7 @@ def test_a_looping_file_that_cannot_rewind_is_reopened_not_spun_on():
                        backoff_s=(0.01, 0.01))
     cam.start()
     try:
-        end = time.monotonic() + 10
-        while CannotRewind.opens < 3 and time.monotonic() < end:
-            time.sleep(0.005)
+        _wait_until(lambda: CannotRewind.opens >= 3)
     finally:
         cam.stop()
     assert CannotRewind.opens >= 3 and cam.latest().seq >= 4

@@ -222,25 +222,29 @@ def test_a_float32_bench_is_noted_once(tmp_path: Path, capsys: pytest.CaptureFix
     assert "efficiency compute 0.50, bandwidth 0.70, default (0.5 of peak FLOPs" in out and "((" not in out
 
 
-def test_metrics_of_a_daemon_model_the_model_it_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    """`--metrics` against the daemon's own endpoint: phyai_model_info decides preset, views,
-    steps, precision and H, and its gpu label is the device the run calibrates on."""
+def _daemon_metrics(model: dict[str, str]) -> int:
+    """The daemon's own Prometheus endpoint on a free local port, serving `model` as
+    phyai_model_info and ten observations of three stages; returns the port."""
     pytest.importorskip("prometheus_client")
-    import socket
-
     from phyai_edge.control.metrics import Metrics
+    from phyai_edge.sim.launch import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     metrics = Metrics()
-    model = {"adapter": "pi05", "preset": "full", "backend": "cudagraph", "device": "cuda", "gpu": "NVIDIA H200",
-             "dtype": "bfloat16", "precision": "fp8", "views": "2", "horizon": "30", "steps": "5"}
     assert metrics.serve("127.0.0.1", port, model)
     for _ in range(10):
         metrics.stage_seconds.labels("embed_images").observe(0.003)
         metrics.stage_seconds.labels("encode_prefix").observe(0.008)
         metrics.stage_seconds.labels("denoise_step").observe(0.0012)
+    return port
+
+
+def test_metrics_of_a_daemon_model_the_model_it_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--metrics` against the daemon's own endpoint: phyai_model_info decides preset, views,
+    steps, precision and H, and its gpu label is the device the run calibrates on."""
+    port = _daemon_metrics({"adapter": "pi05", "preset": "full", "backend": "cudagraph", "device": "cuda",
+                            "gpu": "NVIDIA H200", "dtype": "bfloat16", "precision": "fp8", "views": "2",
+                            "horizon": "30", "steps": "5"})
     rc, out, _ = run(["--metrics", f"127.0.0.1:{port}", "--no-plot", "--json", "-"], capsys)
     assert rc == 0
     report = json.loads(out)
@@ -253,22 +257,9 @@ def test_metrics_of_a_daemon_model_the_model_it_runs(capsys: pytest.CaptureFixtu
 def test_metrics_give_the_rate_and_s_unless_the_flags_do(capsys: pytest.CaptureFixture[str]) -> None:
     """`--metrics` alone: the daemon's rate_hz and exec_horizon labels are the robot side the
     roofline analyses; `--rate` and `--exec-horizon` given on the command line win over them."""
-    pytest.importorskip("prometheus_client")
-    import socket
-
-    from phyai_edge.control.metrics import Metrics
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    metrics = Metrics()
-    model = {"adapter": "pi05", "preset": "full", "device": "cuda", "gpu": "NVIDIA H200", "dtype": "bfloat16",
-             "views": "3", "horizon": "50", "steps": "10", "rate_hz": "30", "exec_horizon": "12"}
-    assert metrics.serve("127.0.0.1", port, model)
-    for _ in range(10):
-        metrics.stage_seconds.labels("embed_images").observe(0.003)
-        metrics.stage_seconds.labels("encode_prefix").observe(0.008)
-        metrics.stage_seconds.labels("denoise_step").observe(0.0012)
+    port = _daemon_metrics({"adapter": "pi05", "preset": "full", "device": "cuda", "gpu": "NVIDIA H200",
+                            "dtype": "bfloat16", "views": "3", "horizon": "50", "steps": "10", "rate_hz": "30",
+                            "exec_horizon": "12"})
     source = ["--metrics", f"127.0.0.1:{port}", "--no-plot", "--json", "-"]
     rc, out, _ = run(source, capsys)
     assert rc == 0

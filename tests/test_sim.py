@@ -379,15 +379,11 @@ def test_report_metrics_round_trip_through_the_daemon_s_metrics() -> None:
     """Label values with a quote, a backslash and a line break survive prometheus-client's
     escaping and the report's parser."""
     pytest.importorskip("prometheus_client")
-    import socket
-
     from phyai_edge.control.metrics import Metrics
-    from phyai_edge.sim.launch import fetch_metrics
+    from phyai_edge.sim.launch import fetch_metrics, free_port
     from phyai_edge.sim.report import daemon_model
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     labels = {"adapter": "pi05", "bundle": 'a "b" \\c\nd \\n', "views": "2"}
     assert Metrics().serve("127.0.0.1", port, labels)
     text = fetch_metrics(port)
