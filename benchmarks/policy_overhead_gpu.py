@@ -6,7 +6,10 @@ device. This builds the policy as the daemon does (`load_policy`: seeded full-si
 bf16, the daemon's prompt room kept for any state), and for each frame layout times, side by side:
 
 - `policy.infer(observation)` as the worker calls it (a moving state, so the prompt's text changes
-  every call as on a robot), wall time to the actions on the host;
+  every call as on a robot), wall time to the actions on the host; per RTC mode (`--rtc`): none,
+  and the daemon's default guided-approx with its steady-state prefix (H - s rows, s = 25, d = 3),
+  each once with the noise drawn by the engine and once given from the host as the worker does in
+  tests (`--host-noise`);
 - its own stage times (`preprocess`, the engine's stages, `postprocess`);
 - `engine.run` alone on the same call's inputs, prepared beforehand (what `pi05_gpu.py` times);
 - one `policy.infer` under cProfile (host time per function, waits included).
@@ -51,29 +54,51 @@ def observation(policy: Any, shapes: list[tuple[int, int] | None], i: int) -> An
     return Observation(images=images, state=state, prompt=PROMPT, timestamp=time.monotonic())
 
 
-def measure(policy: Any, shapes: list[tuple[int, int] | None], device: str, reps: int) -> dict[str, Any]:
+def rtc_request(policy: Any, mode: str) -> Any:
+    """The daemon's steady-state request in `mode` (None for none): the executing chunk's last H - s
+    actions as the prefix, s = 25 (ChunkingConfig's default), d = 3."""
+    if mode == "none":
+        return None
+    from phyai_edge.engines.base import RTCRequest
+
+    h = policy.adapter.chunk_size
+    s = min(25, h - 1)
+    prefix = np.random.default_rng(1).normal(size=(h - s, policy.action_dim)).astype(np.float32)
+    return RTCRequest(mode=mode, prefix=prefix, delay=min(3, s), execution_horizon=s)  # type: ignore[arg-type]
+
+
+def measure(policy: Any, shapes: list[tuple[int, int] | None], device: str, reps: int, rtc_mode: str = "none",
+            host_noise: bool = False) -> dict[str, Any]:
     obs = [observation(policy, shapes, i) for i in range(reps + 3)]
+    rtc = rtc_request(policy, rtc_mode)
+    a = policy.adapter
+    noise = torch.randn(1, a.chunk_size, a.model_action_dim) if host_noise else None  # a CPU tensor, as the worker's
+
+    def infer(o: Any) -> Any:
+        return policy.infer(o, rtc=rtc, noise=noise)
+
     for o in obs[:3]:
-        policy.infer(o)
+        infer(o)
     walls, stages = [], []
     for o in obs[3:]:
         sync(device)
         t0 = time.perf_counter()
-        res = policy.infer(o)
+        res = infer(o)
         walls.append((time.perf_counter() - t0) * 1e3)  # postprocess copied the actions: the device is done
         stages.append(res.stage_ms)
     inputs = [policy.adapter.preprocess([o], device=policy.device) for o in obs[3:]]
+    guidance = policy.rtc_guidance(rtc, 1) if rtc is not None else None
     engine_walls = []
     for x in inputs:
         sync(device)
         t0 = time.perf_counter()
-        policy.engine.run(x)
+        policy.engine.run(x, rtc=guidance)
         sync(device)
         engine_walls.append((time.perf_counter() - t0) * 1e3)
     prof = cProfile.Profile()
     sync(device)
     prof.enable()
-    policy.infer(obs[3])
+    infer(obs[3])
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(16)
@@ -89,6 +114,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="the tiny preset in float32 (plumbing on a CPU)")
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {list(LAYOUTS)}")
+    p.add_argument("--rtc", default="none,guided-approx", help="comma-separated RTC modes (none, guided-approx, guided)")
+    p.add_argument("--host-noise", action="store_true", help="also time each case with noise given from the host")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     from phyai_edge.engines.policy import load_policy
@@ -100,17 +127,21 @@ def main() -> None:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
                            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "layouts": {}}
     rows = []
+    modes = [m.strip() for m in args.rtc.split(",") if m.strip()]
     for name in (n.strip() for n in args.layouts.split(",") if n.strip()):
         if name not in LAYOUTS:
             raise SystemExit(f"--layouts: unknown {name!r}; expected some of {list(LAYOUTS)}")
-        r = measure(policy, LAYOUTS[name][: len(policy.camera_names)], dev, args.reps)
-        out["layouts"][name] = r
-        st = r["stage_ms"]
-        model = sum(st.get(k, 0.0) for k in ("embed_images", "encode_prefix", "solver_loop"))
-        rows.append(f"| {name} | {r['infer_ms']:.3f} | {r['engine_run_ms']:.3f} | {st.get('preprocess', 0):.3f} | "
-                    f"{model:.3f} | {st.get('postprocess', 0):.3f} | {r['infer_ms'] - r['engine_run_ms']:.3f} |")
-        print(f"{name}: one policy.infer under cProfile\n{r['profile']}")
-    print("| frames | policy.infer ms | engine.run alone ms | preprocess | model stages | postprocess | infer - run |")
+        for mode in modes:
+            for host_noise in (False, True) if args.host_noise else (False,):
+                case = f"{name}, {mode}" + (", host noise" if host_noise else "")
+                r = measure(policy, LAYOUTS[name][: len(policy.camera_names)], dev, args.reps, mode, host_noise)
+                out["layouts"][case] = r
+                st = r["stage_ms"]
+                model = sum(st.get(k, 0.0) for k in ("embed_images", "encode_prefix", "solver_loop"))
+                rows.append(f"| {case} | {r['infer_ms']:.3f} | {r['engine_run_ms']:.3f} | {st.get('preprocess', 0):.3f} | "
+                            f"{model:.3f} | {st.get('postprocess', 0):.3f} | {r['infer_ms'] - r['engine_run_ms']:.3f} |")
+                print(f"{case}: one policy.infer under cProfile\n{r['profile']}")
+    print("| frames, RTC | policy.infer ms | engine.run alone ms | preprocess | model stages | postprocess | infer - run |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.json:

@@ -23,7 +23,8 @@ CASES = {
     "expert_layer_gpu": ([], ["| per-op kernels (before) |", "| phases one by one |"]),
     "gemm_gpu": ([], ["Suggested `triton_gemm.CONFIGS` entries"]),
     "siglip_padding_gpu": ([], ["fc1 us", "sdpa us"]),
-    "policy_overhead_gpu": (["--reps", "2", "--layouts", "1+2 masked"], ["| 1+2 masked |", "infer - run"]),
+    "policy_overhead_gpu": (["--reps", "2", "--layouts", "1+2 masked", "--rtc", "none,guided-approx"],
+                            ["| 1+2 masked, none |", "| 1+2 masked, guided-approx |", "infer - run"]),
 }
 
 
