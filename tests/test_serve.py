@@ -72,6 +72,10 @@ def test_wire_rejects_wrongly_typed_fields_naming_them():
         (r"rtc\.max_guidance_weight", {"rtc": {**rtc, "max_guidance_weight": [1]}}),
         (r"obs\[0\]\.state: bad shape", {"obs": [{"images": {}, "state": {**state, "shape": [-1, -14]}}]}),
         ("budget_ms", {"budget_ms": True}),
+        ("wait_ms", {"wait_ms": True}),
+        ("wait_ms", {"wait_ms": "1000"}),
+        ("wait_ms: expected a positive number", {"wait_ms": 0}),
+        ("wait_ms: expected a positive number", {"wait_ms": -5.0}),
         (r"obs\[0\]\.state: dtype '<M8\[s\]' is not accepted", {"obs": [{"images": {}, "state": {**state, "dtype": "<M8[s]"}}]}),
         (r"obs\[0\]\.state: dtype '\|O' is not accepted", {"obs": [{"images": {}, "state": {**state, "dtype": "|O"}}]}),
     ]
@@ -79,6 +83,20 @@ def test_wire_rejects_wrongly_typed_fields_naming_them():
         head = {"v": 1, "type": "infer", "id": 1, "robot": "r", "obs": [{"images": {}, "state": state}], **fields}
         with pytest.raises(wire.WireError, match=field_re):
             wire.decode_request([json.dumps(head).encode(), np.zeros(14, np.float32).tobytes()])
+
+
+def test_wire_wait_ms_round_trip_and_absent_for_older_clients():
+    import json
+
+    obs = wire.WireObservation({}, np.zeros(14, np.float32), "p")
+    got = wire.decode_request(wire.encode_request(wire.Request("infer", 1, "r", 250.0, [obs], wait_ms=750.0)))
+    assert (got.budget_ms, got.wait_ms) == (250.0, 750.0)
+    # Unset, the header has no wait_ms at all (as an older client's); absent or null: no limit.
+    frames = wire.encode_request(wire.Request("infer", 2, "r", None, [obs]))
+    head = json.loads(bytes(frames[0]))
+    assert "wait_ms" not in head and wire.decode_request(frames).wait_ms is None
+    head["wait_ms"] = None
+    assert wire.decode_request([json.dumps(head).encode(), *frames[1:]]).wait_ms is None
 
 
 def test_wire_reply_round_trip():
@@ -99,8 +117,9 @@ class FakeClock:
         return self.t
 
 
-def _p(robot: str, deadline: float, key=None, size: int = 1, arrival: float = 100.0) -> Pending:
-    return Pending(robot, 0, size, deadline, key, robot, arrival)
+def _p(robot: str, deadline: float, key=None, size: int = 1, arrival: float = 100.0,
+       expiry: float | None = None) -> Pending:
+    return Pending(robot, 0, size, deadline, key, robot, arrival, expiry)
 
 
 def test_scheduler_orders_by_deadline_and_takes_one_per_robot_first():
@@ -138,6 +157,77 @@ def test_scheduler_window_waits_for_company_but_not_past_a_deadline():
     for r in "cdef":
         s.submit(_p(r, deadline=clock.t + 10, arrival=clock.t))
     assert len(s.next_batch(0)) == 4
+
+
+def test_scheduler_hands_back_expired_requests_instead_of_batching_them():
+    clock = FakeClock()
+    s = Scheduler(SchedulerConfig(max_batch=8, window_s=0.0), clock)
+    gone, later, never = _p("a", 101.0, expiry=100.5), _p("b", 101.0, expiry=102.0), _p("c", 101.0)
+    for p in (gone, later, never):
+        assert s.submit(p) is None
+    clock.t = 100.5  # the client of `gone` stops waiting now
+    assert s.next_batch(0) == [later, never]  # the unexpired ones, as they would have been
+    assert s.take_expired() == [gone]
+    assert s.take_expired() == []  # handed back once
+    # Without an expiry a request is run however long it waited (late, past its deadline).
+    old = _p("c", 101.0)
+    assert s.submit(old) is None
+    clock.t = 10_000.0
+    assert s.next_batch(0) == [old] and s.take_expired() == []
+
+
+def test_an_expired_request_frees_its_robots_share_and_the_capacity():
+    clock = FakeClock()
+    s = Scheduler(SchedulerConfig(max_batch=4, capacity=4, per_robot=2), clock)
+    a1, a2 = _p("a", 101, expiry=100.1), _p("a", 101, expiry=100.1)
+    for p in (a1, a2, _p("b", 101)):
+        assert s.submit(p) is None
+    assert s.submit(_p("a", 101)) == wire.ERR_ROBOT_LIMIT
+    assert s.submit(_p("c", 101)) is None
+    assert s.submit(_p("d", 101)) == wire.ERR_OVERLOADED
+    clock.t = 100.1
+    assert s.submit(_p("a", 101)) is None  # a's expired requests no longer count toward its share
+    assert s.submit(_p("d", 101)) is None  # nor toward the capacity
+    assert len(s) == 4 and s.take_expired() == [a1, a2]
+
+
+def test_an_expired_request_neither_fills_a_batch_nor_closes_the_window():
+    """Queued with company it filled a batch of 2, and its deadline would close the window
+    early; once it expired, the other request waits out the window alone."""
+    clock = FakeClock()
+    s = Scheduler(SchedulerConfig(max_batch=2, window_s=0.050, service_estimate_s=0.050), clock)
+    urgent = _p("a", deadline=100.070, expiry=100.010)
+    relaxed = _p("b", deadline=110.0)
+    s.submit(urgent)
+    assert s.ready_at() == pytest.approx(100.020)  # its deadline less the service time
+    s.submit(relaxed)
+    assert s.ready_at() == 100.0  # two of two: full
+    clock.t = 100.010
+    assert s.ready_at() == pytest.approx(100.050)  # relaxed's window, nothing else
+    assert s.next_batch(0) == [] and s.take_expired() == [urgent]
+    clock.t = 100.050
+    assert s.next_batch(0) == [relaxed]
+
+
+def test_a_waiting_next_batch_returns_when_a_request_expires():
+    """The worker hears of an expired request at once (to answer it), not when its wait ends."""
+    s = Scheduler(SchedulerConfig(max_batch=8, window_s=5.0))
+    got: list = []
+
+    def wait() -> None:
+        t0 = time.monotonic()
+        got.append((s.next_batch(5.0), time.monotonic() - t0))
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.05)
+    now = time.monotonic()
+    p = Pending("z", 1, 1, now + 10, arrival=now, expiry=now)  # its client gave up as it arrived
+    assert s.submit(p) is None
+    t.join(10.0)
+    assert got and got[0][0] == [] and got[0][1] < 2.5
+    assert s.take_expired() == [p] and len(s) == 0
+    s.close()
 
 
 def test_scheduler_batches_only_compatible_rtc_and_blocks_until_ready():
@@ -284,15 +374,18 @@ def test_bad_request_fails_alone(server, tiny_policy, make_obs):
 
 
 class _HeldExecutor:
-    """Blocks every batch until released: makes the queue fill deterministically."""
+    """Blocks every batch until released: makes the queue fill deterministically. `ran`: the
+    observations of each request it was given, in order."""
 
     def __init__(self, policy) -> None:
         self.policy, self.release = policy, threading.Event()
+        self.ran: list[int] = []
 
     def describe(self):
         return describe_policy(self.policy)
 
     def run(self, items):
+        self.ran.extend(it.size for it in items)
         self.release.wait(10)
         return [ItemResult(np.zeros((it.size, 50, 14), np.float32), batch=len(items)) for it in items]
 
@@ -334,6 +427,50 @@ def test_over_capacity_is_refused_with_a_clear_reply(tiny_policy, make_obs):
         assert "2 observations" in str(err.value) and "at most 1" in str(err.value)
         for c in clients:
             c.close()
+
+
+def test_a_request_whose_client_timed_out_is_answered_expired_and_never_run(tiny_policy, make_obs, monkeypatch):
+    """Robot "hasty" (timeout 0.3 s) asks while the engine is busy with robot a's batch: it
+    gives up, and the server answers its queued request `expired` instead of running it later;
+    its next request (the stale reply discarded by id) and a's are served."""
+    ex = _HeldExecutor(tiny_policy)
+    cfg = SchedulerConfig(max_batch=1, window_s=0.0, capacity=4, per_robot=2)
+    obs = make_obs(tiny_policy.adapter, size=(8, 8))
+    sent: list[wire.Request] = []
+    encode = wire.encode_request
+    monkeypatch.setattr(wire, "encode_request", lambda req: sent.append(req) or encode(req))
+
+    def wait_for(cond, what: str) -> None:
+        deadline = time.monotonic() + 5
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cond(), what
+
+    with PolicyServer(ex, "tcp://127.0.0.1:*", cfg) as srv, \
+            RemotePolicy(srv.endpoint, robot="a", timeout_s=10) as a, \
+            RemotePolicy(srv.endpoint, robot="hasty", timeout_s=0.3) as hasty:
+        results: dict[str, object] = {}
+        busy = threading.Thread(target=lambda: results.update(a=a.infer([obs])))
+        busy.start()
+        wait_for(lambda: ex.ran == [1], "robot a's batch never reached the executor")
+        with pytest.raises(TimeoutError):
+            hasty.infer([obs])
+        assert sent[-1].robot == "hasty" and sent[-1].wait_ms == 300.0  # the client says how long it waits
+        # Answered while the engine is still held: it was never in a batch.
+        wait_for(lambda: srv.report()["robots"]["hasty"]["expired"] == 1, "hasty's request was not expired")
+        hasty.timeout_s = 10
+        again = threading.Thread(target=lambda: results.update(hasty=hasty.infer([obs])))
+        again.start()
+        wait_for(lambda: len(srv.sched) == 1, "hasty's second request was not queued")
+        ex.release.set()
+        busy.join(10)
+        again.join(10)
+        assert results["a"].actions.shape == results["hasty"].actions.shape == (1, 50, 14)
+        report = srv.report()
+    assert ex.ran == [1, 1]  # a's request and hasty's second: the expired one never ran
+    robots = report["robots"]
+    assert (robots["hasty"]["requests"], robots["hasty"]["served"], robots["hasty"]["expired"]) == (2, 1, 1)
+    assert robots["a"]["served"] == 1 and robots["a"]["expired"] == 0 and report["expired"] == 1
 
 
 def test_client_errors_are_clear_when_no_server():
@@ -400,14 +537,33 @@ def test_stats_report_percentiles_and_forget_idle_robots():
 
 
 def test_requests_queued_at_shutdown_are_counted(tiny_policy):
-    """The report printed at exit: every robot's requests are served, refused or failed."""
-    srv = PolicyServer(LocalExecutor(tiny_policy), "tcp://127.0.0.1:*")
-    for i in range(2):
+    """The report printed at exit: every robot's requests are served, refused, failed or
+    expired (one whose client stopped waiting is answered so, not as shut down)."""
+    srv = PolicyServer(LocalExecutor(tiny_policy), "tcp://127.0.0.1:*", SchedulerConfig(per_robot=3))
+    now = time.monotonic()
+    for i, expiry in enumerate((None, None, now)):
         srv.stats.arrived("a")
-        assert srv.sched.submit(Pending("a", i, 1, time.monotonic() + 10, None, (b"a", None))) is None
+        assert srv.sched.submit(Pending("a", i, 1, now + 10, None, (b"a", None), now, expiry)) is None
     srv.stop()
     a = srv.report()["robots"]["a"]
-    assert a["requests"] == a["served"] + a["rejected"] + a["errors"] == 2
+    assert (a["rejected"], a["expired"]) == (2, 1)
+    assert a["requests"] == a["served"] + a["rejected"] + a["errors"] + a["expired"] == 3
+
+
+def test_stats_count_expired_per_robot_and_in_total():
+    from phyai_edge.serve.stats import ServerStats, format_report
+
+    st = ServerStats(forget_s=0.05)
+    for robot in ("a", "b", "b"):
+        st.arrived(robot)
+        st.expired(robot)
+    rep = st.report()
+    assert (rep["robots"]["a"]["expired"], rep["robots"]["b"]["expired"], rep["expired"]) == (1, 2, 3)
+    text = format_report(rep)
+    assert "expired 3" in text and "exp" in text.splitlines()[1]
+    time.sleep(0.1)
+    rep = st.report()
+    assert rep["robots"] == {} and rep["expired"] == 3  # the total outlives forgotten robots
 
 
 def test_percentile_is_nearest_rank():

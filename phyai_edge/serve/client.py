@@ -62,7 +62,9 @@ class RemotePolicy:
     """One robot's connection (ZeroMQ DEALER) to the server's ROUTER.
 
     timeout_s: how long `infer` waits for its answer before raising TimeoutError; a late
-        answer that arrives afterwards is discarded by request id.
+        answer that arrives afterwards is discarded by request id. Each request tells the
+        server so (`wait_ms`): one still queued when this robot has stopped waiting is not
+        run but answered `expired` (discarded here like any late answer).
     budget_ms: the default time until this robot needs a chunk (its RTC budget: roughly
         (H - s) control periods); the server schedules earliest deadline first from it.
     """
@@ -115,7 +117,8 @@ class RemotePolicy:
                                 int(rtc.execution_horizon), float(getattr(rtc, "max_guidance_weight", 5.0)))
         nz = None if noise is None else _array(noise).astype(np.float32)
         budget = budget_ms if budget_ms is not None else self.budget_ms
-        req = wire.Request("infer", next(self._ids), self.robot, budget, obs, wrtc, nz)
+        # wait_ms: the time _call really waits, so the server drops the request once nobody reads the answer.
+        req = wire.Request("infer", next(self._ids), self.robot, budget, obs, wrtc, nz, wait_ms=self.timeout_s * 1e3)
         t0 = time.perf_counter()
         rep = self._call(req, self.timeout_s)
         roundtrip = (time.perf_counter() - t0) * 1e3

@@ -8,8 +8,17 @@ Admission (`submit`), from the intake thread:
   `robot_limit`, so one chatty or misbehaving robot cannot fill the queue;
 - a request of more observations than one engine call takes (`limit`) is refused with
   `bad_request`: it could never run, so it must not read as back-pressure to retry.
-A request that is admitted is always run and answered, late if need be (the reply says so);
-the scheduler never drops one.
+A request that is admitted is run and answered, late if need be (the reply says so), unless
+it expires first.
+
+Expiry. A request may carry the time its client stops waiting for the answer (`expiry`: the
+server's arrival + the request's `wait_ms`). One still queued at its expiry is never put in a
+batch: its answer would reach nobody, and running it would make every other robot later. It
+leaves the queue before any batch forms or any request is admitted, so it no longer counts
+toward its robot's share, the capacity, a batch's fill or when the window closes, and
+`take_expired` hands it back for the server to answer `expired` (every request still gets one
+reply). A request without an expiry never expires; one already in a running batch is not
+cancelled.
 
 Batch formation (`next_batch`), from an inference thread:
 - the window opens with the oldest queued request and closes after `window_s`, when enough
@@ -33,8 +42,9 @@ requests that smaller batch leaves behind would then miss more deadlines than it
 request that would miss even alone counts the same for every k and so holds nobody back; when
 every candidate is lost the batch is as large as allowed. Under overload that keeps batches
 large (the engine's throughput) while still giving each batch the urgent requests it can save;
-the server answers admitted requests late (flagged `late`) rather than dropping them, and
-refuses new ones only when the queue is full (back-pressure above).
+the server answers admitted requests late (flagged `late`) rather than dropping them while their
+client still waits (expiry above), and refuses new ones only when the queue is full
+(back-pressure above).
 """
 
 from __future__ import annotations
@@ -138,6 +148,9 @@ class Pending:
     key: Any = None  # group key (see batching.group_key); None joins any batch
     payload: Any = None
     arrival: float = 0.0
+    # When its client stops waiting (server monotonic seconds): still queued then, it is not
+    # run but handed back by `take_expired`. None: never.
+    expiry: float | None = None
     seq: int = 0  # arrival order: ties in deadline go first come, first served
 
 
@@ -172,6 +185,8 @@ class Scheduler:
     def __post_init__(self) -> None:
         self._queue: list[Pending] = []
         self._per_robot: dict[str, int] = {}
+        self._expired: list[Pending] = []  # out of the queue, not yet handed back (take_expired)
+        self._expired_n = 0  # requests expired so far: a waiting next_batch returns when it grows
         self._cond = threading.Condition()
         self._closed = False
         self._seq = 0
@@ -183,13 +198,16 @@ class Scheduler:
 
     # -- intake ----------------------------------------------------------------------------
     def submit(self, p: Pending) -> str | None:
-        """Queue a request; returns None if accepted, else the error code of the rejection."""
+        """Queue a request; returns None if accepted, else the error code of the rejection.
+        Queued requests past their expiry leave the queue first (`take_expired`), so they
+        count toward neither the capacity nor their robot's share."""
         with self._cond:
             if self._closed:
                 return ERR_SHUTDOWN
             if p.size > self.limit:
                 # Permanent, whatever the load: `overloaded` would tell the robot to retry.
                 return ERR_BAD_REQUEST
+            self._expire(self.clock())
             if len(self._queue) >= self.cfg.capacity:
                 return ERR_OVERLOADED
             if self._per_robot.get(p.robot, 0) >= self.cfg.per_robot:
@@ -202,6 +220,36 @@ class Scheduler:
             self._cond.notify()
             return None
 
+    def _expire(self, now: float) -> None:
+        """Move queued requests past their expiry out of the queue, to be handed back."""
+        gone = [p for p in self._queue if p.expiry is not None and now >= p.expiry]
+        if not gone:
+            return
+        ids = {id(p) for p in gone}
+        self._queue = [p for p in self._queue if id(p) not in ids]
+        self._release(gone)
+        self._expired.extend(gone)
+        self._expired_n += len(gone)
+        self._cond.notify_all()  # a waiting next_batch returns, so that its caller answers them
+
+    def _release(self, gone: Iterable[Pending]) -> None:
+        """Give back the per-robot share of requests that left the queue."""
+        for p in gone:
+            left = self._per_robot.get(p.robot, 1) - 1
+            if left:
+                self._per_robot[p.robot] = left
+            else:
+                self._per_robot.pop(p.robot, None)
+
+    def take_expired(self) -> list[Pending]:
+        """The requests that expired in the queue (and were not handed back yet), in arrival
+        order, each handed back once: the caller answers them (the server: `expired`). Checks
+        the queue against the clock first, so everything past its expiry now is among them."""
+        with self._cond:
+            self._expire(self.clock())
+            gone, self._expired = self._expired, []
+            return sorted(gone, key=lambda p: p.seq)
+
     def drop_robot(self, robot: str) -> list[Pending]:
         """Remove a robot's queued requests (it went away); returns them."""
         with self._cond:
@@ -211,11 +259,14 @@ class Scheduler:
             return gone
 
     def __len__(self) -> int:
+        """Queued requests not past their expiry."""
         with self._cond:
+            self._expire(self.clock())
             return len(self._queue)
 
     def close(self) -> list[Pending]:
-        """Stop; wakes every waiting `next_batch` and returns what was still queued."""
+        """Stop; wakes every waiting `next_batch` and returns what was still queued (expired
+        requests not handed back yet stay for `take_expired`)."""
         with self._cond:
             self._closed = True
             left, self._queue = self._queue, []
@@ -256,9 +307,11 @@ class Scheduler:
     def ready_at(self) -> float | None:
         """When `next_batch` would hand out a batch if nothing else arrived (None: queue empty)."""
         with self._cond:
+            now = self.clock()
+            self._expire(now)
             if not self._queue:
                 return None
-            return self._close_time(self.clock())
+            return self._close_time(now)
 
     def _candidates(self) -> list[Pending]:
         """Queued requests in the order a batch takes them: earliest deadline first, one per
@@ -312,23 +365,25 @@ class Scheduler:
         chosen = candidates[:self._take(candidates, self.clock())]
         ids = {id(p) for p in chosen}
         self._queue = [p for p in self._queue if id(p) not in ids]
-        for p in chosen:
-            left = self._per_robot.get(p.robot, 1) - 1
-            if left:
-                self._per_robot[p.robot] = left
-            else:
-                self._per_robot.pop(p.robot, None)
+        self._release(chosen)
         return sorted(chosen, key=lambda p: (p.deadline, p.seq))
 
     def next_batch(self, timeout: float | None = None) -> list[Pending]:
-        """Block until a batch is ready (or `timeout` seconds pass, or the scheduler closes:
-        then an empty list)."""
+        """Block until a batch is ready (or `timeout` seconds pass, or the scheduler closes, or
+        requests expire: then an empty list). Requests past their expiry leave the queue before
+        a batch forms, so they neither join it nor set when it closes. When some expire during
+        the call (found so here, or by a `submit` meanwhile) and no batch is ready, it returns
+        at once, for its caller to answer them (`take_expired`). It does not wake for an expiry
+        itself: a queued request's window closes before long anyway, and one queued behind a
+        running batch is checked when the batch is done."""
         end = None if timeout is None else self.clock() + timeout
         with self._cond:
+            seen = self._expired_n
             while True:
                 if self._closed:
                     return []
                 now = self.clock()
+                self._expire(now)
                 if self._queue:
                     close = self._close_time(now)
                     if now >= close:
@@ -336,6 +391,8 @@ class Scheduler:
                     wait = close - now
                 else:
                     wait = None
+                if self._expired_n != seen:
+                    return []
                 if end is not None:
                     if now >= end:
                         return []

@@ -2,11 +2,14 @@
 
 Threads:
 - the intake thread owns the ROUTER socket: it decodes requests, answers `hello` and `stats`
-  at once, turns each `infer` budget into a deadline and hands it to the `Scheduler`
-  (which may reject it at once: back-pressure), and sends every reply the workers produce;
+  at once, turns each `infer` budget into a deadline (and its `wait_ms` into an expiry) and
+  hands it to the `Scheduler` (which may reject it at once: back-pressure), answers the
+  requests that expired in the queue (`expired`: not run, their robot stopped waiting), and
+  sends every reply the workers produce;
 - `workers` inference threads take batches from the scheduler and run them on the executor
   (one for a local engine; one per replica for Ray Serve), then queue the replies and wake the
   intake thread through an inproc socket (ZeroMQ sockets are not shared between threads).
+  Expired requests a worker's `next_batch` finds it answers too.
   An executor says how many batches it may run at once (`concurrency`; a local engine: one,
   see `LocalExecutor`), and the server starts no more workers than that.
 
@@ -178,7 +181,9 @@ class PolicyServer:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        # Close intake first so queued robots hear "shutting down" before the socket goes.
+        # Close intake first so queued robots hear "shutting down" before the socket goes (those
+        # already past their expiry hear `expired`, as they would have while serving).
+        self._answer_expired(self.sched.take_expired())
         for p in self.sched.close():
             self.stats.rejected(p.robot)  # counted, so the final report's columns add up
             self._reply_error(p.payload[0], p.req_id, wire.ERR_SHUTDOWN, "server is shutting down")
@@ -256,6 +261,8 @@ class PolicyServer:
                             wake.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
+                # Expired while the workers were busy (a worker's next_batch answers the rest).
+                self._answer_expired(self.sched.take_expired())
                 self._flush(router)
                 if time.monotonic() >= next_report:
                     log.info("%s", format_report(self.report()))
@@ -283,6 +290,15 @@ class PolicyServer:
 
     def _reply_error(self, ident: bytes, req_id: int, code: str, message: str) -> None:
         self._reply(ident, wire.Reply(req_id, False, error=code, message=message))
+
+    def _answer_expired(self, gone: list[Pending]) -> None:
+        """Answer requests the scheduler did not run because their client stopped waiting (its
+        RemotePolicy discards the reply by id): every request still gets one reply."""
+        for p in gone:
+            self.stats.expired(p.robot)
+            waited = ((p.expiry or p.arrival) - p.arrival) * 1e3
+            self._reply_error(p.payload[0], p.req_id, wire.ERR_EXPIRED,
+                              f"not run: still queued when its client stopped waiting (wait_ms {waited:.0f})")
 
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         ident, body = frames[0].bytes, frames[1:]
@@ -313,8 +329,11 @@ class PolicyServer:
                               str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}")
             return
         budget = req.budget_ms / 1e3 if req.budget_ms is not None else self.default_budget_s
+        # The client started waiting before it sent: from arrival, the server never expires a
+        # request its client still waits for.
+        expiry = arrival + req.wait_ms / 1e3 if req.wait_ms is not None else None
         key = group_key(item.rtc, bool(self._model.get("per_sample_rtc", True)))
-        p = Pending(req.robot, req.req_id, item.size, arrival + budget, key, (ident, item), arrival)
+        p = Pending(req.robot, req.req_id, item.size, arrival + budget, key, (ident, item), arrival, expiry)
         code = self.sched.submit(p)
         self.stats.intake((time.monotonic() - arrival) * 1e3)
         if code is not None:
@@ -329,8 +348,11 @@ class PolicyServer:
         try:
             while not self._stop.is_set():
                 batch = self.sched.next_batch(timeout=0.2)
+                gone = self.sched.take_expired()  # next_batch returns early when some expired
+                self._answer_expired(gone)
                 if batch:
                     self._run_batch(batch)
+                if batch or gone:
                     # Again: the intake thread already has wake-ups pending.
                     with contextlib.suppress(zmq.Again):
                         wake.send(b"", zmq.NOBLOCK)

@@ -30,6 +30,7 @@ class RobotStats:
     served: int = 0
     rejected: int = 0
     errors: int = 0
+    expired: int = 0  # admitted, then not run: still queued when the robot stopped waiting
     deadline_misses: int = 0
     last_seen: float = 0.0
     # Recent latencies only: a report should describe now, not the whole uptime.
@@ -40,7 +41,7 @@ class RobotStats:
         lat, q = list(self.latency_ms), list(self.queue_ms)
         return {
             "requests": self.requests, "served": self.served, "rejected": self.rejected, "errors": self.errors,
-            "deadline_misses": self.deadline_misses,
+            "expired": self.expired, "deadline_misses": self.deadline_misses,
             "latency_ms": {"p50": percentile(lat, 50), "p99": percentile(lat, 99), "max": max(lat, default=0.0)},
             "queue_ms": {"p50": percentile(q, 50), "p99": percentile(q, 99)},
             "idle_s": round(time.monotonic() - self.last_seen, 3) if self.last_seen else None,
@@ -79,7 +80,7 @@ def _mean(xs: list[float]) -> float:
 
 class ServerStats:
     """Thread-safe: the intake thread counts arrivals and rejections, inference threads count
-    answers."""
+    answers, and either counts the requests that expired in the queue."""
 
     def __init__(self, forget_s: float = 3600.0) -> None:
         # A daemon's default robot name carries its pid, so every restart is a new robot:
@@ -91,6 +92,7 @@ class ServerStats:
         self.batch_sizes: deque = deque(maxlen=2000)
         self.records: deque = deque(maxlen=2000)  # BatchRecord, the recent ones
         self.reruns = 0
+        self.expired_total = 0  # every robot's, the forgotten ones' too
         self.intake_ms = 0.0  # decoding and admitting infer requests, on the intake thread
         self.intake_n = 0
         self.started = time.monotonic()
@@ -110,6 +112,12 @@ class ServerStats:
     def rejected(self, robot: str) -> None:
         with self._lock:
             self._robot(robot).rejected += 1
+
+    def expired(self, robot: str) -> None:
+        """A request answered `expired`: not run, its robot had stopped waiting."""
+        with self._lock:
+            self._robot(robot).expired += 1
+            self.expired_total += 1
 
     def answered(self, robot: str, ok: bool, latency_ms: float, queue_ms: float, missed: bool) -> None:
         with self._lock:
@@ -163,6 +171,7 @@ class ServerStats:
                 "batch_size": {"mean": sum(sizes) / len(sizes) if sizes else 0.0, "max": max(sizes, default=0)},
                 "observations_per_batch": {"mean": _mean(real), "max": max(real, default=0)},
                 "reruns": self.reruns,
+                "expired": self.expired_total,
                 "intake_ms_per_request": self.intake_ms / self.intake_n if self.intake_n else 0.0,
                 "by_size": self._by_size(),
                 "robots": {name: r.summary() for name, r in sorted(self.robots.items())},
@@ -174,16 +183,16 @@ def format_report(rep: dict[str, Any]) -> str:
     then one line per robot."""
     lines = [f"serve: {rep['batches']} batches, mean batch {rep['batch_size']['mean']:.1f} "
              f"({rep.get('observations_per_batch', {}).get('mean', 0.0):.1f} real), reruns {rep.get('reruns', 0)}, "
-             f"uptime {rep['uptime_s']:.0f} s"]
+             f"expired {rep.get('expired', 0)}, uptime {rep['uptime_s']:.0f} s"]
     for size, b in rep.get("by_size", {}).items():
         lines.append(f"  batch {size:>3}: {b['batches']} runs, {b['observations']:.1f} real, service "
                      f"{b['service_ms']:.1f} ms (pre {b['preprocess_ms']:.1f}, engine {b['engine_ms']:.1f}, "
                      f"post {b['postprocess_ms']:.1f}, batcher {b['batcher_ms']:.1f}), waited {b['wait_ms']:.1f}")
-    lines.append(f"{'robot':<20}{'req':>7}{'ok':>7}{'rej':>6}{'err':>6}{'miss':>6}{'p50 ms':>9}{'p99 ms':>9}"
-                 f"{'max ms':>9}{'idle s':>8}")
+    lines.append(f"{'robot':<20}{'req':>7}{'ok':>7}{'rej':>6}{'err':>6}{'exp':>6}{'miss':>6}{'p50 ms':>9}"
+                 f"{'p99 ms':>9}{'max ms':>9}{'idle s':>8}")
     for name, r in rep["robots"].items():
         lat = r["latency_ms"]
         idle = "" if r["idle_s"] is None else f"{r['idle_s']:.1f}"
         lines.append(f"{name[:19]:<20}{r['requests']:>7}{r['served']:>7}{r['rejected']:>6}{r['errors']:>6}"
-                     f"{r['deadline_misses']:>6}{lat['p50']:>9.1f}{lat['p99']:>9.1f}{lat['max']:>9.1f}{idle:>8}")
+                     f"{r.get('expired', 0):>6}{r['deadline_misses']:>6}{lat['p50']:>9.1f}{lat['p99']:>9.1f}{lat['max']:>9.1f}{idle:>8}")
     return "\n".join(lines)

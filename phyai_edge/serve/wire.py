@@ -6,7 +6,7 @@ JSON or pickle. Only numpy and json are imported here: the robot side (`RemotePo
 neither torch nor the model code.
 
 Request (client -> server), header:
-    {"v": 1, "type": "infer", "id": 7, "robot": "arm-3", "budget_ms": 480.0,
+    {"v": 1, "type": "infer", "id": 7, "robot": "arm-3", "budget_ms": 480.0, "wait_ms": 1000.0,
      "obs": [{"images": {"top": ARRAY | null, ...}, "state": ARRAY, "prompt": "...", "timestamp": 0.0}],
      "rtc": null | {"mode": "guided-approx", "prefix": ARRAY, "delay": 4, "execution_horizon": 25,
                     "max_guidance_weight": 5.0},
@@ -20,6 +20,13 @@ Reply (server -> client), header:
 `budget_ms` is relative (time until the robot needs the chunk), never an absolute clock
 reading: robot and server clocks are not synchronised. The server turns it into a deadline on
 its own monotonic clock at arrival.
+
+`wait_ms` (optional; absent or null: no limit) is how long the client will wait for this
+answer, also relative. The server does not run a request still queued that long after its
+arrival (the client has given up on it: running it would only make every other robot later)
+and answers it `expired` instead; a request already running is not stopped. The server's clock
+starts at arrival, after the client's, so it never expires a request the client still awaits.
+A client that does not send it (older ones) gets no expiry.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ ERR_ROBOT_LIMIT = "robot_limit"  # this robot already has its share of requests 
 ERR_BAD_REQUEST = "bad_request"  # the request could not be decoded or validated
 ERR_INFERENCE = "inference_failed"  # the engine raised; the message says why
 ERR_SHUTDOWN = "shutting_down"
+# The request was still queued `wait_ms` after it arrived: its client stopped waiting, so it was
+# not run. Every request gets one reply; a client that timed out discards this one by id.
+ERR_EXPIRED = "expired"
 
 
 class WireError(ValueError):
@@ -123,6 +133,17 @@ def _number(value: Any, what: str) -> float:
     return float(value)
 
 
+def _positive_ms(value: Any, what: str) -> float | None:
+    """An optional positive number of milliseconds (None stays None); anything else is a
+    WireError naming the field."""
+    if value is None:
+        return None
+    ms = _number(value, what)
+    if ms <= 0:
+        raise WireError(f"{what}: expected a positive number of milliseconds or null, got {ms!r}")
+    return ms
+
+
 def _finish(head: dict[str, Any], packer: _Packer) -> list[Any]:
     return [json.dumps(head, separators=(",", ":")).encode(), *packer.frames]
 
@@ -156,6 +177,7 @@ class Request:
     observations: list[WireObservation] = field(default_factory=list)
     rtc: WireRTC | None = None
     noise: np.ndarray | None = None
+    wait_ms: float | None = None  # how long the client waits for the answer (None: no limit)
 
 
 def encode_request(req: Request) -> list[Any]:
@@ -164,6 +186,8 @@ def encode_request(req: Request) -> list[Any]:
     head: dict[str, Any] = {"v": VERSION, "type": req.kind, "id": int(req.req_id), "robot": req.robot}
     if req.kind == "infer":
         head["budget_ms"] = None if req.budget_ms is None else float(req.budget_ms)
+        if req.wait_ms is not None:  # absent, not null, when unset: the header an older client sends
+            head["wait_ms"] = float(req.wait_ms)
         obs = []
         for o in req.observations:
             images = {str(k): (None if v is None else p.array(v)) for k, v in dict(o.images).items()}
@@ -194,12 +218,8 @@ def decode_request(frames: list[Any]) -> Request:
     req = Request(kind, req_id, robot)
     if kind != "infer":
         return req
-    budget = head.get("budget_ms")
-    if budget is not None:
-        budget = _number(budget, "budget_ms")
-        if budget <= 0:
-            raise WireError(f"budget_ms: expected a positive number of milliseconds or null, got {budget!r}")
-    req.budget_ms = budget
+    req.budget_ms = _positive_ms(head.get("budget_ms"), "budget_ms")
+    req.wait_ms = _positive_ms(head.get("wait_ms"), "wait_ms")
     raw_obs = head.get("obs")
     if not isinstance(raw_obs, list) or not raw_obs:
         raise WireError("obs: expected a non-empty list of observations")
