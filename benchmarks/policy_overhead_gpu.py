@@ -68,7 +68,7 @@ def rtc_request(policy: Any, mode: str) -> Any:
 
 
 def measure(policy: Any, shapes: list[tuple[int, int] | None], device: str, reps: int, rtc_mode: str = "none",
-            host_noise: bool = False) -> dict[str, Any]:
+            host_noise: bool = False, gap_s: float = 0.0) -> dict[str, Any]:
     obs = [observation(policy, shapes, i) for i in range(reps + 3)]
     rtc = rtc_request(policy, rtc_mode)
     a = policy.adapter
@@ -86,6 +86,8 @@ def measure(policy: Any, shapes: list[tuple[int, int] | None], device: str, reps
     walls, stages = [], []
     for o in obs[3:]:
         sync(device)
+        if gap_s:
+            time.sleep(gap_s)  # idle between chunks, as the daemon is (one chunk per execution horizon)
         t0 = time.perf_counter()
         res = infer(o)
         walls.append((time.perf_counter() - t0) * 1e3)  # postprocess copied the actions: the device is done
@@ -120,6 +122,9 @@ def main() -> None:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {list(LAYOUTS)}")
     p.add_argument("--rtc", default="none,guided-approx", help="comma-separated RTC modes (none, guided-approx, guided)")
     p.add_argument("--host-noise", action="store_true", help="also time each case with noise given from the host")
+    p.add_argument("--gap-s", type=float, default=0.0,
+                   help="also time each case with the host and GPU idle this long before each call (the daemon at "
+                        "50 Hz with s = 25 runs a chunk every 0.5 s)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     from phyai_edge.engines.policy import load_policy
@@ -136,9 +141,9 @@ def main() -> None:
         if name not in LAYOUTS:
             raise SystemExit(f"--layouts: unknown {name!r}; expected some of {list(LAYOUTS)}")
         for mode in modes:
-            for host_noise in (False, True) if args.host_noise else (False,):
-                case = f"{name}, {mode}" + (", host noise" if host_noise else "")
-                r = measure(policy, LAYOUTS[name][: len(policy.camera_names)], dev, args.reps, mode, host_noise)
+            for host_noise, gap in [(False, 0.0)] + [(True, 0.0)] * args.host_noise + [(False, args.gap_s)] * (args.gap_s > 0):
+                case = f"{name}, {mode}" + (", host noise" if host_noise else "") + (f", {gap:g} s idle" if gap else "")
+                r = measure(policy, LAYOUTS[name][: len(policy.camera_names)], dev, args.reps, mode, host_noise, gap)
                 out["layouts"][case] = r
                 st = r["stage_ms"]
                 model = sum(st.get(k, 0.0) for k in ("embed_images", "encode_prefix", "solver_loop"))
