@@ -67,6 +67,20 @@ def rtc_request(policy: Any, mode: str) -> Any:
     return RTCRequest(mode=mode, prefix=prefix, delay=min(3, s), execution_horizon=s)  # type: ignore[arg-type]
 
 
+def chunk_difference(policy: Any, shapes: list[tuple[int, int] | None], missing: list[str]) -> dict[str, float]:
+    """The chunk with `missing` cameras left out against the chunk with their slots masked, on the
+    same observation and noise (the policy has them declared absent on entry, and again on exit)."""
+    o = observation(policy, shapes, 99)
+    a = policy.adapter
+    noise = torch.randn(1, a.chunk_size, a.model_action_dim, generator=torch.Generator().manual_seed(5))
+    left_out = policy.infer(o, noise=noise).chunk.float().cpu()
+    policy.set_absent_cameras([])
+    masked = policy.infer(o, noise=noise).chunk.float().cpu()
+    policy.set_absent_cameras(missing)
+    diff = float((left_out - masked).abs().max())
+    return {"max_abs": diff, "max_abs_over_scale": diff / max(float(masked.abs().max()), 1e-12)}
+
+
 def measure(policy: Any, shapes: list[tuple[int, int] | None], device: str, reps: int, rtc_mode: str = "none",
             host_noise: bool = False, gap_s: float = 0.0) -> dict[str, Any]:
     obs = [observation(policy, shapes, i) for i in range(reps + 3)]
@@ -93,6 +107,8 @@ def measure(policy: Any, shapes: list[tuple[int, int] | None], device: str, reps
         walls.append((time.perf_counter() - t0) * 1e3)  # postprocess copied the actions: the device is done
         stages.append(res.stage_ms)
     inputs = [policy.adapter.preprocess([o], device=policy.device) for o in obs[3:]]
+    if policy.absent_cameras:  # as policy.infer hands them to the engine
+        inputs = [policy.adapter.drop_cameras(x, policy.absent_cameras) for x in inputs]
     guidance = policy.rtc_guidance(rtc, 1) if rtc is not None else None
     engine_walls = []
     for x in inputs:
@@ -125,6 +141,8 @@ def main() -> None:
     p.add_argument("--gap-s", type=float, default=0.0,
                    help="also time each case with the host and GPU idle this long before each call (the daemon at "
                         "50 Hz with s = 25 runs a chunk every 0.5 s)")
+    p.add_argument("--no-absent", action="store_true",
+                   help="layouts with missing cameras: only run their slots masked, not also left out")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     from phyai_edge.engines.policy import load_policy
@@ -140,18 +158,34 @@ def main() -> None:
     for name in (n.strip() for n in args.layouts.split(",") if n.strip()):
         if name not in LAYOUTS:
             raise SystemExit(f"--layouts: unknown {name!r}; expected some of {list(LAYOUTS)}")
-        for mode in modes:
-            for host_noise, gap in [(False, 0.0)] + [(True, 0.0)] * args.host_noise + [(False, args.gap_s)] * (args.gap_s > 0):
-                case = f"{name}, {mode}" + (", host noise" if host_noise else "") + (f", {gap:g} s idle" if gap else "")
-                r = measure(policy, LAYOUTS[name][: len(policy.camera_names)], dev, args.reps, mode, host_noise, gap)
-                out["layouts"][case] = r
-                st = r["stage_ms"]
-                model = sum(st.get(k, 0.0) for k in ("embed_images", "encode_prefix", "solver_loop"))
-                rows.append(f"| {case} | {r['infer_ms']:.3f} | {r['engine_run_ms']:.3f} | {st.get('preprocess', 0):.3f} | "
-                            f"{model:.3f} | {st.get('postprocess', 0):.3f} | {r['infer_ms'] - r['engine_run_ms']:.3f} |")
-                print(f"{case}: first three calls {r['first_calls_ms']} ms; one policy.infer under cProfile\n"
-                      f"{r['profile']}")
-    print("| frames, RTC | policy.infer ms | engine.run alone ms | preprocess | model stages | postprocess | infer - run |")
+        shapes = LAYOUTS[name][: len(policy.camera_names)]
+        missing = [n for n, hw in zip(policy.camera_names, shapes) if hw is None]
+        # A layout with cameras missing runs twice: their slots masked, then left out as the daemon
+        # leaves out cameras without a source (`Policy.set_absent_cameras`).
+        for absent in ([], missing) if missing and not args.no_absent else ([],):
+            policy.set_absent_cameras(absent)
+            if absent:
+                out.setdefault("absent_vs_masked", {})[name] = chunk_difference(policy, shapes, missing)
+            for mode in modes:
+                for host_noise, gap in [(False, 0.0)] + [(True, 0.0)] * args.host_noise + [(False, args.gap_s)] * (args.gap_s > 0):
+                    case = (f"{name}{', absent' if absent else ''}, {mode}" + (", host noise" if host_noise else "")
+                            + (f", {gap:g} s idle" if gap else ""))
+                    r = measure(policy, shapes, dev, args.reps, mode, host_noise, gap)
+                    out["layouts"][case] = r
+                    st = r["stage_ms"]
+                    model = sum(st.get(k, 0.0) for k in ("embed_images", "encode_prefix", "solver_loop"))
+                    rows.append(f"| {case} | {r['infer_ms']:.3f} | {r['engine_run_ms']:.3f} | {st.get('preprocess', 0):.3f} | "
+                                f"{model:.3f} ({st.get('embed_images', 0):.2f} / {st.get('encode_prefix', 0):.2f} / "
+                                f"{st.get('denoise_step', 0):.3f}) | {st.get('postprocess', 0):.3f} | "
+                                f"{r['infer_ms'] - r['engine_run_ms']:.3f} |")
+                    print(f"{case}: first three calls {r['first_calls_ms']} ms; one policy.infer under cProfile\n"
+                          f"{r['profile']}")
+        policy.set_absent_cameras([])
+    for name, d in out.get("absent_vs_masked", {}).items():
+        print(f"{name}: chunks with the missing cameras left out vs masked, same inputs and noise: max abs "
+              f"{d['max_abs']:.3e} ({d['max_abs_over_scale']:.2e} of the chunk's scale)")
+    print("| frames, RTC | policy.infer ms | engine.run alone ms | preprocess | model stages (vision / prefix / step) | "
+          "postprocess | infer - run |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.json:

@@ -691,3 +691,20 @@ def test_roofline_reads_the_running_daemon_s_model(tmp_path, monkeypatch):
     assert (m.adapter, m.preset, m.backend, m.device, m.precision) == ("pi05", "full", "cudagraph", "NVIDIA H200", "fp8")
     assert (m.views, m.steps, m.horizon, m.calibratable) == (3, 10, 30, True)
     assert (m.rate_hz, m.exec_horizon) == (50.0, 10)  # robot.control_hz, chunking.execution_horizon
+
+
+def test_model_info_views_count_the_cameras_the_model_runs():
+    """Where the policy leaves cameras without a source out of the model (PolicyInfo.drops_cameras),
+    the views label counts the fed ones; otherwise the model runs every slot (masked) and it counts
+    them all."""
+    from dataclasses import replace
+
+    from phyai_edge.control.daemon import model_info_labels
+    from phyai_edge.control.worker import PolicyInfo
+
+    info = PolicyInfo(50, 6, 6, ("top", "left_wrist", "right_wrist"))
+    cfg = test_config(model={"device": "cpu"})  # one camera, feeding "top"
+    assert model_info_labels(cfg, info)["views"] == "3"
+    assert model_info_labels(cfg, replace(info, drops_cameras=True))["views"] == "1"
+    two = test_config(model={"device": "cpu"}, cameras={"wrist": {"source": "synthetic", "view": "left_wrist"}})
+    assert model_info_labels(two, replace(info, drops_cameras=True))["views"] == "2"

@@ -254,3 +254,63 @@ def test_a_live_job_that_builds_graphs_is_logged(caplog) -> None:
     assert policy.engine.graphs_built == built + 1
     (record,) = caplog.records
     assert "inference 7 met a shape or RTC mode the warm-up did not run" in record.getMessage()
+
+
+def _frames_obs(policy, present: list[int], seed: int = 0, state_scale: float = 0.3) -> Observation:
+    rng = np.random.default_rng(seed)
+    images = {n: rng.integers(0, 256, (40, 56, 3), dtype=np.uint8) if v in present else None
+              for v, n in enumerate(policy.camera_names)}
+    return Observation(images, (state_scale * rng.standard_normal(policy.state_dim)).astype(np.float32), "pick up the cube")
+
+
+@pytest.mark.parametrize("backend", ["eager", "cudagraph"])
+def test_absent_cameras_leave_the_model_with_the_same_chunk(backend: str) -> None:
+    """A camera declared absent is left out of the model's inputs (one view of three here), and the
+    chunk is what running its slot masked gives: its tokens were masked out of every attention and
+    took no position. A declared camera that an observation does have is kept."""
+    policy = load_policy(preset="tiny", backend=backend, device="cpu")
+    names = policy.camera_names
+    seen: list[int] = []
+    run = policy.engine.run
+    policy.engine.run = lambda inputs, **kw: (seen.append(inputs.tensors["images"].shape[1]), run(inputs, **kw))[1]
+    noise = torch.randn(1, policy.chunk_size, policy.adapter.model_action_dim, generator=torch.Generator().manual_seed(3))
+    obs = _frames_obs(policy, [0])
+    masked = policy.infer(obs, noise=noise).actions
+    assert policy.set_absent_cameras(names[1:]) == frozenset(names[1:])
+    dropped = policy.infer(obs, noise=noise).actions
+    both = policy.infer(_frames_obs(policy, [0, 2], seed=1), noise=noise)  # names[2] is there after all
+    assert seen == [3, 1, 2]
+    assert np.abs(dropped - masked).max() < 1e-4 * max(1.0, float(np.abs(masked).max()))
+    policy.set_absent_cameras([])
+    assert np.allclose(policy.infer(_frames_obs(policy, [0, 2], seed=1), noise=noise).actions, both.actions, atol=1e-4)
+    assert seen[-1] == 3
+
+
+def test_absent_cameras_are_refused_or_ignored_where_they_cannot_apply() -> None:
+    policy = load_policy(preset="tiny", backend="eager", device="cpu")
+    with pytest.raises(ValueError, match="unknown cameras \\['nope'\\]"):
+        policy.set_absent_cameras(["nope"])
+    with pytest.raises(ValueError, match="every camera is declared absent"):
+        policy.set_absent_cameras(policy.camera_names)
+    policy.engine.any_views = False  # an engine built for a fixed view count (ONNX, TensorRT)
+    assert policy.set_absent_cameras(policy.camera_names[1:]) == frozenset()
+    x = policy.adapter.preprocess([_frames_obs(policy, [0])])
+    with pytest.raises(ValueError, match="cameras_present"):
+        policy.adapter.drop_cameras(ModelInputs(dict(x.tensors), 1), {"left_wrist"})
+
+
+def test_a_warmup_job_declares_the_cameras_without_a_source() -> None:
+    """The daemon's warm-up frames are None exactly for policy cameras no source feeds: the worker
+    declares those absent, so the warm-up captures the graph set of the views the live jobs run,
+    and a live job (the same camera missing) reuses it."""
+    policy = load_policy(preset="tiny", backend="cudagraph", device="cpu")
+    names = policy.camera_names
+    frames = {names[0]: (48, 64), names[1]: None, names[2]: None}
+    warm = make_warmup_job(policy_info(policy), "pick up the cube", frames=frames)
+    assert policy_info(policy).drops_cameras
+    assert run_job(policy, warm).error is None
+    assert policy.absent_cameras == frozenset(names[1:])
+    live = replace(warm, warmup=False, images={names[0]: np.full((48, 64, 3), 9, np.uint8), names[1]: None,
+                                               names[2]: None})
+    assert run_job(policy, live).error is None
+    assert [k[1] for k in policy.engine._sets] == [1]

@@ -145,7 +145,8 @@ def model_info_labels(cfg: DaemonConfig, info: PolicyInfo) -> dict[str, str]:
     it does not decide them: with `model.factory`, the factory's keyword arguments of those names;
     with `model.bundle`, the bundle's manifest.json (plain JSON, as the config check reads it) for
     all but the device, and precision ("fp8", "int8") where its weights are quantised. Views (the
-    policy's cameras, masked ones included: the model runs them), steps (its solver's, when it
+    cameras the model runs: the policy's, less those no source feeds where the policy leaves them
+    out, `PolicyInfo.drops_cameras`; otherwise it runs them masked), steps (its solver's, when it
     says) and gpu (the GPU's name, which the worker asked torch for) come from the loaded policy;
     horizon is the H the daemon runs, `chunking.horizon` (the policy's chunk size unless set
     lower). The robot side the roofline needs besides H comes from the config: rate_hz
@@ -167,7 +168,11 @@ def model_info_labels(cfg: DaemonConfig, info: PolicyInfo) -> dict[str, str]:
     labels = {k: v for k, v in named.items() if isinstance(v, str) and v}
     if info.device_name:
         labels["gpu"] = info.device_name
-    labels["views"] = str(len(info.camera_names))
+    views = len(info.camera_names)
+    if info.drops_cameras:  # policy cameras with no source are left out of the model, not run masked
+        frames = warmup_frames(cfg, info.camera_names)
+        views -= sum(v is None for v in (frames or {}).values())
+    labels["views"] = str(views)
     # H as the roofline means it: the actions of a chunk the daemon executes from (RTC's d <= s <= H - d).
     labels["horizon"] = str(cfg.chunking.horizon or info.chunk_size)
     if info.steps:

@@ -54,6 +54,9 @@ class PolicyInfo:
     description: str = ""
     steps: int = 0  # the solver's flow steps per chunk; 0: the policy does not say
     device_name: str = ""  # the GPU's name ("NVIDIA H200") when the policy runs on CUDA; "": not known
+    # Whether cameras declared absent are left out of the model rather than run masked
+    # (`Policy.set_absent_cameras`: the adapter can drop slots and the engine takes any view count).
+    drops_cameras: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,8 @@ def policy_info(policy: PolicyLike) -> PolicyInfo:
         type(policy).__name__,
         steps if isinstance(steps, int) and steps > 0 else 0,
         device_name(policy),
+        bool(hasattr(getattr(policy, "adapter", None), "drop_cameras")
+             and getattr(getattr(policy, "engine", None), "any_views", False)),
     )
 
 
@@ -151,6 +156,12 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
         if job.warmup and fix_prompt is not None:
             # the warm-up's zero state must capture the graphs every live state will run
             fix_prompt(job.prompt)
+        absent = getattr(policy, "set_absent_cameras", None)
+        if job.warmup and absent is not None:
+            # A warm-up frame is None exactly for a policy camera with no source (`warmup_frames`):
+            # never present, so the model may run without its slot (a camera that goes stale is
+            # masked in its job, not declared here: its slot stays, and so do the graphs).
+            absent([name for name, img in job.images.items() if img is None])
         rtc = None
         if job.prefix is not None and job.rtc_mode in SOLVER_RTC_MODES:
             rtc = RTCRequest(

@@ -84,6 +84,10 @@ class EngineBase:
     # hold per-sample static buffers); a backend that cannot sets False and the batchers then
     # give it only requests with equal masks.
     per_sample_rtc = True
+    # Runs the adapter's stages for any number of camera views (each view count its own shapes),
+    # so `Policy` may drop camera slots no observation has (`Adapter.drop_cameras`). Backends built
+    # for a fixed view count (ONNX, TensorRT, cudagraph's generic path) leave it False.
+    any_views = False
 
     def __init__(self, adapter: Any, device: str | torch.device, seed: int) -> None:
         self.adapter = adapter

@@ -286,6 +286,7 @@ class CudaGraphEngine(EngineBase):
         # graph; any other adapter's stages run from buffers laid out by its own stage_specs.
         self._graph: StageGraph = stage_graph(adapter)
         self.generic = tuple(self._graph.names) != PI05_STAGES
+        self.any_views = not self.generic  # PI0.5's graph sets are per (batch, views, prompt length)
         if self.generic and fp8 is not None:  # the scopes name PI0.5's submodules
             raise ValueError(f"fp8={fp8!r} is for PI0.5's stages; adapter {getattr(adapter, 'name', '?')!r} "
                              f"has {self._graph.names}")

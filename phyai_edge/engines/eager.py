@@ -29,6 +29,7 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 class EagerEngine(EngineBase):
     backend = "eager"
+    any_views = True  # the stages run as the adapter wrote them, for whatever shapes they get
 
     def __init__(self, adapter: Adapter, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
                  seed: int = 0) -> None:

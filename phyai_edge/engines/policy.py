@@ -36,6 +36,9 @@ class Policy:
         # backend does (`EngineBase.per_sample_rtc`); an engine that says False gets only
         # requests with equal masks (the batchers group them so).
         self.per_sample_rtc = bool(getattr(engine, "per_sample_rtc", False))
+        # Cameras the caller never has (`set_absent_cameras`): their slots are left out of the model's
+        # inputs where the adapter and engine allow it, instead of run masked.
+        self.absent_cameras: frozenset[str] = frozenset()
 
     def rtc_guidance(self, rtc: RTCRequest, batch: int) -> RTCGuidance | None:
         """Robot-unit RTC request -> model-space guidance for the solver (None if daemon-side)."""
@@ -141,6 +144,29 @@ class Policy:
                              "batch only requests with the same delay and prefix length")
         return g
 
+    def set_absent_cameras(self, names: Sequence[str]) -> frozenset[str]:
+        """Declare the model's cameras that this caller never has (the daemon: policy cameras with
+        no source). Where the adapter can leave their slots out (`drop_cameras`; PI0.5: an absent
+        camera's tokens are masked everywhere and take no position, so the chunk is the same to
+        rounding) and the engine takes any view count (`any_views`), they are no longer run masked:
+        one camera of PI0.5's three saves about two thirds of the vision tower and of the prefix.
+        A camera named here that an observation does have is still used. Only static absence
+        belongs here: a camera that comes and goes (an optional one going stale) would change the
+        view count, and so the engine's graphs, while it runs. Returns the cameras in effect
+        (empty where the adapter or engine cannot)."""
+        unknown = set(names) - set(self.camera_names)
+        if unknown:
+            raise ValueError(f"unknown cameras {sorted(unknown)}; the model's are {self.camera_names}")
+        able = hasattr(self.adapter, "drop_cameras") and bool(getattr(self.engine, "any_views", False))
+        absent = frozenset(names) if able else frozenset()
+        if len(absent) == len(self.camera_names):
+            raise ValueError("every camera is declared absent; the model needs at least one image")
+        if absent != self.absent_cameras and absent:
+            log.info("cameras %s are never present: the model runs without their slots (%d of %d views)",
+                     ", ".join(sorted(absent)), len(self.camera_names) - len(absent), len(self.camera_names))
+        self.absent_cameras = absent
+        return absent
+
     def fix_prompt_positions(self, prompts: str | Sequence[str]) -> int | None:
         """For callers whose prompts stay these while the robot states change (the daemon, the
         server's warmed prompts): has the engine keep room for the longest of them with any state,
@@ -169,6 +195,8 @@ class Policy:
         obs = [observations] if isinstance(observations, Observation) else list(observations)
         t0 = time.perf_counter()
         inputs = self.adapter.preprocess(obs, device=self.device)
+        if self.absent_cameras:
+            inputs = self.adapter.drop_cameras(inputs, self.absent_cameras)  # type: ignore[attr-defined]
         t1 = time.perf_counter()
         if isinstance(rtc, (list, tuple)):
             if len(rtc) != len(obs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,7 +138,30 @@ class PI05Adapter:
             "tokens": tokens.to(device, non_blocking=pin),
             "token_mask": token_mask.to(device, non_blocking=pin),
         }
-        return ModelInputs(tensors, len(observations))
+        # The camera mask also on the host, so `drop_cameras` decides without waiting for the device.
+        on_host = np.array([[obs.images.get(n) is not None for n in self.camera_names] for obs in observations])
+        return ModelInputs(tensors, len(observations), {"cameras_present": on_host})
+
+    def drop_cameras(self, inputs: ModelInputs, names: Collection[str]) -> ModelInputs:
+        """`inputs` without the slots of cameras in `names` that no observation of the batch has.
+        The chunk is the same (to rounding): an absent camera's image tokens are masked out of
+        every attention and take no position (positions count valid tokens), so the model
+        computes 256 tokens a slot for nothing, through the vision tower, the prefix and every
+        step's attention. A camera in `names` that some observation does have is kept, so the
+        result never changes; the engine then sees a different view count (other graphs)."""
+        present = inputs.extras.get("cameras_present")
+        if present is None:
+            raise ValueError("drop_cameras needs inputs from this adapter's preprocess (no cameras_present)")
+        slots = list(self.camera_names)
+        keep = [v for v, n in enumerate(slots) if n not in names or bool(present[:, v].any())]
+        if len(keep) == len(slots):
+            return inputs
+        t = dict(inputs.tensors)
+        index = torch.tensor(keep, dtype=torch.long)
+        for key in ("images", "image_mask"):
+            t[key] = t[key].index_select(1, index.to(t[key].device))
+        return ModelInputs(t, inputs.batch_size, {**inputs.extras, "cameras_present": present[:, keep],
+                                                   "cameras": [slots[v] for v in keep]})
 
     def images(self, observations: list[Observation], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """The images input (B, views, 3, S, S) float32 and the (B, views) camera mask, on `device`."""
