@@ -166,3 +166,33 @@ def test_warming_a_prompt_keeps_room_for_it_with_any_robot_state():
     got = executor.run([BatchItem([short], None), BatchItem([short], None)])
     assert all(r.actions is not None for r in got)
     assert set(policy.engine._sets) == warmed and len(warmed) == 2  # one set per batch size
+
+
+def test_serve_runs_without_the_cameras_no_robot_has():
+    """`serve --absent-camera`: the policy leaves those cameras out of the model (load_policy's
+    absent_cameras), the hello reply names them, the warm-up observations lack them, so the warm-up
+    captures the view count the robots' requests run and a request reuses it."""
+    import argparse
+
+    from phyai_edge.adapters.base import Observation
+    from phyai_edge.commands.serve import add_arguments, warm_inputs
+    from phyai_edge.engines.policy import load_policy
+    from phyai_edge.serve.server import describe_policy
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--absent-camera", "left_wrist", "--absent-camera", "right_wrist"])
+    assert args.absent_camera == ["left_wrist", "right_wrist"]
+    policy = load_policy(preset="tiny", backend="cudagraph", device="cpu", absent_cameras=args.absent_camera)
+    assert describe_policy(policy)["absent_cameras"] == ["left_wrist", "right_wrist"]
+    obs, rtcs = warm_inputs(policy, None, "none")
+    assert [n for n, img in obs[0].images.items() if img is not None] == ["top"]
+    executor = LocalExecutor(policy, [1, 2], max_batch=2)
+    executor.warm_up(obs, rtcs)
+    warmed = set(policy.engine._sets)
+    assert {key[:2] for key in warmed} == {(1, 1), (2, 1)}  # (batch, views): one view
+    robot = Observation({"top": np.full((32, 32, 3), 7, np.uint8)}, np.zeros(policy.state_dim, np.float32), obs[0].prompt)
+    got = executor.run([BatchItem([robot], None)])
+    assert got[0].actions is not None and set(policy.engine._sets) == warmed
+    with pytest.raises(ValueError, match="unknown cameras"):
+        load_policy(preset="tiny", backend="eager", device="cpu", absent_cameras=["side"])

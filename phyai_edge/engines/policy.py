@@ -226,26 +226,32 @@ def load_policy(
     camera_names: list[str] | None = None,
     engine_options: dict[str, Any] | None = None,
     adapter_options: dict[str, Any] | None = None,
+    absent_cameras: Sequence[str] = (),
 ) -> Policy:
     """Build a ready Policy. `bundle` (an exported engine folder) takes precedence over backend.
     `engine_options`: extra keyword arguments for the engine (e.g. cudagraph's `fp8="expert"`);
     `adapter_options`: the adapter's user options (its module's OPTIONS, e.g. PI0.5's
-    `prompt_state`). A bundle was exported with its own: it takes none."""
+    `prompt_state`). A bundle was exported with its own: it takes none. `absent_cameras`: the
+    model's cameras the caller never has (`Policy.set_absent_cameras`)."""
     _check_device(device)
     if bundle is not None:
         if adapter_options:
             raise ValueError(f"adapter options ({', '.join(sorted(adapter_options))}) apply when a bundle is "
                              "exported (phyai-edge export --adapter-option), not when it is loaded")
         # A checkpoint given too is what the bundle must have been exported from (checked, not ignored).
-        return load_bundle_policy(Path(bundle), device=device, checkpoint=checkpoint, seed=seed,
-                                  **(engine_options or {}))
+        policy = load_bundle_policy(Path(bundle), device=device, checkpoint=checkpoint, seed=seed,
+                                    **(engine_options or {}))
+        policy.set_absent_cameras(absent_cameras)
+        return policy
     # A checkpoint loads on the CPU and the engine moves it; a preset without one is drawn where it
     # runs (a full-size preset has no weights to load: random ones, drawn on the GPU in seconds).
     ad = load_adapter(adapter, adapter_options, checkpoint=checkpoint, preset_name=preset,
                       device="cpu" if checkpoint is not None else device, tokenizer=tokenizer,
                       camera_names=camera_names, seed=seed)
     engine = make_engine(backend, ad, device=device, dtype=dtype, seed=seed, **(engine_options or {}))
-    return Policy(ad, engine)
+    policy = Policy(ad, engine)
+    policy.set_absent_cameras(absent_cameras)
+    return policy
 
 
 def load_bundle_policy(bundle: str | Path, device: str | torch.device = "cpu", checkpoint: str | Path | None = None,

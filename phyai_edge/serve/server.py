@@ -63,6 +63,9 @@ def describe_policy(policy: Any) -> dict[str, Any]:
         "state_dim": int(policy.state_dim), "camera_names": list(policy.camera_names),
         "model_action_dim": int(a.model_action_dim), "backend": getattr(policy.engine, "backend", ""),
         "device": str(policy.device), "per_sample_rtc": bool(getattr(policy, "per_sample_rtc", True)),
+        # cameras the server runs the model without (`serve --absent-camera`; a robot that sends one anyway
+        # gets it used, at the cost of graphs of another view count)
+        "absent_cameras": sorted(getattr(policy, "absent_cameras", ())),
     }
 
 
