@@ -81,6 +81,7 @@ class PI05Adapter:
         self.solver = SolverSpec(cfg.num_steps)
         self._warned_truncation = False
         self._token_cache: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._slot_indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}  # drop_cameras'
         self._token_owner: tuple[PromptTokenizer, int] | None = None
 
     # -- stages ---------------------------------------------------------------------------
@@ -157,11 +158,18 @@ class PI05Adapter:
         if len(keep) == len(slots):
             return inputs
         t = dict(inputs.tensors)
-        index = torch.tensor(keep, dtype=torch.long)
         for key in ("images", "image_mask"):
-            t[key] = t[key].index_select(1, index.to(t[key].device))
+            t[key] = t[key].index_select(1, self._slot_index(tuple(keep), t[key].device))
         return ModelInputs(t, inputs.batch_size, {**inputs.extras, "cameras_present": present[:, keep],
                                                    "cameras": [slots[v] for v in keep]})
+
+    def _slot_index(self, keep: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        # Made once per device: a fresh index copied from pageable host memory would make the host
+        # wait for the frames' conversion already queued on the stream.
+        index = self._slot_indices.get((keep, device))
+        if index is None:
+            index = self._slot_indices[(keep, device)] = torch.tensor(keep, dtype=torch.long, device=device)
+        return index
 
     def images(self, observations: list[Observation], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """The images input (B, views, 3, S, S) float32 and the (B, views) camera mask, on `device`."""
