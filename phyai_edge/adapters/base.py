@@ -71,7 +71,12 @@ class ModelInputs:
 
 
 class Adapter(Protocol):
-    """The contract between a model and the runtime. One module per model implements it."""
+    """The contract between a model and the runtime. One module per model implements it.
+
+    Optional methods the runtime uses where an adapter has them (`Policy`): `longest_prompt_tokens(prompt)`,
+    the most prompt tokens any robot state can make (so graphs captured at warm-up fit every state),
+    and `drop_cameras(inputs, names)`, `preprocess`'s inputs without the slots of cameras no
+    observation has, for a model whose result does not depend on them (PI0.5)."""
 
     name: str
     chunk_size: int  # H: actions per chunk
