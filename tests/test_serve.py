@@ -588,3 +588,11 @@ def test_a_busy_endpoint_is_one_line_naming_it(server, tiny_policy):
         other.start()
     other.stop()
     assert str(err.value).startswith(f"cannot bind {server.endpoint}: "), str(err.value)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
+def test_remote_policy_refuses_a_timeout_that_is_not_positive(timeout):
+    """The timeout becomes every request's wait_ms, which the server refuses unless positive: the
+    robot hears it at construction, naming the argument, not as a TimeoutError per request."""
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        RemotePolicy("tcp://127.0.0.1:1", robot="r", timeout_s=timeout)

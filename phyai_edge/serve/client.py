@@ -78,6 +78,8 @@ class RemotePolicy:
         connect_timeout_s: float = 10.0,
         context: zmq.Context | None = None,
     ) -> None:
+        if not timeout_s > 0:  # also NaN; it becomes each request's wait_ms, which the server refuses unless positive
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.endpoint = endpoint
         self.robot = robot or f"robot-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.timeout_s = timeout_s
