@@ -55,7 +55,7 @@ class PolicyInfo:
     steps: int = 0  # the solver's flow steps per chunk; 0: the policy does not say
     device_name: str = ""  # the GPU's name ("NVIDIA H200") when the policy runs on CUDA; "": not known
     # Whether cameras declared absent are left out of the model rather than run masked
-    # (`Policy.set_absent_cameras`: the adapter can drop slots and the engine takes any view count).
+    # (`Policy.drops_cameras`, `Policy.set_absent_cameras`).
     drops_cameras: bool = False
 
 
@@ -115,8 +115,7 @@ def policy_info(policy: PolicyLike) -> PolicyInfo:
         type(policy).__name__,
         steps if isinstance(steps, int) and steps > 0 else 0,
         device_name(policy),
-        bool(hasattr(getattr(policy, "adapter", None), "drop_cameras")
-             and getattr(getattr(policy, "engine", None), "any_views", False)),
+        bool(getattr(policy, "drops_cameras", False)),  # a stand-in policy drops none
     )
 
 

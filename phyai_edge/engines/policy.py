@@ -144,6 +144,12 @@ class Policy:
                              "batch only requests with the same delay and prefix length")
         return g
 
+    @property
+    def drops_cameras(self) -> bool:
+        """Whether cameras declared absent are left out of the model (the adapter can drop slots,
+        `drop_cameras`, and the engine takes any view count, `any_views`) rather than run masked."""
+        return hasattr(self.adapter, "drop_cameras") and bool(getattr(self.engine, "any_views", False))
+
     def set_absent_cameras(self, names: Sequence[str]) -> frozenset[str]:
         """Declare the model's cameras that this caller never has (the daemon: policy cameras with
         no source). Where the adapter can leave their slots out (`drop_cameras`; PI0.5: an absent
@@ -157,8 +163,7 @@ class Policy:
         unknown = set(names) - set(self.camera_names)
         if unknown:
             raise ValueError(f"unknown cameras {sorted(unknown)}; the model's are {self.camera_names}")
-        able = hasattr(self.adapter, "drop_cameras") and bool(getattr(self.engine, "any_views", False))
-        absent = frozenset(names) if able else frozenset()
+        absent = frozenset(names) if self.drops_cameras else frozenset()
         if len(absent) == len(self.camera_names):
             raise ValueError("every camera is declared absent; the model needs at least one image")
         if absent != self.absent_cameras and absent:

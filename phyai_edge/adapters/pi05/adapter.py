@@ -153,15 +153,13 @@ class PI05Adapter:
         present = inputs.extras.get("cameras_present")
         if present is None:
             raise ValueError("drop_cameras needs inputs from this adapter's preprocess (no cameras_present)")
-        slots = list(self.camera_names)
-        keep = [v for v, n in enumerate(slots) if n not in names or bool(present[:, v].any())]
-        if len(keep) == len(slots):
+        keep = [v for v, n in enumerate(self.camera_names) if n not in names or bool(present[:, v].any())]
+        if len(keep) == len(self.camera_names):
             return inputs
         t = dict(inputs.tensors)
         for key in ("images", "image_mask"):
             t[key] = t[key].index_select(1, self._slot_index(tuple(keep), t[key].device))
-        return ModelInputs(t, inputs.batch_size, {**inputs.extras, "cameras_present": present[:, keep],
-                                                   "cameras": [slots[v] for v in keep]})
+        return ModelInputs(t, inputs.batch_size, {**inputs.extras, "cameras_present": present[:, keep]})
 
     def _slot_index(self, keep: tuple[int, ...], device: torch.device) -> torch.Tensor:
         # Made once per device: a fresh index copied from pageable host memory would make the host
