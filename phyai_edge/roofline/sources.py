@@ -237,6 +237,13 @@ def positive_rate(v: Any) -> float | None:
     return rate if math.isfinite(rate) and rate > 0 else None
 
 
+def positive_count(v: Any) -> int | None:
+    """A positive whole number from a number or a label's text ("3"), else None (the sim report's
+    reading of the daemon's views / steps / horizon / exec_horizon labels)."""
+    n = _int_or_none(v)
+    return n if n is not None and n > 0 else None
+
+
 def _default_label(m: Measurement, i: int, n: int) -> str:
     parts = [p for p in (m.device, m.adapter and f"{m.adapter}/{m.preset or '?'}") if p]
     base = " ".join(parts) or "bench"

@@ -18,7 +18,11 @@ from typing import Any
 import numpy as np
 
 from phyai_edge.control.protocol import Flag
-from phyai_edge.roofline.sources import daemon_model, positive_rate  # as `roofline --metrics` reads them
+from phyai_edge.roofline.sources import (  # as `roofline --metrics` reads them
+    daemon_model,
+    positive_count,
+    positive_rate,
+)
 
 # The joints whose position servos are stiff enough to follow a target within a few steps
 # (kp 800-1600 against frictionloss 50-60); forearm roll and the wrists (kp 10-50 against
@@ -378,15 +382,6 @@ def analyse(run: SimRun, metrics_text: str | None = None) -> dict[str, Any]:
     return result
 
 
-def _count(value: Any) -> int | None:
-    """A positive whole number from a label value ("3"), else None."""
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        return None
-    return n if n > 0 else None
-
-
 def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
     """The loop's measured stage times as a bench document for `phyai-edge roofline --bench`.
 
@@ -404,7 +399,7 @@ def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
     t = result["timing"]
     meta = result.get("meta", {})
     model = result.get("daemon_model", {})
-    steps = _count(model.get("steps"))
+    steps = positive_count(model.get("steps"))
 
     def pick(s: dict[str, float]) -> dict[str, float]:
         return {k: v for k, v in s.items() if k.endswith("_ms")}
@@ -459,14 +454,15 @@ def roofline_bench(result: dict[str, Any]) -> dict[str, Any]:
         if model.get(key):
             doc[key] = model[key]
     doc["batch"] = 1
-    if _count(model.get("views")):
-        doc["views"] = _count(model["views"])
+    views, exec_horizon = positive_count(model.get("views")), positive_count(model.get("exec_horizon"))
+    if views:
+        doc["views"] = views
     if steps:
         doc["steps"] = steps
-    doc["horizon"] = _count(model.get("horizon")) or meta.get("horizon", 50)
+    doc["horizon"] = positive_count(model.get("horizon")) or meta.get("horizon", 50)
     doc["rate_hz"] = positive_rate(model.get("rate_hz")) or meta.get("control_hz", 50.0)
-    if _count(model.get("exec_horizon")):  # s; without it the roofline leaves s free
-        doc["exec_horizon"] = _count(model["exec_horizon"])
+    if exec_horizon:  # s; without it the roofline leaves s free
+        doc["exec_horizon"] = exec_horizon
     what = "model from the daemon's phyai_model_info" if model else "model assumed (no phyai_model_info)"
     doc["source"] = f"phyai-edge sim --report; inference from {source}; {what}"
     doc["stages"] = stages
