@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("phyai_edge.commands.info", "what this machine has: torch, CUDA, GPUs, TensorRT, onnxruntime"),
     "run": ("phyai_edge.commands.run", "the real-time control daemon (fixed-period loop, RTC, ZeroMQ actions)"),
     "listen": ("phyai_edge.commands.listen", "subscribe to a daemon's actions and report rate, gaps and latency"),
+    "task": ("phyai_edge.commands.task", "set or show the instruction (prompt) a running daemon's policy follows"),
     "bench": ("phyai_edge.commands.bench", "time a model's stages on a backend and device"),
     "export": ("phyai_edge.commands.export", "build an engine bundle (ONNX, TensorRT, CUDA graph) from a checkpoint"),
     "roofline": ("phyai_edge.commands.roofline", "what bounds the control rate: model, processing, transport or robot"),

@@ -70,6 +70,10 @@ class PromptTokenizer:
             return list(self._tok.encode(text, add_special_tokens=False).ids)
         return list(self._tok.encode(text))
 
+    def count(self, text: str) -> int:
+        """The tokens `__call__` gives `text` before any truncation (BOS included)."""
+        return 1 + len(self.encode_plain(text))
+
     def __call__(self, text: str, max_len: int) -> Tokenized:
         """BOS + text, right-padded to max_len; truncated (and flagged) if longer."""
         ids = [self.bos_id, *self.encode_plain(text)]

@@ -62,7 +62,8 @@ def main(args: argparse.Namespace) -> int:
         cams = ", ".join(f"{c.name} ({c.source})" for c in cfg.cameras.values()) or "none"
         print(f"{args.check_config}: valid. {cfg.robot.control_hz:g} Hz, cameras: {cams}, state: {cfg.state.source}, "
               f"model: {cfg.model.adapter} {cfg.model.bundle or cfg.model.checkpoint or cfg.model.preset}, "
-              f"RTC {cfg.chunking.mode}, publish {cfg.publish.endpoint}")
+              f"RTC {cfg.chunking.mode}, publish {cfg.publish.endpoint}"
+              + (f", instructions at {cfg.task.endpoint}" if cfg.task.endpoint else ""))
         return 0
 
     from phyai_edge.control.log import setup_logging

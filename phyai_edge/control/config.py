@@ -142,6 +142,21 @@ class PublishConfig:
 
 
 @dataclass
+class TaskConfig:
+    """The instruction (the policy's prompt) set while the daemon runs: `phyai-edge task`, or any
+    ZeroMQ REQ client (docs/protocol.md, section 4). Off unless `endpoint` is set."""
+
+    endpoint: str = ""  # REP socket; "" is off (model.prompt runs for good)
+    bind: bool = True
+    # Instructions the engine keeps room for at warm-up, beside model.prompt (the longest of them,
+    # with any robot state, sets the prompt tokens every chunk runs); with any_prompt = false the
+    # only ones accepted.
+    prompts: tuple[str, ...] = ()
+    prompt_tokens: int = 0  # room, in prompt tokens (state included), kept for instructions not listed
+    any_prompt: bool = True  # false: refuse an instruction that is not model.prompt or in prompts
+
+
+@dataclass
 class SafetyConfig:
     camera_max_age_ms: float = 200.0
     state_max_age_ms: float = 100.0
@@ -172,6 +187,7 @@ class DaemonConfig:
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
     safety: SafetyConfig = field(default_factory=SafetyConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     clock: ClockConfig = field(default_factory=ClockConfig)
     source: str = "<embedded default>"
@@ -506,6 +522,8 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
     )
     s.finish()
 
+    cfg.task = _parse_task(root.table("task"), cfg)
+
     mt = root.table("metrics")
     cfg.metrics = MetricsConfig(
         port=mt.integer("port", 0, minimum=0, maximum=65535),
@@ -539,6 +557,44 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
     return cfg
 
 
+def _parse_task(sec: _Section, cfg: DaemonConfig) -> TaskConfig:
+    d = TaskConfig()
+    t = TaskConfig(endpoint=_endpoint(sec, "endpoint", d.endpoint), bind=sec.boolean("bind", d.bind),
+                   prompt_tokens=sec.integer("prompt_tokens", d.prompt_tokens, minimum=0),
+                   any_prompt=sec.boolean("any_prompt", d.any_prompt))
+    present, prompts = sec._take("prompts")
+    if present:
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise ConfigError(f"{sec.key('prompts')}: expected a list of strings, got {_show(prompts)}")
+        for i, p in enumerate(prompts):
+            problem = task_prompt_problem(p)
+            if problem:
+                raise ConfigError(f"{sec.key('prompts')}[{i}]: {problem}")
+        t.prompts = tuple(prompts)
+    # Empty is allowed there: the checkpoint's default prompt then runs.
+    problem = task_prompt_problem(cfg.model.prompt) if cfg.model.prompt else ""
+    if problem:
+        raise ConfigError(f"model.prompt: {problem}")
+    if t.endpoint and t.endpoint == cfg.publish.endpoint:
+        raise ConfigError(f"task.endpoint: {t.endpoint!r} is publish.endpoint too; give the instruction socket its own")
+    sec.finish()
+    return t
+
+
+def task_prompt_problem(prompt: str) -> str:
+    """What makes `prompt` unusable as an instruction ("" if nothing): the checks that need no
+    tokenizer, made alike for the config and for an instruction sent at run time."""
+    if not prompt.strip():
+        return "the instruction is empty"
+    if len(prompt) > MAX_PROMPT_CHARS:
+        return f"the instruction has {len(prompt)} characters; at most {MAX_PROMPT_CHARS} are taken"
+    bad = sorted({f"U+{ord(ch):04X}" for ch in prompt if ord(ch) < 32 or ord(ch) == 127})
+    if bad:
+        return f"the instruction holds control characters ({', '.join(bad)}); send one line of text"
+    return ""
+
+
+MAX_PROMPT_CHARS = 1000  # far above what a VLA's prompt window holds; the tokenizer check is the real limit
 MAX_CONTROL_HZ = 1000.0  # above this a period is shorter than the clock's own tick work
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")  # what the worker can load onto; whether it exists is its check
 
@@ -701,6 +757,15 @@ chunk_topic = "chunk"        # whole remaining chunk on adoption; "" to disable
 camera_max_age_ms = 200.0
 state_max_age_ms = 100.0
 hold = "last"                # last | state | zero: the payload of HOLD messages
+
+[task]                       # the instruction (model.prompt) changed while the daemon runs: `phyai-edge task`
+endpoint = ""                # a ZeroMQ REP endpoint, e.g. "tcp://127.0.0.1:5557"; "" is off
+bind = true
+prompts = []                 # instructions the engine keeps room for at warm-up, beside model.prompt
+prompt_tokens = 0            # room (prompt tokens, the state's included) for instructions not listed;
+                             # a chunk's prefix costs more with more room. A longer one is refused, never
+                             # truncated or captured inside the loop
+any_prompt = true            # false: accept only model.prompt and the instructions in prompts
 
 [metrics]
 port = 0                     # Prometheus on host:port; 0 is off

@@ -4,7 +4,8 @@ Per tick, on the clock thread (nothing here blocks or allocates much):
   1. wait for the slot's absolute deadline; skip (and count) slots missed by an overrun;
   2. read the newest camera frames and robot state; check their ages and the e-stop bit;
   3. collect a finished inference, if any, and let the chunk queue adopt it at the measured delay;
-  4. start the next inference when s actions of the executing chunk have run;
+  4. start the next inference when s actions of the executing chunk have run (or at once when a
+     new instruction arrived, task.py);
   5. pick the action (or a HOLD), clamp it, publish it with the next sequence number.
 The policy runs in the worker (worker.py); the daemon neither waits for it nor knows its backend.
 """
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,6 +44,7 @@ from phyai_edge.control.publisher import ActionPublisher
 from phyai_edge.control.rtc import SOLVER_MODES, ChunkQueue, DelayEstimator
 from phyai_edge.control.safety import ActionGuard
 from phyai_edge.control.state import StateSource, make_state
+from phyai_edge.control.task import TaskChannel
 from phyai_edge.control.worker import (
     Job,
     JobResult,
@@ -210,6 +212,8 @@ def _bundle_precision(manifest: dict[str, Any]) -> str | None:
 
 
 _T = TypeVar("_T")
+# An instruction's check waits for the inference in flight (one chunk) and a tokenizer pass.
+TASK_CHECK_TIMEOUT_S = 5.0
 
 
 class StartupInterruptedError(Exception):
@@ -263,6 +267,8 @@ class Daemon:
         self.state: StateSource | None = None
         self.publisher: ActionPublisher | None = None
         self.recorder: Any = None
+        self.task: TaskChannel | None = None
+        self._job_changes = 0  # the instruction count (`TaskChannel.changes`) of the last job started
         self._status: Any = None
 
     # ------------------------------------------------------------ setup
@@ -307,6 +313,9 @@ class Daemon:
             rounds.append(make_warmup_job(info, cfg.model.prompt, rtc_mode=ch.mode,
                                           execution_horizon=ch.execution_horizon, delay=ch.delay or ch.delay_initial,
                                           max_guidance_weight=ch.max_guidance_weight, frames=frames))
+        if cfg.task.endpoint:
+            # Room for the instructions that may come at run time: the graphs captured now serve them.
+            rounds = [replace(job, room_prompts=cfg.task.prompts, room_tokens=cfg.task.prompt_tokens) for job in rounds]
         n_rounds = warmup_rounds(cfg)
         for i in range(n_rounds):
             took = []
@@ -325,6 +334,7 @@ class Daemon:
         # A restarted worker process runs these before it counts as up (at least one round: it proves
         # the new process can infer before the daemon relies on it).
         self.worker.warmup_jobs = rounds * max(1, cfg.model.warmup)
+        self._check_instructions()
         if ch.execution_horizon < self.delays.estimate():
             log.warning(
                 "chunking.execution_horizon (%d) is below the expected delay (%d slots): inference will "
@@ -351,6 +361,12 @@ class Daemon:
         )
         if cfg.metrics.port:
             self.metrics.serve(cfg.metrics.host, cfg.metrics.port, model_info_labels(cfg, info))
+        if cfg.task.endpoint:
+            worker = self.worker
+            self.task = TaskChannel(cfg.task, cfg.model.prompt, lambda prompt: worker.check_prompt(prompt, TASK_CHECK_TIMEOUT_S),
+                                    self.context, self.metrics)
+            _zmq_opened("task.endpoint", self.task.start)
+            log.info("task: instructions taken at run time, %s", self.task.describe())
         if self.record_dir:
             from phyai_edge.control.recorder import Recorder
 
@@ -365,6 +381,24 @@ class Daemon:
             }
             self.recorder = Recorder(self.record_dir, meta)
             log.info("recording observations to %s", self.record_dir)
+
+    def _check_instructions(self) -> None:
+        """Every instruction the config names must run as the policy was warmed up: one the model
+        would truncate is a configuration error here, not a robot doing something else later."""
+        cfg = self.cfg
+        named = [("model.prompt", cfg.model.prompt)]
+        if cfg.task.endpoint:
+            named += [(f"task.prompts[{i}]", p) for i, p in enumerate(cfg.task.prompts)]
+        room = None
+        for key, prompt in named:
+            fit = self._unless_stopped(lambda prompt=prompt: self.worker.check_prompt(prompt, cfg.model.load_timeout_s))
+            if fit.error is not None:
+                raise RuntimeError(f"{key}: the instruction could not be checked: {fit.error}")
+            if not fit.fits:
+                raise ConfigError(f"{key}: {fit.problem().removeprefix('the instruction ')}")
+            room = fit.room
+        if cfg.task.endpoint and room is not None and cfg.task.prompt_tokens > room:
+            raise ConfigError(f"task.prompt_tokens: {cfg.task.prompt_tokens} is more than the policy takes ({room})")
 
     # ------------------------------------------------------------ control
 
@@ -529,7 +563,10 @@ class Daemon:
                 obs_t, chunk_id, index = 0.0, 0, 0
                 self._count_hold(reason)
             else:
-                if inflight is None and worker_up and not self.worker.busy and q.wants_inference():
+                # A new instruction starts a chunk at once rather than after s actions: RTC joins it
+                # to the executing chunk's remaining actions as it joins any other.
+                new_task = self.task is not None and self.task.changes != self._job_changes
+                if inflight is None and worker_up and not self.worker.busy and (q.wants_inference() or new_task):
                     assert sample is not None
                     inflight = self._start_inference(next_job_id, tick.slot, frames, sample, now_s)
                     next_job_id += 1
@@ -610,12 +647,15 @@ class Daemon:
         times = [fr.capture_s for fr in frames.values() if fr is not None] + [sample.time_s]
         obs_time = min(times)
         mode = cfg.chunking.mode
+        prompt = cfg.model.prompt
+        if self.task is not None:
+            self._job_changes, prompt = self.task.current
         job = Job(
             job_id=job_id,
             images=images,
             bgr=bgr,
             state=sample.values,
-            prompt=cfg.model.prompt,
+            prompt=prompt,
             timestamp=obs_time,
             rtc_mode=mode,
             prefix=plan.prefix if mode in SOLVER_MODES else None,
@@ -730,6 +770,8 @@ class Daemon:
         self.notifier.stopping()
         if self._status is not None:
             self._status.stop()
+        if self.task is not None:
+            self.task.close()
         if self.worker is not None:
             self.worker.close()
         for cam in self.cameras.values():
@@ -770,6 +812,9 @@ class Daemon:
             "clamped": {"limit": self.guard.counters.clamped_limit, "rate": self.guard.counters.clamped_rate},
             "nonfinite_actions": self.guard.counters.nonfinite,
             "stop_to_final_ms": st.stop_to_final_ms,
+            # The instruction at the end and how it got there (None without task.endpoint).
+            "task": None if self.task is None else {"prompt": self.task.prompt, "changes": self.task.changes,
+                                                    "refused": self.task.refused},
             # --record: what did not reach the disk (None without recording).
             "recorder": None if self.recorder is None else {"dropped": self.recorder.dropped,
                                                             "failed": self.recorder.failed},

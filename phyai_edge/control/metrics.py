@@ -51,6 +51,7 @@ class Metrics:
         self.worker_deaths = nop
         self.worker_up = nop
         self.model_info = nop
+        self.task_requests = nop
 
     def serve(self, host: str, port: int, model: Mapping[str, str] | None = None) -> bool:
         """Start the HTTP endpoint. Returns False (after one log line) when that is not possible.
@@ -85,6 +86,10 @@ class Metrics:
         self.worker_deaths = pc.Counter("phyai_worker_deaths", "Inference worker processes that died", registry=registry)
         self.worker_up = pc.Gauge("phyai_worker_up", "1 while the inference worker is up, 0 while it is down", registry=registry)
         self.worker_up.set(1)
+        self.task_requests = pc.Counter(
+            "phyai_task_requests", "Instruction requests (task.endpoint), by result: taken, unchanged, query, refused",
+            ["result"], registry=registry,
+        )
         # An info gauge, phyai_model_info{adapter="pi05",preset="full",...} 1: which model runs,
         # for readers of these metrics (`phyai-edge roofline --metrics`, `phyai-edge sim --report`). The daemon
         # starts the endpoint once the policy is loaded; prometheus-client escapes the values.

@@ -10,6 +10,7 @@ without torch.
 
 from __future__ import annotations
 
+import json
 import struct
 from dataclasses import dataclass
 from enum import IntFlag
@@ -224,3 +225,73 @@ class FrameMessage:
         image = np.frombuffer(data, dtype=np.uint8, count=expected, offset=FRAME_HEADER_SIZE)
         shape = (height, width, channels)
         return cls(name.rstrip(b"\0").decode("ascii"), image.reshape(shape), seq, mono, wall, fmt)
+
+
+# ---------------------------------------------------------------- task instruction (operator or planner -> daemon)
+
+# One JSON object per message, UTF-8, on a REQ -> REP pair: the daemon's REP socket answers every
+# request, in order. JSON, not a binary header: the text is the payload, and a planner in any
+# language can write it.
+TASK_MAX_BYTES = 16384
+
+
+def encode_task_request(prompt: str | None = None) -> bytes:
+    """A request: set the instruction to `prompt`, or (None) ask which one runs."""
+    body: dict[str, object] = {"version": VERSION}
+    if prompt is not None:
+        body["prompt"] = prompt
+    return json.dumps(body).encode("utf-8")
+
+
+def decode_task_request(data: bytes | memoryview) -> str | None:
+    """Inverse of `encode_task_request`: the instruction asked for, or None for a query."""
+    if len(data) > TASK_MAX_BYTES:
+        raise ValueError(f"task request: {len(data)} bytes is above the {TASK_MAX_BYTES}-byte limit")
+    try:
+        body = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"task request: not a UTF-8 JSON object ({exc})") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"task request: expected a JSON object, got {type(body).__name__}")
+    version = body.get("version", VERSION)
+    if version != VERSION:
+        raise ValueError(f"task request: unsupported version {version!r} (this daemon speaks {VERSION})")
+    unknown = sorted(set(body) - {"version", "prompt"})
+    if unknown:
+        raise ValueError(f"task request: unknown field {unknown[0]!r} (known: prompt, version)")
+    prompt = body.get("prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise ValueError(f"task request: prompt must be a string, got {type(prompt).__name__}")
+    return prompt
+
+
+@dataclass
+class TaskReply:
+    """The daemon's answer. `prompt` is the instruction in effect after the request (the old one
+    when it was refused); `changes` counts the instructions taken since start-up. `tokens` and
+    `room`: the prompt tokens the asked-for instruction takes with any robot state, and the most
+    the engine runs without new graphs or truncation (0 where unknown)."""
+
+    ok: bool
+    prompt: str
+    error: str = ""
+    tokens: int = 0
+    room: int = 0
+    changes: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps({"version": VERSION, "ok": self.ok, "prompt": self.prompt, "error": self.error,
+                           "tokens": self.tokens, "room": self.room, "changes": self.changes}).encode("utf-8")
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> TaskReply:
+        try:
+            body = json.loads(bytes(data).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"task reply: not a UTF-8 JSON object ({exc})") from None
+        if not isinstance(body, dict) or not isinstance(body.get("ok"), bool) or not isinstance(body.get("prompt"), str):
+            raise ValueError("task reply: expected an object with a boolean ok and a string prompt")
+        if body.get("version", VERSION) != VERSION:
+            raise ValueError(f"task reply: unsupported version {body.get('version')!r}")
+        return cls(body["ok"], body["prompt"], str(body.get("error", "")), int(body.get("tokens", 0)),
+                   int(body.get("room", 0)), int(body.get("changes", 0)))

@@ -92,6 +92,11 @@ class Job:
     max_guidance_weight: float = 5.0
     noise: np.ndarray | None = None  # (1, H, model_action_dim) float32; None: the engine's own stream
     warmup: bool = False  # warm-up jobs may take as long as loading (first-call compilation, graph capture)
+    # Warm-up only: other instructions the engine keeps prompt room for (`task.prompts`), and room
+    # in tokens for ones not listed (`task.prompt_tokens`), so an instruction set at run time runs
+    # the graphs this warm-up captures.
+    room_prompts: tuple[str, ...] = ()
+    room_tokens: int = 0
 
 
 @dataclass
@@ -101,6 +106,44 @@ class JobResult:
     stage_ms: dict[str, float]
     infer_ms: float
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class PromptFit:
+    """Whether an instruction can run as the policy was warmed up (`Policy.prompt_fit`)."""
+
+    tokens: int | None  # the most prompt tokens it takes with any robot state; None: the policy cannot say
+    room: int | None  # the most the policy runs without building graphs or truncating; None: not known
+    error: str | None = None  # the check itself failed (the tokenizer raised, the worker is down)
+    most: int | None = None  # the most the model takes at all (more is truncated); None: not known
+
+    @property
+    def fits(self) -> bool:
+        return self.error is None and (self.tokens is None or self.room is None or self.tokens <= self.room)
+
+    def problem(self) -> str:
+        """Why the instruction is refused ("" if it fits), in words for the operator."""
+        if self.error is not None:
+            return self.error
+        if self.fits:
+            return ""
+        too_long = self.most is not None and self.tokens is not None and self.tokens > self.most
+        hint = f"the model takes at most {self.most}: shorten it" if too_long else \
+            "raise task.prompt_tokens or list it in task.prompts"
+        return (f"the instruction takes up to {self.tokens} prompt tokens with some robot states, and the policy "
+                f"runs {self.room} as it was warmed up ({hint})")
+
+
+def prompt_fit(policy: PolicyLike, prompt: str) -> PromptFit:
+    """`PromptFit` of `prompt` for `policy` (a policy without `prompt_fit` cannot say: it fits)."""
+    fit = getattr(policy, "prompt_fit", None)
+    if fit is None:
+        return PromptFit(None, None)
+    try:
+        tokens, room, most = fit(prompt)
+    except Exception as exc:
+        return PromptFit(None, None, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+    return PromptFit(tokens, room, None, most)
 
 
 def policy_info(policy: PolicyLike) -> PolicyInfo:
@@ -154,7 +197,7 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
         fix_prompt = getattr(policy, "fix_prompt_positions", None)
         if job.warmup and fix_prompt is not None:
             # the warm-up's zero state must capture the graphs every live state will run
-            fix_prompt(job.prompt)
+            fix_prompt([job.prompt, *job.room_prompts], at_least=job.room_tokens)
         absent = getattr(policy, "set_absent_cameras", None)
         if job.warmup and absent is not None:
             # A warm-up frame is None exactly for a policy camera with no source (`warmup_frames`):
@@ -279,6 +322,11 @@ class ThreadWorker(_JobSlot):
         assert self._policy is not None
         return run_job(self._policy, job)
 
+    def check_prompt(self, prompt: str, timeout_s: float = 10.0) -> PromptFit:
+        """`prompt_fit`, on the caller's thread (the policy's tokenizer may run beside an inference)."""
+        assert self._policy is not None
+        return prompt_fit(self._policy, prompt)
+
     def close(self) -> None:
         with contextlib.suppress(queue.Full):
             self._jobs.put_nowait(None)
@@ -313,10 +361,8 @@ def _send_job(conn: Any, job: Job) -> None:
         conn.send_bytes(memoryview(a).cast("B"))
 
 
-def _recv_job(conn: Any) -> Job | None:
-    head = conn.recv()
-    if head is None:
-        return None
+def _read_job(conn: Any, head: dict[str, Any]) -> Job:
+    """The job whose header `head` was just received: its arrays follow on `conn`."""
     images: dict[str, np.ndarray | None] = {}
     for name, meta in head.pop("images").items():
         if meta is None:
@@ -342,13 +388,33 @@ def _child_main(conn: Any, spec: PolicySpec, log_level: int | None = None) -> No
         return
     while True:
         try:
-            job = _recv_job(conn)
+            head = conn.recv()
+            if head is None:
+                return
+            if isinstance(head, tuple) and head[0] == _PROMPT_FIT:
+                conn.send(prompt_fit(policy, head[1]))
+                continue
+            job = _read_job(conn, head)
         except (EOFError, OSError):
-            return
-        if job is None:
             return
         res = run_job(policy, job)
         conn.send(res)
+
+
+_PROMPT_FIT = "prompt_fit"  # the one message to the worker process that is not a job
+
+
+@dataclass
+class _PromptCheck:
+    """A `check_prompt` waiting in the client thread's queue, answered through `done`."""
+
+    prompt: str
+    done: threading.Event = field(default_factory=threading.Event)
+    fit: PromptFit | None = None
+
+    def answer(self, fit: PromptFit) -> None:
+        self.fit = fit
+        self.done.set()
 
 
 class WorkerHungError(RuntimeError):
@@ -374,6 +440,8 @@ class ProcessWorker(_JobSlot):
         self._conn: Any = None
         self._proc: Any = None
         self._init_slot()
+        # Jobs (one at a time: `busy`) and prompt checks share the client thread's queue, in order.
+        self._jobs: queue.Queue[Job | _PromptCheck | None] = queue.Queue()  # type: ignore[assignment]
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
         self.info: PolicyInfo | None = None
@@ -442,6 +510,22 @@ class ProcessWorker(_JobSlot):
                 raise RuntimeError("the daemon is shutting down")
             time.sleep(0.002)
 
+    def check_prompt(self, prompt: str, timeout_s: float = 10.0) -> PromptFit:
+        """`prompt_fit` in the worker process, asked between jobs (after the inference in flight, if
+        any). Blocks the caller (never the clock thread) up to `timeout_s`."""
+        if not self.up:
+            return PromptFit(None, None, f"cannot check the instruction: {self.down_reason or 'the inference worker is down'}")
+        check = _PromptCheck(prompt)
+        self._jobs.put(check)
+        deadline = time.monotonic() + timeout_s
+        while not check.done.wait(0.1):
+            if self._closing.is_set():  # `close` during start-up: the client thread is gone
+                return PromptFit(None, None, "the daemon is shutting down")
+            if time.monotonic() > deadline:
+                return PromptFit(None, None, f"the inference worker did not answer within {timeout_s:g} s")
+        assert check.fit is not None
+        return check.fit
+
     def close(self) -> None:
         """Fast: the child holds no state worth saving, so it is killed rather than joined."""
         self._closing.set()
@@ -452,6 +536,16 @@ class ProcessWorker(_JobSlot):
             proc.kill()
 
     # -- client thread
+
+    def _fit(self, prompt: str) -> PromptFit:
+        """Ask the process; like a job, no answer within the job timeout is the process hanging."""
+        self._conn.send((_PROMPT_FIT, prompt))
+        if not self._conn.poll(self.job_timeout_s):
+            raise WorkerHungError(f"no answer to a prompt check within {self.job_timeout_s:g} s")
+        fit = self._conn.recv()
+        if not isinstance(fit, PromptFit):
+            raise EOFError(f"unexpected message from the worker: {type(fit).__name__}")
+        return fit
 
     def _call(self, job: Job) -> JobResult:
         """Send one job and wait for its result. Any failure of the pipe is the process dying; no
@@ -520,13 +614,21 @@ class ProcessWorker(_JobSlot):
             if job is None:
                 return
             try:
+                if isinstance(job, _PromptCheck):
+                    job.answer(self._fit(job.prompt))
+                    continue
                 res = self._call(job)
             except Exception as exc:  # EOFError, BrokenPipeError, a half-written result...
                 if self._closing.is_set():
+                    if isinstance(job, _PromptCheck):
+                        job.answer(PromptFit(None, None, "the daemon is shutting down"))
                     return
                 reason = self._death_reason(exc)
                 self._went_down(reason)  # `up` falls before the result is seen: no new job slips in
-                self._result = JobResult(job.job_id, None, {}, 0.0, reason)
+                if isinstance(job, _PromptCheck):
+                    job.answer(PromptFit(None, None, reason))
+                else:
+                    self._result = JobResult(job.job_id, None, {}, 0.0, reason)
                 if not self._restart():
                     return
                 continue
@@ -568,12 +670,22 @@ class ProcessWorker(_JobSlot):
                 delay = min(delay * 2, self.backoff_max_s)
                 log.error("inference worker: restart attempt %d failed: %s", n, msg)
                 continue
-            # A job the daemon queued while the process was gone is answered, not run late.
-            with contextlib.suppress(queue.Empty):
-                stale = self._jobs.get_nowait()
+            # A job the daemon queued while the process was gone is answered, not run late; a
+            # prompt check waits for the new process.
+            checks = []
+            while True:
+                try:
+                    stale = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
                 if stale is None:
                     return False
-                self._result = JobResult(stale.job_id, None, {}, 0.0, f"{cause}; job dropped")
+                if isinstance(stale, _PromptCheck):
+                    checks.append(stale)
+                else:
+                    self._result = JobResult(stale.job_id, None, {}, 0.0, f"{cause}; job dropped")
+            for check in checks:
+                self._jobs.put(check)
             self.restarts += 1
             self.restart_attempt = 0
             self.down_reason = None

@@ -413,6 +413,16 @@ class CudaGraphEngine(EngineBase):
             if gs.kv_room is not None and mode != "guided":
                 self._loop_graph(gs, mode, self.adapter.solver, dense=True)
 
+    @property
+    def prompt_room(self) -> int | None:
+        """The most valid prompt tokens a batch may have and still run the graphs of the room kept
+        (`min_prompt_positions` rounded up to the bucket, as `prompt_bucket` rounds it); None where
+        no room is kept (any new length would build graphs) or nothing is trimmed."""
+        floor = self.min_prompt_positions
+        if self.generic or not self.trim_prompt or self.token_bucket <= 0 or floor <= 0:
+            return None
+        return min(self.adapter.cfg.max_token_len, math.ceil(floor / self.token_bucket) * self.token_bucket)
+
     @torch.no_grad()
     def run(self, inputs: ModelInputs, noise: torch.Tensor | None = None, rtc: RTCGuidance | None = None) -> torch.Tensor:
         if self.generic:

@@ -172,22 +172,40 @@ class Policy:
         self.absent_cameras = absent
         return absent
 
-    def fix_prompt_positions(self, prompts: str | Sequence[str]) -> int | None:
+    def fix_prompt_positions(self, prompts: str | Sequence[str], at_least: int = 0) -> int | None:
         """For callers whose prompts stay these while the robot states change (the daemon, the
-        server's warmed prompts): has the engine keep room for the longest of them with any state,
-        so every state runs the graphs captured at warm-up. Otherwise a state whose numbers take
-        more tokens reaches a new prompt length, and its graphs would be captured inside the control
-        loop (about a second of held ticks on an H200) or on a robot's request. Returns the prompt
-        tokens kept, or None where the adapter's prompt does not follow the state or the engine keeps
-        no prompt length (nothing to fix)."""
+        server's warmed prompts): has the engine keep room for the longest of them with any state
+        (and for `at_least` tokens: instructions set at run time), so every state runs the graphs
+        captured at warm-up. Otherwise a state whose numbers take more tokens reaches a new prompt
+        length, and its graphs would be captured inside the control loop (about a second of held
+        ticks on an H200) or on a robot's request. Returns the prompt tokens kept, or None where the
+        adapter's prompt does not follow the state or the engine keeps no prompt length (nothing to
+        fix)."""
         longest = getattr(self.adapter, "longest_prompt_tokens", None)
         if longest is None or not hasattr(self.engine, "min_prompt_positions"):
             return None
-        n = max(int(longest(p)) for p in ([prompts] if isinstance(prompts, str) else prompts))
+        n = max([int(longest(p)) for p in ([prompts] if isinstance(prompts, str) else prompts)] + [int(at_least)])
+        limit = getattr(self.adapter, "max_prompt_tokens", None)
+        if limit is not None:
+            n = min(n, int(limit))  # a longer prompt is truncated to this: `prompt_fit` says so
         if n != self.engine.min_prompt_positions:
             log.info("prompt: up to %d tokens with any robot state; the engine keeps room for them", n)
         self.engine.min_prompt_positions = n
         return n
+
+    def prompt_fit(self, prompt: str) -> tuple[int | None, int | None, int | None]:
+        """(the most prompt tokens `prompt` takes with any robot state, the most this policy runs
+        as it was warmed up: without building graphs or truncating, the most the model takes at
+        all). Each is None where the adapter or engine cannot say. For an instruction set while
+        the robot runs: one that needs more than the room would be truncated, or have its graphs
+        captured inside the control loop."""
+        longest = getattr(self.adapter, "longest_prompt_tokens", None)
+        tokens = int(longest(prompt)) if longest is not None else None
+        most = getattr(self.adapter, "max_prompt_tokens", None)
+        room = getattr(self.engine, "prompt_room", None)
+        if room is None:
+            room = most
+        return tokens, (int(room) if room is not None else None), (int(most) if most is not None else None)
 
     def infer(
         self,

@@ -230,8 +230,14 @@ class PI05Adapter:
         longest = 0
         for b in range(-1, self.cfg.state_bins):
             bins = np.array([b] * self.state_dim + [pad_bin] * (written - self.state_dim))
-            longest = max(longest, int(self._tokenize(format_prompt(prompt, bins))[1].sum()))
+            # Counted before truncation, so a prompt too long for `max_prompt_tokens` shows as such.
+            longest = max(longest, self.tokenizer.count(format_prompt(prompt, bins)))
         return longest
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The prompt tokens (BOS and state included) the model takes; a longer prompt is truncated."""
+        return self.cfg.max_token_len
 
     def _tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         n = self.cfg.max_token_len

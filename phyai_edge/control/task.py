@@ -1,0 +1,154 @@
+"""The instruction the daemon runs, and the socket that changes it while the robot runs.
+
+A VLA policy is conditioned on a text instruction (PI0.5's prompt). `model.prompt` is the one the
+daemon starts with; with `task.endpoint` set, an operator or a task planner sends another over a
+ZeroMQ REQ socket (`phyai-edge task`, docs/protocol.md section 4) and the next chunk runs it.
+
+Every request is answered. An instruction is taken only if it runs as the policy was warmed up:
+the worker checks its prompt tokens, with any robot state, against the room the engine keeps
+(`Policy.prompt_fit`), so a new instruction never truncates and never captures graphs inside the
+control loop. The check, and the socket, live on this module's own thread: the clock thread only
+reads `current`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from phyai_edge.control.config import TaskConfig, task_prompt_problem
+from phyai_edge.control.metrics import Metrics
+from phyai_edge.control.protocol import TaskReply, decode_task_request, encode_task_request
+from phyai_edge.control.worker import PromptFit
+
+log = logging.getLogger("phyai_edge.control.task")
+
+POLL_MS = 100  # how often the thread looks at `close` while no request comes
+
+
+class TaskChannel:
+    """`current`: (changes so far, the instruction), replaced whole by this thread and read by
+    the clock thread without a lock (one attribute: each read sees one whole pair)."""
+
+    def __init__(self, cfg: TaskConfig, initial: str, check: Callable[[str], PromptFit], context: Any = None,
+                 metrics: Metrics | None = None) -> None:
+        self.cfg = cfg
+        self.check = check
+        self.metrics = metrics or Metrics()
+        self.current: tuple[int, str] = (0, initial)
+        # Declared instructions: the only ones taken with any_prompt = false.
+        self.declared = frozenset((initial, *cfg.prompts))
+        self.refused = 0
+        self._context = context
+        self._socket: Any = None
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    @property
+    def prompt(self) -> str:
+        return self.current[1]
+
+    @property
+    def changes(self) -> int:
+        return self.current[0]
+
+    def start(self) -> None:
+        """Open the REP socket (a bind or connect failure raises here, at start-up) and serve it."""
+        import zmq
+
+        ctx = self._context or zmq.Context.instance()
+        sock = ctx.socket(zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            if self.cfg.bind:
+                sock.bind(self.cfg.endpoint)
+            else:
+                sock.connect(self.cfg.endpoint)
+        except Exception:
+            sock.close()
+            raise
+        self._socket = sock
+        self._thread = threading.Thread(target=self._serve, name="task", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    def describe(self) -> str:
+        which = "any instruction that fits" if self.cfg.any_prompt else f"{len(self.declared)} declared instructions"
+        return f"{'bound' if self.cfg.bind else 'connected'} at {self.cfg.endpoint} ({which})"
+
+    def _serve(self) -> None:
+        sock = self._socket
+        while not self._closing.is_set():
+            if not sock.poll(POLL_MS):
+                continue
+            data = sock.recv()
+            try:
+                reply = self.handle(data)
+            except Exception as exc:  # never leave the REQ peer without an answer
+                log.exception("task request failed")
+                reply = TaskReply(False, self.prompt, f"internal error: {exc}", changes=self.changes)
+            sock.send(reply.encode())
+
+    def handle(self, data: bytes) -> TaskReply:
+        """One request -> its reply; takes the instruction where it is acceptable."""
+        changes, prompt = self.current
+        try:
+            asked = decode_task_request(data)
+        except ValueError as exc:
+            return self._refuse(str(exc), prompt, changes)
+        if asked is None:  # a query
+            self.metrics.task_requests.labels("query").inc()
+            return TaskReply(True, prompt, changes=changes)
+        problem = task_prompt_problem(asked)
+        if not problem and not self.cfg.any_prompt and asked not in self.declared:
+            problem = "not a declared instruction (task.any_prompt = false: model.prompt or one of task.prompts)"
+        if problem:
+            return self._refuse(problem, prompt, changes)
+        if asked == prompt:
+            self.metrics.task_requests.labels("unchanged").inc()
+            return TaskReply(True, prompt, changes=changes)
+        fit = self.check(asked)
+        tokens, room = fit.tokens or 0, fit.room or 0
+        if not fit.fits:
+            return self._refuse(fit.problem(), prompt, changes, tokens, room)
+        self.current = (changes + 1, asked)
+        self.metrics.task_requests.labels("taken").inc()
+        log.info("task: now %r (was %r; %s): the next chunk runs it", asked, prompt,
+                 f"{tokens} of {room} prompt tokens" if tokens and room else "prompt length not checked")
+        return TaskReply(True, asked, tokens=tokens, room=room, changes=changes + 1)
+
+    def _refuse(self, why: str, prompt: str, changes: int, tokens: int = 0, room: int = 0) -> TaskReply:
+        self.refused += 1
+        self.metrics.task_requests.labels("refused").inc()
+        log.warning("task: instruction refused: %s; still %r", why, prompt)
+        return TaskReply(False, prompt, why, tokens, room, changes)
+
+
+def request_instruction(endpoint: str, prompt: str | None = None, timeout_s: float = 10.0, context: Any = None) -> TaskReply:
+    """A client's side: ask the daemon at `endpoint` to run `prompt` (None: only ask which
+    instruction runs) and return its reply. TimeoutError if none comes within `timeout_s` (the
+    daemon answers after the worker's check, which waits for the inference in flight)."""
+    import zmq
+
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    ctx = context or zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(encode_task_request(prompt))
+        if not sock.poll(round(timeout_s * 1000)):
+            raise TimeoutError(f"no answer from {endpoint} within {timeout_s:g} s (is the daemon running with task.endpoint?)")
+        return TaskReply.decode(sock.recv())
+    finally:
+        sock.close()

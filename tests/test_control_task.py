@@ -1,0 +1,330 @@
+"""The instruction set at run time (`[task]`, control/task.py): wire format, config, the
+worker's fit check, and the daemon taking a new instruction at once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from phyai_edge.control.config import ConfigError, TaskConfig, parse_config
+from phyai_edge.control.daemon import Daemon
+from phyai_edge.control.fakes import FakePolicy, free_tcp_endpoint, test_config
+from phyai_edge.control.protocol import TaskReply, decode_task_request, encode_task_request
+from phyai_edge.control.task import TaskChannel, request_instruction
+from phyai_edge.control.worker import (
+    PolicySpec,
+    ProcessWorker,
+    PromptFit,
+    ThreadWorker,
+    make_warmup_job,
+    run_job,
+)
+
+# ---------------------------------------------------------------- wire format
+
+
+def test_task_request_and_reply_round_trip():
+    assert decode_task_request(encode_task_request("put the cup in the sink")) == "put the cup in the sink"
+    assert decode_task_request(encode_task_request(None)) is None
+    assert decode_task_request(b"{}") is None  # a query needs no version
+    reply = TaskReply(False, "pick up the cube", "too long", tokens=90, room=80, changes=3)
+    assert TaskReply.decode(reply.encode()) == reply
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"put the cup", "not a UTF-8 JSON object"),
+    (b"\xff\xfe", "not a UTF-8 JSON object"),
+    (b'["a"]', "expected a JSON object"),
+    (b'{"prompt": 3}', "prompt must be a string"),
+    (b'{"promt": "x"}', "unknown field 'promt'"),
+    (b'{"version": 2, "prompt": "x"}', "unsupported version 2"),
+    (b'{"prompt": "' + b"a" * 20000 + b'"}', "above the 16384-byte limit"),
+])
+def test_a_bad_task_request_is_refused_naming_what_is_wrong(data, words):
+    with pytest.raises(ValueError, match=words):
+        decode_task_request(data)
+
+
+# ---------------------------------------------------------------- config
+
+
+def _cfg(task: dict, **model) -> object:
+    data = {"cameras": {"top": {}}, "task": task}
+    if model:
+        data["model"] = model
+    return parse_config(data)
+
+
+def test_the_task_section_parses_and_is_off_by_default():
+    assert _cfg({}).task == TaskConfig()
+    t = _cfg({"endpoint": "ipc:///tmp/phyai-task", "prompts": ["fold the towel"], "prompt_tokens": 96,
+              "any_prompt": False}).task
+    assert (t.endpoint, t.prompts, t.prompt_tokens, t.any_prompt) == ("ipc:///tmp/phyai-task", ("fold the towel",), 96, False)
+
+
+@pytest.mark.parametrize("task, model, key", [
+    ({"endpoint": "localhost:5557"}, {}, "task.endpoint"),
+    ({"endpoint": "tcp://127.0.0.1:5555"}, {}, "task.endpoint"),  # publish.endpoint's default
+    ({"prompts": "fold the towel"}, {}, "task.prompts"),
+    ({"prompts": ["ok", "two\nlines"]}, {}, "task.prompts[1]"),
+    ({"prompts": ["   "]}, {}, "task.prompts[0]"),
+    ({"prompts": ["x" * 1001]}, {}, "task.prompts[0]"),
+    ({"prompt_tokens": -1}, {}, "task.prompt_tokens"),
+    ({"any_prompts": False}, {}, "task.any_prompts"),
+    ({}, {"prompt": "pick\tup"}, "model.prompt"),
+])
+def test_a_task_mistake_names_its_key(task, model, key):
+    with pytest.raises(ConfigError) as err:
+        _cfg(task, **model)
+    assert str(err.value).startswith(f"{key}: "), err.value
+
+
+def test_an_empty_model_prompt_still_means_the_checkpoint_s_default():
+    assert _cfg({}, prompt="").model.prompt == ""
+
+
+# ---------------------------------------------------------------- the channel's decisions
+
+
+class Checker:
+    """A worker's fit check: every instruction takes `tokens`, the policy runs `room`."""
+
+    def __init__(self, tokens: int = 40, room: int = 64, most: int = 128) -> None:
+        self.tokens, self.room, self.most = tokens, room, most
+        self.asked: list[str] = []
+
+    def __call__(self, prompt: str) -> PromptFit:
+        self.asked.append(prompt)
+        return PromptFit(self.tokens, self.room, None, self.most)
+
+
+def _ask(channel: TaskChannel, prompt: str | None) -> TaskReply:
+    return channel.handle(encode_task_request(prompt))
+
+
+def test_the_channel_takes_an_instruction_that_fits_and_refuses_one_that_does_not():
+    check = Checker()
+    ch = TaskChannel(TaskConfig(endpoint="ipc:///unused"), "pick up the cube", check)
+    assert _ask(ch, None) == TaskReply(True, "pick up the cube")
+    assert _ask(ch, "pick up the cube") == TaskReply(True, "pick up the cube")  # unchanged: no check, no change
+    assert check.asked == []
+    taken = _ask(ch, "put it in the bowl")
+    assert taken == TaskReply(True, "put it in the bowl", tokens=40, room=64, changes=1)
+    assert ch.current == (1, "put it in the bowl")
+    check.tokens = 70
+    refused = _ask(ch, "put it in the bowl, then wipe the table")
+    assert not refused.ok and refused.prompt == "put it in the bowl" and (refused.tokens, refused.room) == (70, 64)
+    assert "raise task.prompt_tokens" in refused.error
+    check.tokens = 130
+    assert "the model takes at most 128: shorten it" in _ask(ch, "something far too long").error
+    assert ch.current == (1, "put it in the bowl") and ch.refused == 2
+
+
+def test_text_that_cannot_be_an_instruction_never_reaches_the_worker():
+    check = Checker()
+    ch = TaskChannel(TaskConfig(endpoint="ipc:///unused"), "pick up the cube", check)
+    for data in (encode_task_request(""), encode_task_request("a\x00b"), b"not json"):
+        reply = ch.handle(data)
+        assert not reply.ok and reply.prompt == "pick up the cube" and reply.error
+    assert check.asked == [] and ch.refused == 3 and ch.changes == 0
+
+
+def test_with_any_prompt_off_only_declared_instructions_are_taken():
+    check = Checker()
+    cfg = TaskConfig(endpoint="ipc:///unused", prompts=("fold the towel",), any_prompt=False)
+    ch = TaskChannel(cfg, "pick up the cube", check)
+    assert "not a declared instruction" in _ask(ch, "throw the cube").error
+    assert _ask(ch, "fold the towel").ok
+    assert _ask(ch, "pick up the cube").ok  # model.prompt is declared too
+    assert ch.changes == 2 and check.asked == ["fold the towel", "pick up the cube"]
+
+
+def test_a_failed_check_refuses_and_says_why():
+    ch = TaskChannel(TaskConfig(endpoint="ipc:///unused"), "a", lambda p: PromptFit(None, None, "worker down"))
+    reply = _ask(ch, "b")
+    assert not reply.ok and reply.error == "worker down" and ch.prompt == "a"
+
+
+# ---------------------------------------------------------------- the policy's side: tokens and room
+
+
+@pytest.fixture(scope="module")
+def tiny_eager():
+    from phyai_edge.engines.policy import load_policy
+
+    return load_policy(preset="tiny", backend="eager")
+
+
+LONG = " ".join(["then put the red cube next to the blue bowl"] * 6)
+
+
+def test_prompt_fit_counts_tokens_before_truncation(tiny_eager):
+    tokens, room, most = tiny_eager.prompt_fit("pick up the cube")
+    assert tokens == tiny_eager.adapter.longest_prompt_tokens("pick up the cube") and 54 <= tokens <= 65
+    assert room == most == tiny_eager.adapter.cfg.max_token_len == 128  # eager: any length runs
+    long_tokens, _, _ = tiny_eager.prompt_fit(LONG)
+    assert long_tokens > 128  # the tokenizer would cut it at 128: counted whole, so it is refused
+    assert not PromptFit(long_tokens, room, None, most).fits
+
+
+def test_the_room_a_cudagraph_engine_reports_runs_without_new_graphs():
+    """The room is a promise: an instruction within it runs the graph set the warm-up captured.
+    On the CPU the engine keeps its graph sets (it runs them eagerly), so their count is checked."""
+    from phyai_edge.control.worker import policy_info
+    from phyai_edge.engines.policy import load_policy
+
+    policy = load_policy(preset="tiny", backend="cudagraph", device="cpu")
+    info_prompt = "pick up the cube"
+    warm = replace(make_warmup_job(policy_info(policy), info_prompt), room_tokens=84)
+    assert run_job(policy, warm).error is None
+    tokens, room, most = policy.prompt_fit(info_prompt)
+    assert (tokens, room, most) == (65, 96, 128)  # 84 tokens of room, rounded up to the 16-token bucket
+    sets = list(policy.engine._sets)
+    # An instruction longer than model.prompt's bucket (80) but within the room: the same graph set.
+    longer = "pick up the red cube and put it down gently next to the blue bowl"
+    assert 80 < policy.prompt_fit(longer)[0] <= 96
+    rng = np.random.default_rng(1)
+    for scale in (0.1, 5.0):
+        state = (rng.standard_normal(policy.state_dim) * scale).astype(np.float32)
+        assert run_job(policy, replace(warm, prompt=longer, state=state, warmup=False)).error is None
+    assert list(policy.engine._sets) == sets
+    # Without the room the same instruction does not fit: it would build graphs in the loop.
+    assert run_job(policy, replace(warm, room_tokens=0)).error is None
+    assert policy.prompt_fit(longer)[1] == 80
+    assert run_job(policy, replace(warm, prompt=longer, room_tokens=0, warmup=False)).error is None
+    assert len(policy.engine._sets) > len(sets)
+
+
+def test_the_thread_and_process_workers_answer_prompt_checks(tiny_eager):
+    tw = ThreadWorker(policy=tiny_eager)
+    tw.start()
+    fit = tw.check_prompt("pick up the cube")
+    assert fit.fits and fit.tokens == tiny_eager.prompt_fit("pick up the cube")[0]
+    assert not tw.check_prompt(LONG).fits
+    tw.close()
+
+    spec = PolicySpec("phyai_edge.engines.policy:load_policy", {"preset": "tiny", "backend": "eager"})
+    pw = ProcessWorker(spec)
+    pw.start(120)
+    try:
+        info = pw.info
+        # A check asked while an inference runs is answered after it, on the same pipe.
+        pw.submit(make_warmup_job(info, "pick up the cube"))
+        remote = pw.check_prompt("pick up the cube", timeout_s=60)
+        assert remote == PromptFit(fit.tokens, 128, None, 128)
+        deadline = time.monotonic() + 60
+        res = None
+        while res is None and time.monotonic() < deadline:
+            res = pw.poll()
+            time.sleep(0.01)
+        assert res is not None and res.error is None
+        assert not pw.check_prompt(LONG, timeout_s=60).fits
+        pw.up = False  # as the client thread sets it when the process died
+        down = pw.check_prompt("x", timeout_s=1)
+        assert not down.fits and "cannot check the instruction" in down.error
+    finally:
+        pw.close()
+
+
+# ---------------------------------------------------------------- the daemon
+
+
+class RecordsPrompts(FakePolicy):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.calls_seen: list[tuple[str, int]] = []  # (prompt, RTC prefix rows; -1 without one)
+
+    def infer(self, observations, rtc=None, noise=None):
+        prefix = -1 if rtc is None or rtc.prefix is None else int(np.asarray(rtc.prefix).reshape(-1, self.action_dim).shape[0])
+        self.calls_seen.append((observations[0].prompt, prefix))
+        return super().infer(observations, rtc, noise)
+
+
+def test_the_daemon_runs_a_new_instruction_from_the_next_chunk_started_at_once():
+    endpoint = free_tcp_endpoint()
+    cfg = test_config(task={"endpoint": endpoint}, chunking={"mode": "inpaint", "execution_horizon": 40})
+    policy = RecordsPrompts(action_dim=6, state_dim=6, latency_s=0.01)
+    d = Daemon(cfg, policy=policy, realtime=False, status_line=False)
+    d.setup()
+    thread = threading.Thread(target=d.run, kwargs={"duration_s": 20}, daemon=True)
+    thread.start()
+    try:
+        assert d.wait_started(10)
+        end = time.monotonic() + 10
+        while d.stats.adopted < 2 and time.monotonic() < end:  # a chunk is executing, the next not due
+            time.sleep(0.005)
+        assert d.stats.adopted >= 2
+        assert request_instruction(endpoint) == TaskReply(True, cfg.model.prompt)
+        reply = request_instruction(endpoint, "put the cube in the bowl")
+        assert reply == TaskReply(True, "put the cube in the bowl", changes=1)  # the fake policy cannot count tokens
+        end = time.monotonic() + 10
+        while not any(p == "put the cube in the bowl" for p, _ in policy.calls_seen) and time.monotonic() < end:
+            time.sleep(0.005)
+        new = [i for i, (p, _) in enumerate(policy.calls_seen) if p == "put the cube in the bowl"]
+        assert new, "no chunk ran the new instruction"
+        first = new[0]
+        assert all(p == cfg.model.prompt for p, _ in policy.calls_seen[:first])
+        # Started at once: most of the executing chunk was still ahead (a chunk started as
+        # usual, after s = 40 of H = 50 actions, carries at most 10 rows of prefix).
+        assert policy.calls_seen[first][1] > 10, policy.calls_seen
+        assert not request_instruction(endpoint, "two\nlines").ok
+    finally:
+        d.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert d.summary()["task"] == {"prompt": "put the cube in the bowl", "changes": 1, "refused": 1}
+
+
+def test_a_model_prompt_the_model_would_truncate_stops_the_start_up(tiny_eager):
+    cfg = test_config(model={"prompt": LONG})
+    d = Daemon(cfg, policy=tiny_eager, realtime=False, status_line=False)
+    try:
+        with pytest.raises(ConfigError, match=r"^model\.prompt: takes up to \d+ prompt tokens .*the model takes at most 128"):
+            d.setup()
+    finally:
+        d.shutdown()
+
+
+def test_task_prompt_tokens_above_what_the_model_takes_stops_the_start_up(tiny_eager):
+    cfg = test_config(task={"endpoint": free_tcp_endpoint(), "prompt_tokens": 500})
+    d = Daemon(cfg, policy=tiny_eager, realtime=False, status_line=False)
+    try:
+        with pytest.raises(ConfigError, match=r"^task\.prompt_tokens: 500 is more than the policy takes \(128\)"):
+            d.setup()
+    finally:
+        d.shutdown()
+
+
+def test_the_task_command_says_when_no_daemon_answers():
+    out = subprocess.run([sys.executable, "-m", "phyai_edge", "task", "--endpoint", free_tcp_endpoint(), "--timeout", "0.3",
+                          "fold the towel"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no answer from tcp://127.0.0.1:" in out.stderr
+
+
+def test_the_task_command_sets_and_shows_the_instruction(tmp_path):
+    """The CLI against a channel served on its own (no daemon): exit codes and the JSON reply."""
+    endpoint = free_tcp_endpoint()
+    ch = TaskChannel(TaskConfig(endpoint=endpoint), "pick up the cube", Checker())
+    ch.start()
+    try:
+        def cli(*argv: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "phyai_edge", "task", "--endpoint", endpoint, *argv],
+                                  capture_output=True, text=True, timeout=60)
+
+        shown = cli()
+        assert shown.returncode == 0 and "running: 'pick up the cube'" in shown.stdout
+        taken = cli("fold the towel", "--json", str(tmp_path / "r.json"))
+        assert taken.returncode == 0 and "taken: 'fold the towel' (40 of 64 prompt tokens)" in taken.stdout
+        assert json.loads((tmp_path / "r.json").read_text())["changes"] == 1
+        refused = cli("")
+        assert refused.returncode == 1 and "refused: the instruction is empty" in refused.stderr
+    finally:
+        ch.close()
+    assert ch.prompt == "fold the towel"
