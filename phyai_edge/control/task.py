@@ -77,6 +77,10 @@ class TaskChannel:
         self._closing.set()
         if self._thread is not None:
             self._thread.join(2.0)
+            if self._thread.is_alive():
+                # Still in a worker check: a ZeroMQ socket must not be closed under the thread
+                # using it; the daemon's context.destroy at shutdown closes it.
+                return
         if self._socket is not None:
             self._socket.close()
             self._socket = None
@@ -86,17 +90,23 @@ class TaskChannel:
         return f"{'bound' if self.cfg.bind else 'connected'} at {self.cfg.endpoint} ({which})"
 
     def _serve(self) -> None:
+        import zmq
+
         sock = self._socket
-        while not self._closing.is_set():
-            if not sock.poll(POLL_MS):
-                continue
-            data = sock.recv()
-            try:
-                reply = self.handle(data)
-            except Exception as exc:  # never leave the REQ peer without an answer
-                log.exception("task request failed")
-                reply = TaskReply(False, self.prompt, f"internal error: {exc}", changes=self.changes)
-            sock.send(reply.encode())
+        try:
+            while not self._closing.is_set():
+                if not sock.poll(POLL_MS):
+                    continue
+                data = sock.recv()
+                try:
+                    reply = self.handle(data)
+                except Exception as exc:  # never leave the REQ peer without an answer
+                    log.exception("task request failed")
+                    reply = TaskReply(False, self.prompt, f"internal error: {exc}", changes=self.changes)
+                sock.send(reply.encode())
+        except zmq.ZMQError:
+            if not self._closing.is_set():  # the socket closed under a shutdown: nothing to answer
+                raise
 
     def handle(self, data: bytes) -> TaskReply:
         """One request -> its reply; takes the instruction where it is acceptable."""
