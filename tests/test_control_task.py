@@ -302,10 +302,15 @@ def test_task_prompt_tokens_above_what_the_model_takes_stops_the_start_up(tiny_e
         d.shutdown()
 
 
-def test_the_task_command_says_when_no_daemon_answers():
-    out = subprocess.run([sys.executable, "-m", "phyai_edge", "task", "--endpoint", free_tcp_endpoint(), "--timeout", "0.3",
-                          "fold the towel"], capture_output=True, text=True, timeout=60)
+def test_the_task_command_says_when_no_daemon_answers_or_the_endpoint_is_not_one():
+    def cli(endpoint: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "phyai_edge", "task", "--endpoint", endpoint, "--timeout", "0.3",
+                               "fold the towel"], capture_output=True, text=True, timeout=60)
+
+    out = cli(free_tcp_endpoint())
     assert out.returncode == 2 and "no answer from tcp://127.0.0.1:" in out.stderr
+    out = cli("localhost:5557")
+    assert out.returncode == 2 and "endpoint 'localhost:5557'" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_the_task_command_sets_and_shows_the_instruction(tmp_path):

@@ -155,7 +155,10 @@ def request_instruction(endpoint: str, prompt: str | None = None, timeout_s: flo
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(endpoint)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise ValueError(f"endpoint {endpoint!r}: {exc} (expected tcp://host:port or ipc://path)") from None
         sock.send(encode_task_request(prompt))
         if not sock.poll(round(timeout_s * 1000)):
             raise TimeoutError(f"no answer from {endpoint} within {timeout_s:g} s (is the daemon running with task.endpoint?)")
