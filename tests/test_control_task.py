@@ -282,21 +282,18 @@ def test_the_daemon_runs_a_new_instruction_from_the_next_chunk_started_at_once()
     assert d.summary()["task"] == {"prompt": "put the cube in the bowl", "changes": 1, "refused": 1}
 
 
-def test_a_model_prompt_the_model_would_truncate_stops_the_start_up(tiny_eager):
-    cfg = test_config(model={"prompt": LONG})
-    d = Daemon(cfg, policy=tiny_eager, realtime=False, status_line=False)
+@pytest.mark.parametrize("sections, message", [
+    # a model.prompt the model would truncate (with or without [task])
+    ({"model": {"prompt": LONG}}, r"^model\.prompt: takes up to \d+ prompt tokens .*the model takes at most 128"),
+    ({"task": {"endpoint": "", "prompts": []}, "model": {"prompt": LONG}}, r"^model\.prompt: "),
+    ({"task": {"endpoint": "tcp://127.0.0.1:1", "prompts": ["fold the towel", LONG]}}, r"^task\.prompts\[1\]: takes up to"),
+    ({"task": {"endpoint": "tcp://127.0.0.1:1", "prompt_tokens": 500}},
+     r"^task\.prompt_tokens: 500 is more than the policy takes \(128\)"),
+])
+def test_an_instruction_the_model_cannot_run_stops_the_start_up_naming_its_key(tiny_eager, sections, message):
+    d = Daemon(test_config(**sections), policy=tiny_eager, realtime=False, status_line=False)
     try:
-        with pytest.raises(ConfigError, match=r"^model\.prompt: takes up to \d+ prompt tokens .*the model takes at most 128"):
-            d.setup()
-    finally:
-        d.shutdown()
-
-
-def test_task_prompt_tokens_above_what_the_model_takes_stops_the_start_up(tiny_eager):
-    cfg = test_config(task={"endpoint": free_tcp_endpoint(), "prompt_tokens": 500})
-    d = Daemon(cfg, policy=tiny_eager, realtime=False, status_line=False)
-    try:
-        with pytest.raises(ConfigError, match=r"^task\.prompt_tokens: 500 is more than the policy takes \(128\)"):
+        with pytest.raises(ConfigError, match=message):
             d.setup()
     finally:
         d.shutdown()
