@@ -275,6 +275,7 @@ def test_the_daemon_runs_a_new_instruction_from_the_next_chunk_started_at_once()
         # usual, after s = 40 of H = 50 actions, carries at most 10 rows of prefix).
         assert policy.calls_seen[first][1] > 10, policy.calls_seen
         assert not request_instruction(endpoint, "two\nlines").ok
+        assert d.render_status().endswith(" instructions 1")  # the status line and sd_notify's STATUS=
     finally:
         d.stop()
         thread.join(10)

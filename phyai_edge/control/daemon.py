@@ -763,6 +763,8 @@ class Daemon:
             text = f"HOLDING, WORKER DOWN (restart attempt {attempt}): {getattr(w, 'down_reason', '')} | " + text
         elif st.worker_restarts:
             text += f" worker restarts {st.worker_restarts}"
+        if self.task is not None and self.task.changes:
+            text += f" instructions {self.task.changes}"
         return text
 
     def shutdown(self) -> None:
