@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from phyai_edge.control.geometry import FLIPS, ROTATIONS, FrameGeometry
 from phyai_edge.engines import BACKENDS
 
 if sys.version_info >= (3, 11):
@@ -83,10 +84,21 @@ class CameraConfig:
     fps: float = 30.0
     required: bool = True  # stale required camera -> HOLD; stale optional camera -> masked out
     max_age_ms: float = 0.0  # 0: safety.camera_max_age_ms
+    # What the policy sees of the frame (geometry.py): a crop (x, y, width, height in the
+    # configured width x height), then a clockwise rotation, then a mirror.
+    crop: tuple[int, int, int, int] = ()  # type: ignore[assignment]
+    rotate: int = 0
+    flip: str = ""
 
     @property
     def view_name(self) -> str:
         return self.view or self.name
+
+    @property
+    def geometry(self) -> FrameGeometry | None:
+        """The crop / rotation / mirror to apply, or None when the frame is used as it comes."""
+        g = FrameGeometry((self.height, self.width), tuple(self.crop) or None, self.rotate, self.flip)  # type: ignore[arg-type]
+        return None if g.identity else g
 
 
 @dataclass
@@ -354,6 +366,27 @@ def _parse_camera(name: str, sec: _Section) -> CameraConfig:
     c.fps = sec.number("fps", c.fps, positive=True)
     c.required = sec.boolean("required", c.required)
     c.max_age_ms = sec.number("max_age_ms", c.max_age_ms, minimum=0)
+    present, crop = sec._take("crop")
+    if present:
+        if (not isinstance(crop, list) or len(crop) != 4
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in crop)):
+            raise ConfigError(f"{sec.key('crop')}: expected [x, y, width, height] in pixels of the configured "
+                              f"{c.width}x{c.height} frame, got {_show(crop)}")
+        c.crop = tuple(crop)  # type: ignore[assignment]
+    present, rotate = sec._take("rotate")
+    if present:
+        if isinstance(rotate, bool) or rotate not in ROTATIONS:
+            raise ConfigError(f"{sec.key('rotate')}: expected one of {', '.join(map(str, ROTATIONS))} "
+                              f"(degrees, clockwise), got {_show(rotate)}")
+        c.rotate = rotate
+    c.flip = sec.string("flip", c.flip)
+    if c.flip not in FLIPS:
+        raise ConfigError(f"{sec.key('flip')}: expected \"horizontal\" (left and right swap), \"vertical\" or \"\" "
+                          f"(none), got {_show(c.flip)}")
+    try:
+        _ = c.geometry
+    except ValueError as exc:  # the crop outside the frame
+        raise ConfigError(f"{sec.key('crop')}: {str(exc).removeprefix('crop: ')}") from None
     if c.source == "v4l2":
         present, dev = sec._take("device")
         if present:
@@ -707,6 +740,9 @@ fps = 30.0
 # url = "rtsp://..."         # rtsp
 # path = "clip.mp4"          # file (loop = true)
 # endpoint = "tcp://127.0.0.1:5560"   # zmq: frames in docs/protocol.md format; clock = "monotonic"
+# crop = [0, 0, 224, 224]    # what the policy sees, as it was trained: a crop (x, y, width, height of
+# rotate = 180               # the width x height above), then a clockwise rotation (0 | 90 | 180 | 270),
+# flip = "horizontal"        # then a mirror ("horizontal" | "vertical"); in the worker, off the clock
 
 [state]
 source = "synthetic"         # synthetic | zmq

@@ -130,10 +130,12 @@ def warmup_rounds(cfg: DaemonConfig) -> int:
 
 
 def warmup_frames(cfg: DaemonConfig, camera_names: Sequence[str]) -> dict[str, tuple[int, int] | None] | None:
-    """(height, width) of the camera feeding each policy camera as configured, None for a policy
-    camera no source feeds (masked in every live job); None where no policy camera has a source
-    (`make_warmup_job` then gives them all blank frames)."""
-    by_view = {c.view_name: (c.height, c.width) for c in cfg.cameras.values()}
+    """(height, width) of the frames the policy gets from the camera feeding each policy camera as
+    configured (after its crop and rotation), None for a policy camera no source feeds (masked in
+    every live job); None where no policy camera has a source (`make_warmup_job` then gives them
+    all blank frames)."""
+    by_view = {c.view_name: c.geometry.output_size(c.height, c.width) if c.geometry else (c.height, c.width)
+               for c in cfg.cameras.values()}
     frames = {n: by_view.get(n) for n in camera_names}
     return frames if any(v is not None for v in frames.values()) else None
 
@@ -268,6 +270,8 @@ class Daemon:
         self.publisher: ActionPublisher | None = None
         self.recorder: Any = None
         self.task: TaskChannel | None = None
+        # Policy camera -> its crop / rotation / mirror (applied in the worker), for the cameras that have one.
+        self.geometry = {c.view_name: c.geometry for c in cfg.cameras.values() if c.geometry is not None}
         self._job_changes = 0  # the instruction count (`TaskChannel.changes`) of the last job started
         self._status: Any = None
 
@@ -662,6 +666,7 @@ class Daemon:
             delay=plan.delay,
             execution_horizon=cfg.chunking.execution_horizon,
             max_guidance_weight=cfg.chunking.max_guidance_weight,
+            geometry=self.geometry,
         )
         self.worker.submit(job)
         self.stats.inferences += 1
@@ -677,7 +682,7 @@ class Daemon:
         if self.recorder is not None:
             job = inflight.job
             self.recorder.add({
-                "job_id": job.job_id, "images": job.images, "bgr": job.bgr, "state": job.state,
+                "job_id": job.job_id, "images": job.images, "bgr": job.bgr, "geometry": job.geometry, "state": job.state,
                 "timestamp": job.timestamp, "prompt": job.prompt, "rtc_mode": job.rtc_mode,
                 "prefix": job.prefix, "delay_estimate": job.delay, "start_slot": inflight.start_slot,
                 "actions": res.actions, "delay": delay, "error": error or "",

@@ -3,7 +3,8 @@
 One `.npz` per inference, written by a background thread (the clock only enqueues; when the
 queue is full the record is dropped and counted, never waited for). Layout in docs/daemon.md:
   meta.json                      daemon config source, policy shape, camera mapping
-  obs_000001.npz                 image.<view> (uint8 HxWx3 RGB), state, timestamp, prompt,
+  obs_000001.npz                 image.<view> (uint8 HxWx3 RGB, cropped, rotated and mirrored
+                                 as the policy saw it), state, timestamp, prompt,
                                  rtc_mode, prefix (or empty), delay_estimate, start_slot,
                                  actions (H x action_dim, empty on failure), delay (measured),
                                  error (string, "" on success)
@@ -25,6 +26,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from phyai_edge.control.log import worth_logging
+from phyai_edge.control.worker import as_policy_frame
 
 log = logging.getLogger("phyai_edge.control")
 
@@ -76,9 +78,10 @@ class Recorder:
                     self.dropped += 1
             try:
                 arrays: dict[str, Any] = {}
+                geometry = rec.pop("geometry", None) or {}
                 for name, img in rec.pop("images").items():
                     if img is not None:
-                        arrays[f"image.{name}"] = img[..., ::-1] if rec["bgr"].get(name) else img
+                        arrays[f"image.{name}"] = as_policy_frame(img, rec["bgr"].get(name, False), geometry.get(name))
                 rec.pop("bgr")
                 for key, value in rec.items():
                     arrays[key] = np.asarray(value if value is not None else np.zeros(0, np.float32))

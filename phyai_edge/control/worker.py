@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from phyai_edge.control.geometry import FrameGeometry
 from phyai_edge.control.log import configured_level, setup_logging
 from phyai_edge.control.rtc import SOLVER_MODES
 
@@ -97,6 +98,9 @@ class Job:
     # the graphs this warm-up captures.
     room_prompts: tuple[str, ...] = ()
     room_tokens: int = 0
+    # Policy camera name -> the crop / rotation / mirror its frames take (cameras.NAME.crop,
+    # rotate, flip), applied here in the worker like the BGR conversion: off the clock.
+    geometry: dict[str, FrameGeometry] = field(default_factory=dict)
 
 
 @dataclass
@@ -186,13 +190,8 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
 
     t0 = time.perf_counter()
     try:
-        images = {}
-        for name, img in job.images.items():
-            if img is not None and job.bgr.get(name):
-                img = np.ascontiguousarray(img[..., ::-1])
-            elif img is not None and not img.flags.writeable:
-                img = img.copy()  # frames are shared read-only views; the policy gets its own
-            images[name] = img
+        images = {name: None if img is None else as_policy_frame(img, job.bgr.get(name, False), job.geometry.get(name))
+                  for name, img in job.images.items()}
         obs = Observation(images=images, state=job.state, prompt=job.prompt, timestamp=job.timestamp)
         fix_prompt = getattr(policy, "fix_prompt_positions", None)
         if job.warmup and fix_prompt is not None:
@@ -235,6 +234,19 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
     except Exception as exc:
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         return JobResult(job.job_id, None, {}, (time.perf_counter() - t0) * 1e3, detail)
+
+
+def as_policy_frame(image: np.ndarray, bgr: bool, geometry: FrameGeometry | None) -> np.ndarray:
+    """A camera frame as the policy takes it: cropped, rotated and mirrored as configured, RGB,
+    and the policy's own contiguous copy (frames are shared read-only views; a rotation or a
+    colour swap is a strided view): at most one copy of the pixels."""
+    if geometry is not None:
+        image = geometry.apply(image)
+    if bgr:
+        image = image[..., ::-1]
+    if image.flags.c_contiguous and image.flags.writeable:
+        return image
+    return np.array(image, order="C")
 
 
 def make_warmup_job(info: PolicyInfo, prompt: str, size: int = 224, rtc_mode: str = "none",
