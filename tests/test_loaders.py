@@ -354,35 +354,32 @@ def test_lerobot_settings_come_from_config(adapter, tmp_path):
     assert cfg["type"] == "pi05"
 
 
-@pytest.mark.parametrize(("key", "what"), [("use_relative_actions", "relative to the state"),
-                                           ("use_visual_memory", "history"),
-                                           ("use_proprioceptive_memory", "history")])
-def test_lerobot_options_this_runtime_does_not_apply_are_refused(adapter, tmp_path, key, what):
-    """LeRobot PI0.5 options that change what the policy reads or predicts (configuration_pi05.py):
-    relative actions (the postprocessor adds the observed state back, AbsoluteActionsProcessorStep)
-    and MEM observation histories. Loading one as a plain PI0.5 would run without error and send
-    the robot wrong actions, so it is refused naming the key; false (the default) loads."""
+@pytest.mark.parametrize("key", ["use_visual_memory", "use_proprioceptive_memory"])
+def test_lerobot_options_this_runtime_does_not_apply_are_refused(adapter, tmp_path, key):
+    """LeRobot PI0.5 options that change what the policy reads (configuration_pi05.py): MEM
+    observation histories. Loading one as a plain PI0.5 would run without error and send the
+    robot wrong actions, so it is refused naming the key; false (the default) loads. (Relative
+    actions are applied: tests/test_relative_actions.py.)"""
     folder = write_lerobot(adapter, tmp_path / key, config_extra={key: True})
-    with pytest.raises(CheckpointError, match=rf"config\.json {key} = true.*{what}"):
+    with pytest.raises(CheckpointError, match=rf"config\.json {key} = true.*history"):
         load_pi05(folder, structure="tiny")
     ok = write_lerobot(adapter, tmp_path / f"{key}_off", config_extra={key: False})
     assert load_pi05(ok, structure="tiny").action_dim == adapter.action_dim
 
 
-def test_lerobot_absolute_actions_step_is_refused(adapter, tmp_path):
+def test_lerobot_absolute_actions_step_is_read_from_the_processor_file(adapter, tmp_path):
     """The processor files are what LeRobot runs: an enabled absolute-actions step in
-    policy_postprocessor.json is refused even where config.json does not say so."""
+    policy_postprocessor.json makes the policy relative even where config.json does not say so."""
     folder = write_lerobot(adapter, tmp_path / "lr")
     steps = [{"registry_name": "unnormalizer_processor", "config": {},
               "state_file": "policy_postprocessor_step_0_unnormalizer_processor.safetensors"},
              {"registry_name": "absolute_actions_processor", "config": {"enabled": True}},
              {"registry_name": "device_processor", "config": {"device": "cpu"}}]
     (folder / "policy_postprocessor.json").write_text(json.dumps({"name": "policy_postprocessor", "steps": steps}))
-    with pytest.raises(CheckpointError, match=r"policy_postprocessor\.json.*absolute_actions_processor"):
-        load_pi05(folder, structure="tiny")
+    assert load_pi05(folder, structure="tiny").io.relative_action_mask == (True,) * adapter.action_dim
     steps[1]["config"]["enabled"] = False
     (folder / "policy_postprocessor.json").write_text(json.dumps({"name": "policy_postprocessor", "steps": steps}))
-    assert load_pi05(folder, structure="tiny").action_dim == adapter.action_dim
+    assert load_pi05(folder, structure="tiny").io.relative_action_mask == ()
     (folder / "policy_postprocessor.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"policy_postprocessor\.json.*not valid JSON"):
         load_pi05(folder, structure="tiny")

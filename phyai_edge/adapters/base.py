@@ -60,7 +60,11 @@ class StageSpec:
 
 @dataclass
 class ModelInputs:
-    """Tensors that feed the first stage, batched. Produced by `Adapter.preprocess`."""
+    """Tensors that feed the first stage, batched. Produced by `Adapter.preprocess`.
+
+    extras: host-side data the adapter keeps for itself beside the tensors (PI0.5: the camera
+    mask, and the raw robot states (B, state_dim) float32 under `states`, which `Policy` also
+    hands to `normalize_actions` for the RTC prefix)."""
 
     tensors: dict[str, torch.Tensor]
     batch_size: int
@@ -77,7 +81,14 @@ class Adapter(Protocol):
     the most prompt tokens any robot state can make, counted before truncation (so graphs captured
     at warm-up fit every state), `max_prompt_tokens`, the most the model takes (longer is
     truncated; with the former, a prompt set at run time is checked), and `drop_cameras(inputs, names)`, `preprocess`'s inputs without the slots of cameras no
-    observation has, for a model whose result does not depend on them (PI0.5)."""
+    observation has, for a model whose result does not depend on them (PI0.5).
+
+    Optional arguments, passed only to an adapter whose method names them (so one written before
+    them need not take them): `postprocess(chunk, inputs=...)` gets the `ModelInputs` its chunk
+    came from, for a model whose actions depend on the observation beyond the chunk (PI0.5
+    trained on relative actions adds the observed state back); `normalize_actions(actions,
+    states=...)` gets the new observations' raw states (`extras["states"]`, broadcast against
+    the actions' leading dims) when it turns an RTC prefix into model space."""
 
     name: str
     chunk_size: int  # H: actions per chunk

@@ -16,9 +16,10 @@ import numpy as np
 import torch
 
 from phyai_edge.adapters import load_adapter
-from phyai_edge.adapters.base import Adapter, Observation
+from phyai_edge.adapters.base import Adapter, ModelInputs, Observation
 from phyai_edge.engines import make_engine
 from phyai_edge.engines.base import SOLVER_RTC_MODES, InferenceResult, RTCRequest
+from phyai_edge.engines.bundle import optional_kwargs
 from phyai_edge.engines.rtc import RTCGuidance, prefix_weights
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,36 @@ class Policy:
         # Cameras the caller never has (`set_absent_cameras`): their slots are left out of the model's
         # inputs where the adapter and engine allow it, instead of run masked.
         self.absent_cameras: frozenset[str] = frozenset()
+        # The optional arguments of the adapter protocol (adapters/base.py), handed only to an
+        # adapter that names them: one written before them runs unchanged.
+        self._post_takes_inputs = "inputs" in optional_kwargs(adapter.postprocess, inputs=None)
+        self._normalize_takes_states = "states" in optional_kwargs(adapter.normalize_actions, states=None)
 
-    def rtc_guidance(self, rtc: RTCRequest, batch: int) -> RTCGuidance | None:
-        """Robot-unit RTC request -> model-space guidance for the solver (None if daemon-side)."""
+    def postprocess(self, chunk: torch.Tensor, inputs: ModelInputs) -> np.ndarray:
+        """The adapter's `postprocess`, given the `inputs` its chunk came from where it takes them
+        (a policy whose actions are anchored to the observation: PI0.5 with relative actions)."""
+        if self._post_takes_inputs:
+            return self.adapter.postprocess(chunk, inputs=inputs)
+        return self.adapter.postprocess(chunk)
+
+    def _checked_states(self, states: np.ndarray | None, batch: int) -> np.ndarray | None:
+        if states is None:
+            return None
+        states = np.asarray(states)
+        if states.shape != (batch, self.state_dim):
+            raise ValueError(f"RTC states must be ({batch}, {self.state_dim}), one per sample, got {states.shape}")
+        return states
+
+    def _normalize(self, actions: np.ndarray, states: np.ndarray | None) -> torch.Tensor:
+        if states is not None and self._normalize_takes_states:
+            return self.adapter.normalize_actions(actions, states=states)
+        return self.adapter.normalize_actions(actions)
+
+    def rtc_guidance(self, rtc: RTCRequest, batch: int, states: np.ndarray | None = None) -> RTCGuidance | None:
+        """Robot-unit RTC request -> model-space guidance for the solver (None if daemon-side).
+        `states`: the new observations' raw states, (batch, state_dim) (`preprocess`'s
+        `extras["states"]`), which a relative policy's prefix is made relative to: the new chunk
+        is predicted from them, not from the state the executing chunk started at."""
         if rtc.mode not in SOLVER_RTC_MODES:
             return None
         a = self.adapter
@@ -49,7 +77,8 @@ class Policy:
         prefix = self._checked_prefix(rtc, batch)
         n = prefix.shape[1]
         target = torch.zeros(batch, h, d_model)
-        target[:, :n] = a.normalize_actions(prefix)
+        states = self._checked_states(states, batch)
+        target[:, :n] = self._normalize(prefix, None if states is None else states[:, None, :])
         return RTCGuidance(rtc.mode, target, self._soft_mask(rtc, n), self._dim_mask(), rtc.delay,
                            rtc.max_guidance_weight)
 
@@ -85,11 +114,14 @@ class Policy:
         dim_mask[: self.adapter.action_dim] = 1.0
         return dim_mask
 
-    def rtc_guidance_per_sample(self, requests: list[RTCRequest | None]) -> RTCGuidance | None:
+    def rtc_guidance_per_sample(self, requests: list[RTCRequest | None],
+                                states: np.ndarray | None = None) -> RTCGuidance | None:
         """One RTC request per sample (each robot or environment with its own prefix and delay)
         -> guidance with (B, H) weights and (B,) delays. Samples with None or a daemon-side
         mode are unguided. Solver modes and guidance weights must agree across the batch (the
         serve and rollout batchers group requests that way); delays may differ in every mode.
+        `states`: as for `rtc_guidance`, one row per request, each sample's prefix made
+        relative to its own.
 
         What joining one `rtc_guidance(r, 1)` per sample (`batch_guidance`) gives, built for the
         batch at once: one normalisation of every prefix row, one soft mask per distinct
@@ -124,7 +156,10 @@ class Policy:
         b = len(requests)
         target, weights = torch.zeros(b, h, d_model), torch.zeros(b, h)
         delays = torch.zeros(b, dtype=torch.int64)
-        norm = a.normalize_actions(np.concatenate([p for _, _, p in rows]))  # elementwise: rows as alone
+        states, row_states = self._checked_states(states, b), None
+        if states is not None:  # each prefix row with its sample's state
+            row_states = np.repeat(states[[i for i, _, _ in rows]], [p.shape[0] for _, _, p in rows], axis=0)
+        norm = self._normalize(np.concatenate([p for _, _, p in rows]), row_states)  # elementwise: rows as alone
         start = 0
         for i, r, p in rows:
             n = p.shape[0]
@@ -221,15 +256,16 @@ class Policy:
         if self.absent_cameras:
             inputs = self.adapter.drop_cameras(inputs, self.absent_cameras)  # type: ignore[attr-defined]
         t1 = time.perf_counter()
+        states = inputs.extras.get("states")
         if isinstance(rtc, (list, tuple)):
             if len(rtc) != len(obs):
                 raise ValueError(f"got {len(rtc)} RTC requests for {len(obs)} observations")
-            guidance = self.rtc_guidance_per_sample(list(rtc))
+            guidance = self.rtc_guidance_per_sample(list(rtc), states)
         else:
-            guidance = self.rtc_guidance(rtc, len(obs)) if rtc is not None else None
+            guidance = self.rtc_guidance(rtc, len(obs), states) if rtc is not None else None
         chunk = self.engine.run(inputs, noise=noise, rtc=guidance)
         t2 = time.perf_counter()
-        actions = self.adapter.postprocess(chunk)
+        actions = self.postprocess(chunk, inputs)
         t3 = time.perf_counter()
         stage_ms = {"preprocess": (t1 - t0) * 1e3, **self.engine.last_stage_ms,
                     "postprocess": (t3 - t2) * 1e3, "total": (t3 - t0) * 1e3}

@@ -1,6 +1,6 @@
 """PI0.5 (Physical Intelligence): SigLIP + Gemma-2B prefix + Gemma-300M-shaped flow-matching expert."""
 
-from phyai_edge.adapters.pi05.adapter import PI05Adapter, RobotIO
+from phyai_edge.adapters.pi05.adapter import PI05Adapter, RobotIO, fit_relative_mask
 from phyai_edge.adapters.pi05.builtin import builtin_adapter
 from phyai_edge.adapters.pi05.config import PI05Config, full, preset, tiny
 from phyai_edge.adapters.pi05.loaders import detect_format, load_pi05, save_native
@@ -11,17 +11,42 @@ OPTIONS = {
     "prompt_state": "robot | padded: the state values the prompt carries, the robot's own (LeRobot "
                     "v0.5.0 and later, openpi) or zero-padded to 32 (policies fine-tuned with LeRobot "
                     "v0.4.x, whose folders do not say so); default: the checkpoint's own convention",
+    "relative_actions": "none | openpi's make_bool_mask notation, e.g. 6,-1,6,-1 (n > 0: n dims relative to "
+                        "the state, n < 0: |n| dims absolute; dims past the end absolute): which action dims "
+                        "the policy predicts as offsets from the observed state (openpi's DeltaActions, which "
+                        "its folders do not record); default: the checkpoint's own (LeRobot: "
+                        "use_relative_actions)",
 }
 
 
+def parse_relative_actions(value: str) -> tuple[bool, ...]:
+    """The `relative_actions` option -> a mask, one bool per action dim it covers (() for none),
+    as openpi's `make_bool_mask(*dims)` builds it."""
+    bad = f"relative_actions {value!r}: expected 'none' or comma-separated non-zero integers such as '6,-1,6,-1'"
+    if not isinstance(value, str):
+        raise ValueError(bad)
+    if value.strip().lower() == "none":
+        return ()
+    try:
+        dims = [int(part) for part in value.split(",")]
+    except ValueError:
+        raise ValueError(bad) from None
+    if 0 in dims:
+        raise ValueError(bad)
+    return tuple(b for n in dims for b in [n > 0] * abs(n))
+
+
 def load_adapter(checkpoint=None, preset_name: str = "tiny", device="cpu", tokenizer=None, camera_names=None,
-                 seed: int = 0, structure=None, prompt_state: str | None = None) -> PI05Adapter:
+                 seed: int = 0, structure=None, prompt_state: str | None = None,
+                 relative_actions: str | None = None) -> PI05Adapter:
     """A checkpoint folder if given, else the built-in seeded preset (the full one with random
     weights drawn on `device`, or on the meta device for `device="meta"`: `builtin_adapter`).
     `structure` (a preset name or PI05Config) sizes LeRobot/openpi checkpoints, which do not
-    record it (default: full). `prompt_state`: see OPTIONS."""
+    record it (default: full). `prompt_state`, `relative_actions`: see OPTIONS."""
     if prompt_state is not None and prompt_state not in PROMPT_STATES:
         raise ValueError(f"prompt_state {prompt_state!r}: choose one of {', '.join(PROMPT_STATES)}")
+    # Parsed before the weights load, so a typo fails at once.
+    relative_mask = parse_relative_actions(relative_actions) if relative_actions is not None else None
     if checkpoint is not None:
         adapter = load_pi05(checkpoint, device=device, tokenizer=tokenizer, camera_names=camera_names,
                             structure=structure)
@@ -29,6 +54,11 @@ def load_adapter(checkpoint=None, preset_name: str = "tiny", device="cpu", token
         adapter = builtin_adapter(preset_name, seed=seed, camera_names=camera_names, device=device)
     if prompt_state is not None:
         adapter.io.pad_state_in_prompt = prompt_state == "padded"
+    if relative_mask is not None:
+        try:
+            adapter.io.relative_action_mask = fit_relative_mask(relative_mask, adapter.action_dim, adapter.state_dim)
+        except ValueError as exc:
+            raise ValueError(f"relative_actions {relative_actions!r}: {exc}") from None
     return adapter
 
 
@@ -79,5 +109,6 @@ class _NoWeights:
 
 __all__ = [
     "PI05Adapter", "PI05Config", "PI05Model", "RobotIO", "builtin_adapter", "detect_format", "full",
-    "load_adapter", "load_bundle_adapter", "load_pi05", "preset", "save_bundle_checkpoint", "save_native", "tiny",
+    "load_adapter", "load_bundle_adapter", "load_pi05", "parse_relative_actions", "preset", "save_bundle_checkpoint",
+    "save_native", "tiny",
 ]

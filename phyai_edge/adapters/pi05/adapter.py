@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,29 @@ class RobotIO:
     # checkpoint gets the one it was trained with: openpi folders True, LeRobot folders False.
     resize_antialias: bool = False
     default_prompt: str = ""
+    # A policy trained on relative (delta) actions predicts, on the action dims marked True, offsets
+    # from the observed state (LeRobot's use_relative_actions, openpi's DeltaActions): one bool per
+    # action dim, each True dim i anchored to state value i; () for absolute actions. Kept in the
+    # form `fit_relative_mask` gives.
+    relative_action_mask: tuple[bool, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def fit_relative_mask(mask: Sequence[bool], action_dim: int, state_dim: int) -> tuple[bool, ...]:
+    """`mask` as `RobotIO.relative_action_mask` keeps it: one bool per action dim, False past the
+    end of a shorter mask (openpi's DeltaActions leaves those dims absolute), () when no dim is
+    relative. ValueError where the mask is longer than the action, or a relative dim has no state
+    value to add back."""
+    mask = tuple(bool(m) for m in mask)
+    if len(mask) > action_dim:
+        raise ValueError(f"the relative action mask has {len(mask)} entries, the action only {action_dim} dims")
+    relative = [i for i, m in enumerate(mask) if m]
+    if not relative:
+        return ()
+    if relative[-1] >= state_dim:
+        raise ValueError(f"the relative action mask makes action dim {relative[-1]} relative to the state, "
+                         f"which has only {state_dim} values")
+    return mask + (False,) * (action_dim - len(mask))
 
 
 class PI05Adapter:
@@ -72,6 +94,7 @@ class PI05Adapter:
             raise ValueError(f"state_dim {io.state_dim} exceeds the model's padded width {cfg.max_state_dim}")
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model embeds {cfg.vocab_size}")
+        io.relative_action_mask = fit_relative_mask(io.relative_action_mask, io.action_dim, io.state_dim)
         self.cfg, self.module, self.tokenizer, self.io = cfg, model, tokenizer, io
         self.chunk_size = cfg.chunk_size
         self.model_action_dim = cfg.max_action_dim
@@ -128,7 +151,8 @@ class PI05Adapter:
         # On a GPU the frames' copy and conversion are queued here and run while the host
         # tokenises below.
         images, present = self.images(observations, device)
-        ids, mask = self.prompt_tokens(observations)
+        states = self._checked_states(observations)
+        ids, mask = self._batch_prompt_tokens(observations, states)
         tokens, token_mask = torch.from_numpy(ids), torch.from_numpy(mask)
         pin = device.type == "cuda"
         if pin:
@@ -141,7 +165,8 @@ class PI05Adapter:
         }
         # The camera mask also on the host, so `drop_cameras` decides without waiting for the device.
         on_host = np.array([[obs.images.get(n) is not None for n in self.camera_names] for obs in observations])
-        return ModelInputs(tensors, len(observations), {"cameras_present": on_host})
+        # The raw states too: a relative policy's chunk is anchored to them (`postprocess`).
+        return ModelInputs(tensors, len(observations), {"cameras_present": on_host, "states": states})
 
     def drop_cameras(self, inputs: ModelInputs, names: Collection[str]) -> ModelInputs:
         """`inputs` without the slots of cameras in `names` that no observation of the batch has.
@@ -201,8 +226,10 @@ class PI05Adapter:
         """Every observation's state and prompt -> (B, max_token_len) int64 ids and bool mask.
         The state arithmetic runs on the whole batch at once (elementwise, so each row is what
         it would be alone); tokenisations are cached by their exact text."""
-        states = [self._checked_state(obs, i) for i, obs in enumerate(observations)]
-        norm = self.io.state_stats.normalize(np.stack(states))
+        return self._batch_prompt_tokens(observations, self._checked_states(observations))
+
+    def _batch_prompt_tokens(self, observations: list[Observation], states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        norm = self.io.state_stats.normalize(states)
         if self.io.pad_state_in_prompt:
             norm = np.pad(norm, ((0, 0), (0, self.cfg.max_action_dim - norm.shape[1])))
         bins = discretize_state(norm, self.cfg.state_bins)
@@ -265,6 +292,10 @@ class PI05Adapter:
                 cache.popitem(last=False)
         return entry
 
+    def _checked_states(self, observations: list[Observation]) -> np.ndarray:
+        """(B, state_dim) float32: every observation's raw state, checked."""
+        return np.stack([self._checked_state(obs, i) for i, obs in enumerate(observations)])
+
     def _checked_state(self, obs: Observation, i: int) -> np.ndarray:
         state = np.asarray(obs.state, dtype=np.float32).reshape(-1)
         if state.shape[0] != self.state_dim:
@@ -306,7 +337,7 @@ class PI05Adapter:
             "tokens": torch.tensor(tokens, dtype=torch.int64, device=device),
             "token_mask": torch.tensor(token_mask, dtype=torch.bool, device=device),
         }
-        return ModelInputs(tensors, len(observations))
+        return ModelInputs(tensors, len(observations), {"states": self._checked_states(observations)})
 
     def _prompt_tokens(self, obs: Observation, i: int) -> tuple[list[int], list[bool]]:
         norm = self.io.state_stats.normalize(self._checked_state(obs, i))
@@ -321,14 +352,51 @@ class PI05Adapter:
             self._warned_truncation = True
         return tok.ids, tok.mask
 
-    def postprocess(self, chunk: torch.Tensor) -> np.ndarray:
-        """(B, H, D) model-space chunk -> (B, H, action_dim) robot units, float32."""
-        arr = chunk[..., : self.action_dim].detach().float().cpu().numpy()
-        return self.io.action_stats.unnormalize(arr).astype(np.float32)
+    @property
+    def relative_actions(self) -> bool:
+        """Whether the policy predicts some action dims as offsets from the observed state."""
+        return bool(self.io.relative_action_mask)
 
-    def normalize_actions(self, actions: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """Robot-unit actions (..., action_dim) -> model space (..., D), zero-padded."""
+    def postprocess(self, chunk: torch.Tensor, inputs: ModelInputs | None = None) -> np.ndarray:
+        """(B, H, D) model-space chunk -> (B, H, action_dim) robot units, float32. `inputs`: what
+        `preprocess` made for the chunk, needed by a relative policy: after un-normalising, each
+        observation's raw state is added back on the relative dims, as LeRobot's postprocessor
+        (AbsoluteActionsProcessorStep) and openpi's AbsoluteActions do."""
+        arr = chunk[..., : self.action_dim].detach().float().cpu().numpy()
+        actions = self.io.action_stats.unnormalize(arr).astype(np.float32)
+        if not self.relative_actions:
+            return actions
+        states = None if inputs is None else inputs.extras.get("states")
+        if states is None:
+            raise ValueError("this policy predicts actions relative to the robot state (relative_action_mask): "
+                             "postprocess needs `inputs`, the ModelInputs preprocess made for the chunk")
+        if len(states) != actions.shape[0]:
+            raise ValueError(f"postprocess: {len(states)} states in `inputs` for a chunk of {actions.shape[0]}")
+        return actions + self._state_offsets(states)[:, None, :]
+
+    def normalize_actions(self, actions: np.ndarray | torch.Tensor, states: np.ndarray | None = None) -> torch.Tensor:
+        """Robot-unit actions (..., action_dim) -> model space (..., D), zero-padded. A relative
+        policy's actions are first made relative to `states`, the raw states of the observations
+        the new chunk is predicted from ((..., state_dim), broadcast against the actions' leading
+        dims: (B, 1, state_dim) for (B, n, action_dim) actions)."""
         arr = actions.detach().cpu().numpy() if isinstance(actions, torch.Tensor) else np.asarray(actions)
-        norm = self.io.action_stats.normalize(arr.astype(np.float32))
+        arr = arr.astype(np.float32)
+        if self.relative_actions:
+            if states is None:
+                raise ValueError("this policy predicts actions relative to the robot state (relative_action_mask): "
+                                 "normalize_actions needs the states the actions are to be made relative to")
+            arr = arr - self._state_offsets(states)
+        norm = self.io.action_stats.normalize(arr)
         pad = [(0, 0)] * (norm.ndim - 1) + [(0, self.model_action_dim - norm.shape[-1])]
         return torch.from_numpy(np.pad(norm, pad))
+
+    def _state_offsets(self, states: np.ndarray) -> np.ndarray:
+        """(..., state_dim) raw states -> (..., action_dim): the state on the relative dims, 0 elsewhere."""
+        states = np.asarray(states, dtype=np.float32)
+        if states.shape[-1] != self.state_dim:
+            raise ValueError(f"states have {states.shape[-1]} values, the robot config says {self.state_dim}")
+        mask = np.asarray(self.io.relative_action_mask, dtype=bool)
+        k = min(self.action_dim, self.state_dim)  # `fit_relative_mask`: no relative dim lies past the state
+        offsets = np.zeros((*states.shape[:-1], self.action_dim), dtype=np.float32)
+        offsets[..., :k] = np.where(mask[:k], states[..., :k], np.float32(0))
+        return offsets

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from phyai_edge.adapters.checkpoint import (
     regex_key_map,
 )
 from phyai_edge.adapters.normalization import NormStats
-from phyai_edge.adapters.pi05.adapter import PI05Adapter, RobotIO
+from phyai_edge.adapters.pi05.adapter import PI05Adapter, RobotIO, fit_relative_mask
 from phyai_edge.adapters.pi05.config import PI05Config, full, preset
 from phyai_edge.adapters.pi05.model import PI05Model
 from phyai_edge.adapters.tokenizer import TOKENIZER_FILES, PromptTokenizer
@@ -172,8 +173,19 @@ def _load_native(folder: Path) -> tuple[PI05Config, RobotIO, list]:
         state_stats=NormStats.from_json(stats["state"]), action_stats=NormStats.from_json(stats["action"]),
         pad_state_in_prompt=io.get("pad_state_in_prompt", False), default_prompt=io.get("default_prompt", ""),
         resize_antialias=io.get("resize_antialias", False),
+        relative_action_mask=_native_relative_mask(folder / NATIVE_MANIFEST, io),
     )
     return PI05Config.from_dict(meta["config"]), robot, []
+
+
+def _native_relative_mask(path: Path, io: dict[str, Any]) -> tuple[bool, ...]:
+    mask = io.get("relative_action_mask", [])
+    if not isinstance(mask, list) or not all(isinstance(m, bool) for m in mask) or (mask and len(mask) != io["action_dim"]):
+        raise CheckpointError(f"{path}: io.relative_action_mask must be a list of {io['action_dim']} booleans, got {mask!r}")
+    try:
+        return fit_relative_mask(mask, io["action_dim"], io["state_dim"])
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: io.relative_action_mask: {exc}") from None
 
 
 def native_weight_dtype(folder: str | Path) -> torch.dtype | None:
@@ -209,6 +221,8 @@ def save_native(adapter: PI05Adapter, folder: str | Path, dtype: torch.dtype | N
                "pad_state_in_prompt": io.pad_state_in_prompt, "default_prompt": io.default_prompt,
                "resize_antialias": io.resize_antialias},
     }
+    if io.relative_action_mask:  # only then: an absolute policy's folder stays byte-identical to older ones
+        meta["io"]["relative_action_mask"] = list(io.relative_action_mask)
     if dtype is not None:
         meta["weight_dtype"] = str(dtype).removeprefix("torch.")
     (folder / NATIVE_MANIFEST).write_text(json.dumps(meta, indent=2))
@@ -245,7 +259,7 @@ def _load_lerobot(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, 
     res = c.get("image_resolution", [224, 224])
     if list(res) != [224, 224]:
         raise CheckpointError(f"config.json image_resolution = {res}; PI0.5 uses [224, 224]")
-    _refuse_unapplied_options(folder, c)
+    _refuse_unapplied_options(c)
     cfg = base.with_overrides(
         chunk_size=int(c.get("chunk_size", 50)),
         max_action_dim=int(c.get("max_action_dim", 32)),
@@ -273,20 +287,18 @@ def _load_lerobot(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, 
     io = RobotIO(
         camera_names=cams, state_dim=state_dim, action_dim=action_dim,
         state_stats=_stats_for(pre, "observation.state", modes.get("STATE", "QUANTILES")),
+        # A relative policy's statistics are the offsets' own (LeRobot computes them so): as they are.
         action_stats=_stats_for(post or pre, "action", modes.get("ACTION", "QUANTILES")),
         pad_state_in_prompt=False,
+        relative_action_mask=_lerobot_relative_mask(folder, c, action_dim, state_dim),
     )
     return cfg, io, PI_KEY_RULES
 
 
-# LeRobot PI0.5 options (policies/pi05/configuration_pi05.py) that change what the policy reads
-# or what its outputs mean, and that this runtime does not apply. Each loads and runs without any
-# error, so a checkpoint trained with one would drive the robot with wrong actions.
+# LeRobot PI0.5 options (policies/pi05/configuration_pi05.py) that change what the policy reads,
+# and that this runtime does not apply. Each loads and runs without any error, so a checkpoint
+# trained with one would drive the robot with wrong actions.
 _UNAPPLIED_OPTIONS = {
-    "use_relative_actions": (
-        "the policy predicts actions relative to the state, which LeRobot's postprocessor turns back "
-        "into absolute ones (AbsoluteActionsProcessorStep adds the observed state); this runtime does "
-        "not, so it would send the offsets as absolute targets"),
     "use_visual_memory": (
         "the policy reads a history of camera frames (MEM); this runtime gives it the latest frame only"),
     "use_proprioceptive_memory": (
@@ -295,27 +307,117 @@ _UNAPPLIED_OPTIONS = {
 }
 
 
-def _refuse_unapplied_options(folder: Path, c: dict[str, Any]) -> None:
-    """CheckpointError for a config.json option in `_UNAPPLIED_OPTIONS` set, or an enabled
-    relative/absolute actions step in the processor files (what LeRobot actually runs)."""
+def _refuse_unapplied_options(c: dict[str, Any]) -> None:
     for key, why in _UNAPPLIED_OPTIONS.items():
         if c.get(key):
             raise CheckpointError(f"config.json {key} = true: {why}")
-    for name, step in (("policy_preprocessor.json", "relative_actions_processor"),
-                       ("policy_postprocessor.json", "absolute_actions_processor")):
-        path = folder / name
-        if not path.exists():
+
+
+def lerobot_relative_mask(exclude_joints: list[str] | None, action_names: list[str] | None,
+                          action_dim: int) -> tuple[bool, ...]:
+    """LeRobot's rule (RelativeActionsProcessorStep): an action dim stays absolute where an
+    exclude token, lower-cased, equals or is part of its lower-cased name; without names or
+    tokens every dim is relative, and so is every dim past the end of the names."""
+    tokens = [str(t).lower() for t in exclude_joints or [] if t]
+    if not tokens or action_names is None:
+        return (True,) * action_dim
+    mask = tuple(not any(t in str(name).lower() for t in tokens) for name in action_names[:action_dim])
+    return mask + (True,) * (action_dim - len(mask))
+
+
+_MISSING = object()
+
+
+def _lerobot_relative_mask(folder: Path, c: dict[str, Any], action_dim: int, state_dim: int) -> tuple[bool, ...]:
+    """The relative-action mask a LeRobot folder's policy was trained with, () for absolute.
+
+    The processor files are what LeRobot runs: the postprocessor's absolute_actions_processor
+    step adds the state back, on the dims its paired relative_actions_processor step (in the
+    preprocessor) builds the mask for. config.json, from which LeRobot built those steps, speaks
+    where they are silent (files older than the option), and must not contradict them."""
+    post = _processor_step(folder / "policy_postprocessor.json", "absolute_actions_processor")
+    pre = _processor_step(folder / "policy_preprocessor.json", "relative_actions_processor")
+    step = "relative_actions_processor"
+    enabled = _setting(folder, [
+        ("policy_postprocessor.json absolute_actions_processor.enabled", post.get("enabled", _MISSING)),
+        (f"policy_preprocessor.json {step}.enabled", pre.get("enabled", _MISSING)),
+        ("config.json use_relative_actions", c.get("use_relative_actions", _MISSING)),
+    ], _read_bool, default=False)
+    if not enabled:
+        return ()
+    exclude = _setting(folder, [
+        (f"policy_preprocessor.json {step}.exclude_joints", pre.get("exclude_joints", _MISSING)),
+        ("config.json relative_exclude_joints", c.get("relative_exclude_joints", _MISSING)),
+    ], _read_joint_tokens, default=["gripper"])  # LeRobot's default
+    # A processor step without names made every dim relative in training: config.json naming
+    # them then contradicts it, rather than filling them in.
+    names = _setting(folder, [
+        (f"policy_preprocessor.json {step}.action_names", pre.get("action_names", _MISSING)),
+        ("config.json action_feature_names", c.get("action_feature_names", _MISSING)),
+    ], _read_names, default=None)
+    if names is not None and len(names) != action_dim:
+        log.warning("%s: %d action names for %d action dims; the relative-action mask is built as LeRobot "
+                    "builds it (names past the action ignored, dims past the names relative)",
+                    folder, len(names), action_dim)
+    try:
+        return fit_relative_mask(lerobot_relative_mask(exclude, names, action_dim), action_dim, state_dim)
+    except ValueError as exc:
+        raise CheckpointError(f"{folder}: relative actions (policy_preprocessor.json {step}, config.json "
+                              f"relative_exclude_joints / action_feature_names): {exc}") from None
+
+
+def _processor_step(path: Path, registry_name: str) -> dict[str, Any]:
+    """The config of the step `registry_name` in a LeRobot processor file ({} if none)."""
+    if not path.exists():
+        return {}
+    try:
+        pipeline = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    steps = pipeline.get("steps") if isinstance(pipeline, dict) else None
+    if not isinstance(steps, list):
+        raise CheckpointError(f"{path} has no list of steps: not a LeRobot processor file")
+    found = [e for e in steps if isinstance(e, dict) and e.get("registry_name") == registry_name]
+    if len(found) > 1:
+        raise CheckpointError(f"{path}: {len(found)} {registry_name} steps, LeRobot writes one")
+    config = found[0].get("config", {}) if found else {}
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: step {registry_name} has config {config!r}, not an object")
+    return config
+
+
+def _setting(folder: Path, said: list[tuple[str, Any]], read: Callable[[Any], Any], default: Any) -> Any:
+    """The value every place in `said` (where, raw value or _MISSING) that states it agrees on,
+    as `read` gives it (TypeError naming the kind expected); `default` where none states it."""
+    values = []
+    for where, raw in said:
+        if raw is _MISSING:
             continue
         try:
-            pipeline = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-        steps = pipeline.get("steps") if isinstance(pipeline, dict) else None
-        if not isinstance(steps, list):
-            raise CheckpointError(f"{path} has no list of steps: not a LeRobot processor file")
-        for entry in steps:
-            if isinstance(entry, dict) and entry.get("registry_name") == step and (entry.get("config") or {}).get("enabled"):
-                raise CheckpointError(f"{path}: step {step} is enabled: {_UNAPPLIED_OPTIONS['use_relative_actions']}")
+            values.append((where, read(raw)))
+        except TypeError as exc:
+            raise CheckpointError(f"{folder}: {where} = {raw!r}, expected {exc}") from None
+    for where, value in values[1:]:
+        if value != values[0][1]:
+            raise CheckpointError(f"{folder}: {values[0][0]} = {values[0][1]!r} but {where} = {value!r}; "
+                                  "which dims of the policy's actions are relative to the state is ambiguous")
+    return values[0][1] if values else default
+
+
+def _read_bool(raw: Any) -> bool:
+    if not isinstance(raw, bool):
+        raise TypeError("true or false")
+    return raw
+
+
+def _read_names(raw: Any) -> list[str] | None:
+    if raw is not None and not (isinstance(raw, list) and all(isinstance(x, str) for x in raw)):
+        raise TypeError("a list of strings or null")
+    return raw
+
+
+def _read_joint_tokens(raw: Any) -> list[str]:
+    return _read_names(raw) or []  # LeRobot excludes nothing for null, as for []
 
 
 def _read_stats(folder: Path, pattern: str) -> dict[str, np.ndarray]:
