@@ -174,7 +174,7 @@ def measure(policy: Policy, frames: list[list[Any]], iters: int, warmup: int,
             t["img dev"] = [0.0]
         inputs = timed("pre", lambda: a.preprocess(obs, device=dev), t)
         chunk = timed("engine", lambda: policy.engine.run(inputs, noise=noise, rtc=guidance), t)
-        actions = timed("post", lambda: a.postprocess(chunk), t)
+        actions = timed("post", lambda: policy.postprocess(chunk, inputs), t)
         timed("reply", lambda: replies(items, actions, {}), t)
 
         def service() -> None:

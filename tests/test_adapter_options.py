@@ -53,3 +53,11 @@ def test_a_bundle_takes_the_options_it_was_exported_with(tmp_path, capsys):
         cli(["bench", "--preset", "tiny", "--adapter-option", "prompt_state"])
     assert err.value.code == 2
     assert "--adapter-option 'prompt_state': expected NAME=VALUE" in capsys.readouterr().err
+
+
+def test_bench_runs_a_policy_on_relative_actions(capsys):
+    """`phyai-edge bench` postprocesses each chunk with the inputs it came from: a relative policy
+    adds the observed state back there, and without them it raised."""
+    assert cli(["bench", "--preset", "tiny", "--adapter-option", "relative_actions=6,-1,6,-1",
+                "--iters", "1", "--warmup", "0", "--json"]) == 0
+    assert '"postprocess"' in capsys.readouterr().out

@@ -158,7 +158,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         t1 = time.perf_counter()
         chunk = policy.engine.run(inputs)
         t2 = time.perf_counter()
-        adapter.postprocess(chunk)
+        policy.postprocess(chunk, base)  # `base` keeps preprocess's extras (the states a relative policy adds back)
         t3 = time.perf_counter()
         if i < args.warmup:
             continue

@@ -772,7 +772,8 @@ restart_backoff_s = 0.5      # a dead worker process is restarted after this, do
 restart_backoff_max_s = 30.0 # up to this; attempts never stop (the daemon holds meanwhile)
 inference_timeout_s = 10.0   # an inference still running after this: the worker is hung, killed and restarted
 # adapter_options = { prompt_state = "padded" }   # the adapter's options (PI0.5: prompt_state = robot |
-                             # padded; padded for a policy fine-tuned with LeRobot v0.4.x)
+                             # padded; padded for a policy fine-tuned with LeRobot v0.4.x; relative_actions =
+                             # "6,-1,6,-1" for an openpi ALOHA policy trained on delta joints, "none" for absolute)
 
 [chunking]
 mode = "guided-approx"       # none | crossfade | inpaint | guided-approx | guided
