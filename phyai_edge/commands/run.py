@@ -19,6 +19,7 @@ Examples:
   phyai-edge run --duration 10
   phyai-edge run --print-default-config > robot.toml
   phyai-edge run --check-config robot.toml
+  phyai-edge run --preflight robot.toml          # on the robot: cameras, state, sockets, real time
   phyai-edge run --config robot.toml --record runs/calib-01
 """
 
@@ -27,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="daemon configuration (TOML); default: the embedded one")
     p.add_argument("--print-default-config", action="store_true", help="print the embedded default configuration and exit")
     p.add_argument("--check-config", metavar="FILE", help="validate a configuration file and exit (0: valid, 2: not)")
+    p.add_argument("--preflight", metavar="FILE",
+                   help="open what a configuration names (cameras, state stream, sockets, real-time limits, model "
+                        "files, GPU) for --duration seconds (default 3) without loading the policy, print a check "
+                        "per item and exit (0: ready, 1: warnings, 2: a failure)")
     p.add_argument("--duration", type=float, default=None,
                    help="stop by itself after this many seconds (default: run until SIGINT / SIGTERM)")
     p.add_argument("--record", metavar="DIR", help="save every inference's observation and chunk to DIR")
@@ -45,6 +50,31 @@ def startup_budget_s(cfg: Any) -> float:
 
     per_round = warmup_inferences_per_round(cfg.chunking.mode)
     return cfg.model.load_timeout_s * (1 + warmup_rounds(cfg) * per_round) + 60.0
+
+
+def _preflight(args: argparse.Namespace) -> int:
+    from phyai_edge.control.config import ConfigError, load_config
+    from phyai_edge.control.preflight import exit_code, format_checks, run_preflight
+
+    try:
+        cfg = load_config(args.preflight)
+    except ConfigError as exc:
+        print(f"{args.preflight}: invalid: {exc}", file=sys.stderr)
+        return 2
+    seconds = args.duration if args.duration else 3.0
+    print(f"{args.preflight}: opening cameras and state for {seconds:g} s ...", file=sys.stderr)
+    checks = run_preflight(cfg, seconds)
+    print(format_checks(checks))
+    code = exit_code(checks)
+    print({0: "ready", 1: "ready, with warnings", 2: "not ready"}[code], file=sys.stderr)
+    if args.summary:
+        text = json.dumps([c.__dict__ for c in checks], indent=2)
+        if args.summary == "-":
+            print(text)
+        else:
+            with open(args.summary, "w") as f:
+                f.write(text + "\n")
+    return code
 
 
 def main(args: argparse.Namespace) -> int:
@@ -69,6 +99,8 @@ def main(args: argparse.Namespace) -> int:
     from phyai_edge.control.log import setup_logging
 
     setup_logging(getattr(logging, args.log_level.upper()))
+    if args.preflight:
+        return _preflight(args)
     log = logging.getLogger("phyai_edge.control")
     try:
         cfg = load_config(args.config)

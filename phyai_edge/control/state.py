@@ -102,7 +102,7 @@ class ZmqState:
             recv_s = time.monotonic()
             try:
                 msg = StateMessage.decode(raw.buffer)
-                if msg.values.size != self.dim:
+                if self.dim and msg.values.size != self.dim:  # 0: any width (`--preflight` before the policy says)
                     raise ValueError(f"{msg.values.size} values, the policy expects {self.dim}")
             except ValueError as exc:
                 self.bad_messages += 1

@@ -1,0 +1,312 @@
+"""`phyai-edge run --preflight FILE`: is this robot computer ready for the daemon? Before the
+service starts, on the robot, with the real devices.
+
+`--check-config` reads the file; this opens what it names, for a few seconds, as the daemon would:
+every camera (frames arriving, their rate, size and age against the limits the daemon holds them
+to), the state stream (rate, width, e-stop), the sockets the daemon binds (a daemon already
+running holds them), the real-time settings the clock asks for, and what the model needs on disk
+and the GPU it names. The policy itself is not loaded (minutes at full size): start the daemon for
+that. Each check is ok, warn (the daemon runs, but not as configured) or fail (it would not run,
+or would hold on every tick).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from phyai_edge.control.config import CameraConfig, DaemonConfig
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+POLL_S = 0.002  # faster than any camera or state stream the daemon reads, so no sample is missed
+
+
+@dataclass
+class Check:
+    what: str
+    status: str  # OK | WARN | FAIL
+    detail: str
+
+
+@dataclass
+class _Stream:
+    """What a newest-sample source showed while it was polled."""
+
+    samples: int = 0  # distinct samples seen
+    first_s: float = 0.0  # their capture (or sample) times
+    last_s: float = 0.0
+    ages_ms: list[float] | None = None
+    shape: tuple[int, ...] = ()
+    estop: bool = False
+    error: str = ""
+
+    def see(self, t: float, now: float, shape: tuple[int, ...]) -> None:
+        if self.samples == 0:
+            self.first_s, self.ages_ms = t, []
+        self.samples += 1
+        self.last_s, self.shape = t, shape
+        assert self.ages_ms is not None
+        self.ages_ms.append((now - t) * 1e3)
+
+    @property
+    def rate_hz(self) -> float:
+        span = self.last_s - self.first_s
+        return (self.samples - 1) / span if self.samples > 1 and span > 0 else 0.0
+
+
+def run_preflight(cfg: DaemonConfig, seconds: float = 3.0, context: Any = None) -> list[Check]:
+    """Every check, in the order the daemon meets them at start-up."""
+    import zmq
+
+    ctx = context or zmq.Context()
+    try:
+        checks = [*_model_checks(cfg), *_realtime_checks(cfg), *_socket_checks(cfg, ctx)]
+        checks += _stream_checks(cfg, seconds, ctx)
+    finally:
+        if context is None:
+            ctx.destroy(linger=0)
+    return checks
+
+
+# ---------------------------------------------------------------- model files and GPU
+
+
+def _model_checks(cfg: DaemonConfig) -> list[Check]:
+    m = cfg.model
+    out = []
+    if m.checkpoint:
+        p = Path(m.checkpoint)
+        weights = sorted(p.glob("*.safetensors")) + sorted(p.glob("*/*.safetensors")) if p.is_dir() else []
+        if not p.is_dir():
+            out.append(Check("model.checkpoint", FAIL, f"{m.checkpoint} is not a folder"))
+        elif not weights and not (p / "params").is_dir():
+            out.append(Check("model.checkpoint", FAIL, f"{m.checkpoint} holds no .safetensors weights"))
+        else:
+            size = sum(f.stat().st_size for f in weights) / 1e9
+            out.append(Check("model.checkpoint", OK, f"{m.checkpoint}: {len(weights)} weight file(s), {size:.2f} GB"))
+    if m.bundle:
+        out.append(Check("model.bundle", OK, f"{m.bundle}: an engine bundle (its files' hashes are checked when it loads)"))
+    if m.device.startswith("cuda") and not m.factory:
+        out.append(_cuda_check(m.device))
+    return out
+
+
+def _cuda_check(device: str) -> Check:
+    try:
+        import torch  # a one-shot command: the daemon's clock process never imports it
+    except ImportError:
+        return Check("model.device", FAIL, f"{device}: torch is not installed")
+    if not torch.cuda.is_available():
+        return Check("model.device", FAIL, f"{device}: torch {torch.__version__} sees no CUDA device "
+                     "(a CPU build of torch, or the driver is not loaded; `phyai-edge info` says more)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return Check("model.device", FAIL, f"{device}: only {torch.cuda.device_count()} CUDA device(s)")
+    free, total = torch.cuda.mem_get_info(index)
+    return Check("model.device", OK, f"{device}: {torch.cuda.get_device_name(index)}, "
+                 f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+
+
+# ---------------------------------------------------------------- real time
+
+
+def _realtime_checks(cfg: DaemonConfig) -> list[Check]:
+    from phyai_edge.control.clock import fifo_permitted
+
+    c = cfg.clock
+    out = []
+    if not sys.platform.startswith("linux"):
+        return [Check("clock", WARN, "not Linux: no SCHED_FIFO, affinity or mlockall")]
+    if c.priority:
+        if fifo_permitted(c.priority):
+            out.append(Check("clock.priority", OK, f"SCHED_FIFO {c.priority} permitted"))
+        else:
+            out.append(Check("clock.priority", WARN, f"SCHED_FIFO {c.priority} not permitted for this user: the clock "
+                             "runs at normal priority (the unit's LimitRTPRIO=, or rtprio in "
+                             "/etc/security/limits.conf; systemd/INSTALL.md)"))
+    if c.cpus:
+        allowed = os.sched_getaffinity(0)
+        missing = sorted(set(c.cpus) - allowed)
+        out.append(Check("clock.cpus", FAIL if missing else OK,
+                         f"CPUs {missing} are not available to this process (allowed: {sorted(allowed)})" if missing
+                         else f"CPUs {list(c.cpus)} available"))
+    if c.mlock:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
+            out.append(Check("clock.mlock", OK, "memory can be locked"))
+        else:
+            out.append(Check("clock.mlock", WARN, f"RLIMIT_MEMLOCK is {soft // 1024} KiB: mlockall will fail and pages may "
+                             "be swapped out under load (the unit's LimitMEMLOCK=infinity)"))
+    return out
+
+
+# ---------------------------------------------------------------- sockets
+
+
+def _socket_checks(cfg: DaemonConfig, ctx: Any) -> list[Check]:
+    import zmq
+
+    out = []
+    binds = [("publish.endpoint", cfg.publish.endpoint, cfg.publish.bind, zmq.PUB)]
+    if cfg.task.endpoint:
+        binds.append(("task.endpoint", cfg.task.endpoint, cfg.task.bind, zmq.REP))
+    for key, endpoint, bind, kind in binds:
+        if not bind:
+            out.append(Check(key, OK, f"{endpoint}: connects (a peer binds it; not checked)"))
+            continue
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            hint = " (is a daemon already running?)" if exc.errno == zmq.EADDRINUSE else ""
+            out.append(Check(key, FAIL, f"{endpoint}: {exc}{hint}"))
+        else:
+            out.append(Check(key, OK, f"{endpoint}: free"))
+        finally:
+            sock.close()
+    if cfg.metrics.port:
+        with socket.socket() as s:
+            try:
+                s.bind((cfg.metrics.host, cfg.metrics.port))
+            except OSError as exc:
+                out.append(Check("metrics.port", FAIL, f"{cfg.metrics.host}:{cfg.metrics.port}: {exc.strerror}"))
+            else:
+                out.append(Check("metrics.port", OK, f"{cfg.metrics.host}:{cfg.metrics.port}: free"))
+    return out
+
+
+# ---------------------------------------------------------------- cameras and state
+
+
+def _stream_checks(cfg: DaemonConfig, seconds: float, ctx: Any) -> list[Check]:
+    """Open every camera and the state stream as the daemon does, poll them together for
+    `seconds`, then judge each."""
+    from phyai_edge.control.cameras import make_camera
+    from phyai_edge.control.state import make_state
+
+    cams: dict[str, Any] = {}
+    seen = {name: _Stream() for name in cfg.cameras}
+    for name, c in cfg.cameras.items():
+        try:
+            cams[name] = make_camera(c, ctx)
+            cams[name].start()
+        except Exception as exc:
+            seen[name].error = f"{type(exc).__name__}: {exc}"
+            cams.pop(name, None)
+    state_seen = _Stream()
+    state = None
+    if cfg.state.source == "synthetic":
+        state_seen.error = "synthetic"  # nothing to open: a test source, not a robot
+    try:
+        if not state_seen.error:
+            state = make_state(cfg.state, cfg.robot.state_dim, ctx)
+            state.start()
+    except Exception as exc:
+        state_seen.error = f"{type(exc).__name__}: {exc}"
+        state = None
+    last: dict[str, float] = {}
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            now = time.monotonic()
+            for name, cam in cams.items():
+                fr = cam.latest()
+                if fr is not None and last.get(name) != fr.capture_s:
+                    last[name] = fr.capture_s
+                    seen[name].see(fr.capture_s, now, fr.image.shape)
+            if state is not None:
+                sample = state.latest()
+                if sample is not None and last.get("\0state") != sample.time_s:
+                    last["\0state"] = sample.time_s
+                    state_seen.see(sample.time_s, now, sample.values.shape)
+                    state_seen.estop = state_seen.estop or sample.estop
+            time.sleep(POLL_S)
+    finally:
+        for cam in cams.values():
+            cam.stop()
+        if state is not None:
+            state.stop()
+    checks = [_judge_camera(cfg, cfg.cameras[name], seen[name], cams.get(name), seconds) for name in cfg.cameras]
+    checks.append(_judge_state(cfg, state_seen, state, seconds))
+    return checks
+
+
+def _judge_camera(cfg: DaemonConfig, c: CameraConfig, s: _Stream, cam: Any, seconds: float) -> Check:
+    where = cam.describe() if cam is not None else c.source
+    what = f"camera {c.name} ({where})"
+    if s.error:
+        return Check(what, FAIL, f"cannot open: {s.error}")
+    limit_ms = cfg.camera_max_age_s(c) * 1e3
+    if s.samples == 0:
+        consequence = "the daemon holds (STALE) on every tick" if c.required else "the policy runs without it (masked)"
+        return Check(what, FAIL if c.required else WARN, f"no frame in {seconds:g} s: {consequence}")
+    assert s.ages_ms is not None
+    age_p50, age_max = statistics.median(s.ages_ms), max(s.ages_ms)
+    height, width = s.shape[:2]
+    size = f"{width}x{height}"
+    geometry = c.geometry
+    if geometry is not None:
+        oh, ow = geometry.output_size(height, width)
+        size += f" -> {ow}x{oh} (crop / rotate / flip)"
+    text = (f"{s.rate_hz:.1f} fps (configured {c.fps:g}), {size}, age p50 {age_p50:.0f} ms, max {age_max:.0f} ms "
+            f"(limit {limit_ms:.0f} ms)")
+    problems = []
+    if age_p50 > limit_ms:
+        problems.append((FAIL, "frames are older than the limit when they arrive: the daemon holds (STALE)"))
+    elif age_max > limit_ms:
+        problems.append((WARN, "some frames arrive older than the limit: expect STALE holds"))
+    if s.samples > 1 and s.rate_hz < 0.8 * c.fps:
+        problems.append((WARN, f"below the configured {c.fps:g} fps"))
+    if (height, width) != (c.height, c.width):
+        problems.append((WARN, f"delivered at {size.split(' ')[0]}, configured {c.width}x{c.height} "
+                               "(the policy resizes any size; a crop scales with it)"))
+    if not problems:
+        return Check(what, OK, text)
+    status = FAIL if any(p[0] == FAIL for p in problems) else WARN
+    return Check(what, status, text + "; " + "; ".join(p[1] for p in problems))
+
+
+def _judge_state(cfg: DaemonConfig, s: _Stream, state: Any, seconds: float) -> Check:
+    what = f"state ({state.describe() if state is not None else cfg.state.source})"
+    if s.error == "synthetic":
+        return Check(what, WARN, "a synthetic test source: set [state] source = \"zmq\" for a robot")
+    if s.error:
+        return Check(what, FAIL, f"cannot open: {s.error}")
+    bad = getattr(state, "bad_messages", 0)
+    if s.samples == 0:
+        why = f"{bad} message(s) refused (see the log lines above)" if bad else "is the motor controller publishing?"
+        return Check(what, FAIL, f"no state in {seconds:g} s: {why}; the daemon holds (STALE) on every tick")
+    assert s.ages_ms is not None
+    limit_ms = cfg.safety.state_max_age_ms
+    age_p50, age_max = statistics.median(s.ages_ms), max(s.ages_ms)
+    text = (f"{s.rate_hz:.0f} Hz, {s.shape[0]} values, age p50 {age_p50:.1f} ms, max {age_max:.1f} ms "
+            f"(limit {limit_ms:g} ms)")
+    if s.estop:
+        return Check(what, FAIL, text + "; the e-stop bit is set: the daemon holds (ESTOP)")
+    if age_p50 > limit_ms:
+        return Check(what, FAIL, text + "; samples are older than the limit when they arrive: the daemon holds (STALE)")
+    if s.samples > 1 and s.rate_hz < cfg.robot.control_hz:
+        return Check(what, WARN, text + f"; slower than the {cfg.robot.control_hz:g} Hz control rate: ticks reuse samples")
+    if bad:
+        return Check(what, WARN, text + f"; {bad} message(s) refused")
+    return Check(what, OK, text)
+
+
+def format_checks(checks: list[Check]) -> str:
+    width = max((len(c.what) for c in checks), default=0)
+    return "\n".join(f"{c.status.upper():<5} {c.what:<{width}}  {c.detail}" for c in checks)
+
+
+def exit_code(checks: list[Check]) -> int:
+    """0 all ok, 1 warnings only, 2 a failure."""
+    statuses = {c.status for c in checks}
+    return 2 if FAIL in statuses else 1 if WARN in statuses else 0

@@ -1,0 +1,171 @@
+"""`phyai-edge run --preflight`: the robot computer checked against a configuration, live."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from phyai_edge.cli import main as cli
+from phyai_edge.control.config import parse_config
+from phyai_edge.control.fakes import free_tcp_endpoint
+from phyai_edge.control.preflight import FAIL, OK, WARN, exit_code, run_preflight
+from phyai_edge.control.protocol import STATE_FLAG_ESTOP, FrameMessage, StateMessage
+
+
+class Sender:
+    """A motor controller and a camera host: state at `state_hz`, frames of `size` at `fps`."""
+
+    def __init__(self, fps: float = 30.0, state_hz: float = 200.0, size: tuple[int, int] = (48, 64),
+                 estop: bool = False, state_dim: int = 6) -> None:
+        self.ctx = zmq.Context()
+        self.frames_at, self.state_at = free_tcp_endpoint(), free_tcp_endpoint()
+        self.fps, self.state_hz, self.size, self.estop, self.state_dim = fps, state_hz, size, estop, state_dim
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sender:
+        self._thread.start()
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.ctx.destroy(linger=0)
+
+    def _run(self) -> None:
+        frames, state = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.PUB)
+        frames.bind(self.frames_at)
+        state.bind(self.state_at)
+        image = np.zeros((*self.size, 3), np.uint8)
+        next_frame = next_state = time.monotonic()
+        seq = 0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_state:
+                flags = STATE_FLAG_ESTOP if self.estop else 0
+                state.send(StateMessage(np.zeros(self.state_dim, np.float32), seq, time.monotonic_ns(), flags=flags).encode())
+                next_state += 1 / self.state_hz
+            if now >= next_frame:
+                frames.send(FrameMessage("top", image, seq, time.monotonic_ns()).encode())
+                next_frame += 1 / self.fps
+            seq += 1
+            time.sleep(0.001)
+        frames.close(0)
+        state.close(0)
+
+
+def _config(sender: Sender | None, **sections) -> object:
+    frames = sender.frames_at if sender else free_tcp_endpoint()
+    state = sender.state_at if sender else free_tcp_endpoint()
+    data = {
+        "cameras": {"top": {"source": "zmq", "endpoint": frames, "width": 64, "height": 48, "fps": 30.0}},
+        "state": {"source": "zmq", "endpoint": state},
+        "publish": {"endpoint": free_tcp_endpoint()},
+        "clock": {"priority": 0, "mlock": False},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return parse_config(data, "<test>")
+
+
+def _by_name(checks) -> dict:
+    return {c.what.split(" (")[0]: c for c in checks}
+
+
+def test_a_robot_that_sends_what_the_config_says_is_ready():
+    with Sender() as s:
+        checks = run_preflight(_config(s), seconds=1.5)
+    got = _by_name(checks)
+    assert {c.status for c in checks} == {OK}, checks
+    assert exit_code(checks) == 0
+    fps = float(got["camera top"].detail.split(" fps")[0])
+    assert 15 <= fps <= 45  # 30 sent; wide: a loaded 2-core machine delays both threads
+    assert "64x48" in got["camera top"].detail and "6 values" in got["state"].detail
+
+
+def test_nothing_sending_fails_naming_what_the_daemon_would_do():
+    checks = run_preflight(_config(None), seconds=0.5)
+    got = _by_name(checks)
+    assert got["camera top"].status == FAIL and "holds (STALE)" in got["camera top"].detail
+    assert got["state"].status == FAIL and "is the motor controller publishing?" in got["state"].detail
+    assert exit_code(checks) == 2
+
+
+def test_an_optional_camera_without_frames_is_a_warning():
+    cfg = _config(None, cameras={"top": {"source": "zmq", "endpoint": free_tcp_endpoint(), "required": False}})
+    got = _by_name(run_preflight(cfg, seconds=0.3))
+    assert got["camera top"].status == WARN and "masked" in got["camera top"].detail
+
+
+def test_an_estop_a_slow_camera_and_a_frame_of_another_size_are_named():
+    with Sender(fps=10.0, size=(96, 128), estop=True) as s:
+        got = _by_name(run_preflight(_config(s), seconds=1.5))
+    assert got["state"].status == FAIL and "e-stop" in got["state"].detail
+    cam = got["camera top"]
+    assert cam.status == WARN
+    assert "below the configured 30 fps" in cam.detail and "delivered at 128x96, configured 64x48" in cam.detail
+
+
+def test_a_state_of_the_wrong_width_is_refused_as_the_daemon_would():
+    with Sender(state_dim=5) as s:
+        got = _by_name(run_preflight(_config(s, robot={"state_dim": 6}), seconds=0.8))
+    assert got["state"].status == FAIL and "refused" in got["state"].detail
+
+
+def test_a_socket_already_bound_and_a_cpu_that_is_not_there_fail():
+    endpoint = free_tcp_endpoint()
+    ctx = zmq.Context()
+    held = ctx.socket(zmq.PUB)
+    held.bind(endpoint)  # another daemon
+    try:
+        cfg = _config(None, publish={"endpoint": endpoint}, clock={"cpus": [4095]})
+        got = _by_name(run_preflight(cfg, seconds=0.2))
+    finally:
+        ctx.destroy(linger=0)
+    assert got["publish.endpoint"].status == FAIL and "already running" in got["publish.endpoint"].detail
+    assert got["clock.cpus"].status == FAIL and "[4095]" in got["clock.cpus"].detail
+
+
+def test_model_files_and_the_gpu_are_checked(tmp_path):
+    torch = pytest.importorskip("torch")
+    (tmp_path / "empty").mkdir()
+    cfg = _config(None, model={"checkpoint": str(tmp_path / "empty"), "device": "cuda"})
+    got = _by_name(run_preflight(cfg, seconds=0.2))
+    assert got["model.checkpoint"].status == FAIL and "no .safetensors" in got["model.checkpoint"].detail
+    if not torch.cuda.is_available():
+        assert got["model.device"].status == FAIL and "sees no CUDA device" in got["model.device"].detail
+
+
+def test_the_command_prints_a_line_per_check_and_exits_by_the_worst(tmp_path, capsys):
+    with Sender() as s:
+        cfg_file = tmp_path / "robot.toml"
+        cfg_file.write_text(f"""
+[cameras.top]
+source = "zmq"
+endpoint = "{s.frames_at}"
+width = 64
+height = 48
+[state]
+source = "zmq"
+endpoint = "{s.state_at}"
+[publish]
+endpoint = "{free_tcp_endpoint()}"
+[clock]
+priority = 0
+mlock = false
+""")
+        rc = cli(["run", "--preflight", str(cfg_file), "--duration", "1", "--summary", str(tmp_path / "p.json")])
+    out = capsys.readouterr()
+    assert rc == 0, out
+    assert out.out.splitlines()[0].startswith("OK    publish.endpoint")
+    assert "ready" in out.err
+    assert {c["status"] for c in json.loads((tmp_path / "p.json").read_text())} == {OK}
+    (tmp_path / "bad.toml").write_text("[cameras.top]\nfps = -1\n")
+    assert cli(["run", "--preflight", str(tmp_path / "bad.toml")]) == 2
+    assert "cameras.top.fps" in capsys.readouterr().err
