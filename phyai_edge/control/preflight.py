@@ -85,7 +85,7 @@ def _model_checks(cfg: DaemonConfig) -> list[Check]:
         weights = sorted(p.glob("*.safetensors")) + sorted(p.glob("*/*.safetensors")) if p.is_dir() else []
         if not p.is_dir():
             out.append(Check("model.checkpoint", FAIL, f"{m.checkpoint} is not a folder"))
-        elif not weights and not (p / "params").is_dir():
+        elif not weights:  # an openpi JAX folder (params/, Orbax) too: convert it to PyTorch first
             out.append(Check("model.checkpoint", FAIL, f"{m.checkpoint} holds no .safetensors weights"))
         else:
             size = sum(f.stat().st_size for f in weights) / 1e9
