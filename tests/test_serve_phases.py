@@ -196,3 +196,31 @@ def test_serve_runs_without_the_cameras_no_robot_has():
     assert got[0].actions is not None and set(policy.engine._sets) == warmed
     with pytest.raises(ValueError, match="unknown cameras"):
         load_policy(preset="tiny", backend="eager", device="cpu", absent_cameras=["side"])
+
+
+def test_prompt_tokens_keep_room_for_a_prompt_no_warm_up_ran() -> None:
+    """`serve --prompt-tokens`: a robot's prompt that no --warm-prompt gave, longer than the warmed
+    one's bucket, runs the graphs the warm-up captured when it fits the room; without the room it
+    makes the engine build a graph set inside the request."""
+    from phyai_edge.adapters.base import Observation
+    from phyai_edge.engines.policy import load_policy
+
+    frames = {"top": np.zeros((32, 32, 3), np.uint8)}
+    longer = "pick up the red cube and put it down gently next to the blue bowl"  # 90 tokens at most (tiny)
+    for room, builds in ((96, False), (0, True)):
+        policy = load_policy(preset="tiny", backend="cudagraph", device="cpu")
+        state = np.zeros(policy.state_dim, np.float32)
+        assert policy.prompt_fit(longer)[0] > 80  # past "pick up the cube"'s 80-token bucket
+        executor = LocalExecutor(policy, [1], max_batch=1, prompt_tokens=room)
+        executor.warm_up([Observation(frames, state, "pick up the cube")])
+        warmed = set(policy.engine._sets)
+        got = executor.run([BatchItem([Observation(frames, state, longer)], None)])
+        assert got[0].actions is not None
+        assert (set(policy.engine._sets) != warmed) == builds, (room, policy.engine._sets)
+
+
+def test_serve_refuses_prompt_tokens_where_no_warm_up_keeps_them(capsys) -> None:
+    from phyai_edge.cli import main as cli
+
+    assert cli(["serve", "--prompt-tokens", "96", "--no-warm", "--duration", "0.1"]) == 2
+    assert "--prompt-tokens is kept by the start-up warm-up" in capsys.readouterr().err

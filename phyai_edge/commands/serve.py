@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-prompt", action="append", default=None,
                    help="a prompt the robots send (repeatable): the warm-up runs one observation per prompt, "
                         "since the cudagraph engine keeps graphs per prompt-length bucket")
+    p.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
+                   help="also keep room for prompts of up to N tokens (PI0.5: the state's included) that no "
+                        "--warm-prompt gives, so a robot's new instruction runs the warmed graphs instead of "
+                        "capturing inside its request; every batch runs the room (0: the warmed prompts' only)")
     p.add_argument("--absent-camera", action="append", default=[], metavar="NAME",
                    help="a model camera no robot has (repeatable): the model runs without its slot instead of "
                         "masked (PI0.5: the same actions, about a third less vision and prefix per camera left out)")
@@ -88,6 +92,14 @@ def main(args: argparse.Namespace) -> int:
                                    "bundle": args.engine, "seed": args.seed,
                                    "adapter_options": adapter_options("serve", args),
                                    "absent_cameras": list(args.absent_camera)}
+    if args.prompt_tokens < 0:
+        print(f"phyai-edge serve: --prompt-tokens must be >= 0, got {args.prompt_tokens}", file=sys.stderr)
+        return 2
+    if args.prompt_tokens and (args.ray or args.no_warm):
+        # The room is kept by the warm-up, which only the local engine runs.
+        print("phyai-edge serve: --prompt-tokens is kept by the start-up warm-up, which --ray and --no-warm skip",
+              file=sys.stderr)
+        return 2
     workers = args.workers
     policy = None
     if args.ray:
@@ -109,7 +121,7 @@ def main(args: argparse.Namespace) -> int:
         policy = load_policy_or_fail("serve", **load_kwargs)
         sizes = batch_sizes_for(args.batch_sizes, getattr(policy.engine, "backend", ""), policy.engine, args.max_batch)
         max_batch = min(args.max_batch, max(sizes)) if sizes else args.max_batch
-        executor = LocalExecutor(policy, sizes, max_batch)
+        executor = LocalExecutor(policy, sizes, max_batch, args.prompt_tokens)
     cfg = SchedulerConfig(max_batch=max_batch, window_s=args.window_ms / 1e3, capacity=args.queue,
                           per_robot=args.per_robot, batch_sizes=tuple(sizes) if sizes else None)
     server = PolicyServer(executor, args.bind, cfg, default_budget_ms=args.budget_ms, workers=workers,

@@ -78,10 +78,14 @@ class LocalExecutor:
     # Batches the server may hand it at once: the server starts no more inference threads.
     concurrency = 1
 
-    def __init__(self, policy: Any, batch_sizes: Sequence[int] | None = None, max_batch: int | None = None) -> None:
+    def __init__(self, policy: Any, batch_sizes: Sequence[int] | None = None, max_batch: int | None = None,
+                 prompt_tokens: int = 0) -> None:
         self.policy = policy
         self.batch_sizes = list(batch_sizes) if batch_sizes else None
         self.max_batch = max_batch
+        # Room kept for prompts the warm-up did not run (`serve --prompt-tokens`): any prompt within
+        # it, with any state, runs the graphs the warm-up captured.
+        self.prompt_tokens = prompt_tokens
         self._lock = threading.Lock()  # for callers other than the server (which runs one worker)
 
     def describe(self) -> dict[str, Any]:
@@ -94,14 +98,15 @@ class LocalExecutor:
     def warm_up(self, observations: Sequence[Observation],
                 rtcs: Sequence[RTCRequest | None] = (None,)) -> dict[int, float]:
         """Every captured batch size once per observation and RTC request (see
-        `batching.warm_up`), with room kept for the observations' prompts with any robot state
-        (`Policy.fix_prompt_positions`); nothing to do for an engine that takes any size."""
+        `batching.warm_up`), with room kept for the observations' prompts with any robot state,
+        and for `prompt_tokens` (`Policy.fix_prompt_positions`); nothing to do for an engine that
+        takes any size."""
         if not self.batch_sizes:
             return {}
         fix_prompt = getattr(self.policy, "fix_prompt_positions", None)
         if fix_prompt is not None and observations:
             # the robots send these prompts with states of their own: one prompt length for them all
-            fix_prompt([o.prompt for o in observations])
+            fix_prompt([o.prompt for o in observations], at_least=self.prompt_tokens)
         # Every size a batch of up to max_batch observations can be padded to, and no larger.
         top = pad_size(min(self.max_batch or max(self.batch_sizes), max(self.batch_sizes)), self.batch_sizes)
         return warm_up(self.policy, [b for b in self.batch_sizes if b <= top], observations, rtcs)
