@@ -174,13 +174,22 @@ def test_prompt_fit_counts_tokens_before_truncation(tiny_eager):
     assert not PromptFit(long_tokens, room, None, most).fits
 
 
-def test_the_room_a_cudagraph_engine_reports_runs_without_new_graphs():
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not _cuda_available(), reason="needs a CUDA device (graph capture)"))])
+def test_the_room_a_cudagraph_engine_reports_runs_without_new_graphs(device):
     """The room is a promise: an instruction within it runs the graph set the warm-up captured.
-    On the CPU the engine keeps its graph sets (it runs them eagerly), so their count is checked."""
+    On the CPU the engine keeps its graph sets (it runs them eagerly), so their count is checked;
+    on a GPU the same count is of captured graphs."""
     from phyai_edge.control.worker import policy_info
     from phyai_edge.engines.policy import load_policy
 
-    policy = load_policy(preset="tiny", backend="cudagraph", device="cpu")
+    policy = load_policy(preset="tiny", backend="cudagraph", device=device)
     info_prompt = "pick up the cube"
     warm = replace(make_warmup_job(policy_info(policy), info_prompt), room_tokens=84)
     assert run_job(policy, warm).error is None
