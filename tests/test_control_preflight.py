@@ -186,3 +186,10 @@ mlock = false
     (tmp_path / "bad.toml").write_text("[cameras.top]\nfps = -1\n")
     assert cli(["run", "--preflight", str(tmp_path / "bad.toml")]) == 2
     assert "cameras.top.fps" in capsys.readouterr().err
+
+
+def test_a_v4l2_camera_that_is_not_there_is_named_by_its_device_node():
+    cfg = _config(None, cameras={"top": {"source": "v4l2", "device": "/dev/video-phyai-test-absent"}})
+    got = _by_name(run_preflight(cfg, seconds=0.3))
+    assert got["camera top"].status == FAIL
+    assert "/dev/video-phyai-test-absent does not exist" in got["camera top"].detail

@@ -248,7 +248,8 @@ def _judge_camera(cfg: DaemonConfig, c: CameraConfig, s: _Stream, cam: Any, seco
     limit_ms = cfg.camera_max_age_s(c) * 1e3
     if s.samples == 0:
         consequence = "the daemon holds (STALE) on every tick" if c.required else "the policy runs without it (masked)"
-        return Check(what, FAIL if c.required else WARN, f"no frame in {seconds:g} s: {consequence}")
+        cause = _no_frame_cause(c, cam)
+        return Check(what, FAIL if c.required else WARN, f"no frame in {seconds:g} s{cause}: {consequence}")
     assert s.ages_ms is not None
     age_p50, age_max = statistics.median(s.ages_ms), max(s.ages_ms)
     height, width = s.shape[:2]
@@ -273,6 +274,20 @@ def _judge_camera(cfg: DaemonConfig, c: CameraConfig, s: _Stream, cam: Any, seco
         return Check(what, OK, text)
     status = FAIL if any(p[0] == FAIL for p in problems) else WARN
     return Check(what, status, text + "; " + "; ".join(p[1] for p in problems))
+
+
+def _no_frame_cause(c: CameraConfig, cam: Any) -> str:
+    """Why a camera gave nothing, where it can be told: a V4L2 node missing or not ours to open,
+    or an OpenCV source that never opened (the log lines above say what OpenCV reported)."""
+    if c.source == "v4l2":
+        node = c.device if isinstance(c.device, str) else f"/dev/video{c.device}"
+        if not os.path.exists(node):
+            return f" ({node} does not exist: unplugged, or another index; `v4l2-ctl --list-devices` lists them)"
+        if not os.access(node, os.R_OK | os.W_OK):
+            return f" ({node} is not readable and writable by this user: add it to group video)"
+    if getattr(cam, "connected", True) is False:
+        return f" (never opened; {getattr(cam, 'reconnects', 0)} reopen attempt(s), see the log lines above)"
+    return ""
 
 
 def _judge_state(cfg: DaemonConfig, s: _Stream, state: Any, seconds: float) -> Check:
