@@ -63,3 +63,28 @@ def test_pyzmq_subscriber_example_runs():
     assert sub.returncode == 0, out
     lines = [ln for ln in out.splitlines() if ln.startswith("seq")]
     assert len(lines) == 40 and "lost" not in out
+
+
+def test_the_task_client_example_sets_and_shows_the_instruction():
+    """examples/task_client_pyzmq.py, written from protocol.md section 4, against the daemon's channel."""
+    from phyai_edge.control.config import TaskConfig
+    from phyai_edge.control.fakes import free_tcp_endpoint
+    from phyai_edge.control.task import TaskChannel
+    from phyai_edge.control.worker import PromptFit
+
+    endpoint = free_tcp_endpoint()
+    ch = TaskChannel(TaskConfig(endpoint=endpoint), "pick up the cube", lambda prompt: PromptFit(41, 64))
+    ch.start()
+    try:
+        def example(*argv: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, str(ROOT / "examples/task_client_pyzmq.py"), endpoint, *argv],
+                                  capture_output=True, text=True, timeout=60)
+
+        taken = example("fold the towel")
+        assert taken.returncode == 0 and "running: 'fold the towel' (1 change(s); 41 of 64 tokens)" in taken.stdout
+        shown = example()
+        assert shown.returncode == 0 and "running: 'fold the towel'" in shown.stdout
+        refused = example("two\nlines")
+        assert refused.returncode == 1 and "refused: the instruction holds control characters" in refused.stderr
+    finally:
+        ch.close()

@@ -1,0 +1,30 @@
+"""A task planner's side of docs/protocol.md section 4 in plain pyzmq (no phyai_edge import):
+set the instruction a running daemon follows ([task] endpoint), or ask which one runs.
+
+    python examples/task_client_pyzmq.py tcp://127.0.0.1:5557 "put the cup in the sink"
+    python examples/task_client_pyzmq.py tcp://127.0.0.1:5557          # which instruction runs
+"""
+
+import json
+import sys
+
+import zmq
+
+endpoint = sys.argv[1] if len(sys.argv) > 1 else "tcp://127.0.0.1:5557"
+request = {"version": 1}
+if len(sys.argv) > 2:
+    request["prompt"] = sys.argv[2]
+
+sock = zmq.Context().socket(zmq.REQ)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(endpoint)
+sock.send(json.dumps(request).encode("utf-8"))
+# The daemon answers after its worker has counted the instruction's tokens, which waits for the
+# inference in flight: give it seconds. A REQ socket that got no reply cannot send again.
+if not sock.poll(10_000):
+    raise SystemExit(f"no answer from {endpoint}")
+reply = json.loads(sock.recv().decode("utf-8"))
+if reply["ok"]:
+    print(f"running: {reply['prompt']!r} ({reply['changes']} change(s); {reply['tokens']} of {reply['room']} tokens)")
+else:
+    raise SystemExit(f"refused: {reply['error']} (still running {reply['prompt']!r})")
