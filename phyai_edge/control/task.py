@@ -20,7 +20,7 @@ from typing import Any
 
 from phyai_edge.control.config import TaskConfig, task_prompt_problem
 from phyai_edge.control.metrics import Metrics
-from phyai_edge.control.protocol import TaskReply, decode_task_request, encode_task_request
+from phyai_edge.control.protocol import TASK_MAX_BYTES, TaskReply, decode_task_request, encode_task_request
 from phyai_edge.control.worker import PromptFit
 
 log = logging.getLogger("phyai_edge.control.task")
@@ -61,6 +61,9 @@ class TaskChannel:
         ctx = self._context or zmq.Context.instance()
         sock = ctx.socket(zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
+        # Far above a valid request (TASK_MAX_BYTES, refused with a reply), so those still get
+        # their error; a peer sending more is cut off before its message takes the memory.
+        sock.setsockopt(zmq.MAXMSGSIZE, 64 * TASK_MAX_BYTES)
         try:
             if self.cfg.bind:
                 sock.bind(self.cfg.endpoint)
