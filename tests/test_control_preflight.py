@@ -193,3 +193,28 @@ def test_a_v4l2_camera_that_is_not_there_is_named_by_its_device_node():
     got = _by_name(run_preflight(cfg, seconds=0.3))
     assert got["camera top"].status == FAIL
     assert "/dev/video-phyai-test-absent does not exist" in got["camera top"].detail
+
+
+def _jetson(root, lo: int, hi: int, now: int, node: str = "17000000.gpu") -> None:
+    (root / "etc").mkdir(parents=True)
+    (root / "etc/nv_tegra_release").write_text("# R36 (release), REVISION: 4.0\n")
+    d = root / "sys/class/devfreq" / node
+    d.mkdir(parents=True)
+    (root / "sys/class/devfreq/15820000.nvdla0").mkdir()  # another devfreq device, not the GPU
+    for name, value in (("min_freq", lo), ("max_freq", hi), ("cur_freq", now)):
+        (d / name).write_text(f"{value}\n")
+
+
+def test_a_jetson_whose_gpu_clock_floats_or_whose_power_mode_is_capped_is_warned(tmp_path):
+    from phyai_edge.control.preflight import jetson_checks
+
+    assert jetson_checks(tmp_path / "not-a-jetson") == []
+    _jetson(tmp_path / "free", 306_000_000, 1_300_500_000, 612_000_000, node="17000000.ga10b")
+    got = _by_name(jetson_checks(tmp_path / "free", lambda: "NV Power Mode: 30W\n2\n"))
+    assert got["jetson.gpu_clock"].status == WARN and "min 306, max 1300, now 612 MHz" in got["jetson.gpu_clock"].detail
+    assert got["jetson.power_mode"].status == WARN and got["jetson.power_mode"].detail.startswith("30W")
+    _jetson(tmp_path / "locked", 1_300_500_000, 1_300_500_000, 1_300_500_000)
+    got = _by_name(jetson_checks(tmp_path / "locked", lambda: "NV Power Mode: MAXN\n0\n"))
+    assert got["jetson.gpu_clock"].status == OK and "locked (min 1300, max 1300" in got["jetson.gpu_clock"].detail
+    assert got["jetson.power_mode"].status == OK
+    assert _by_name(jetson_checks(tmp_path / "locked", lambda: None))["jetson.power_mode"].status == WARN

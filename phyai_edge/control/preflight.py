@@ -66,7 +66,7 @@ def run_preflight(cfg: DaemonConfig, seconds: float = 3.0, context: Any = None) 
 
     ctx = context or zmq.Context()
     try:
-        checks = [*_model_checks(cfg), *_realtime_checks(cfg), *_socket_checks(cfg, ctx)]
+        checks = [*_model_checks(cfg), *jetson_checks(), *_realtime_checks(cfg), *_socket_checks(cfg, ctx)]
         checks += _stream_checks(cfg, seconds, ctx)
     finally:
         if context is None:
@@ -111,6 +111,67 @@ def _cuda_check(device: str) -> Check:
     free, total = torch.cuda.mem_get_info(index)
     return Check("model.device", OK, f"{device}: {torch.cuda.get_device_name(index)}, "
                  f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+
+
+# ---------------------------------------------------------------- Jetson power mode and clocks
+
+# Tegra GPUs' devfreq nodes: ga10b (Orin, JetPack 5), "gpu" (Orin, JetPack 6), gv11b (Xavier).
+_TEGRA_GPU_NAMES = ("gpu", "ga10b", "gv11b", "gp10b")
+
+
+def jetson_checks(root: Path = Path("/"), nvpmodel: Any = None) -> list[Check]:
+    """On a Jetson: whether the GPU clock is locked (`jetson_clocks`) and the power mode. Under
+    DVFS the GPU clock follows the load, so a chunk after the daemon's idle gap between inferences
+    starts slow, and latency varies chunk to chunk; a capped power mode (15 / 30 / 50 W) lowers
+    the ceiling the roofline's Orin numbers assume (the module's full clock). `root` and
+    `nvpmodel` (a callable giving `nvpmodel -q`'s output or None) are for tests. Nothing here was
+    run on a Jetson: the paths are JetPack's documented sysfs layout."""
+    if not (root / "etc/nv_tegra_release").exists():
+        return []
+    out = []
+    nodes = [p for p in sorted((root / "sys/class/devfreq").glob("*"))
+             if any(name in p.name.lower() for name in _TEGRA_GPU_NAMES)]
+    if not nodes:
+        out.append(Check("jetson.gpu_clock", WARN, "no GPU devfreq node under /sys/class/devfreq: clock not checked"))
+    for node in nodes[:1]:
+        try:
+            lo, hi, now = (int((node / f).read_text().split()[0]) for f in ("min_freq", "max_freq", "cur_freq"))
+        except (OSError, ValueError, IndexError) as exc:
+            out.append(Check("jetson.gpu_clock", WARN, f"{node}: cannot read the clock ({exc})"))
+            continue
+        mhz = f"min {lo / 1e6:.0f}, max {hi / 1e6:.0f}, now {now / 1e6:.0f} MHz"
+        if lo < hi:
+            out.append(Check("jetson.gpu_clock", WARN, f"not locked ({mhz}): the clock follows the load, so a chunk "
+                             "after the idle gap starts slow; `sudo jetson_clocks` locks it at max (a boot-time unit "
+                             "keeps it)"))
+        else:
+            out.append(Check("jetson.gpu_clock", OK, f"locked ({mhz})"))
+    query = (nvpmodel or _nvpmodel_query)()
+    if query is None:
+        out.append(Check("jetson.power_mode", WARN, "`nvpmodel -q` did not answer: power mode not checked"))
+    else:
+        mode = next((line.split(":", 1)[1].strip() for line in query.splitlines() if "Power Mode" in line), "")
+        if not mode:
+            out.append(Check("jetson.power_mode", WARN, f"`nvpmodel -q` said {query.strip()!r}: power mode not read"))
+        elif "MAXN" in mode.upper():
+            out.append(Check("jetson.power_mode", OK, mode))
+        else:
+            out.append(Check("jetson.power_mode", WARN, f"{mode}: a capped mode lowers the GPU clock ceiling "
+                             "(`sudo nvpmodel -m 0` is MAXN on AGX Orin; check `nvpmodel -p --verbose`)"))
+    return out
+
+
+def _nvpmodel_query() -> str | None:
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvpmodel")
+    if exe is None:
+        return None
+    try:
+        return subprocess.run([exe, "-q"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 # ---------------------------------------------------------------- real time
