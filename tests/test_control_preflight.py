@@ -218,3 +218,17 @@ def test_a_jetson_whose_gpu_clock_floats_or_whose_power_mode_is_capped_is_warned
     assert got["jetson.gpu_clock"].status == OK and "locked (min 1300, max 1300" in got["jetson.gpu_clock"].detail
     assert got["jetson.power_mode"].status == OK
     assert _by_name(jetson_checks(tmp_path / "locked", lambda: None))["jetson.power_mode"].status == WARN
+
+
+def test_info_says_a_jetson_s_clock_and_power_mode(monkeypatch, capsys):
+    """`phyai-edge info` (and the bench JSON that embeds it) carries what Jetson timings depend on."""
+    from phyai_edge.control import preflight
+    from phyai_edge.control.preflight import Check
+
+    monkeypatch.setattr(preflight, "jetson_checks", lambda: [Check("jetson.gpu_clock", WARN, "not locked"),
+                                                             Check("jetson.power_mode", OK, "MAXN")])
+    assert cli(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "gpu_clock       warn: not locked" in out and "power_mode      ok: MAXN" in out
+    assert cli(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["jetson"] == {"gpu_clock": "warn: not locked", "power_mode": "ok: MAXN"}

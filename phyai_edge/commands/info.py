@@ -45,7 +45,16 @@ def collect() -> dict:
         "triton": _version("triton"),
         "pyzmq": _version("zmq"),
         "opencv": _version("cv2"),
+        # On a Jetson, what its timings depend on: whether the GPU clock is locked, the power mode.
+        "jetson": _jetson(),
     }
+
+
+def _jetson() -> dict[str, str] | None:
+    from phyai_edge.control.preflight import jetson_checks
+
+    checks = jetson_checks()
+    return {c.what.removeprefix("jetson."): f"{c.status}: {c.detail}" for c in checks} if checks else None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -59,6 +68,9 @@ def main(args: argparse.Namespace) -> int:
                 print(f"{'gpus':<16}none")
             for g in val:
                 print(f"{'gpu ' + str(g['index']):<16}{g['name']} (sm {g['capability']}, {g['memory_gib']} GiB)")
+        elif key == "jetson":
+            for what, text in (val or {}).items():  # nothing off a Jetson
+                print(f"{what:<16}{text}")
         elif key == "cuda" and val is None:
             # torch.version.cuda is None for a CPU-only torch wheel: installing the CUDA toolkit
             # would not help; a CUDA build of torch (JetPack's wheel on a Jetson) would.
