@@ -11,7 +11,8 @@ from phyai_edge.control import protocol as p
 def test_action_round_trip():
     values = np.arange(14, dtype=np.float32)[None] * 0.25
     h = p.ActionHeader(seq=2**40 + 3, publish_mono_ns=123, publish_wall_ns=-5, obs_mono_ns=99, chunk_id=7,
-                       index=12, rows=1, dim=14, flags=p.Flag.HOLD | p.Flag.CLAMPED, session=0xDEADBEEF)
+                       index=12, rows=1, dim=14, flags=p.Flag.HOLD | p.Flag.CLAMPED, session=0xDEADBEEF,
+                       instruction=2**32 - 2)
     frames = p.encode_actions(b"action", h, values)
     assert len(frames) == 3 and len(frames[1]) == p.ACTION_HEADER_SIZE == 64
     assert len(frames[2]) == 14 * 4
@@ -23,6 +24,8 @@ def test_action_round_trip():
     assert int.from_bytes(frames[1][16:24], "little") == h.seq
     assert int.from_bytes(frames[1][8:12], "little") == int(p.Flag.HOLD | p.Flag.CLAMPED)
     assert int.from_bytes(frames[1][56:58], "little") == 14
+    assert int.from_bytes(frames[1][60:64], "little") == h.instruction  # the u32 version 1 had reserved
+    assert frames[1][58:60] == b"\0\0"  # still reserved
 
 
 def test_chunk_round_trip():

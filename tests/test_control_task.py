@@ -257,11 +257,16 @@ class RecordsPrompts(FakePolicy):
 
 
 def test_the_daemon_runs_a_new_instruction_from_the_next_chunk_started_at_once():
+    from phyai_edge.control.listener import Listener
+    from phyai_edge.control.protocol import Flag
+
     endpoint = free_tcp_endpoint()
     cfg = test_config(task={"endpoint": endpoint}, chunking={"mode": "inpaint", "execution_horizon": 40})
     policy = RecordsPrompts(action_dim=6, state_dim=6, latency_s=0.01)
     d = Daemon(cfg, policy=policy, realtime=False, status_line=False)
     d.setup()
+    listener = Listener(d.publisher.endpoint, cfg.publish.topic, cfg.publish.chunk_topic, keep=True)
+    time.sleep(0.2)  # the subscription reaches the publisher before the first tick
     thread = threading.Thread(target=d.run, kwargs={"duration_s": 20}, daemon=True)
     thread.start()
     try:
@@ -285,9 +290,19 @@ def test_the_daemon_runs_a_new_instruction_from_the_next_chunk_started_at_once()
         assert policy.calls_seen[first][1] > 10, policy.calls_seen
         assert not request_instruction(endpoint, "two\nlines").ok
         assert d.render_status().endswith(" instructions 1")  # the status line and sd_notify's STATUS=
+        # Subscribers see the takeover: the first action of the new instruction's chunk starts it.
+        end = time.monotonic() + 10
+        while not any(h.instruction == 1 and h.kind == 2 for h, _ in listener.messages) and time.monotonic() < end:
+            listener.poll(0.05)  # until the chunk topic's message, sent right after its CHUNK_START action
+        msgs = [(h, v) for h, v in listener.messages if h.kind == 1]
+        first = next(i for i, (h, _) in enumerate(msgs) if h.instruction == 1)
+        assert msgs[first][0].flags & Flag.CHUNK_START
+        assert all(h.instruction == 0 for h, _ in msgs[:first])
+        assert any(h.kind == 2 and h.instruction == 1 for h, _ in listener.messages)  # the chunk topic too
     finally:
         d.stop()
         thread.join(10)
+        listener.close()
     assert not thread.is_alive()
     assert d.summary()["task"] == {"prompt": "put the cube in the bowl", "changes": 1, "refused": 1}
 

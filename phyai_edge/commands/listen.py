@@ -72,7 +72,9 @@ def main(args: argparse.Namespace) -> int:
         if args.print_each:
             for h, v in lis.messages[printed:]:
                 names = [f.name for f in Flag if h.flags & f]
-                print(f"seq {h.seq} chunk {h.chunk_id}@{h.index} flags {'|'.join(names) or '-'} {np.array2string(v[0], precision=3)}")
+                instr = f" instruction {h.instruction}" if h.instruction else ""
+                print(f"seq {h.seq} chunk {h.chunk_id}@{h.index}{instr} flags {'|'.join(names) or '-'} "
+                      f"{np.array2string(v[0], precision=3)}")
             printed = len(lis.messages)
         now = time.monotonic()
         if now >= next_report and not args.quiet:
@@ -99,6 +101,7 @@ def main(args: argparse.Namespace) -> int:
             flags=np.array([h.flags for h, _ in msgs], dtype=np.uint32),
             chunk_id=np.array([h.chunk_id for h, _ in msgs], dtype=np.uint32),
             index=np.array([h.index for h, _ in msgs], dtype=np.uint16),
+            instruction=np.array([h.instruction for h, _ in msgs], dtype=np.uint32),
             publish_mono_ns=np.array([h.publish_mono_ns for h, _ in msgs], dtype=np.int64),
             obs_mono_ns=np.array([h.obs_mono_ns for h, _ in msgs], dtype=np.int64),
             actions=np.array([v[0] for h, v in msgs if h.kind == 1], dtype=np.float32),

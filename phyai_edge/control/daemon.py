@@ -66,6 +66,7 @@ class _Inflight:
     obs_time_s: float
     delay_estimate: int
     valid: bool = True  # False once inputs went stale: the result will be discarded
+    instruction: int = 0  # the task channel's count of the instruction the job runs
 
 
 @dataclass
@@ -553,6 +554,7 @@ class Daemon:
                 inflight = None
 
             started = None  # the chunk whose first action this tick publishes
+            instruction = 0  # the chunk's instruction (task.py's count); 0 for HOLD
             if stale or estop:
                 # Do not act on old inputs: hold, forget the executing chunk (its timing no longer
                 # matches the robot), and drop whatever is in flight. Recovery starts a fresh chunk.
@@ -589,6 +591,7 @@ class Daemon:
                 else:
                     payload, chunk = nxt
                     obs_t, chunk_id, index = chunk.obs_time_s, chunk.chunk_id, chunk.index - 1
+                    instruction = chunk.instruction
                     if adopted_now:
                         flags |= Flag.CHUNK_START
                         started = chunk
@@ -602,10 +605,10 @@ class Daemon:
                 m.nonfinite.inc()
             if extra & Flag.CLAMPED:
                 m.clamped.labels("position_or_rate").inc()
-            header = pub.publish(out, flags | extra, obs_t, chunk_id, index)
+            header = pub.publish(out, flags | extra, obs_t, chunk_id, index, instruction)
             if started is not None:
                 # Right after its CHUNK_START action (protocol.md): row 0 is the action just sent.
-                pub.publish_chunk(started.actions, index, header.seq, obs_t, chunk_id)
+                pub.publish_chunk(started.actions, index, header.seq, obs_t, chunk_id, instruction=instruction)
             st.published += 1
             st.ticks += 1
             late = header.publish_mono_ns - tick.deadline_ns
@@ -670,7 +673,7 @@ class Daemon:
         )
         self.worker.submit(job)
         self.stats.inferences += 1
-        return _Inflight(job, slot, obs_time, plan.delay)
+        return _Inflight(job, slot, obs_time, plan.delay, instruction=self._job_changes)
 
     def _collect(self, res: JobResult, inflight: _Inflight, slot: int, infer_failed: bool) -> bool:
         """Adopt a finished chunk (or note the failure). Returns the new INFER_FAIL state."""
@@ -708,7 +711,8 @@ class Daemon:
             m.inference_failures.inc()  # phyai_nonfinite_actions is for the guard acting, not for this
             log.error("inference returned non-finite actions; chunk rejected")
             return True
-        taken = self.queue.adopt(res.actions, inflight.job.job_id, inflight.start_slot, slot, inflight.obs_time_s)
+        taken = self.queue.adopt(res.actions, inflight.job.job_id, inflight.start_slot, slot, inflight.obs_time_s,
+                                 inflight.instruction)
         st.delays.append(delay)
         if taken is None:
             st.stale_results += 1

@@ -26,7 +26,7 @@ KIND_ACTION = 1
 KIND_CHUNK = 2
 
 # magic, version, kind, flags, session, seq, publish_mono_ns, publish_wall_ns, obs_mono_ns,
-# chunk_id, index, rows, dim, reserved(2), reserved(4)
+# chunk_id, index, rows, dim, reserved(2), instruction (a reserved u32 until the task channel)
 _ACTION_HEADER = struct.Struct("<4sHHIIQqqqIHHHHI")
 ACTION_HEADER_SIZE = _ACTION_HEADER.size  # 64
 
@@ -62,6 +62,9 @@ class ActionHeader:
     session: int = 0
     kind: int = KIND_ACTION
     version: int = VERSION
+    # The instruction the chunk was computed with: 0 is model.prompt, n the n-th taken over the
+    # task channel (`TaskReply.changes`); 0 for HOLD. Written where version 1 had reserved zeros.
+    instruction: int = 0
 
     def pack(self) -> bytes:
         return _ACTION_HEADER.pack(
@@ -79,21 +82,21 @@ class ActionHeader:
             self.rows,
             self.dim,
             0,
-            0,
+            self.instruction,
         )
 
     @classmethod
     def unpack(cls, data: bytes | memoryview) -> ActionHeader:
         if len(data) != ACTION_HEADER_SIZE:
             raise ValueError(f"action header: expected {ACTION_HEADER_SIZE} bytes, got {len(data)}")
-        magic, version, kind, flags, session, seq, pm, pw, om, cid, idx, rows, dim, _, _ = _ACTION_HEADER.unpack(
+        magic, version, kind, flags, session, seq, pm, pw, om, cid, idx, rows, dim, _, instruction = _ACTION_HEADER.unpack(
             data
         )
         if magic != ACTION_MAGIC:
             raise ValueError(f"action header: bad magic {magic!r}")
         if version != VERSION:
             raise ValueError(f"action header: unsupported version {version} (this reader speaks {VERSION})")
-        return cls(seq, pm, pw, om, cid, idx, rows, dim, flags, session, kind, version)
+        return cls(seq, pm, pw, om, cid, idx, rows, dim, flags, session, kind, version, instruction)
 
 
 def encode_actions(topic: bytes, header: ActionHeader, values: np.ndarray) -> list[bytes]:

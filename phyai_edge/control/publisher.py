@@ -36,7 +36,8 @@ class ActionPublisher:
         self.seq = 0
         self.chunks_sent = 0
 
-    def publish(self, values: np.ndarray, flags: int, obs_time_s: float, chunk_id: int, index: int) -> ActionHeader:
+    def publish(self, values: np.ndarray, flags: int, obs_time_s: float, chunk_id: int, index: int,
+                instruction: int = 0) -> ActionHeader:
         header = ActionHeader(
             seq=self.seq,
             publish_mono_ns=time.monotonic_ns(),
@@ -48,12 +49,14 @@ class ActionPublisher:
             dim=values.shape[-1],
             flags=int(flags),
             session=self.session,
+            instruction=instruction,
         )
         self.sock.send_multipart(encode_actions(self.topic, header, values), copy=True)
         self.seq += 1
         return header
 
-    def publish_chunk(self, actions: np.ndarray, first_index: int, first_seq: int, obs_time_s: float, chunk_id: int, flags: int = 0) -> None:
+    def publish_chunk(self, actions: np.ndarray, first_index: int, first_seq: int, obs_time_s: float, chunk_id: int,
+                      flags: int = 0, instruction: int = 0) -> None:
         """Rows [first_index, H) of an adopted chunk; row 0 is the action published with `first_seq`."""
         if not self.chunk_topic:
             return
@@ -70,6 +73,7 @@ class ActionPublisher:
             flags=int(flags),
             session=self.session,
             kind=KIND_CHUNK,
+            instruction=instruction,
         )
         self.sock.send_multipart(encode_actions(self.chunk_topic, header, rows), copy=True)
         self.chunks_sent += 1

@@ -26,6 +26,7 @@ class Chunk:
     start_slot: int  # slot of the observation: action i is for slot start_slot + i
     obs_time_s: float
     index: int = 0  # next action to publish
+    instruction: int = 0  # the instruction it was computed with (task.py's count; 0: model.prompt)
 
     @property
     def remaining(self) -> int:
@@ -89,7 +90,8 @@ class ChunkQueue:
         prefix = c.actions[c.index :].copy()
         return RequestPlan(slot, prefix, min(d, prefix.shape[0]))
 
-    def adopt(self, actions: np.ndarray, chunk_id: int, start_slot: int, now_slot: int, obs_time_s: float) -> int | None:
+    def adopt(self, actions: np.ndarray, chunk_id: int, start_slot: int, now_slot: int, obs_time_s: float,
+              instruction: int = 0) -> int | None:
         """Take over with a finished chunk at index `now_slot - start_slot`. None if it is already stale."""
         actions = actions[: self.horizon]
         delay = now_slot - start_slot
@@ -99,7 +101,8 @@ class ChunkQueue:
             return None
         if self.mode == "crossfade" and self.current is not None:
             actions = self._crossfade(actions, delay, now_slot)
-        self.current = Chunk(np.ascontiguousarray(actions, dtype=np.float32), chunk_id, start_slot, obs_time_s, delay)
+        self.current = Chunk(np.ascontiguousarray(actions, dtype=np.float32), chunk_id, start_slot, obs_time_s, delay,
+                             instruction)
         return delay
 
     def _crossfade(self, new: np.ndarray, delay: int, now_slot: int) -> np.ndarray:
