@@ -355,3 +355,32 @@ def test_the_task_command_sets_and_shows_the_instruction(tmp_path):
     finally:
         ch.close()
     assert ch.prompt == "fold the towel"
+
+
+def test_task_wait_returns_when_the_robot_begins_on_the_instruction():
+    """`phyai-edge task --wait`: subscribed to the daemon's actions before asking, it returns with
+    the first action computed with the new instruction; exit 3 when none comes (here: the daemon
+    holds on stale state, so no chunk runs)."""
+    endpoint = free_tcp_endpoint()
+    cfg = test_config(task={"endpoint": endpoint}, chunking={"mode": "inpaint", "execution_horizon": 40})
+    d = Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), realtime=False, status_line=False)
+    d.setup()
+    thread = threading.Thread(target=d.run, kwargs={"duration_s": 30}, daemon=True)
+    thread.start()
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "phyai_edge", "task", "--endpoint", endpoint, "--actions",
+                               d.publisher.endpoint, "--wait", *argv], capture_output=True, text=True, timeout=60)
+
+    try:
+        assert d.wait_started(10)
+        out = cli("put the cube in the bowl")
+        assert out.returncode == 0, out
+        assert "taken: 'put the cube in the bowl'" in out.stdout and "the robot began on it at action seq" in out.stdout
+        assert cli("put the cube in the bowl").returncode == 0  # already running: nothing to wait for
+        d.state.alive = False  # the synthetic state freezes: stale, HOLD, no chunk is computed
+        held = cli("fold the towel", "--timeout", "1.5")
+        assert held.returncode == 3 and "was taken, but no action computed with it arrived" in held.stderr, held
+    finally:
+        d.stop()
+        thread.join(10)
