@@ -79,6 +79,9 @@ def test_the_task_section_parses_and_is_off_by_default():
     ({"prompt_tokens": -1}, {}, "task.prompt_tokens"),
     ({"any_prompts": False}, {}, "task.any_prompts"),
     ({}, {"prompt": "pick\tup"}, "model.prompt"),
+    ({"prompts": ["fold the towel"]}, {}, "task.prompts"),  # without an endpoint: never used
+    ({"prompt_tokens": 96}, {}, "task.prompt_tokens"),
+    ({"any_prompt": False}, {}, "task.any_prompt"),
 ])
 def test_a_task_mistake_names_its_key(task, model, key):
     with pytest.raises(ConfigError) as err:

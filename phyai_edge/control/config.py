@@ -86,7 +86,7 @@ class CameraConfig:
     max_age_ms: float = 0.0  # 0: safety.camera_max_age_ms
     # What the policy sees of the frame (geometry.py): a crop (x, y, width, height in the
     # configured width x height), then a clockwise rotation, then a mirror.
-    crop: tuple[int, int, int, int] = ()  # type: ignore[assignment]
+    crop: tuple[int, int, int, int] | None = None
     rotate: int = 0
     flip: str = ""
 
@@ -97,7 +97,7 @@ class CameraConfig:
     @property
     def geometry(self) -> FrameGeometry | None:
         """The crop / rotation / mirror to apply, or None when the frame is used as it comes."""
-        g = FrameGeometry((self.height, self.width), tuple(self.crop) or None, self.rotate, self.flip)  # type: ignore[arg-type]
+        g = FrameGeometry((self.height, self.width), self.crop, self.rotate, self.flip)
         return None if g.identity else g
 
 
@@ -372,7 +372,7 @@ def _parse_camera(name: str, sec: _Section) -> CameraConfig:
                 or not all(isinstance(v, int) and not isinstance(v, bool) for v in crop)):
             raise ConfigError(f"{sec.key('crop')}: expected [x, y, width, height] in pixels of the configured "
                               f"{c.width}x{c.height} frame, got {_show(crop)}")
-        c.crop = tuple(crop)  # type: ignore[assignment]
+        c.crop = (crop[0], crop[1], crop[2], crop[3])
     present, rotate = sec._take("rotate")
     if present:
         if isinstance(rotate, bool) or rotate not in ROTATIONS:
@@ -608,6 +608,12 @@ def _parse_task(sec: _Section, cfg: DaemonConfig) -> TaskConfig:
     problem = task_prompt_problem(cfg.model.prompt) if cfg.model.prompt else ""
     if problem:
         raise ConfigError(f"model.prompt: {problem}")
+    if not t.endpoint:
+        unused = [k for k, v in (("prompts", t.prompts), ("prompt_tokens", t.prompt_tokens),
+                                 ("any_prompt", not t.any_prompt)) if v]
+        if unused:
+            raise ConfigError(f"task.{unused[0]}: only used with task.endpoint (instructions taken at run time); "
+                              "set the endpoint or remove it")
     if t.endpoint and t.endpoint == cfg.publish.endpoint:
         raise ConfigError(f"task.endpoint: {t.endpoint!r} is publish.endpoint too; give the instruction socket its own")
     sec.finish()
