@@ -13,6 +13,7 @@ Daemon hook: `model.factory = "phyai_edge.serve.client:remote_policy"` with the 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -25,6 +26,8 @@ import zmq
 
 from phyai_edge.serve import wire
 
+log = logging.getLogger("phyai_edge.serve.client")
+
 ENDPOINT_ENV = "PHYAI_EDGE_SERVE_ENDPOINT"
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5570"
 
@@ -35,6 +38,7 @@ class ServeError(RuntimeError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"serve: {code}: {message}")
         self.code = code
+        self.message = message
 
 
 class ServerBusyError(ServeError):
@@ -132,6 +136,28 @@ class RemotePolicy:
                          "total": roundtrip})
         return RemoteResult(np.array(rep.actions, dtype=np.float32), stage_ms, int(rep.info.get("batch", 0)),
                             bool(rep.info.get("late", False)))
+
+    def prompt_fit(self, prompt: str) -> tuple[int | None, int | None, int | None]:
+        """`Policy.prompt_fit` of the server's policy: (the most prompt tokens `prompt` takes with
+        any robot state, the most the server's engine runs as its warm-up left it, the most the
+        model takes at all), each None where the server cannot say. A server that cannot check
+        instructions (an older one, or one whose engine runs as Ray replicas) gives all None
+        and a log line; any other failure raises, as `infer` does."""
+        try:
+            rep = self._call(wire.Request("prompt_fit", next(self._ids), self.robot, prompt=prompt), self.timeout_s)
+        except ServeError as exc:
+            # An older server knows no such type: it refuses it naming the field (wire.WireError's
+            # convention), which no valid request from this client draws from a newer one.
+            if exc.code != wire.ERR_BAD_REQUEST or not exc.message.startswith("type:"):
+                raise
+            log.warning("the server at %s cannot check instructions (it predates prompt_fit: %s); "
+                        "this one is not checked", self.endpoint, exc.message)
+            return None, None, None
+        unchecked = rep.info.get("unchecked")
+        if unchecked:
+            log.warning("the server at %s cannot check instructions: %s; this one is not checked",
+                        self.endpoint, unchecked)
+        return wire.decode_prompt_fit(rep)
 
     def server_stats(self) -> dict[str, Any]:
         return self._call(wire.Request("stats", next(self._ids), self.robot), self.timeout_s).info["report"]

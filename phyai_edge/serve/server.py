@@ -6,6 +6,9 @@ Threads:
   hands it to the `Scheduler` (which may reject it at once: back-pressure), answers the
   requests that expired in the queue (`expired`: not run, their robot stopped waiting), and
   sends every reply the workers produce;
+- the check thread answers `prompt_fit` (`Policy.prompt_fit`: it tokenises the instruction once
+  per state bin, tens of milliseconds that would hold up every robot's intake), beside the
+  batches rather than queued behind them, and wakes the intake thread as the workers do;
 - `workers` inference threads take batches from the scheduler and run them on the executor
   (one for a local engine; one per replica for Ray Serve), then queue the replies and wake the
   intake thread through an inproc socket (ZeroMQ sockets are not shared between threads).
@@ -45,6 +48,9 @@ log = logging.getLogger("phyai_edge.serve")
 
 RTC_MODES = ("none", "crossfade", "inpaint", "guided-approx", "guided")
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5570"
+# Instruction checks waiting for the check thread; more are refused `overloaded`. A daemon asks
+# once per instruction sent to it, so a longer queue would only be a client in a loop.
+CHECKS_QUEUED = 16
 
 
 class Executor(Protocol):
@@ -164,6 +170,7 @@ class PolicyServer:
         self.ctx = context or zmq.Context.instance()
         self.endpoint = ""
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._checks: queue.Queue[tuple[bytes, wire.Request]] = queue.Queue(CHECKS_QUEUED)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._wake_addr = f"inproc://phyai-serve-wake-{id(self)}"
@@ -179,8 +186,10 @@ class PolicyServer:
         self._ready.wait(10.0)
         if self._error is not None:
             raise RuntimeError(f"cannot bind {self.bind_endpoint}: {self._error}") from self._error
-        for i in range(self.workers):
-            t = threading.Thread(target=self._worker_loop, name=f"serve-worker-{i}", daemon=True)
+        loops = [(self._check_loop, "serve-checks")]
+        loops += [(self._worker_loop, f"serve-worker-{i}") for i in range(self.workers)]
+        for loop, name in loops:
+            t = threading.Thread(target=loop, name=name, daemon=True)
             self._threads.append(t)
             t.start()
         log.info("serving %s on %s (%d worker(s), max batch %d, window %.1f ms, queue %d)",
@@ -195,6 +204,13 @@ class PolicyServer:
         for p in self.sched.close():
             self.stats.rejected(p.robot)  # counted, so the final report's columns add up
             self._reply_error(p.payload[0], p.req_id, wire.ERR_SHUTDOWN, "server is shutting down")
+        # Checks still queued hear it too, before the intake thread's last flush.
+        while True:
+            try:
+                ident, req = self._checks.get_nowait()
+            except queue.Empty:
+                break
+            self._reply_error(ident, req.req_id, wire.ERR_SHUTDOWN, "server is shutting down")
         self._stop.set()
         for t in self._threads:
             t.join(timeout)
@@ -328,6 +344,13 @@ class PolicyServer:
         if req.kind == "stats":
             self._reply(ident, wire.Reply(req.req_id, True, info={"report": self.report()}))
             return
+        if req.kind == "prompt_fit":
+            try:
+                self._checks.put_nowait((ident, req))
+            except queue.Full:
+                self._reply_error(ident, req.req_id, wire.ERR_OVERLOADED,
+                                  f"{CHECKS_QUEUED} instruction checks already queued; retry")
+            return
         self.stats.arrived(req.robot)
         try:
             item = request_item(req)
@@ -347,6 +370,45 @@ class PolicyServer:
         if code is not None:
             self.stats.rejected(req.robot)
             self._reply_error(ident, req.req_id, code, _reject_message(code, self.sched, p.size))
+
+    # -- check thread ----------------------------------------------------------------------
+    def _check_loop(self) -> None:
+        wake = self.ctx.socket(zmq.PUSH)
+        wake.setsockopt(zmq.LINGER, 0)
+        wake.connect(self._wake_addr)
+        try:
+            while not self._stop.is_set():
+                try:
+                    ident, req = self._checks.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                self._reply(ident, self._prompt_fit(req))
+                with contextlib.suppress(zmq.Again):
+                    wake.send(b"", zmq.NOBLOCK)
+        finally:
+            wake.close(0)
+
+    def _prompt_fit(self, req: wire.Request) -> wire.Reply:
+        """The executor's policy's `prompt_fit`, run beside whatever batch the workers run. It
+        tokenises (a Hugging Face tokenizer encodes through a shared borrow, SentencePiece through
+        a const method: both may run beside the batch's own tokenising, and the adapter's token
+        cache is not touched) and reads the room the warm-up fixed (an int written only before
+        `start`). It runs no torch and touches none of what makes the engine single-threaded
+        (`LocalExecutor`: static input buffers, the noise generator); the batch only shares the
+        GIL with it while it tokenises."""
+        fit = getattr(getattr(self.executor, "policy", None), "prompt_fit", None)
+        if fit is None:
+            why = f"its executor ({type(self.executor).__name__}) holds no policy here to count tokens with"
+            return wire.Reply(req.req_id, True, info=wire.prompt_fit_info(None, None, None, unchecked=why))
+        assert req.prompt is not None  # decode_request checked it
+        try:
+            tokens, room, most = fit(req.prompt)
+        except ValueError as exc:  # the adapter refuses the prompt itself (empty, with no default prompt)
+            return wire.Reply(req.req_id, False, error=wire.ERR_BAD_REQUEST, message=f"prompt: {exc}")
+        except Exception as exc:
+            log.exception("prompt_fit failed")
+            return wire.Reply(req.req_id, False, error=wire.ERR_INFERENCE, message=f"{type(exc).__name__}: {exc}")
+        return wire.Reply(req.req_id, True, info=wire.prompt_fit_info(tokens, room, most))
 
     # -- inference threads -----------------------------------------------------------------
     def _worker_loop(self) -> None:

@@ -13,6 +13,8 @@ Request (client -> server), header:
      "noise": null | ARRAY}
     {"v": 1, "type": "hello", "id": 0, "robot": "arm-3"}  -> model description
     {"v": 1, "type": "stats", "id": 0, "robot": "arm-3"}  -> per-robot latency report
+    {"v": 1, "type": "prompt_fit", "id": 0, "robot": "arm-3", "prompt": "wipe the table"}
+        -> {"tokens": 66, "room": 128, "most": 200}
 Reply (server -> client), header:
     {"v": 1, "id": 7, "ok": true, "actions": ARRAY, "stage_ms": {...}, "batch": 4, ...}
     {"v": 1, "id": 7, "ok": false, "error": "overloaded", "message": "..."}
@@ -27,6 +29,15 @@ arrival (the client has given up on it: running it would only make every other r
 and answers it `expired` instead; a request already running is not stopped. The server's clock
 starts at arrival, after the client's, so it never expires a request the client still awaits.
 A client that does not send it (older ones) gets no expiry.
+
+`prompt_fit` asks whether an instruction runs as the server's engine was warmed up, before a
+robot's daemon takes it (`Policy.prompt_fit`): `tokens` is the most prompt tokens the
+instruction takes with any robot state, `room` the most the engine runs without capturing graphs
+or truncating (fixed by the server's warm-up), `most` the most the model takes at all. Each is
+an integer or null (not known); all three are null, with `unchecked` saying why, where the
+server holds no policy to ask (Ray replicas). It is answered apart from the inference batches.
+An older server answers it `bad_request` with a message naming the `type` field: a client takes
+that as "this server cannot check instructions".
 """
 
 from __future__ import annotations
@@ -48,6 +59,9 @@ ERR_SHUTDOWN = "shutting_down"
 # The request was still queued `wait_ms` after it arrived: its client stopped waiting, so it was
 # not run. Every request gets one reply; a client that timed out discards this one by id.
 ERR_EXPIRED = "expired"
+# Far above what a VLA's prompt window holds (PI0.5: 200 tokens); `prompt_fit` tokenises its
+# prompt once per state bin (257 times for PI0.5), so a longer one would only occupy the server.
+MAX_CHECK_PROMPT_CHARS = 4096
 
 
 class WireError(ValueError):
@@ -170,7 +184,7 @@ class WireRTC:
 
 @dataclass
 class Request:
-    kind: str  # "infer" | "hello" | "stats"
+    kind: str  # "infer" | "hello" | "stats" | "prompt_fit"
     req_id: int
     robot: str
     budget_ms: float | None = None
@@ -178,12 +192,15 @@ class Request:
     rtc: WireRTC | None = None
     noise: np.ndarray | None = None
     wait_ms: float | None = None  # how long the client waits for the answer (None: no limit)
+    prompt: str | None = None  # prompt_fit: the instruction to check
 
 
 def encode_request(req: Request) -> list[Any]:
     """Request -> frames. Observations may be any object with images/state/prompt/timestamp."""
     p = _Packer()
     head: dict[str, Any] = {"v": VERSION, "type": req.kind, "id": int(req.req_id), "robot": req.robot}
+    if req.kind == "prompt_fit":
+        head["prompt"] = req.prompt
     if req.kind == "infer":
         head["budget_ms"] = None if req.budget_ms is None else float(req.budget_ms)
         if req.wait_ms is not None:  # absent, not null, when unset: the header an older client sends
@@ -208,14 +225,21 @@ def encode_request(req: Request) -> list[Any]:
 def decode_request(frames: list[Any]) -> Request:
     head = _header(frames)
     kind = head.get("type")
-    if kind not in ("infer", "hello", "stats"):
-        raise WireError(f"type: unknown request type {kind!r}; expected infer, hello or stats")
+    if kind not in ("infer", "hello", "stats", "prompt_fit"):
+        raise WireError(f"type: unknown request type {kind!r}; expected infer, hello, stats or prompt_fit")
     req_id, robot = head.get("id"), head.get("robot")
     if not isinstance(req_id, int):
         raise WireError(f"id: expected an integer, got {req_id!r}")
     if not isinstance(robot, str) or not robot:
         raise WireError(f"robot: expected a non-empty name, got {robot!r}")
     req = Request(kind, req_id, robot)
+    if kind == "prompt_fit":
+        prompt = head.get("prompt")
+        if not isinstance(prompt, str):
+            raise WireError(f"prompt: expected a string, got {prompt!r}")
+        if len(prompt) > MAX_CHECK_PROMPT_CHARS:
+            raise WireError(f"prompt: {len(prompt)} characters; at most {MAX_CHECK_PROMPT_CHARS} are checked")
+        req.prompt = prompt
     if kind != "infer":
         return req
     req.budget_ms = _positive_ms(head.get("budget_ms"), "budget_ms")
@@ -283,3 +307,24 @@ def decode_reply(frames: list[Any]) -> Reply:
     actions = _unpack(head.pop("actions"), frames, "actions") if "actions" in head else None
     error, message = str(head.pop("error", "")), str(head.pop("message", ""))
     return Reply(req_id, ok, actions, error, message, head)
+
+
+def prompt_fit_info(tokens: int | None, room: int | None, most: int | None, unchecked: str = "") -> dict[str, Any]:
+    """A `prompt_fit` reply's fields; `unchecked`: why the server cannot say (then all are None)."""
+    info: dict[str, Any] = {"tokens": tokens, "room": room, "most": most}
+    if unchecked:
+        info["unchecked"] = unchecked
+    return info
+
+
+def decode_prompt_fit(rep: Reply) -> tuple[int | None, int | None, int | None]:
+    """A `prompt_fit` reply -> (tokens, room, most), each a count or None."""
+    fit = []
+    for key in ("tokens", "room", "most"):
+        value = rep.info.get(key)
+        if value is not None:
+            value = _integer(value, key)
+            if value < 0:
+                raise WireError(f"{key}: expected a count of tokens or null, got {value!r}")
+        fit.append(value)
+    return fit[0], fit[1], fit[2]
