@@ -133,7 +133,8 @@ class PromptFit:
             return ""
         too_long = self.most is not None and self.tokens is not None and self.tokens > self.most
         hint = f"the model takes at most {self.most}: shorten it" if too_long else \
-            "raise task.prompt_tokens or list it in task.prompts"
+            "raise task.prompt_tokens or list it in task.prompts; on a remote policy, the server's " \
+            "--prompt-tokens or --warm-prompt"
         return (f"the instruction takes up to {self.tokens} prompt tokens with some robot states, and the policy "
                 f"runs {self.room} as it was warmed up ({hint})")
 
