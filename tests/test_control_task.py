@@ -16,7 +16,7 @@ import pytest
 from phyai_edge.control.config import ConfigError, TaskConfig, parse_config
 from phyai_edge.control.daemon import Daemon
 from phyai_edge.control.fakes import FakePolicy, free_tcp_endpoint, test_config
-from phyai_edge.control.protocol import TaskReply, decode_task_request, encode_task_request
+from phyai_edge.control.protocol import TaskReply, TaskRequest, decode_task_request, encode_task_request
 from phyai_edge.control.task import TaskChannel, request_instruction
 from phyai_edge.control.worker import (
     PolicySpec,
@@ -31,11 +31,14 @@ from phyai_edge.control.worker import (
 
 
 def test_task_request_and_reply_round_trip():
-    assert decode_task_request(encode_task_request("put the cup in the sink")) == "put the cup in the sink"
-    assert decode_task_request(encode_task_request(None)) is None
-    assert decode_task_request(b"{}") is None  # a query needs no version
-    reply = TaskReply(False, "pick up the cube", "too long", tokens=90, room=80, changes=3)
+    assert decode_task_request(encode_task_request("put the cup in the sink")) == TaskRequest("put the cup in the sink")
+    assert decode_task_request(encode_task_request(None)) == TaskRequest()
+    assert decode_task_request(b"{}") == TaskRequest()  # a query needs no version
+    assert decode_task_request(encode_task_request("go", hold=False)) == TaskRequest("go", False)
+    assert decode_task_request(b'{"hold": true}') == TaskRequest(None, True)
+    reply = TaskReply(False, "pick up the cube", "too long", tokens=90, room=80, changes=3, holding=True)
     assert TaskReply.decode(reply.encode()) == reply
+    assert TaskReply.decode(b'{"ok": true, "prompt": "x"}') == TaskReply(True, "x")  # fields added later default
 
 
 @pytest.mark.parametrize("data, words", [
@@ -45,6 +48,7 @@ def test_task_request_and_reply_round_trip():
     (b'{"prompt": 3}', "prompt must be a string"),
     (b'{"promt": "x"}', "unknown field 'promt'"),
     (b'{"version": 2, "prompt": "x"}', "unsupported version 2"),
+    (b'{"hold": "yes"}', 'hold must be true or false, got "yes"'),
     (b'{"prompt": "' + b"a" * 20000 + b'"}', "above the 16384-byte limit"),
 ])
 def test_a_bad_task_request_is_refused_naming_what_is_wrong(data, words):
@@ -387,3 +391,67 @@ def test_task_wait_returns_when_the_robot_begins_on_the_instruction():
     finally:
         d.stop()
         thread.join(10)
+
+
+def test_the_channel_holds_and_releases_and_a_refused_instruction_changes_neither():
+    check = Checker()
+    ch = TaskChannel(TaskConfig(endpoint="ipc:///unused"), "pick up the cube", check)
+    held = ch.handle(encode_task_request(hold=True))
+    assert held == TaskReply(True, "pick up the cube", holding=True) and ch.holding
+    check.tokens = 99  # too long for the room: the release that comes with it is not applied either
+    refused = ch.handle(encode_task_request("wipe the table", hold=False))
+    assert not refused.ok and refused.holding and ch.holding and ch.prompt == "pick up the cube"
+    check.tokens = 40
+    resumed = ch.handle(encode_task_request("wipe the table", hold=False))
+    assert resumed == TaskReply(True, "wipe the table", tokens=40, room=64, changes=1, holding=False)
+    assert not ch.holding and ch.current == (1, "wipe the table")
+    assert TaskChannel(TaskConfig(endpoint="ipc:///unused", start_held=True), "a", check).holding
+
+
+def test_an_operator_hold_publishes_hold_paused_runs_nothing_and_resumes_fresh():
+    from phyai_edge.control.listener import Listener
+    from phyai_edge.control.protocol import Flag
+
+    endpoint = free_tcp_endpoint()
+    cfg = test_config(task={"endpoint": endpoint, "start_held": True})
+    policy = RecordsPrompts(action_dim=6, state_dim=6, latency_s=0.01)
+    d = Daemon(cfg, policy=policy, realtime=False, status_line=False)
+    d.setup()
+    listener = Listener(d.publisher.endpoint, cfg.publish.topic, keep=True)
+    time.sleep(0.2)
+    thread = threading.Thread(target=d.run, kwargs={"duration_s": 30}, daemon=True)
+    thread.start()
+
+    def actions():
+        listener.poll(0.05)
+        return [h for h, _ in listener.messages if h.kind == 1]
+
+    def wait_for(pred, what):
+        end = time.monotonic() + 10
+        while not pred() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert pred(), what
+
+    try:
+        assert d.wait_started(10)
+        wait_for(lambda: len(actions()) >= 20, "20 actions while held from the start")
+        calls = len(policy.calls_seen)  # the warm-up's only: nothing runs while held
+        assert all(h.flags & Flag.HOLD and h.flags & Flag.PAUSED for h in actions())
+        assert request_instruction(endpoint, "put the cube in the bowl", hold=False).changes == 1
+        wait_for(lambda: any(not h.flags & Flag.HOLD for h in actions()), "policy actions after the release")
+        first = next(h for h in actions() if not h.flags & Flag.HOLD)
+        assert first.flags & Flag.CHUNK_START and first.instruction == 1
+        assert policy.calls_seen[calls][0] == "put the cube in the bowl"
+        assert policy.calls_seen[calls][1] == -1  # a fresh chunk: no prefix from the dropped one
+        held_at = len(actions())
+        assert request_instruction(endpoint, hold=True).holding
+        wait_for(lambda: len(actions()) >= held_at + 20, "20 more actions")
+        tail = actions()[held_at + 5:]  # a tick or two may pass before the clock reads the hold
+        assert tail and all(h.flags & Flag.PAUSED and h.flags & Flag.HOLD for h in tail)
+        seqs = [h.seq for h in actions()]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no sequence number lost or repeated
+    finally:
+        d.stop()
+        thread.join(10)
+        listener.close()
+    assert d.summary()["holds"].get("paused", 0) >= 40

@@ -21,8 +21,13 @@ With --wait it also subscribes to the daemon's actions (--actions, its publish.e
 asking, and returns once the first action of a chunk computed with the new instruction is published
 (the header's `instruction` field, docs/protocol.md): when the robot began on it.
 
+--hold holds the robot (the daemon publishes HOLD | PAUSED and runs no inference, its engine
+staying warm) until --release, which may come with the instruction to resume on.
+
 Examples:
   phyai-edge task                                            # which instruction runs
+  phyai-edge task --hold                                     # pause the robot
+  phyai-edge task "wipe the table" --release                 # resume on a new instruction
   phyai-edge task "put the cup in the sink"                  # tcp://127.0.0.1:5557
   phyai-edge task "put the cup in the sink" --wait           # ... and wait until the robot acts on it
   phyai-edge task --endpoint ipc:///run/phyai-edge/task "fold the towel" --json -
@@ -34,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="the daemon's task.endpoint")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon's answer")
     p.add_argument("--json", dest="json_path", help="write the daemon's reply as JSON to this file ('-': stdout)")
+    pause = p.add_mutually_exclusive_group()
+    pause.add_argument("--hold", dest="hold", action="store_const", const=True, default=None,
+                       help="hold the robot: HOLD | PAUSED, no inference, until --release")
+    pause.add_argument("--release", dest="hold", action="store_const", const=False,
+                       help="release a hold (with PROMPT: resume on that instruction)")
     p.add_argument("--wait", action="store_true",
                    help="after the instruction is taken, wait (up to --timeout) for its first published action")
     p.add_argument("--actions", default="tcp://127.0.0.1:5555", help="--wait: the daemon's publish.endpoint")
@@ -48,6 +58,9 @@ def main(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         print(f"phyai-edge task: --timeout must be positive, got {args.timeout:g}", file=sys.stderr)
         return 2
+    if args.wait and args.hold:
+        print("phyai-edge task: --wait waits for an action, and --hold stops them", file=sys.stderr)
+        return 2
     listener = None
     try:
         if args.wait and args.prompt is not None:
@@ -61,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
             time.sleep(SUBSCRIBE_S)
         # With --wait, what ran before: an instruction already running has no takeover to wait for.
         before = request_instruction(args.endpoint, None, args.timeout) if listener is not None else None
-        reply = request_instruction(args.endpoint, args.prompt, args.timeout)
+        reply = request_instruction(args.endpoint, args.prompt, args.timeout, hold=args.hold)
         replied = time.monotonic()
         _report(args, reply)
         if not reply.ok:
@@ -95,7 +108,8 @@ def _report(args: argparse.Namespace, reply: Any) -> None:
     elif args.json_path != "-":
         fit = f" ({reply.tokens} of {reply.room} prompt tokens)" if reply.tokens and reply.room else ""
         what = "running" if args.prompt is None else "taken"
-        print(f"{what}: {reply.prompt!r}{fit}; {reply.changes} change(s) since start-up")
+        held = "; the robot is held (HOLD | PAUSED) until --release" if reply.holding else ""
+        print(f"{what}: {reply.prompt!r}{fit}; {reply.changes} change(s) since start-up{held}")
 
 
 SUBSCRIBE_S = 0.3  # a SUB socket's subscription takes a moment to reach the publisher

@@ -166,6 +166,7 @@ class TaskConfig:
     prompts: tuple[str, ...] = ()
     prompt_tokens: int = 0  # room, in prompt tokens (state included), kept for instructions not listed
     any_prompt: bool = True  # false: refuse an instruction that is not model.prompt or in prompts
+    start_held: bool = False  # hold the robot (HOLD | PAUSED) from the start until an operator releases it
 
 
 @dataclass
@@ -594,7 +595,8 @@ def _parse_task(sec: _Section, cfg: DaemonConfig) -> TaskConfig:
     d = TaskConfig()
     t = TaskConfig(endpoint=_endpoint(sec, "endpoint", d.endpoint), bind=sec.boolean("bind", d.bind),
                    prompt_tokens=sec.integer("prompt_tokens", d.prompt_tokens, minimum=0),
-                   any_prompt=sec.boolean("any_prompt", d.any_prompt))
+                   any_prompt=sec.boolean("any_prompt", d.any_prompt),
+                   start_held=sec.boolean("start_held", d.start_held))
     present, prompts = sec._take("prompts")
     if present:
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
@@ -610,7 +612,7 @@ def _parse_task(sec: _Section, cfg: DaemonConfig) -> TaskConfig:
         raise ConfigError(f"model.prompt: {problem}")
     if not t.endpoint:
         unused = [k for k, v in (("prompts", t.prompts), ("prompt_tokens", t.prompt_tokens),
-                                 ("any_prompt", not t.any_prompt)) if v]
+                                 ("any_prompt", not t.any_prompt), ("start_held", t.start_held)) if v]
         if unused:
             raise ConfigError(f"task.{unused[0]}: only used with task.endpoint (instructions taken at run time); "
                               "set the endpoint or remove it")
@@ -809,6 +811,7 @@ prompt_tokens = 0            # room (prompt tokens, the state's included) for in
                              # a chunk's prefix costs more with more room. A longer one is refused, never
                              # truncated or captured inside the loop
 any_prompt = true            # false: accept only model.prompt and the instructions in prompts
+start_held = false           # true: HOLD | PAUSED from the start until `phyai-edge task --release`
 
 [metrics]
 port = 0                     # Prometheus on host:port; 0 is off

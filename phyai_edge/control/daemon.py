@@ -534,6 +534,7 @@ class Daemon:
             if sample is None or now_s - sample.time_s > state_age:
                 stale.append("state")
             estop = sample is not None and sample.estop
+            paused = self.task is not None and self.task.holding  # an operator's hold (task.py)
 
             # -- the worker's health (a dead worker process is restarted by its client thread)
             worker_up = worker.up
@@ -547,7 +548,7 @@ class Daemon:
             res = self.worker.poll()
             if res is not None:
                 assert inflight is not None
-                if stale or estop:
+                if stale or estop or paused:
                     inflight.valid = False  # this tick holds and drops the executing chunk: never adopt one now
                 infer_failed = self._collect(res, inflight, tick.slot, infer_failed)
                 adopted_now = q.current is not None and q.current.chunk_id == inflight.job.job_id and q.current.index == tick.slot - inflight.start_slot
@@ -555,13 +556,15 @@ class Daemon:
 
             started = None  # the chunk whose first action this tick publishes
             instruction = 0  # the chunk's instruction (task.py's count); 0 for HOLD
-            if stale or estop:
-                # Do not act on old inputs: hold, forget the executing chunk (its timing no longer
-                # matches the robot), and drop whatever is in flight. Recovery starts a fresh chunk.
-                reason = "estop" if estop else "stale"
-                flags |= Flag.HOLD | (Flag.ESTOP if estop else Flag.STALE)
+            if stale or estop or paused:
+                # Do not act on old inputs (nor while an operator holds the robot): hold, forget the
+                # executing chunk (its timing no longer matches the robot), and drop whatever is in
+                # flight. Recovery starts a fresh chunk.
+                reason = "estop" if estop else "stale" if stale else "paused"
+                flags |= Flag.HOLD | (Flag.ESTOP if estop else Flag.STALE if stale else Flag.PAUSED)
                 if q.current is not None or inflight is not None:
-                    log.warning("HOLD: %s (%s)", reason, ", ".join(stale) or "e-stop from the state stream")
+                    why = ", ".join(stale) or ("e-stop from the state stream" if estop else "the task channel")
+                    log.warning("HOLD: %s (%s)", reason, why)
                 q.reset()
                 if inflight is not None:
                     inflight.valid = False

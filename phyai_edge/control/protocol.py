@@ -46,6 +46,7 @@ class Flag(IntFlag):
     STARVED = 1 << 9  # the executing chunk ran out before the next one arrived
     CHUNK_START = 1 << 10  # first action published from a newly adopted chunk
     WORKER_DOWN = 1 << 11  # the inference worker process died; set until a restarted one is up and warmed
+    PAUSED = 1 << 12  # an operator holds the robot through the task channel (always with HOLD)
 
 
 @dataclass
@@ -238,16 +239,25 @@ class FrameMessage:
 TASK_MAX_BYTES = 16384
 
 
-def encode_task_request(prompt: str | None = None) -> bytes:
-    """A request: set the instruction to `prompt`, or (None) ask which one runs."""
+def encode_task_request(prompt: str | None = None, hold: bool | None = None) -> bytes:
+    """A request: set the instruction to `prompt` and / or hold (True) or release (False) the
+    robot; with neither, ask which instruction runs."""
     body: dict[str, object] = {"version": VERSION}
     if prompt is not None:
         body["prompt"] = prompt
+    if hold is not None:
+        body["hold"] = hold
     return json.dumps(body).encode("utf-8")
 
 
-def decode_task_request(data: bytes | memoryview) -> str | None:
-    """Inverse of `encode_task_request`: the instruction asked for, or None for a query."""
+@dataclass
+class TaskRequest:
+    prompt: str | None = None  # None: keep the instruction
+    hold: bool | None = None  # None: leave the hold as it is
+
+
+def decode_task_request(data: bytes | memoryview) -> TaskRequest:
+    """Inverse of `encode_task_request`."""
     if len(data) > TASK_MAX_BYTES:
         raise ValueError(f"task request: {len(data)} bytes is above the {TASK_MAX_BYTES}-byte limit")
     try:
@@ -259,13 +269,15 @@ def decode_task_request(data: bytes | memoryview) -> str | None:
     version = body.get("version", VERSION)
     if version != VERSION:
         raise ValueError(f"task request: unsupported version {version!r} (this daemon speaks {VERSION})")
-    unknown = sorted(set(body) - {"version", "prompt"})
+    unknown = sorted(set(body) - {"version", "prompt", "hold"})
     if unknown:
-        raise ValueError(f"task request: unknown field {unknown[0]!r} (known: prompt, version)")
-    prompt = body.get("prompt")
+        raise ValueError(f"task request: unknown field {unknown[0]!r} (known: prompt, hold, version)")
+    prompt, hold = body.get("prompt"), body.get("hold")
     if prompt is not None and not isinstance(prompt, str):
         raise ValueError(f"task request: prompt must be a string, got {type(prompt).__name__}")
-    return prompt
+    if hold is not None and not isinstance(hold, bool):
+        raise ValueError(f"task request: hold must be true or false, got {json.dumps(hold)}")
+    return TaskRequest(prompt, hold)
 
 
 @dataclass
@@ -273,7 +285,8 @@ class TaskReply:
     """The daemon's answer. `prompt` is the instruction in effect after the request (the old one
     when it was refused); `changes` counts the instructions taken since start-up. `tokens` and
     `room`: the prompt tokens the asked-for instruction takes with any robot state, and the most
-    the engine runs without new graphs or truncation (0 where unknown)."""
+    the engine runs without new graphs or truncation (0 where unknown). `holding`: whether the
+    robot is held (after the request)."""
 
     ok: bool
     prompt: str
@@ -281,10 +294,12 @@ class TaskReply:
     tokens: int = 0
     room: int = 0
     changes: int = 0
+    holding: bool = False
 
     def encode(self) -> bytes:
         return json.dumps({"version": VERSION, "ok": self.ok, "prompt": self.prompt, "error": self.error,
-                           "tokens": self.tokens, "room": self.room, "changes": self.changes}).encode("utf-8")
+                           "tokens": self.tokens, "room": self.room, "changes": self.changes,
+                           "holding": self.holding}).encode("utf-8")
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> TaskReply:
@@ -297,4 +312,4 @@ class TaskReply:
         if body.get("version", VERSION) != VERSION:
             raise ValueError(f"task reply: unsupported version {body.get('version')!r}")
         return cls(body["ok"], body["prompt"], str(body.get("error", "")), int(body.get("tokens", 0)),
-                   int(body.get("room", 0)), int(body.get("changes", 0)))
+                   int(body.get("room", 0)), int(body.get("changes", 0)), bool(body.get("holding", False)))

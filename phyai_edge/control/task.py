@@ -8,7 +8,12 @@ Every request is answered. An instruction is taken only if it runs as the policy
 the worker checks its prompt tokens, with any robot state, against the room the engine keeps
 (`Policy.prompt_fit`), so a new instruction never truncates and never captures graphs inside the
 control loop. The check, and the socket, live on this module's own thread: the clock thread only
-reads `current`.
+reads `current` and `holding`.
+
+The same socket holds the robot (`"hold": true`): the daemon publishes HOLD | PAUSED, runs no
+inference and forgets the executing chunk, as for stale inputs, until `"hold": false` (which may
+come with the instruction to resume on). An operator's pause, without stopping the daemon or
+losing its warm engine.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ POLL_MS = 100  # how often the thread looks at `close` while no request comes
 
 class TaskChannel:
     """`current`: (changes so far, the instruction), replaced whole by this thread and read by
-    the clock thread without a lock (one attribute: each read sees one whole pair)."""
+    the clock thread without a lock (one attribute: each read sees one whole pair); `holding`
+    likewise."""
 
     def __init__(self, cfg: TaskConfig, initial: str, check: Callable[[str], PromptFit], context: Any = None,
                  metrics: Metrics | None = None) -> None:
@@ -38,6 +44,7 @@ class TaskChannel:
         self.check = check
         self.metrics = metrics or Metrics()
         self.current: tuple[int, str] = (0, initial)
+        self.holding = cfg.start_held
         # Declared instructions: the only ones taken with any_prompt = false.
         self.declared = frozenset((initial, *cfg.prompts))
         self.refused = 0
@@ -112,44 +119,57 @@ class TaskChannel:
                 raise
 
     def handle(self, data: bytes) -> TaskReply:
-        """One request -> its reply; takes the instruction where it is acceptable."""
+        """One request -> its reply. The instruction is taken where it is acceptable, then the
+        hold set: a refused instruction leaves the hold as it was (one request, one outcome)."""
         changes, prompt = self.current
         try:
-            asked = decode_task_request(data)
+            req = decode_task_request(data)
         except ValueError as exc:
             return self._refuse(str(exc), prompt, changes)
-        if asked is None:  # a query
+        if req.prompt is None and req.hold is None:
             self.metrics.task_requests.labels("query").inc()
-            return TaskReply(True, prompt, changes=changes)
-        problem = task_prompt_problem(asked)
-        if not problem and not self.cfg.any_prompt and asked not in self.declared:
-            problem = "not a declared instruction (task.any_prompt = false: model.prompt or one of task.prompts)"
-        if problem:
-            return self._refuse(problem, prompt, changes)
-        if asked == prompt:
+            return TaskReply(True, prompt, changes=changes, holding=self.holding)
+        tokens = room = 0
+        if req.prompt is not None and req.prompt != prompt:
+            asked = req.prompt
+            problem = task_prompt_problem(asked)
+            if not problem and not self.cfg.any_prompt and asked not in self.declared:
+                problem = "not a declared instruction (task.any_prompt = false: model.prompt or one of task.prompts)"
+            if problem:
+                return self._refuse(problem, prompt, changes)
+            fit = self.check(asked)
+            tokens, room = fit.tokens or 0, fit.room or 0
+            if not fit.fits:
+                return self._refuse(fit.problem(), prompt, changes, tokens, room)
+            changes, prompt = changes + 1, asked
+            self.current = (changes, prompt)
+            self.metrics.task_requests.labels("taken").inc()
+            log.info("task: now %r (%s): the next chunk runs it", prompt,
+                     f"{tokens} of {room} prompt tokens" if tokens and room else "prompt length not checked")
+        elif req.prompt is not None:
             self.metrics.task_requests.labels("unchanged").inc()
-            return TaskReply(True, prompt, changes=changes)
-        fit = self.check(asked)
-        tokens, room = fit.tokens or 0, fit.room or 0
-        if not fit.fits:
-            return self._refuse(fit.problem(), prompt, changes, tokens, room)
-        self.current = (changes + 1, asked)
-        self.metrics.task_requests.labels("taken").inc()
-        log.info("task: now %r (was %r; %s): the next chunk runs it", asked, prompt,
-                 f"{tokens} of {room} prompt tokens" if tokens and room else "prompt length not checked")
-        return TaskReply(True, asked, tokens=tokens, room=room, changes=changes + 1)
+        if req.hold is not None and req.hold != self.holding:
+            self.holding = req.hold
+            self.metrics.task_requests.labels("hold" if req.hold else "release").inc()
+            if req.hold:
+                log.warning("task: robot held by the operator (HOLD | PAUSED)")
+            else:
+                log.info("task: hold released: a fresh chunk starts")
+        return TaskReply(True, prompt, tokens=tokens, room=room, changes=changes, holding=self.holding)
 
     def _refuse(self, why: str, prompt: str, changes: int, tokens: int = 0, room: int = 0) -> TaskReply:
         self.refused += 1
         self.metrics.task_requests.labels("refused").inc()
         log.warning("task: instruction refused: %s; still %r", why, prompt)
-        return TaskReply(False, prompt, why, tokens, room, changes)
+        return TaskReply(False, prompt, why, tokens, room, changes, self.holding)
 
 
-def request_instruction(endpoint: str, prompt: str | None = None, timeout_s: float = 10.0, context: Any = None) -> TaskReply:
-    """A client's side: ask the daemon at `endpoint` to run `prompt` (None: only ask which
-    instruction runs) and return its reply. TimeoutError if none comes within `timeout_s` (the
-    daemon answers after the worker's check, which waits for the inference in flight)."""
+def request_instruction(endpoint: str, prompt: str | None = None, timeout_s: float = 10.0, context: Any = None,
+                        hold: bool | None = None) -> TaskReply:
+    """A client's side: ask the daemon at `endpoint` to run `prompt` and / or to hold (True) or
+    release (False) the robot (neither: only ask which instruction runs) and return its reply.
+    TimeoutError if none comes within `timeout_s` (the daemon answers after the worker's check,
+    which waits for the inference in flight)."""
     import zmq
 
     if timeout_s <= 0:
@@ -162,7 +182,7 @@ def request_instruction(endpoint: str, prompt: str | None = None, timeout_s: flo
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
             raise ValueError(f"endpoint {endpoint!r}: {exc} (expected tcp://host:port or ipc://path)") from None
-        sock.send(encode_task_request(prompt))
+        sock.send(encode_task_request(prompt, hold))
         if not sock.poll(round(timeout_s * 1000)):
             raise TimeoutError(f"no answer from {endpoint} within {timeout_s:g} s (is the daemon running with task.endpoint?)")
         return TaskReply.decode(sock.recv())
