@@ -372,10 +372,15 @@ class PolicyServer:
             self._reply_error(ident, req.req_id, code, _reject_message(code, self.sched, p.size))
 
     # -- check thread ----------------------------------------------------------------------
-    def _check_loop(self) -> None:
+    def _wake_socket(self) -> Any:
+        """A PUSH to the intake thread's wake-up socket, for a thread that queues replies."""
         wake = self.ctx.socket(zmq.PUSH)
         wake.setsockopt(zmq.LINGER, 0)
         wake.connect(self._wake_addr)
+        return wake
+
+    def _check_loop(self) -> None:
+        wake = self._wake_socket()
         try:
             while not self._stop.is_set():
                 try:
@@ -412,9 +417,7 @@ class PolicyServer:
 
     # -- inference threads -----------------------------------------------------------------
     def _worker_loop(self) -> None:
-        wake = self.ctx.socket(zmq.PUSH)
-        wake.setsockopt(zmq.LINGER, 0)
-        wake.connect(self._wake_addr)
+        wake = self._wake_socket()
         try:
             while not self._stop.is_set():
                 batch = self.sched.next_batch(timeout=0.2)
