@@ -320,3 +320,34 @@ def test_an_exported_bundle_of_a_relative_policy_stays_relative(tmp_path):
     assert cli(["export", "--preset", "tiny", "--out", str(out), "--steps", "2", "--holdout", "1", "--no-progress",
                 "--adapter-option", "relative_actions=6,-1,6,-1"]) == 0
     assert load_policy(bundle=out).adapter.io.relative_action_mask == ALOHA_MASK
+
+
+# -- the daemon ----------------------------------------------------------------------------------
+def test_the_daemon_joins_a_relative_policy_s_chunks_in_robot_units(tmp_path):
+    """Through the daemon's own path (job -> worker -> Policy.infer, the state moving between
+    chunks): with `inpaint`, each recorded chunk's first d actions are the executing chunk's
+    actions it was given as the prefix, in robot units, so a relative policy's chunks join as
+    an absolute one's do. `--record` keeps every job's prefix, d and chunk."""
+    import threading
+
+    from phyai_edge.control.daemon import Daemon
+    from phyai_edge.control.fakes import test_config
+
+    policy = load_policy(preset="tiny", backend="eager", adapter_options={"relative_actions": "6,-1,6,-1"})
+    assert policy.adapter.relative_actions
+    cfg = test_config(chunking={"mode": "inpaint", "execution_horizon": 10, "delay_initial": 3},
+                      model={"worker": "thread", "warmup": 1})
+    d = Daemon(cfg, policy=policy, realtime=False, status_line=False, record_dir=str(tmp_path))
+    d.setup()
+    thread = threading.Thread(target=d.run, kwargs={"max_ticks": 120}, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive()
+    joined = 0
+    for f in sorted(tmp_path.glob("obs_*.npz")):
+        with np.load(f) as z:
+            prefix, actions, k = z["prefix"], z["actions"], int(z["delay_estimate"])
+            if prefix.size and actions.size and k:
+                np.testing.assert_allclose(actions[:k], prefix[:k], atol=1e-4)
+                joined += 1
+    assert joined >= 3, joined
