@@ -3,14 +3,12 @@ worker, the warm-up and the recorder alike."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from phyai_edge.control.config import ConfigError, parse_config
 from phyai_edge.control.daemon import Daemon, warmup_frames
-from phyai_edge.control.fakes import FakePolicy, test_config
+from phyai_edge.control.fakes import FakePolicy, run_ticks, test_config
 from phyai_edge.control.geometry import FrameGeometry
 from phyai_edge.control.recorder import Recorder
 from phyai_edge.control.worker import as_policy_frame
@@ -105,11 +103,7 @@ def test_the_daemon_s_policy_warm_up_and_recording_see_the_frame_as_configured(t
     assert warmup_frames(cfg, ["top"]) == {"top": (32, 24)}
     policy = SeesFrames(action_dim=6, state_dim=6, latency_s=0.005)
     d = Daemon(cfg, policy=policy, realtime=False, status_line=False, record_dir=str(tmp_path))
-    d.setup()
-    thread = threading.Thread(target=d.run, kwargs={"max_ticks": 60}, daemon=True)
-    thread.start()
-    thread.join(30)
-    assert not thread.is_alive()
+    run_ticks(d, 60, timeout_s=30)
     warm, live = policy.seen[0], policy.seen[-1]
     assert warm.shape == live.shape == (32, 24, 3)
     sources = d.cameras["top"]._frames  # the synthetic camera's precomputed frames

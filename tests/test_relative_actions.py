@@ -328,21 +328,15 @@ def test_the_daemon_joins_a_relative_policy_s_chunks_in_robot_units(tmp_path):
     chunks): with `inpaint`, each recorded chunk's first d actions are the executing chunk's
     actions it was given as the prefix, in robot units, so a relative policy's chunks join as
     an absolute one's do. `--record` keeps every job's prefix, d and chunk."""
-    import threading
-
     from phyai_edge.control.daemon import Daemon
-    from phyai_edge.control.fakes import test_config
+    from phyai_edge.control.fakes import run_ticks, test_config
 
     policy = load_policy(preset="tiny", backend="eager", adapter_options={"relative_actions": "6,-1,6,-1"})
     assert policy.adapter.relative_actions
     cfg = test_config(chunking={"mode": "inpaint", "execution_horizon": 10, "delay_initial": 3},
                       model={"worker": "thread", "warmup": 1})
     d = Daemon(cfg, policy=policy, realtime=False, status_line=False, record_dir=str(tmp_path))
-    d.setup()
-    thread = threading.Thread(target=d.run, kwargs={"max_ticks": 120}, daemon=True)
-    thread.start()
-    thread.join(120)
-    assert not thread.is_alive()
+    run_ticks(d, 120, timeout_s=120)
     joined = 0
     for f in sorted(tmp_path.glob("obs_*.npz")):
         with np.load(f) as z:

@@ -132,3 +132,15 @@ def test_config(**sections: dict[str, Any]) -> Any:
 
 
 test_config.__test__ = False  # type: ignore[attr-defined]  # not a pytest test despite the name
+
+
+def run_ticks(daemon: Any, ticks: int, timeout_s: float = 60.0) -> None:
+    """Set up `daemon` and run it for `ticks` ticks on a thread of its own; AssertionError if it
+    has not stopped within `timeout_s` (a loop that hangs fails the test instead of blocking it)."""
+    import threading
+
+    daemon.setup()
+    thread = threading.Thread(target=daemon.run, kwargs={"max_ticks": ticks}, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"the daemon did not stop after {ticks} ticks within {timeout_s:g} s"
