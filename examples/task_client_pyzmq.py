@@ -3,6 +3,8 @@ set the instruction a running daemon follows ([task] endpoint), or ask which one
 
     python examples/task_client_pyzmq.py tcp://127.0.0.1:5557 "put the cup in the sink"
     python examples/task_client_pyzmq.py tcp://127.0.0.1:5557          # which instruction runs
+    python examples/task_client_pyzmq.py tcp://127.0.0.1:5557 --hold   # an operator's hold
+    python examples/task_client_pyzmq.py tcp://127.0.0.1:5557 "wipe the table" --release
 """
 
 import json
@@ -10,10 +12,15 @@ import sys
 
 import zmq
 
-endpoint = sys.argv[1] if len(sys.argv) > 1 else "tcp://127.0.0.1:5557"
+args = sys.argv[1:]
+endpoint = args.pop(0) if args else "tcp://127.0.0.1:5557"
 request = {"version": 1}
-if len(sys.argv) > 2:
-    request["prompt"] = sys.argv[2]
+for flag, hold in (("--hold", True), ("--release", False)):
+    if flag in args:
+        args.remove(flag)
+        request["hold"] = hold
+if args:
+    request["prompt"] = args[0]
 
 sock = zmq.Context().socket(zmq.REQ)
 sock.setsockopt(zmq.LINGER, 0)
@@ -25,6 +32,7 @@ if not sock.poll(10_000):
     raise SystemExit(f"no answer from {endpoint}")
 reply = json.loads(sock.recv().decode("utf-8"))
 if reply["ok"]:
-    print(f"running: {reply['prompt']!r} ({reply['changes']} change(s); {reply['tokens']} of {reply['room']} tokens)")
+    held = ", held" if reply.get("holding") else ""
+    print(f"running: {reply['prompt']!r} ({reply['changes']} change(s); {reply['tokens']} of {reply['room']} tokens{held})")
 else:
     raise SystemExit(f"refused: {reply['error']} (still running {reply['prompt']!r})")

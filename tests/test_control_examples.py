@@ -84,6 +84,11 @@ def test_the_task_client_example_sets_and_shows_the_instruction():
         assert taken.returncode == 0 and "running: 'fold the towel' (1 change(s); 41 of 64 tokens)" in taken.stdout
         shown = example()
         assert shown.returncode == 0 and "running: 'fold the towel'" in shown.stdout
+        held = example("--hold")
+        assert held.returncode == 0 and ", held)" in held.stdout and ch.holding
+        resumed = example("wipe the table", "--release")
+        assert resumed.returncode == 0 and "running: 'wipe the table' (2 change(s)" in resumed.stdout
+        assert not ch.holding
         refused = example("two\nlines")
         assert refused.returncode == 1 and "refused: the instruction holds control characters" in refused.stderr
     finally:
