@@ -455,3 +455,26 @@ def test_an_operator_hold_publishes_hold_paused_runs_nothing_and_resumes_fresh()
         thread.join(10)
         listener.close()
     assert d.summary()["holds"].get("paused", 0) >= 40
+
+
+def test_prometheus_shows_the_hold_and_the_instruction_as_states():
+    import socket
+    import urllib.request
+
+    from phyai_edge.control.metrics import Metrics
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics = Metrics()
+    assert metrics.serve("127.0.0.1", port)
+    ch = TaskChannel(TaskConfig(endpoint="ipc:///unused", start_held=True), "pick up the cube", Checker(), metrics=metrics)
+
+    def scrape() -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+    assert "phyai_task_holding 1.0" in scrape() and "phyai_task_instruction 0.0" in scrape()
+    assert ch.handle(encode_task_request("wipe the table", hold=False)).ok
+    text = scrape()
+    assert "phyai_task_holding 0.0" in text and "phyai_task_instruction 1.0" in text
+    assert 'phyai_task_requests_total{result="release"} 1.0' in text

@@ -52,6 +52,8 @@ class Metrics:
         self.worker_up = nop
         self.model_info = nop
         self.task_requests = nop
+        self.task_holding = nop
+        self.task_instruction = nop
 
     def serve(self, host: str, port: int, model: Mapping[str, str] | None = None) -> bool:
         """Start the HTTP endpoint. Returns False (after one log line) when that is not possible.
@@ -89,6 +91,13 @@ class Metrics:
         self.task_requests = pc.Counter(
             "phyai_task_requests", "Instruction requests (task.endpoint), by result: taken, unchanged, query, refused",
             ["result"], registry=registry,
+        )
+        # States, for a dashboard's "held" light and "which instruction" panel (the counter above has events).
+        self.task_holding = pc.Gauge("phyai_task_holding", "1 while an operator holds the robot (HOLD | PAUSED)",
+                                     registry=registry)
+        self.task_instruction = pc.Gauge(
+            "phyai_task_instruction", "The instruction taken last: 0 is model.prompt, n the n-th over the task channel",
+            registry=registry,
         )
         # An info gauge, phyai_model_info{adapter="pi05",preset="full",...} 1: which model runs,
         # for readers of these metrics (`phyai-edge roofline --metrics`, `phyai-edge sim --report`). The daemon

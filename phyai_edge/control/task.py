@@ -45,6 +45,7 @@ class TaskChannel:
         self.metrics = metrics or Metrics()
         self.current: tuple[int, str] = (0, initial)
         self.holding = cfg.start_held
+        self.metrics.task_holding.set(int(self.holding))
         # Declared instructions: the only ones taken with any_prompt = false.
         self.declared = frozenset((initial, *cfg.prompts))
         self.refused = 0
@@ -144,6 +145,7 @@ class TaskChannel:
             changes, prompt = changes + 1, asked
             self.current = (changes, prompt)
             self.metrics.task_requests.labels("taken").inc()
+            self.metrics.task_instruction.set(changes)
             log.info("task: now %r (%s): the next chunk runs it", prompt,
                      f"{tokens} of {room} prompt tokens" if tokens and room else "prompt length not checked")
         elif req.prompt is not None:
@@ -151,6 +153,7 @@ class TaskChannel:
         if req.hold is not None and req.hold != self.holding:
             self.holding = req.hold
             self.metrics.task_requests.labels("hold" if req.hold else "release").inc()
+            self.metrics.task_holding.set(int(req.hold))
             if req.hold:
                 log.warning("task: robot held by the operator (HOLD | PAUSED)")
             else:
