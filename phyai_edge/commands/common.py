@@ -1,5 +1,6 @@
 """What the commands that load a policy (bench, eval, serve, export) share: the checks a user's
-mistake should meet before anything heavy runs, and one line on stderr instead of a traceback.
+mistake should meet before anything heavy runs, and one line on stderr instead of a traceback;
+and the commands' JSON output to a file or stdout.
 
 Not a command: `phyai_edge.cli` lists its commands by name, so this module is never one.
 """
@@ -7,6 +8,7 @@ Not a command: `phyai_edge.cli` lists its commands by name, so this module is ne
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -21,6 +23,16 @@ if TYPE_CHECKING:
 # a bundle that fails its checks (BundleError is a RuntimeError), a backend whose library is
 # missing (RuntimeError, ImportError). Each carries a message written for the user.
 LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, RuntimeError, ImportError)
+
+
+def write_json(data: object, where: str) -> None:
+    """`data` as indented JSON to the file `where`, or to stdout for "-" (numpy scalars as floats)."""
+    text = json.dumps(data, indent=2, default=float)
+    if where == "-":
+        print(text)
+    else:
+        with open(where, "w") as f:
+            f.write(text + "\n")
 
 
 def fail(command: str, message: str) -> NoReturn:

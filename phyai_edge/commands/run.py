@@ -53,6 +53,7 @@ def startup_budget_s(cfg: Any) -> float:
 
 
 def _preflight(args: argparse.Namespace) -> int:
+    from phyai_edge.commands.common import write_json
     from phyai_edge.control.config import ConfigError, load_config
     from phyai_edge.control.preflight import exit_code, format_checks, run_preflight
 
@@ -68,12 +69,7 @@ def _preflight(args: argparse.Namespace) -> int:
     code = exit_code(checks)
     print({0: "ready", 1: "ready, with warnings", 2: "not ready"}[code], file=sys.stderr)
     if args.summary:
-        text = json.dumps([c.__dict__ for c in checks], indent=2)
-        if args.summary == "-":
-            print(text)
-        else:
-            with open(args.summary, "w") as f:
-                f.write(text + "\n")
+        write_json([c.__dict__ for c in checks], args.summary)
     return code
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
+
+from phyai_edge.commands.common import write_json
 
 HELP = "a simulated ALOHA robot process that talks to the daemon over ZeroMQ"
 DESCRIPTION = """Run gym-aloha's MuJoCo ALOHA arm pair as a robot with its own 50 Hz clock: it
@@ -63,15 +64,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lowest level logged")
 
 
-def _write_json(data: object, where: str) -> None:
-    text = json.dumps(data, indent=2, default=float)
-    if where == "-":
-        print(text)
-    else:
-        with open(where, "w") as f:
-            f.write(text + "\n")
-
-
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s.%(msecs)03d %(levelname)-7s %(message)s", datefmt="%H:%M:%S")
@@ -82,12 +74,12 @@ def main(args: argparse.Namespace) -> int:
         run = load_log(args.report)
         metrics = Path(args.metrics_file).read_text() if args.metrics_file else None
         result = analyse(run, metrics)
-        _write_json(result, args.summary or "-")
+        write_json(result, args.summary or "-")
         if args.plot:
             plot_run(run, result, args.plot)
             log.info("plot: %s", args.plot)
         if args.roofline_json:
-            _write_json(roofline_bench(result), args.roofline_json)
+            write_json(roofline_bench(result), args.roofline_json)
             log.info("roofline input: %s (phyai-edge roofline --bench %s)", args.roofline_json, args.roofline_json)
         return 0
 
@@ -172,6 +164,6 @@ def main(args: argparse.Namespace) -> int:
         robot.log.save(args.log, meta)
         log.info("log: %s", args.log)
     if args.summary:
-        _write_json(summary, args.summary)
+        write_json(summary, args.summary)
     sys.stdout.flush()
     return 1 if failure else 0

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
+from phyai_edge.commands.common import write_json
 from phyai_edge.control.protocol import KIND_ACTION
 
 HELP = "set or show the instruction (prompt) a running daemon's policy follows"
@@ -97,12 +97,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, reply: Any) -> None:
     if args.json_path:
-        body = json.dumps(reply.__dict__, indent=2)
-        if args.json_path == "-":
-            print(body)
-        else:
-            with open(args.json_path, "w") as f:
-                f.write(body + "\n")
+        write_json(reply.__dict__, args.json_path)
     if not reply.ok:
         print(f"refused: {reply.error}\nstill running: {reply.prompt!r}", file=sys.stderr)
     elif args.json_path != "-":
