@@ -139,6 +139,11 @@ class PromptFit:
                 f"runs {self.room} as it was warmed up ({hint})")
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception as its type and message, the form every error the worker reports takes."""
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
 def prompt_fit(policy: PolicyLike, prompt: str) -> PromptFit:
     """`PromptFit` of `prompt` for `policy` (a policy without `prompt_fit` cannot say: it fits)."""
     fit = getattr(policy, "prompt_fit", None)
@@ -147,7 +152,7 @@ def prompt_fit(policy: PolicyLike, prompt: str) -> PromptFit:
     try:
         tokens, room, most = fit(prompt)
     except Exception as exc:
-        return PromptFit(None, None, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+        return PromptFit(None, None, _one_line(exc))
     return PromptFit(tokens, room, None, most)
 
 
@@ -233,7 +238,7 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
                         "for it inside the control loop (%.0f ms)", job.job_id, took_ms)
         return JobResult(job.job_id, np.ascontiguousarray(actions[0]), stage_ms, took_ms)
     except Exception as exc:
-        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        detail = _one_line(exc)
         return JobResult(job.job_id, None, {}, (time.perf_counter() - t0) * 1e3, detail)
 
 
@@ -397,7 +402,7 @@ def _child_main(conn: Any, spec: PolicySpec, log_level: int | None = None) -> No
         policy = spec.build()
         conn.send(("ready", policy_info(policy)))
     except Exception as exc:
-        conn.send(("error", "".join(traceback.format_exception_only(type(exc), exc)).strip()))
+        conn.send(("error", _one_line(exc)))
         return
     while True:
         try:
