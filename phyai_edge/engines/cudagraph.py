@@ -142,7 +142,12 @@ def prompt_bucket(token_mask: torch.Tensor, bucket: int, exact: bool = False, at
     longest = max(int(valid.max()), 1)
     if exact and int(valid.min()) == longest >= at_least:
         return longest
-    return min(length, math.ceil(max(longest, at_least) / bucket) * bucket)
+    return _bucketed(max(longest, at_least), bucket, length)
+
+
+def _bucketed(tokens: int, bucket: int, length: int) -> int:
+    """`tokens` prompt positions rounded up to the bucket, at most the prompt's padded `length`."""
+    return min(length, math.ceil(tokens / bucket) * bucket)
 
 
 class _HostStaging:
@@ -421,7 +426,7 @@ class CudaGraphEngine(EngineBase):
         floor = self.min_prompt_positions
         if self.generic or not self.trim_prompt or self.token_bucket <= 0 or floor <= 0:
             return None
-        return min(self.adapter.cfg.max_token_len, math.ceil(floor / self.token_bucket) * self.token_bucket)
+        return _bucketed(floor, self.token_bucket, self.adapter.cfg.max_token_len)
 
     @torch.no_grad()
     def run(self, inputs: ModelInputs, noise: torch.Tensor | None = None, rtc: RTCGuidance | None = None) -> torch.Tensor:
