@@ -77,11 +77,12 @@ class ModelInputs:
 class Adapter(Protocol):
     """The contract between a model and the runtime. One module per model implements it.
 
-    Optional methods the runtime uses where an adapter has them (`Policy`): `longest_prompt_tokens(prompt)`,
-    the most prompt tokens any robot state can make, counted before truncation (so graphs captured
-    at warm-up fit every state), `max_prompt_tokens`, the most the model takes (longer is
-    truncated; with the former, a prompt set at run time is checked), and `drop_cameras(inputs, names)`, `preprocess`'s inputs without the slots of cameras no
-    observation has, for a model whose result does not depend on them (PI0.5).
+    Optional methods the runtime uses where an adapter has them (`Policy`):
+    `longest_prompt_tokens(prompt)`, the most prompt tokens any robot state can make, counted
+    before truncation (so graphs captured at warm-up fit every state); `max_prompt_tokens`, the
+    most the model takes (longer is truncated; with the former, a prompt set at run time is
+    checked); and `drop_cameras(inputs, names)`, `preprocess`'s inputs without the slots of
+    cameras no observation has, for a model whose result does not depend on them (PI0.5).
 
     Optional arguments, passed only to an adapter whose method names them (so one written before
     them need not take them): `postprocess(chunk, inputs=...)` gets the `ModelInputs` its chunk
