@@ -69,6 +69,7 @@ BAD = [
     ({"metrics": {"port": 70000}}, "metrics.port: expected an integer <= 65535, got 70000"),
     ({"clock": {"cpus": [0, -1]}}, "clock.cpus: expected a list of CPU indices"),
     ({"clock": {"priority": 120}}, "clock.priority: expected an integer <= 99, got 120"),
+    ({"clock": {"late_warning_ms": -1}}, "clock.late_warning_ms: expected a number >= 0, got -1"),
     ({"robot": []}, "robot: expected a table"),
     ({"robot": {}}, "cameras: no camera is configured"),
     ({"cameras": {}}, "cameras: no camera is configured"),

@@ -138,6 +138,10 @@ def main(args: argparse.Namespace) -> int:
         summary["ticks"], lat["p50"], lat["p99"], lat["max"], summary["missed_slots"], summary["inferences"],
         summary["failures"], summary["holds"],
     )
+    late = summary["late_ticks"]
+    if late["count"]:
+        log.warning("%d tick(s) published over %g ms late; the worst, tick %d, %.2f ms (see the log lines above)",
+                    late["count"], late["limit_ms"], late["worst_tick"], late["worst_ms"])
     if args.summary:
         text = json.dumps(summary, indent=2)
         if args.summary == "-":

@@ -57,6 +57,44 @@ class LatenessLog:
         return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)), "max": float(ms.max()), "n": int(s.size)}
 
 
+class LateTicks:
+    """Ticks that published more than `limit_ns` after their deadline, counted, and described in at
+    most one log line per `interval_ns`: which tick, whether the thread woke late (the scheduler, or
+    another thread holding the GIL when the sleep ended) or woke on time and then spent the time in
+    the tick's own work, and what that tick did. The lateness histogram says how often; this says
+    when and around what, in the journal beside the other events."""
+
+    def __init__(self, limit_ns: int, interval_ns: int = 10 * 10**9) -> None:
+        self.limit_ns = limit_ns
+        self.interval_ns = interval_ns
+        self.count = 0
+        self.worst_ns = 0
+        self.worst_slot = -1
+        self._unreported = 0
+        self._last_report_ns: int | None = None
+
+    def note(self, tick: Tick, published_ns: int, doing: str) -> str | None:
+        """Count a late tick (the caller checked `published_ns - tick.deadline_ns > limit_ns`);
+        the line to log, or None while the last one is recent."""
+        late = published_ns - tick.deadline_ns
+        self.count += 1
+        self._unreported += 1
+        if late > self.worst_ns:
+            self.worst_ns, self.worst_slot = late, tick.slot
+        if self._last_report_ns is not None and tick.wake_ns - self._last_report_ns < self.interval_ns:
+            return None
+        others = self._unreported - 1  # late ticks not described since the last line
+        since = f"; {others} more since the last such line" if others else ""
+        self._last_report_ns, self._unreported = tick.wake_ns, 0
+        return (f"tick {tick.slot} published {late / 1e6:.2f} ms after its deadline (limit {self.limit_ns / 1e6:g} ms): "
+                f"woke {tick.lateness_ns / 1e6:.2f} ms late, then {(published_ns - tick.wake_ns) / 1e6:.2f} ms in the tick"
+                f" ({doing or 'an action from the executing chunk'}){since}")
+
+    def summary(self) -> dict[str, float | int]:
+        return {"limit_ms": self.limit_ns / 1e6, "count": self.count,
+                "worst_ms": self.worst_ns / 1e6, "worst_tick": self.worst_slot}
+
+
 class PeriodicClock:
     def __init__(self, period_s: float, spin_s: float = 150e-6) -> None:
         if period_s <= 0:

@@ -189,6 +189,12 @@ class ClockConfig:
     mlock: bool = True
     spin_us: float = 150.0  # sleep until this close to the deadline, then spin
     switch_interval_us: float = 200.0  # Python's GIL switch interval while the daemon runs
+    # A tick that publishes this long after its deadline is counted and described in the log (at
+    # most one line per 10 s); 0: a quarter of the period.
+    late_warning_ms: float = 0.0
+
+    def late_limit_s(self, period_s: float) -> float:
+        return self.late_warning_ms / 1000.0 if self.late_warning_ms > 0 else period_s / 4
 
 
 @dataclass
@@ -579,6 +585,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         mlock=ck.boolean("mlock", d5.mlock),
         spin_us=ck.number("spin_us", d5.spin_us, minimum=0),
         switch_interval_us=ck.number("switch_interval_us", d5.switch_interval_us, positive=True),
+        late_warning_ms=ck.number("late_warning_ms", d5.late_warning_ms, minimum=0),
     )
     ck.finish()
 
@@ -823,4 +830,5 @@ cpus = []                    # CPU affinity of the clock thread
 mlock = true
 spin_us = 150.0
 switch_interval_us = 200.0
+late_warning_ms = 0.0        # a tick published this late is logged (one line per 10 s); 0: period / 4
 """

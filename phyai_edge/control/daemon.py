@@ -31,6 +31,7 @@ import numpy as np
 from phyai_edge.control.cameras import CameraSource, make_camera
 from phyai_edge.control.clock import (
     LatenessLog,
+    LateTicks,
     PeriodicClock,
     fifo_permitted,
     promote_threads,
@@ -275,6 +276,7 @@ class Daemon:
         self.geometry = {c.view_name: c.geometry for c in cfg.cameras.values() if c.geometry is not None}
         self._job_changes = 0  # the instruction count (`TaskChannel.changes`) of the last job started
         self._status: Any = None
+        self.late_ticks = LateTicks(round(cfg.clock.late_limit_s(cfg.robot.period_s) * 1e9))
 
     # ------------------------------------------------------------ setup
 
@@ -492,6 +494,7 @@ class Daemon:
         worker = self.worker
         seen = _WorkerSeen()
         worker_hold_logged = False
+        late_ticks = self.late_ticks
 
         while True:
             tick = clock.wait(self._wakeup_fd)
@@ -545,6 +548,7 @@ class Daemon:
                 flags |= Flag.WORKER_DOWN
 
             # -- a finished inference
+            started_job = new_task = False  # what this tick did, for a late tick's log line
             res = self.worker.poll()
             if res is not None:
                 assert inflight is not None
@@ -579,6 +583,7 @@ class Daemon:
                     assert sample is not None
                     inflight = self._start_inference(next_job_id, tick.slot, frames, sample, now_s)
                     next_job_id += 1
+                    started_job = True
                 nxt = q.next_action()
                 if nxt is None:
                     reason = "starved" if q.current is not None else "warmup"
@@ -616,6 +621,11 @@ class Daemon:
             st.ticks += 1
             late = header.publish_mono_ns - tick.deadline_ns
             st.lateness.add(late)
+            if late > late_ticks.limit_ns:
+                line = late_ticks.note(tick, header.publish_mono_ns,
+                                       _tick_work(res is not None, started_job, new_task, started is not None, flags, tick))
+                if line is not None:
+                    log.warning(line)
             st.wake_lateness.add(tick.lateness_ns)
             m.tick_lateness.observe(late / 1e9)
             m.seq.set(header.seq)
@@ -826,6 +836,8 @@ class Daemon:
             "clamped": {"limit": self.guard.counters.clamped_limit, "rate": self.guard.counters.clamped_rate},
             "nonfinite_actions": self.guard.counters.nonfinite,
             "stop_to_final_ms": st.stop_to_final_ms,
+            # Ticks published later than clock.late_warning_ms: how many, and the worst of them.
+            "late_ticks": self.late_ticks.summary(),
             # The instruction at the end and how it got there (None without task.endpoint).
             "task": None if self.task is None else {"prompt": self.task.prompt, "changes": self.task.changes,
                                                     "refused": self.task.refused},
@@ -833,6 +845,22 @@ class Daemon:
             "recorder": None if self.recorder is None else {"dropped": self.recorder.dropped,
                                                             "failed": self.recorder.failed},
         }
+
+
+def _tick_work(collected: bool, started_job: bool, new_task: bool, chunk_sent: bool, flags: int, tick: Any) -> str:
+    """What one tick did besides publishing its action, for a late tick's log line."""
+    parts = []
+    if tick.slots_advanced > 1:
+        parts.append(f"{tick.slots_advanced - 1} slot(s) missed before it")
+    if collected:
+        parts.append("collected an inference result")
+    if chunk_sent:
+        parts.append("adopted a chunk and published it")
+    if started_job:
+        parts.append("started an inference for a new instruction" if new_task else "started an inference")
+    if flags & Flag.HOLD:
+        parts.append("published a HOLD")
+    return ", ".join(parts)
 
 
 @dataclass

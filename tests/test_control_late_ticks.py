@@ -1,0 +1,83 @@
+"""Late ticks: counted, and described in the log with when and around what, at most one line per interval."""
+
+from __future__ import annotations
+
+import time
+
+from phyai_edge.control.clock import LateTicks, Tick
+from phyai_edge.control.config import parse_config
+from phyai_edge.control.daemon import Daemon
+from phyai_edge.control.fakes import FakePolicy, run_ticks, test_config
+
+MS = 1_000_000
+
+
+def _tick(slot: int, woke_late_ms: float, period_ms: float = 20.0) -> Tick:
+    deadline = round(slot * period_ms * MS)
+    return Tick(slot=slot, deadline_ns=deadline, wake_ns=deadline + round(woke_late_ms * MS), slots_advanced=1)
+
+
+def test_a_late_tick_says_whether_it_woke_late_or_worked_late_and_lines_are_rate_limited():
+    late = LateTicks(limit_ns=5 * MS, interval_ns=1000 * MS)
+    t = _tick(10, woke_late_ms=0.5)
+    line = late.note(t, t.wake_ns + 7 * MS, "started an inference")
+    assert line is not None
+    assert "tick 10 published 7.50 ms after its deadline (limit 5 ms)" in line
+    assert "woke 0.50 ms late, then 7.00 ms in the tick (started an inference)" in line
+    # Within the interval: counted, not logged.
+    for slot in (11, 12):
+        t = _tick(slot, woke_late_ms=9.0)
+        assert late.note(t, t.wake_ns, "") is None
+    # After it: logged again, with the ticks not described since.
+    t = _tick(70, woke_late_ms=6.0)
+    line = late.note(t, t.wake_ns + MS, "")
+    assert line is not None and "tick 70" in line and "2 more since the last such line" in line
+    assert "(an action from the executing chunk)" in line
+    assert late.summary() == {"limit_ms": 5.0, "count": 4, "worst_ms": 9.0, "worst_tick": 11}
+
+
+def test_the_limit_defaults_to_a_quarter_of_the_period():
+    base = {"cameras": {"top": {"source": "synthetic"}}}
+    assert parse_config({**base, "robot": {"control_hz": 50}}).clock.late_limit_s(0.02) == 0.005
+    cfg = parse_config({**base, "clock": {"late_warning_ms": 2.5}})
+    assert cfg.clock.late_limit_s(cfg.robot.period_s) == 0.0025
+
+
+class _SlowState:
+    """The daemon's state source, with one `latest()` call (on the clock thread) made slow."""
+
+    def __init__(self, inner, slow_call: int, sleep_s: float) -> None:
+        self.inner, self.slow_call, self.sleep_s, self.calls = inner, slow_call, sleep_s, 0
+
+    def latest(self):
+        self.calls += 1
+        if self.calls == self.slow_call:
+            time.sleep(self.sleep_s)
+        return self.inner.latest()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_daemon_logs_the_tick_its_own_work_made_late(caplog):
+    cfg = test_config(clock={"late_warning_ms": 8.0})
+    daemon = Daemon(cfg, policy=FakePolicy(latency_s=0.005), realtime=False)
+    daemon.late_ticks.interval_ns = 0  # every late tick described, so a noisy one cannot hide it
+    original_setup = daemon.setup
+
+    def setup() -> None:
+        original_setup()
+        daemon.state = _SlowState(daemon.state, slow_call=40, sleep_s=0.015)
+
+    daemon.setup = setup  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="phyai_edge.control"):
+        run_ticks(daemon, 80)
+    lines = [r.getMessage() for r in caplog.records if "after its deadline" in r.getMessage()]
+    # The slow read is the 40th tick's (slot 39): it woke on time and spent >= 15 ms in the tick.
+    ours = [ln for ln in lines if ln.startswith("tick 39 ")]
+    assert len(ours) == 1, lines
+    in_tick_ms = float(ours[0].split("then ")[1].split(" ms in the tick")[0])
+    assert in_tick_ms >= 15.0, ours[0]
+    summary = daemon.summary()["late_ticks"]
+    assert summary["count"] >= 1 and summary["limit_ms"] == 8.0
+    assert summary["worst_ms"] >= 15.0
