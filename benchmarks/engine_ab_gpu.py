@@ -10,6 +10,7 @@ and its largest difference from the first variant's chunk.
 
 A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
   unfolded                  the adaptive norms as kernels of their own (the fold off)
+  early                     the first flow step beside the prefix (`CudaGraphEngine(early_step=True)`)
   plain-io                  the action projections as the model runs them (`set_fold_projections(False)`)
   <class>=bm,bn,bk,warps,stages[,split]
                             that `triton_gemm.CONFIGS` entry (e.g. geglu/m64=64,32,128,4,3,2)
@@ -62,6 +63,7 @@ class Variant:
     fold: bool = True
     fold_io: bool = True
     configs: dict[str, Any] = field(default_factory=dict)  # CONFIGS key (or "residual") -> GemmConfig
+    engine: dict[str, Any] = field(default_factory=dict)  # CudaGraphEngine options
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -102,6 +104,9 @@ def parse_variants(text: str) -> list[Variant]:
         name, _, knobs = item.partition(":")
         v = Variant(name.strip())
         for knob in filter(None, (k.strip() for k in knobs.split("+"))):
+            if knob == "early":
+                v.engine["early_step"] = True
+                continue
             if knob in ("unfolded", "plain-io"):
                 if knob == "unfolded":
                     v.fold = False
@@ -152,7 +157,7 @@ def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin:
             return engines[name].run(x, noise=nz, rtc=guidance)
 
     for v in variants:
-        engines[v.name] = CudaGraphEngine(copy.deepcopy(adapter), device=device, dtype="bfloat16", **opts)
+        engines[v.name] = CudaGraphEngine(copy.deepcopy(adapter), device=device, dtype="bfloat16", **opts, **v.engine)
         with v.active():
             engines[v.name].warmup(batch, 3, VALID_TOKENS, modes=(rtc or "none",))
         run(v.name, noise)
@@ -186,6 +191,7 @@ def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin:
         st = {k: statistics.median(val) for k, val in stages[name].items()}
         res["engines"][name] = {
             "configs": {k: (c.label() if hasattr(c, "label") else str(c)) for k, c in v.configs.items()}, "fold": v.fold, "fold_io": v.fold_io,
+            "engine": v.engine,
             "p50": statistics.median(walls[name]), "p90": q(walls[name], 0.9), "stages_p50": st,
             "vs_eager_fp32": par.err(chunks[name], ref),
             "max_abs_vs_first": float((chunks[name] - chunks[first]).abs().max()),

@@ -52,6 +52,12 @@ What makes the PI0.5 path fast (each is exact, or equal within rounding, to the 
   GEMMs with RoPE / GeGLU in their epilogues (`layers.triton_gemm`), where a call has at most 64
   rows (batch 1): on by default with the Triton ops on CUDA (H200: 18.5 -> 17.5 ms a batch-1
   chunk); the prefix's compute-bound GEMMs and larger batches stay on cuBLAS.
+- The first flow step beside the prefix (`early_step`, with the fused stages; batch 1, every RTC
+  mode but exact guidance): step 0's velocity depends only on the noise and the prefix cache, and
+  its block i only on the prefix's block-i keys, so a second prefix graph runs it on a side stream,
+  each expert block waiting for its prefix block's keys (events recorded as they are written), in
+  the SMs the batch-1 prefix leaves idle; the loop graph then starts from that velocity. The same
+  operations on the same inputs, so the same chunk.
 - Optional `torch.compile` of the stage functions (inductor fuses norms, RoPE, GeGLU and
   residuals) underneath the same graphs.
 
@@ -95,6 +101,8 @@ DENSE_EXPERT_MIN_BATCH = 8
 # the unmasked graphs serve it) for at most this many lengths per (batch, views); later lengths are
 # rounded to the bucket as other batches are. Each length is a graph set (captured at first use).
 EXACT_PROMPT_LENGTHS = 4
+# `early_step` up to this batch: where the prefix leaves SMs idle and the step is small beside it.
+EARLY_STEP_MAX_BATCH = 1
 # The stage graph the PI0.5 path is written for; any other graph takes the generic path.
 PI05_STAGES = ("embed_images", "encode_prefix", "denoise_step")
 
@@ -202,6 +210,10 @@ class _GraphSet:
     kv_room: tuple[torch.Tensor, torch.Tensor] | None = None
     loop_bufs: dict[str, torch.Tensor] = field(default_factory=dict)
     loops: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(default_factory=dict)
+    # (`early_step`) The prefix with the first flow step beside it on the `side` CUDA stream, which
+    # writes loop_bufs["first_velocity"]; None where the set has no such graph.
+    prefix_step_graph: torch.cuda.CUDAGraph | None = None
+    side: Any = None
     eager: bool = False
     rtc_staging: _HostStaging = field(default_factory=_HostStaging)
 
@@ -281,6 +293,7 @@ class CudaGraphEngine(EngineBase):
         triton_gemm: bool | None = None,
         dense_prefix: bool = True,
         dense_expert: bool = True,
+        early_step: bool = False,
     ) -> None:
         super().__init__(adapter, device, seed)
         self.dtype = resolve_dtype(dtype)
@@ -375,6 +388,8 @@ class CudaGraphEngine(EngineBase):
         # A twin of the loop graph for the same batches whose action expert attends with no mask to
         # a KV cache with room for its own keys, from DENSE_EXPERT_MIN_BATCH (not in exact RTC mode).
         self.dense_expert = bool(dense_expert and triton_backend is not None and not self.generic)
+        # The first flow step beside the prefix, at batch 1 (the fused stages take the hooks it needs).
+        self.early_step = bool(early_step and triton_backend is not None and not self.generic and not compile)
         if compile:
             kw = {"mode": compile_mode} if compile_mode else {}
             # Compiled steps make their own context: a per-chunk attention callable handed in as an
@@ -414,7 +429,7 @@ class CudaGraphEngine(EngineBase):
             length = self._prompt_length(mask, views)
         gs = self._graph_set(batch, views, length)
         for mode in modes:
-            self._loop_graph(gs, mode, self.adapter.solver)
+            self._loop_graph(gs, mode, self.adapter.solver, early=self._early(gs, mode, False, False))
             if gs.kv_room is not None and mode != "guided":
                 self._loop_graph(gs, mode, self.adapter.solver, dense=True)
 
@@ -448,7 +463,8 @@ class CudaGraphEngine(EngineBase):
         if dense_prefix or dense_expert:
             full = bool(x["image_mask"].all()) and bool(token_mask[:, :length].all())
             dense_prefix, dense_expert = dense_prefix and full, dense_expert and full
-        graph, out = self._loop_graph(gs, mode, solver, dense_expert)
+        early = self._early(gs, mode, dense_prefix, dense_expert)
+        graph, out = self._loop_graph(gs, mode, solver, dense_expert, early)
         ins = gs.inputs
         bufs = gs.loop_bufs
 
@@ -475,17 +491,20 @@ class CudaGraphEngine(EngineBase):
         if late:
             copy_rest()
         prefix_start = self._mark()
-        self._replay(gs, "prefix", dense_prefix)
+        self._replay(gs, "prefix", dense_prefix, early)
         marks += [prefix_start, self._mark()]
         if graph is not None:
             graph.replay()
             chunk = out
         else:
-            chunk = self._loop(gs, mode, solver, dense_expert)
+            chunk = self._loop(gs, mode, solver, dense_expert, early)
         marks.append(self._mark())
         ms = _elapsed_ms(marks)
+        # With the first step beside the prefix, the prefix's time holds what of it did not overlap
+        # and the loop's the other steps.
+        steps = solver.num_steps - 1 if early and solver.num_steps > 1 else solver.num_steps
         self._stage_ms = {"embed_images": ms[0], "encode_prefix": ms[2], "solver_loop": ms[3],
-                          "denoise_step": ms[3] / solver.num_steps}
+                          "denoise_step": ms[3] / steps}
         return chunk.clone()
 
     def _unmasked(self, batch: int) -> tuple[bool, bool]:
@@ -494,6 +513,17 @@ class CudaGraphEngine(EngineBase):
         faster. A call uses them only when its batch is full (`run`)."""
         return (self.dense_prefix and batch >= DENSE_PREFIX_MIN_BATCH,
                 self.dense_expert and batch >= DENSE_EXPERT_MIN_BATCH)
+
+    def _early_batch(self, batch: int) -> bool:
+        return self.early_step and batch <= EARLY_STEP_MAX_BATCH
+
+    def _early(self, gs: _GraphSet, mode: str, dense_prefix: bool, dense_expert: bool) -> bool:
+        """Whether a call runs its first flow step beside the prefix (`early_step`): not exact
+        guidance (its first step needs a gradient), not the unmasked graphs (larger batches), and
+        only where the set has the graph (or runs eagerly). `warmup` and `run` both ask this, so a
+        warm-up captures the loop a call will replay."""
+        return (self._early_batch(gs.key[0]) and mode != "guided" and not dense_prefix and not dense_expert
+                and (gs.eager or gs.prefix_step_graph is not None))
 
     def _prompt_length(self, token_mask: torch.Tensor, views: int) -> int:
         """The prompt positions this batch keeps (`prompt_bucket`). Exact, not rounded to the bucket,
@@ -557,6 +587,8 @@ class CudaGraphEngine(EngineBase):
                      batch, views, length)
             if self._unmasked(batch)[0]:
                 self._capture_dense_prefix(gs)
+            if self._early_batch(batch):
+                self._capture_prefix_step(gs)
         except Exception as exc:  # capture can fail on unusual setups; stay correct, say so once
             log.warning("cudagraph: capture failed for batch %d, views %d (%s: %s); running eagerly",
                         batch, views, type(exc).__name__, exc)
@@ -584,7 +616,9 @@ class CudaGraphEngine(EngineBase):
 
     def _loop_buffers(self, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
         h, d, dev = self.adapter.chunk_size, self.adapter.model_action_dim, self.device
+        early = {"first_velocity": torch.zeros(batch, h, d, device=dev)} if self._early_batch(batch) else {}
         return {
+            **early,
             "noise": torch.randn(batch, h, d, generator=gen).to(dev),
             "target": torch.zeros(batch, h, d, device=dev),
             # Per-sample RTC: one soft mask and one hard-prefix mask per sample, so the same
@@ -628,24 +662,88 @@ class CudaGraphEngine(EngineBase):
                         "share the masked prefix", gs.key, type(exc).__name__, exc)
             gs.prefix_dense_graph = None
 
-    def _replay(self, gs: _GraphSet, stage: str, dense: bool = False) -> None:
+    def _capture_prefix_step(self, gs: _GraphSet) -> None:
+        """The prefix graph with the first flow step beside it (`early_step`). On failure the set
+        runs the plain prefix and the whole loop, as without the option."""
+        try:
+            gs.side = torch.cuda.Stream(self.device)
+            gs.prefix_step_graph, _ = self._capture(gs, lambda: self._prefix_and_first_step(gs))
+            log.info("cudagraph: captured the prefix with the first flow step beside it for %s", gs.key)
+        except Exception as exc:
+            log.warning("cudagraph: capture of the prefix with the first flow step failed for %s (%s: %s); "
+                        "the loop runs every step", gs.key, type(exc).__name__, exc)
+            gs.prefix_step_graph, gs.side = None, None
+
+    def _prefix_and_first_step(self, gs: _GraphSet) -> None:
+        """The prefix into the set's KV cache, and the first flow step's velocity from the noise
+        into loop_bufs["first_velocity"]. With a side stream (`gs.side`, graphs on a GPU) the step
+        runs there, each expert block waiting for an event its prefix block records once its keys
+        are written; eagerly, one after the other. Either way the same operations on the same
+        inputs as the loop's own first step."""
+        bufs, solver = gs.loop_bufs, self.adapter.solver
+        step, make_context = self._stages["denoise_step"], self._stages.get("step_context")
+        table = self._table(solver)
+        side = gs.side
+        main = torch.cuda.current_stream(self.device) if side is not None else None
+        events: list[Any] = []
+
+        def keys_written(i: int) -> None:  # on the prefix's stream
+            if main is not None:
+                event = torch.cuda.Event()
+                event.record(main)
+                events.append(event)
+
+        def wait_for_keys(i: int) -> None:  # on the step's stream
+            if side is not None:
+                side.wait_event(events[i])
+
+        if gs.eager:
+            gs.kv = k, v, mask = self._prefix(gs, out=self._prefix_out(gs))
+        else:
+            k, v, mask = self._prefix(gs, out=(gs.kv[0], gs.kv[1]), kv_ready=keys_written)
+            if k is not gs.kv[0] or v is not gs.kv[1]:
+                raise RuntimeError("the prefix stage did not write the given KV buffers")
+            gs.kv[2].copy_(mask)  # what the loop graph reads (the plain prefix graph's mask buffer)
+
+        def first_step() -> None:
+            t = torch.full((bufs["noise"].shape[0],), solver.times()[0], dtype=torch.float32, device=self.device)
+            kw: dict[str, Any] = {"context": make_context(mask)} if make_context is not None else {}
+            bufs["first_velocity"].copy_(step(bufs["noise"], t, k, v, mask, modulation=table[0],
+                                              kv_wait=wait_for_keys, **kw))
+
+        if side is None:
+            first_step()
+            return
+        side.wait_event(events[0])  # the mask and the rotary positions come before block 0's keys
+        with torch.cuda.stream(side):
+            first_step()
+        main.wait_stream(side)
+
+    def _replay(self, gs: _GraphSet, stage: str, dense: bool = False, early: bool = False) -> None:
         if gs.eager:
             if stage == "vision":
                 gs.image_embeds = self._vision(gs)
+            elif early:
+                self._prefix_and_first_step(gs)
             else:
                 gs.kv = self._prefix(gs, dense, self._prefix_out(gs))
             return
         if stage == "vision":
             gs.vision_graph.replay()
+        elif early:
+            gs.prefix_step_graph.replay()
         elif dense and gs.prefix_dense_graph is not None:
             gs.prefix_dense_graph.replay()
         else:
             gs.prefix_graph.replay()
 
-    def _loop_graph(self, gs: _GraphSet, mode: str, solver: SolverSpec, dense: bool = False):
-        # The loop reads the prefix graph's KV cache: fill it once before warming up.
-        return self._cached_loop(gs, mode, solver, lambda: (gs.vision_graph.replay(), gs.prefix_graph.replay()),
-                                 lambda: self._loop(gs, mode, solver, dense), variant="dense" if dense else "")
+    def _loop_graph(self, gs: _GraphSet, mode: str, solver: SolverSpec, dense: bool = False, early: bool = False):
+        # The loop reads the prefix graph's KV cache (and with `early` the first velocity): fill it
+        # once before warming up.
+        prefix = gs.prefix_step_graph if early else gs.prefix_graph
+        return self._cached_loop(gs, mode, solver, lambda: (gs.vision_graph.replay(), prefix.replay()),
+                                 lambda: self._loop(gs, mode, solver, dense, early),
+                                 variant="dense" if dense else "early" if early else "")
 
     def _cached_loop(self, sets: Any, mode: str, solver: SolverSpec, fill: Callable[[], Any],
                      body: Callable[[], torch.Tensor], variant: str = ""):
@@ -700,7 +798,8 @@ class CudaGraphEngine(EngineBase):
             self._tables[solver] = table
         return table
 
-    def _loop(self, gs: _GraphSet, mode: str, solver: SolverSpec, dense: bool = False) -> torch.Tensor:
+    def _loop(self, gs: _GraphSet, mode: str, solver: SolverSpec, dense: bool = False,
+              early: bool = False) -> torch.Tensor:
         k, v, pmask = gs.kv
         step = self._stages["denoise_step"]
         table = self._table(solver)
@@ -710,8 +809,13 @@ class CudaGraphEngine(EngineBase):
         kw: dict[str, Any] = {"context": make_context(pmask)} if make_context is not None else {}
         if dense:
             kw["joined"] = gs.kv_room
-        return static_euler(lambda i, xin, tt: step(xin, tt, k, v, pmask, modulation=table[i], **kw), gs.loop_bufs,
-                            mode, solver)
+        first = gs.loop_bufs["first_velocity"] if early else None  # computed beside the prefix
+
+        def velocity(i: int, xin: torch.Tensor, tt: torch.Tensor) -> torch.Tensor:
+            if first is not None and i == 0:
+                return first
+            return step(xin, tt, k, v, pmask, modulation=table[i], **kw)
+        return static_euler(velocity, gs.loop_bufs, mode, solver)
 
     def _load_rtc(self, sets: _GraphSet | _StageSet, rtc: RTCGuidance, solver: SolverSpec, batch: int) -> None:
         """Copy the call's RTC into the static buffers (in place: a captured loop reads them).

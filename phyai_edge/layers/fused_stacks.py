@@ -224,23 +224,26 @@ def projected_block_stack(in_proj: torch.nn.Module, out_proj: torch.nn.Module, x
                           attend: Callable[..., torch.Tensor] | None = None,
                           joined: tuple[torch.Tensor, torch.Tensor] | None = None,
                           folded: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                          folded_out: torch.Tensor | None = None) -> torch.Tensor:
+                          folded_out: torch.Tensor | None = None,
+                          kv_wait: Callable[[int], None] | None = None) -> torch.Tensor:
     """`out_proj(adaptive_block_stack(in_proj(x_in) in dtype, ...) in out_proj's dtype)` in float32:
     an action expert with its input and output projections (PI0.5's float32 action projections
     around the bf16 blocks). Where the stack folds its norms (`_folds`) and `folded_out` = the final
     norm's shift @ out_proj.weight^T is given (`fold_shift`), the input projection also starts the
     first norm's fold (`triton_fold.linear_fold_start`: projection, cast and norm in one kernel),
     the last down projection leaves the final norm folded, and the output projection finishes it
-    (`triton_fold.linear_folded`): four kernels fewer a step. Otherwise the plain composition."""
+    (`triton_fold.linear_folded`): four kernels fewer a step. Otherwise the plain composition.
+    `kv_wait` as in `adaptive_block_stack`."""
     # (`_folds` also bounds the rows: every block's projections must be ones `triton_gemm.takes`)
     if (_FOLD_PROJECTIONS and folded_out is not None and attend is not None
             and _folds(blocks, x_in, gemm_backend, folded, joined, dtype)
             and _io_kernel_linear(in_proj, x_in, x_in.shape[-1]) and _io_kernel_linear(out_proj, None, final[0].shape[-1])):
         return _folded_block_stack(blocks, x_in, cos, sin, k_cache, v_cache, mask, modulations, final, final_eps,
-                                   backend, gemm_backend, attend, folded, io=(in_proj, out_proj, folded_out, dtype))
+                                   backend, gemm_backend, attend, folded, io=(in_proj, out_proj, folded_out, dtype),
+                                   kv_wait=kv_wait)
     x = in_proj(x_in).to(dtype)
     h = adaptive_block_stack(blocks, x, cos, sin, k_cache, v_cache, mask, modulations, final, final_eps, backend,
-                             gemm_backend, attend, joined, folded)
+                             gemm_backend, attend, joined, folded, kv_wait=kv_wait)
     return out_proj(h.to(out_proj.weight.dtype)).float()
 
 
@@ -250,7 +253,7 @@ def _folded_block_stack(blocks: Sequence[torch.nn.Module], x: torch.Tensor, cos:
                         backend: str, gemm_backend: str, attend: Callable[..., torch.Tensor],
                         folded: Sequence[tuple[torch.Tensor, torch.Tensor]],
                         io: tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, torch.dtype] | None = None,
-                        ) -> torch.Tensor:
+                        kv_wait: Callable[[int], None] | None = None) -> torch.Tensor:
     """`adaptive_block_stack` with each adaptive norm but the final one folded into the GEMMs around
     it: o_proj and down finish the gated residual and start the next norm in their epilogue (one
     kernel: `triton_fold.linear_residual_fold`), QKV and gate/up finish it on their sums
@@ -274,6 +277,8 @@ def _folded_block_stack(blocks: Sequence[torch.nn.Module], x: torch.Tensor, cos:
         q, k, v = triton_gemm.linear_qkv_rope(norm.u, attn.qkv_proj.weight, cos, sin, attn.num_heads,
                                               attn.num_kv_heads, attn.head_dim, gemm_backend, norm=norm,
                                               norm_bias=bias_qkv, tickets=tickets)
+        if kv_wait is not None:
+            kv_wait(i)
         out = _attention_rows(attn, q, (k_cache[i], k), (v_cache[i], v), mask, attend)
         x, norm = triton_fold.linear_residual_fold(out, attn.o_proj.weight, x, gate_in, scale2,
                                                    block.post_attention_layernorm.eps, gemm_backend, tickets=tickets)
@@ -310,6 +315,7 @@ def adaptive_block_stack(
     attend: Callable[..., torch.Tensor] | None = None,
     joined: tuple[torch.Tensor, torch.Tensor] | None = None,
     folded: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    kv_wait: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Adaptive `GemmaBlock`s over x (B, T, W), each attending to its cached prefix keys/values
     (`k_cache[i]`, `v_cache[i]`) and to itself, then the final adaptive norm (modulation `final`,
@@ -342,13 +348,20 @@ def adaptive_block_stack(
     down write the residual and the next norm's input, QKV and gate/up finish the norm on their
     sums, and no norm kernel runs between them. Equal up to rounding.
 
+    `kv_wait(i)`, called before block i first reads `k_cache[i]` / `v_cache[i]`: a caller running
+    the stack beside the prefix that writes the cache, on another CUDA stream, waits there for
+    block i's keys (`plain_block_stack(kv_ready=)`); only stream operations belong in it.
+
     With `triton_expert_layer.set_enabled(True)` (off by default: measured slower on the H200),
     where `gemm_backend` runs the kernels and `triton_expert_layer.takes` the stack (batch 1: at
-    most 64 rows), each block is one persistent kernel instead.
+    most 64 rows), each block is one persistent kernel instead (not with `kv_wait`).
     """
     if joined is not None:
         _check_joined(joined, k_cache, x)
-    if (joined is None and gemm_backend is not None and triton_expert_layer.enabled() and _use_triton(gemm_backend, x)
+    if joined is not None and kv_wait is not None:
+        raise ValueError("kv_wait is for a stack reading the prefix cache as it is written; joined buffers are not")
+    if (joined is None and kv_wait is None and gemm_backend is not None and triton_expert_layer.enabled()
+            and _use_triton(gemm_backend, x)
             and triton_expert_layer.takes(blocks, x, mask)):
         key_mask = getattr(attend, "key_mask", None)
         if key_mask is None:
@@ -359,7 +372,7 @@ def adaptive_block_stack(
         attend = stack_attention(mask, x.shape[0], backend)
     if _folds(blocks, x, gemm_backend, folded, joined):
         return _folded_block_stack(blocks, x, cos, sin, k_cache, v_cache, mask, modulations, final, final_eps,
-                                   backend, gemm_backend, attend, folded)
+                                   backend, gemm_backend, attend, folded, kv_wait=kv_wait)
     p = k_cache.shape[3]
     tickets = getattr(attend, "tickets", None)
     scale, shift, _ = modulations[0][0]
@@ -369,6 +382,8 @@ def adaptive_block_stack(
         (_, _, gate_in), (scale2, shift2, gate_post) = modulations[i]
         if joined is None:
             q, k, v = _qkv(attn, h, cos, sin, backend, gemm_backend, tickets=tickets)
+            if kv_wait is not None:
+                kv_wait(i)
             # The cached prefix and the step's own keys as two parts: no per-layer concatenation.
             y = _attend(attn, q, (k_cache[i], k), (v_cache[i], v), mask, attend, gemm_backend)
         else:
@@ -409,6 +424,7 @@ def plain_block_stack(
     backend: str = "reference",
     dense: bool = False,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_ready: Callable[[int], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain (non-adaptive) `GemmaBlock`s over x (B, T, W), attending among themselves under a
     key-only mask (B, 1, 1, T): returns every block's rotated keys and values, stacked
@@ -418,6 +434,8 @@ def plain_block_stack(
     value buffers of x's dtype to write into (an engine's KV cache shared by two captured prefix
     graphs; any strides with a unit last one: the cache may have room after the prefix for the
     action expert's own keys, see `adaptive_block_stack(joined=)`) and return; None allocates them.
+    `kv_ready(i)` is called as soon as block i's keys and values are written (before its attention
+    and MLP): where a reader of the cache runs on another CUDA stream, it records an event there.
 
     The same function as `project_kv` / `finish` per block (the PI0.5 prefix), on the kernels
     above: Gemma's RMSNorm `normed * (1 + w)` is the adaptive norm with scale w and no shift,
@@ -448,6 +466,8 @@ def plain_block_stack(
         # o-projection's layout; the split kernel folds a (B, H, T, D) one head-major. Either way no copy.
         q_out = _query_buffer(attn, h) if dense else h.new_empty(h.shape[0], attn.num_heads, h.shape[1], attn.head_dim)
         q, k, v = _prefix_qkv(attn, h, cos, sin, backend, ks[i], vs[i], q_out)
+        if kv_ready is not None:
+            kv_ready(i)
         if i == last:
             break
         y = _attend(attn, q, k, v, mask, attend, None, backend)

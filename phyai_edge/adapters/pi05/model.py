@@ -295,7 +295,8 @@ class PI05Model(nn.Module):
           GEMM (`fused_stacks.patch_embed`); position embedding and projector as in `embed_images`.
         - `encode_prefix`: the Gemma prefix on `fused_stacks.plain_block_stack` (key-only masks);
           `dense=True` from a caller that knows every image and prompt token is valid: no mask;
-          `out=(keys, values)`: the KV cache buffers to write (an engine's, shared by two graphs).
+          `out=(keys, values)`: the KV cache buffers to write (an engine's, shared by two graphs);
+          `kv_ready(i)` once block i's keys are written (`plain_block_stack`).
         - `denoise_step`: the action expert on `fused_stacks.adaptive_block_stack`; with `gemm`, its
           projections too, on the small-M GEMMs of `layers.triton_gemm` (RoPE and GeGLU in their
           epilogues). Only the denoise step: its M is batch x 50 rows (memory-bound GEMMs), while
@@ -304,7 +305,8 @@ class PI05Model(nn.Module):
           `joined=(keys, values)` from a caller whose prefix is all valid and whose KV cache has
           room for the chunk's own keys after the prefix (`k_cache` / `v_cache` being views of its
           first positions): attention over the whole buffer with no mask
-          (`fused_stacks.adaptive_block_stack(joined=)`).
+          (`fused_stacks.adaptive_block_stack(joined=)`). `kv_wait(i)` before block i reads the
+          prefix cache, for a step run beside the prefix (`adaptive_block_stack(kv_wait=)`).
 
         Engine options choose them (`CudaGraphEngine(triton_ops=True, triton_gemm=...)`); the
         model's own stage methods stay the reference."""
@@ -324,7 +326,8 @@ class PI05Model(nn.Module):
             cos, sin, mask = self.expert_context(prefix_mask, self.cfg.chunk_size)
             return cos, sin, mask, stack_attention(mask, prefix_mask.shape[0], backend)
 
-        def denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=None, context=None, joined=None):
+        def denoise_step(x_t, t, k_cache, v_cache, prefix_mask, modulation=None, context=None, joined=None,
+                         kv_wait=None):
             # a table entry may carry the folded norms' parts (`fold_modulation` below) as more items
             per_layer, final_mod, *folded = modulation if modulation is not None else self.time_modulation(t)
             cos, sin, mask, attend = context if context is not None else step_context(prefix_mask)
@@ -334,7 +337,7 @@ class PI05Model(nn.Module):
                 self.compute_dtype, self.expert_layers, cos, sin, k_cache, v_cache, mask, per_layer, final_mod,
                 self.expert_norm.eps, backend, gemm_backend=backend if gemm else None, attend=attend,
                 joined=joined, folded=folded[0] if folded else None,
-                folded_out=folded[1] if len(folded) > 1 else None,
+                folded_out=folded[1] if len(folded) > 1 else None, kv_wait=kv_wait,
             )
 
         def fold_modulation(modulation):
@@ -347,19 +350,21 @@ class PI05Model(nn.Module):
                 return per_layer, final_mod
             return per_layer, final_mod, folded, fused_stacks.fold_shift(final_mod[1], self.action_out_proj.weight)
 
-        def encode_prefix(image_embeds, image_mask, tokens, token_mask, dense=False, out=None):
+        def encode_prefix(image_embeds, image_mask, tokens, token_mask, dense=False, out=None, kv_ready=None):
             if not self.attend_keys_only:  # the fused stack takes key-only masks
                 k, v, mask = self.encode_prefix(image_embeds, image_mask, tokens, token_mask)
-                if out is None:
-                    return k, v, mask
-                ko, vo = fused_stacks.check_kv_out(out, k.shape, k.dtype)
-                return ko.copy_(k), vo.copy_(v), mask
+                if out is not None:
+                    ko, vo = fused_stacks.check_kv_out(out, k.shape, k.dtype)
+                    k, v = ko.copy_(k), vo.copy_(v)
+                for i in range(k.shape[0] if kv_ready is not None else 0):
+                    kv_ready(i)  # every block's keys at once, at the end
+                return k, v, mask
             p = self.cfg.prefix
             x, mask = self.embed_prefix(image_embeds, image_mask, tokens, token_mask, concat=concat)
             positions = torch.cumsum(mask.long(), dim=1) - 1
             cos, sin = rope_cos_sin(positions, p.head_dim, p.rope_theta, self.compute_dtype)
             k, v = fused_stacks.plain_block_stack(self.prefix_layers, x, cos, sin, mask[:, None, None, :], backend,
-                                                  dense=dense, out=out)
+                                                  dense=dense, out=out, kv_ready=kv_ready)
             return k, v, mask
 
         stages = {"embed_images": embed_images, "denoise_step": denoise_step, "encode_prefix": encode_prefix,

@@ -1,0 +1,140 @@
+"""The first flow step beside the prefix (`CudaGraphEngine(early_step=True)`): the stacks call the
+hooks where the keys are written and read, and the engine gives the chunk it gives without it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_cudagraph import _inputs, _rel, _rtc
+from test_norm_fold import _one_sample
+from test_triton_gemm import float32_routed  # noqa: F401
+from test_triton_ops import DEVICE, _blocks, _plain_blocks, _randn, _stack_inputs, kernels, tiny  # noqa: F401
+
+from phyai_edge.engines.cudagraph import CudaGraphEngine
+from phyai_edge.layers import fused_stacks
+from phyai_edge.layers.rotary import rope_cos_sin
+
+
+def test_the_prefix_stack_says_each_block_s_keys_once_they_are_written() -> None:
+    blocks = _plain_blocks(torch.float32)
+    b, t = 1, 40
+    x = _randn(b, t, 48, seed=21)
+    mask = torch.ones(b, t, dtype=torch.bool, device=DEVICE)
+    positions = torch.arange(t, device=DEVICE)[None, :]
+    cos, sin = rope_cos_sin(positions, blocks[0].self_attn.head_dim, 10000.0, torch.float32)
+    shape = (len(blocks), b, blocks[0].self_attn.num_kv_heads, t, blocks[0].self_attn.head_dim)
+    ks, vs = torch.full(shape, float("nan"), device=DEVICE), torch.full(shape, float("nan"), device=DEVICE)
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():
+        fused_stacks.plain_block_stack(blocks, x, cos, sin, mask[:, None, None, :], out=(ks, vs),
+                                       kv_ready=lambda i: seen.append((i, ks[i].clone(), vs[i].clone())))
+    assert [i for i, _, _ in seen] == list(range(len(blocks)))
+    for i, k, v in seen:  # written by then, and never changed after
+        assert torch.isfinite(k).all() and torch.equal(k, ks[i]) and torch.equal(v, vs[i])
+
+
+def _fill_on_wait(stack, k_cache, v_cache):
+    """Run `stack(ks, vs, kv_wait)` on a NaN cache whose block i `kv_wait(i)` fills from the real
+    one: (output, the blocks waited for, in order)."""
+    ks, vs = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan"))
+    order: list[int] = []
+
+    def fill(i: int) -> None:
+        order.append(i)
+        ks[i].copy_(k_cache[i])
+        vs[i].copy_(v_cache[i])
+
+    with torch.no_grad():
+        return stack(ks, vs, fill), order
+
+
+def test_the_expert_stack_reads_each_block_s_keys_only_after_waiting_for_them() -> None:
+    """The cache is NaN until `kv_wait(i)` fills block i's keys: the output is the one on the full
+    cache only if no block reads its keys before its wait."""
+    blocks = _blocks(torch.float32)
+    x, cos, sin, k_cache, v_cache, mask, mods, final = _stack_inputs(blocks, torch.float32)
+    with torch.no_grad():
+        want = fused_stacks.adaptive_block_stack(blocks, x, cos, sin, k_cache, v_cache, mask, mods, final, 1e-6)
+    got, order = _fill_on_wait(lambda ks, vs, wait: fused_stacks.adaptive_block_stack(
+        blocks, x, cos, sin, ks, vs, mask, mods, final, 1e-6, kv_wait=wait), k_cache, v_cache)
+    assert order == list(range(len(blocks)))
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+@kernels
+def test_the_folded_expert_stack_waits_too(float32_routed) -> None:  # noqa: F811
+    """The same on batch 1's folded stack (norms in the small-M GEMMs), the path the option runs."""
+    blocks = _blocks(torch.float32)
+    with torch.no_grad():
+        x, cos, sin, k_cache, v_cache, mask, mods, final = _one_sample(_stack_inputs(blocks, torch.float32))
+        folded = fused_stacks.fold_modulation(blocks, mods)
+    assert folded is not None and fused_stacks._folds(blocks, x, "triton", folded, None)
+    kw = {"backend": "triton", "gemm_backend": "triton", "folded": folded}
+    with torch.no_grad():
+        want = fused_stacks.adaptive_block_stack(blocks, x, cos, sin, k_cache, v_cache, mask, mods, final, 1e-6, **kw)
+    got, order = _fill_on_wait(lambda ks, vs, wait: fused_stacks.adaptive_block_stack(
+        blocks, x, cos, sin, ks, vs, mask, mods, final, 1e-6, kv_wait=wait, **kw), k_cache, v_cache)
+    assert order == list(range(len(blocks)))
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+def test_the_hooks_refuse_the_joined_cache() -> None:
+    blocks = _blocks(torch.float32)
+    x, cos, sin, k_cache, v_cache, mask, mods, final = _stack_inputs(blocks, torch.float32)
+    room = tuple(torch.cat([c, torch.zeros_like(c[:, :, :, : x.shape[1]])], dim=3) for c in (k_cache, v_cache))
+    with torch.no_grad(), pytest.raises(ValueError, match="kv_wait"):
+        fused_stacks.adaptive_block_stack(blocks, x, cos, sin, room[0][:, :, :, : k_cache.shape[3]],
+                                          room[1][:, :, :, : k_cache.shape[3]], mask, mods, final, 1e-6,
+                                          joined=room, kv_wait=lambda i: None)
+
+
+@pytest.mark.parametrize("mode", ["none", "inpaint", "guided-approx", "guided"])
+def test_engine_with_the_first_step_beside_the_prefix_gives_the_same_chunk(tiny, mode) -> None:  # noqa: F811
+    """Batch 1, every RTC mode: the same chunk as the engine without the option (the same operations
+    on the same inputs: bit for bit on a CPU) and as the eager engine; exact guidance (whose first
+    step needs a gradient) keeps the whole loop."""
+    base, eager = tiny
+    early = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
+                            early_step=True)
+    plain = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference")
+    inputs = _inputs(base, 1, 3, [16])
+    noise = torch.randn(1, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
+    rtc = None if mode == "none" else _rtc(base, 1, mode)
+    out, ref = early.run(inputs, noise=noise, rtc=rtc), plain.run(inputs, noise=noise, rtc=rtc)
+    gs = early._graph_set(1, 3, 16)
+    assert early._early(gs, mode, False, False) == (mode != "guided")
+    if DEVICE == "cuda":
+        assert gs.prefix_step_graph is not None
+        assert ((mode, base.solver, "early") in gs.loops) == (mode != "guided")
+        assert _rel(out.cpu(), ref.cpu()) < 1e-6
+    else:
+        assert torch.equal(out, ref)
+    assert torch.isfinite(out).all() and _rel(out.cpu(), eager.run(inputs, noise=noise, rtc=rtc)) < 1e-5
+    steps = base.solver.num_steps
+    stages = early.last_stage_ms
+    if mode != "guided" and steps > 1:  # the loop's time is the other steps'
+        assert stages["denoise_step"] == pytest.approx(stages["solver_loop"] / (steps - 1))
+
+
+def test_the_first_step_beside_the_prefix_is_for_batch_1_and_its_warm_up(tiny) -> None:  # noqa: F811
+    base, eager = tiny
+    early = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
+                            early_step=True)
+    two = _inputs(base, 2, 3, [16, 12])
+    noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
+    assert _rel(early.run(two, noise=noise).cpu(), eager.run(two, noise=noise)) < 1e-5
+    gs2 = early._graph_set(2, 3, 16)
+    assert "first_velocity" not in gs2.loop_bufs and not early._early(gs2, "none", False, False)
+    # A warm-up builds what a call of its shape and mode replays: no graph built by the call.
+    early.warmup(1, 3, prompt_tokens=16, modes=("guided-approx", "guided"))
+    built = early.graphs_built
+    one = _inputs(base, 1, 3, [16])
+    for mode in ("guided-approx", "guided"):
+        early.run(one, noise=noise[:1], rtc=_rtc(base, 1, mode))
+    assert early.graphs_built == built
+    # Off unless asked, and never without the fused stages.
+    assert not CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32").early_step
+    assert not CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops=False,
+                               early_step=True).early_step
