@@ -138,3 +138,20 @@ def test_the_first_step_beside_the_prefix_is_for_batch_1_and_its_warm_up(tiny) -
     assert not CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32").early_step
     assert not CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops=False,
                                early_step=True).early_step
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the fused kernels, captured on two streams, need a GPU")
+@pytest.mark.parametrize("mode", ["none", "guided-approx"])
+def test_the_fast_path_beside_the_prefix_on_a_gpu(tiny, mode) -> None:  # noqa: F811
+    """bf16 on the Triton kernels and small-M GEMMs (the default fast path): the same chunk."""
+    base, eager = tiny
+    kw: dict = {"device": "cuda", "dtype": "bfloat16", "triton_ops": True, "triton_gemm": True}
+    early = CudaGraphEngine(copy.deepcopy(base), early_step=True, **kw)
+    plain = CudaGraphEngine(copy.deepcopy(base), **kw)
+    inputs = _inputs(base, 1, 3, [16])
+    noise = torch.randn(1, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
+    rtc = None if mode == "none" else _rtc(base, 1, mode)
+    out, ref = early.run(inputs, noise=noise, rtc=rtc), plain.run(inputs, noise=noise, rtc=rtc)
+    assert (mode, base.solver, "early") in early._graph_set(1, 3, 16).loops
+    assert torch.isfinite(out).all() and _rel(out.float().cpu(), ref.float().cpu()) < 1e-6
+    assert _rel(out.float().cpu(), eager.run(inputs, noise=noise, rtc=rtc)) < 2e-2

@@ -698,7 +698,7 @@ class CudaGraphEngine(EngineBase):
                 side.wait_event(events[i])
 
         if gs.eager:
-            gs.kv = k, v, mask = self._prefix(gs, out=self._prefix_out(gs))
+            gs.kv = k, v, mask = self._prefix(gs, out=self._prefix_out(gs), kv_ready=keys_written)
         else:
             k, v, mask = self._prefix(gs, out=(gs.kv[0], gs.kv[1]), kv_ready=keys_written)
             if k is not gs.kv[0] or v is not gs.kv[1]:
@@ -773,13 +773,15 @@ class CudaGraphEngine(EngineBase):
     def _vision(self, gs: _GraphSet) -> torch.Tensor:
         return self._stages["embed_images"](gs.inputs["images"])
 
-    def _prefix(self, gs: _GraphSet, dense: bool = False,
-                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _prefix(self, gs: _GraphSet, dense: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                kv_ready: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         i = gs.inputs
-        # only the fused stage takes these (`dense_prefix`, `dense_expert`)
+        # only the fused stage takes these (`dense_prefix`, `dense_expert`, `early_step`)
         kw: dict[str, Any] = {"dense": True} if dense else {}
         if out is not None:
             kw["out"] = out
+        if kv_ready is not None:
+            kw["kv_ready"] = kv_ready
         return self._stages["encode_prefix"](gs.image_embeds, i["image_mask"], i["tokens"], i["token_mask"], **kw)
 
     def _table(self, solver: SolverSpec) -> list[Any]:
