@@ -10,7 +10,8 @@ and its largest difference from the first variant's chunk.
 
 A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
   unfolded                  the adaptive norms as kernels of their own (the fold off)
-  early                     the first flow step beside the prefix (`CudaGraphEngine(early_step=True)`)
+  early / no-early          the first flow step beside the prefix on / off (`CudaGraphEngine(early_step=)`,
+                            on by default)
   plain-io                  the action projections as the model runs them (`set_fold_projections(False)`)
   <class>=bm,bn,bk,warps,stages[,split]
                             that `triton_gemm.CONFIGS` entry (e.g. geglu/m64=64,32,128,4,3,2)
@@ -104,8 +105,8 @@ def parse_variants(text: str) -> list[Variant]:
         name, _, knobs = item.partition(":")
         v = Variant(name.strip())
         for knob in filter(None, (k.strip() for k in knobs.split("+"))):
-            if knob == "early":
-                v.engine["early_step"] = True
+            if knob in ("early", "no-early"):
+                v.engine["early_step"] = knob == "early"
                 continue
             if knob in ("unfolded", "plain-io"):
                 if knob == "unfolded":

@@ -98,7 +98,8 @@ def test_engine_with_the_first_step_beside_the_prefix_gives_the_same_chunk(tiny,
     base, eager = tiny
     early = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
                             early_step=True)
-    plain = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference")
+    plain = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
+                            early_step=False)
     inputs = _inputs(base, 1, 3, [16])
     noise = torch.randn(1, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
     rtc = None if mode == "none" else _rtc(base, 1, mode)
@@ -134,8 +135,8 @@ def test_the_first_step_beside_the_prefix_is_for_batch_1_and_its_warm_up(tiny) -
     for mode in ("guided-approx", "guided"):
         early.run(one, noise=noise[:1], rtc=_rtc(base, 1, mode))
     assert early.graphs_built == built
-    # Off unless asked, and never without the fused stages.
-    assert not CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32").early_step
+    # On by default with the fused stages, never without them.
+    assert CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference").early_step
     assert not CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops=False,
                                early_step=True).early_step
 
@@ -147,7 +148,7 @@ def test_the_fast_path_beside_the_prefix_on_a_gpu(tiny, mode) -> None:  # noqa: 
     base, eager = tiny
     kw: dict = {"device": "cuda", "dtype": "bfloat16", "triton_ops": True, "triton_gemm": True}
     early = CudaGraphEngine(copy.deepcopy(base), early_step=True, **kw)
-    plain = CudaGraphEngine(copy.deepcopy(base), **kw)
+    plain = CudaGraphEngine(copy.deepcopy(base), early_step=False, **kw)
     inputs = _inputs(base, 1, 3, [16])
     noise = torch.randn(1, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
     rtc = None if mode == "none" else _rtc(base, 1, mode)
