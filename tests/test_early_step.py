@@ -156,3 +156,18 @@ def test_the_fast_path_beside_the_prefix_on_a_gpu(tiny, mode) -> None:  # noqa: 
     assert (mode, base.solver, "early") in early._graph_set(1, 3, 16).loops
     assert torch.isfinite(out).all() and _rel(out.float().cpu(), ref.float().cpu()) < 1e-6
     assert _rel(out.float().cpu(), eager.run(inputs, noise=noise, rtc=rtc)) < 2e-2
+
+
+def test_bench_says_the_first_step_ran_beside_the_prefix(capsys) -> None:
+    """`phyai-edge bench` on the cudagraph engine with the fused stages says what its prefix and loop
+    rows then hold; with the model's own stages (no hooks) its JSON says the step was not moved."""
+    import json
+
+    from phyai_edge.cli import main as cli
+
+    args = ["bench", "--backend", "cudagraph", "--triton-ops", "--batch", "1", "--iters", "1", "--warmup", "0",
+            "--steps", "2"]
+    assert cli(args) == 0
+    assert "solver_loop and its floor are the other 1 steps" in capsys.readouterr().out
+    assert cli([*args[:3], "--no-triton-ops", *args[4:], "--json"]) == 0  # the model's own stages: no hooks
+    assert json.loads(capsys.readouterr().out)["early_step"] is False

@@ -402,6 +402,7 @@ class CudaGraphEngine(EngineBase):
         self.early_step = bool(early_step and not self.generic and not compile
                                and _takes(self._stages.get("encode_prefix"), "kv_ready")
                                and _takes(self._stages.get("denoise_step"), "kv_wait"))
+        self.last_early_step = False  # whether the last `run` ran its first flow step beside the prefix
         if compile:
             kw = {"mode": compile_mode} if compile_mode else {}
             # Compiled steps make their own context: a per-chunk attention callable handed in as an
@@ -515,6 +516,7 @@ class CudaGraphEngine(EngineBase):
         # With the first step beside the prefix, the prefix's time holds what of it did not overlap
         # and the loop's the other steps.
         steps = solver.num_steps - 1 if early and solver.num_steps > 1 else solver.num_steps
+        self.last_early_step = early
         self._stage_ms = {"embed_images": ms[0], "encode_prefix": ms[2], "solver_loop": ms[3],
                           "denoise_step": ms[3] / steps}
         return chunk.clone()
@@ -692,6 +694,8 @@ class CudaGraphEngine(EngineBase):
         runs there, each expert block waiting for an event its prefix block records once its keys
         are written; eagerly, one after the other. Either way the same operations on the same
         inputs as the loop's own first step."""
+        # The first step is at the solver's start time whatever its step count, so this velocity
+        # serves a loop of any number of steps from the same start.
         bufs, solver = gs.loop_bufs, self.adapter.solver
         step, make_context = self._stages["denoise_step"], self._stages.get("step_context")
         table = self._table(solver)
