@@ -348,7 +348,7 @@ def test_zmq_state_stream_estop_and_metrics():
         t.join(1)
         pub.close(0)
     for name in ("phyai_tick_lateness_seconds_bucket", "phyai_inference_stage_seconds_bucket", "phyai_rtc_delay_ticks",
-                 'phyai_hold_ticks_total{reason="estop"}', "phyai_missed_ticks_total"):
+                 'phyai_hold_ticks_total{reason="estop"}', "phyai_missed_ticks_total", "phyai_late_ticks_total"):
         assert name in text, name
     flags = [h.flags for h, _ in run.actions()]
     i = next(i for i, f in enumerate(flags) if f & Flag.ESTOP)

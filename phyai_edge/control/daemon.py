@@ -622,6 +622,7 @@ class Daemon:
             late = header.publish_mono_ns - tick.deadline_ns
             st.lateness.add(late)
             if late > late_ticks.limit_ns:
+                m.late_ticks.inc()
                 line = late_ticks.note(tick, header.publish_mono_ns,
                                        _tick_work(res is not None, started_job, new_task, started is not None, flags, tick))
                 if line is not None:

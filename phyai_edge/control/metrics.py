@@ -44,6 +44,7 @@ class Metrics:
         self.holds = nop
         self.clamped = nop
         self.missed_ticks = nop
+        self.late_ticks = nop
         self.nonfinite = nop
         self.inference_failures = nop
         self.seq = nop
@@ -77,6 +78,8 @@ class Metrics:
         self.holds = pc.Counter("phyai_hold_ticks", "Ticks published with HOLD, by reason", ["reason"], registry=registry)
         self.clamped = pc.Counter("phyai_clamped_actions", "Actions changed by a limit", ["limit"], registry=registry)
         self.missed_ticks = pc.Counter("phyai_missed_ticks", "Clock slots skipped after an overrun", registry=registry)
+        self.late_ticks = pc.Counter("phyai_late_ticks", "Ticks published later than clock.late_warning_ms after their "
+                                     "deadline", registry=registry)
         self.nonfinite = pc.Counter("phyai_nonfinite_actions", "Non-finite actions replaced by HOLD", registry=registry)
         self.inference_failures = pc.Counter(
             "phyai_inference_failures", "Inferences that failed: raised, or returned a chunk that was rejected", registry=registry
