@@ -310,3 +310,23 @@ def test_metrics_take_the_rate_and_s_from_phyai_model_info() -> None:
     # Labels that are no rate or no s are left out rather than failing the roofline.
     bad = measurement_from_metrics(text.replace('rate_hz="30"', 'rate_hz="0"').replace('"12"', '"x"'))
     assert (bad.rate_hz, bad.exec_horizon) == (None, None)
+
+
+def test_a_run_with_the_first_step_beside_the_prefix_books_its_chunk_once() -> None:
+    """The cudagraph engine's `early_step`: its loop times 9 of 10 steps and its prefix holds the
+    first step's share. The model's chunk (vision + prefix + 10 steps) is then the measured one, and
+    a run whose loop timed every step is left as it is."""
+    from phyai_edge.roofline.sources import Measurement
+
+    step = 0.758e-3
+    early = Measurement("h200", {"vision": 2.09e-3, "prefix": 5.58e-3, "denoise_step": step,
+                                 "solver_loop": 9 * step}, steps=10)
+    assert early.first_step_beside_prefix
+    st = early.stage_times()
+    assert st.prefix_s == pytest.approx(5.58e-3 - step)
+    assert st.inference_s == pytest.approx(2.09e-3 + 5.58e-3 + 9 * step)
+    assert early.stage_times(steps=5).inference_s == pytest.approx(2.09e-3 + 5.58e-3 + 4 * step)  # what-if
+    plain = Measurement("h200", {"vision": 2.09e-3, "prefix": 5.24e-3, "denoise_step": step,
+                                 "solver_loop": 10 * step}, steps=10)
+    assert not plain.first_step_beside_prefix
+    assert plain.stage_times().prefix_s == pytest.approx(5.24e-3)

@@ -401,6 +401,9 @@ def main(args: argparse.Namespace) -> int:
         device_keys = list(DEVICES)
     for m in measurements:
         notes.extend(f"{m.label}: {n}" for n in m.notes)
+        if m.first_step_beside_prefix:
+            notes.append(f"{m.label}: the first flow step ran beside the prefix (early_step): its share is in the "
+                         "measured prefix, so one step less is booked there")
 
     # Efficiency: explicit calibration file, else the first measured run on a known device.
     eff = DEFAULT_EFFICIENCY

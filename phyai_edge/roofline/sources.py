@@ -59,6 +59,14 @@ class Measurement:
     stat: str = "p50"
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def first_step_beside_prefix(self) -> bool:
+        """Whether the run's loop timed one step fewer than it ran: the cudagraph engine's first
+        flow step beside the prefix (`early_step`), seen as solver_loop / denoise_step = steps - 1."""
+        s, n = self.stages_s, self.steps or 10
+        loop, step = s.get("solver_loop"), s.get("denoise_step")
+        return bool(loop and step and n > 1 and abs(loop / step - (n - 1)) < 0.5)
+
     def stage_times(self, steps: int | None = None) -> StageTimes:
         """Fold into the model's StageTimes. `steps` rescales the solver (what-if --steps)."""
         s = self.stages_s
@@ -71,6 +79,10 @@ class Measurement:
         else:
             step = 0.0
         vision, prefix = s.get("vision", 0.0), s.get("prefix", 0.0)
+        if self.first_step_beside_prefix:
+            # The prefix's time holds the first step's share (it ran beside it) and the loop the
+            # other steps: booking one step less as prefix makes vision + prefix + n steps the chunk.
+            prefix = max(0.0, prefix - step)
         if not (vision or prefix or step):
             # Only an aggregate is known: book it all as inference (vision) so d still counts it.
             agg = s.get("inference") or max(
