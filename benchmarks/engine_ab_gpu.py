@@ -12,6 +12,8 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
   unfolded                  the adaptive norms as kernels of their own (the fold off)
   early / no-early          the first flow step beside the prefix on / off (`CudaGraphEngine(early_step=)`,
                             on by default)
+  early-max=N               ... up to batch N (`cudagraph.EARLY_STEP_MAX_BATCH`, 1; the unmasked graphs
+                            take batches from 8 whose prompts and cameras are full)
   plain-io                  the action projections as the model runs them (`set_fold_projections(False)`)
   <class>=bm,bn,bk,warps,stages[,split]
                             that `triton_gemm.CONFIGS` entry (e.g. geglu/m64=64,32,128,4,3,2)
@@ -65,14 +67,19 @@ class Variant:
     fold_io: bool = True
     configs: dict[str, Any] = field(default_factory=dict)  # CONFIGS key (or "residual") -> GemmConfig
     engine: dict[str, Any] = field(default_factory=dict)  # CudaGraphEngine options
+    early_max: int | None = None  # cudagraph.EARLY_STEP_MAX_BATCH while the variant runs
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """The knobs set, and put back after (they are read when the step is captured on a GPU, or
         at every call where nothing is captured)."""
+        from phyai_edge.engines import cudagraph
         from phyai_edge.layers import triton_attention, triton_fold, triton_gemm
         from phyai_edge.layers.fused_stacks import set_fold_norms, set_fold_projections
 
+        early_max_before = cudagraph.EARLY_STEP_MAX_BATCH
+        if self.early_max is not None:
+            cudagraph.EARLY_STEP_MAX_BATCH = self.early_max
         fold_before = set_fold_norms(self.fold)
         io_before = set_fold_projections(self.fold_io)
         saved = dict(triton_gemm.CONFIGS)
@@ -88,6 +95,7 @@ class Variant:
                     triton_gemm.CONFIGS[key] = cfg
             yield
         finally:
+            cudagraph.EARLY_STEP_MAX_BATCH = early_max_before
             set_fold_norms(fold_before)
             set_fold_projections(io_before)
             triton_gemm.CONFIGS.clear()
@@ -115,6 +123,9 @@ def parse_variants(text: str) -> list[Variant]:
                     v.fold_io = False
                 continue
             key, eq, spec = knob.partition("=")
+            if key == "early-max" and eq:
+                v.early_max = int(spec)
+                continue
             if key in ATTENTION_TILINGS and eq:
                 v.configs[key] = split_config(spec, knob)
                 continue
