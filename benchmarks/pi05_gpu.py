@@ -126,6 +126,8 @@ def time_engine(engine: Any, inputs: Any, noise: torch.Tensor, rtc: Any, device:
 
     res = time_calls(call, device, warmup, reps)
     res["stages_p50"] = {k: statistics.median(v[warmup:] or v) for k, v in stages.items()}
+    # The cudagraph engine's first flow step beside the prefix: its loop times the other steps.
+    res["early_step"] = bool(getattr(engine, "last_early_step", False))
     return res
 
 
@@ -781,10 +783,17 @@ def main(argv: list[str] | None = None) -> int:
         fl = stage_floors(cfg, b, 3, VALID_TOKENS, steps, ceil["tflops"], ceil["gbps"])
         res.setdefault("floors", {})[key] = fl
         st = res["ours"][key]["stages_p50"]
+        early = res["ours"][key].get("early_step", False)
         for stage in ("embed_images", "encode_prefix", "denoise_step", "solver_loop"):
             m = st.get(stage, float("nan"))
-            f = fl[stage]
-            table.append(f"| {b} | {stage} | {m:.3f} | {f['floor_ms']:.3f} | {f['bound']} | {f['floor_ms'] / m:.0%} |")
+            f = dict(fl[stage])
+            label = stage
+            if early and stage == "solver_loop" and steps > 1:  # the other steps: their floor
+                f["floor_ms"] *= (steps - 1) / steps
+                label = f"solver_loop (steps 2-{steps})"
+            elif early and stage == "encode_prefix":
+                label = "encode_prefix (+ step 1 beside it)"
+            table.append(f"| {b} | {label} | {m:.3f} | {f['floor_ms']:.3f} | {f['bound']} | {f['floor_ms'] / m:.0%} |")
         m = res["ours"][key]["p50"]
         table.append(f"| {b} | whole chunk (wall clock) | {m:.3f} | {fl['total']['floor_ms']:.3f} | | "
                      f"{fl['total']['floor_ms'] / m:.0%} |")
