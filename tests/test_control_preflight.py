@@ -232,3 +232,26 @@ def test_info_says_a_jetson_s_clock_and_power_mode(monkeypatch, capsys):
     assert "gpu_clock       warn: not locked" in out and "power_mode      ok: MAXN" in out
     assert cli(["info", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["jetson"] == {"gpu_clock": "warn: not locked", "power_mode": "ok: MAXN"}
+
+
+def _governors(root, by_cpu: dict[int, str]) -> None:
+    for cpu, governor in by_cpu.items():
+        d = root / f"sys/devices/system/cpu/cpu{cpu}/cpufreq"
+        d.mkdir(parents=True)
+        (d / "scaling_governor").write_text(f"{governor}\n")
+    (root / "sys/devices/system/cpu/cpufreq").mkdir(exist_ok=True)  # not a CPU
+
+
+def test_cpus_whose_clock_follows_their_load_are_warned(tmp_path):
+    from phyai_edge.control.preflight import cpu_governor_checks
+
+    assert cpu_governor_checks(tmp_path / "no-cpufreq") == []  # a VM or container: nothing to check
+    _governors(tmp_path / "mixed", {0: "performance", 1: "schedutil", 2: "schedutil", 3: "schedutil", 6: "schedutil",
+                                    10: "powersave"})
+    (check,) = cpu_governor_checks(tmp_path / "mixed")
+    assert check.what == "cpu.governor" and check.status == WARN
+    assert check.detail.startswith("powersave on CPUs 10; schedutil on CPUs 1-3,6:")
+    assert "cpupower frequency-set -g performance" in check.detail
+    _governors(tmp_path / "fast", {i: "performance" for i in range(4)})
+    assert cpu_governor_checks(tmp_path / "fast")[0].status == OK
+    assert cpu_governor_checks(tmp_path / "fast")[0].detail == "performance on CPUs 0-3"

@@ -66,7 +66,8 @@ def run_preflight(cfg: DaemonConfig, seconds: float = 3.0, context: Any = None) 
 
     ctx = context or zmq.Context()
     try:
-        checks = [*_model_checks(cfg), *jetson_checks(), *_realtime_checks(cfg), *_socket_checks(cfg, ctx)]
+        checks = [*_model_checks(cfg), *jetson_checks(), *cpu_governor_checks(), *_realtime_checks(cfg),
+                  *_socket_checks(cfg, ctx)]
         checks += _stream_checks(cfg, seconds, ctx)
     finally:
         if context is None:
@@ -159,6 +160,40 @@ def jetson_checks(root: Path = Path("/"), nvpmodel: Any = None) -> list[Check]:
             out.append(Check("jetson.power_mode", WARN, f"{mode}: a capped mode lowers the GPU clock ceiling "
                              "(`sudo nvpmodel -m 0` is MAXN on AGX Orin; check `nvpmodel -p --verbose`)"))
     return out
+
+
+def cpu_governor_checks(root: Path = Path("/")) -> list[Check]:
+    """Whether every CPU runs the `performance` frequency governor. Under `powersave` /
+    `schedutil` / `ondemand` a core's clock follows its load, so the worker's host work (frames,
+    prompt, launches) and the clock thread's wake-up run slower after the daemon's idle gap between
+    chunks. No check where the kernel exposes no cpufreq (most VMs and containers). `root` is for
+    tests."""
+    found: dict[str, list[int]] = {}
+    for path in sorted((root / "sys/devices/system/cpu").glob("cpu[0-9]*/cpufreq/scaling_governor")):
+        try:
+            found.setdefault(path.read_text().strip(), []).append(int(path.parent.parent.name[3:]))
+        except (OSError, ValueError):
+            continue
+    if not found:
+        return []
+    others = {g: cpus for g, cpus in found.items() if g != "performance"}
+    if not others:
+        return [Check("cpu.governor", OK, f"performance on CPUs {_cpu_list(found['performance'])}")]
+    said = "; ".join(f"{g} on CPUs {_cpu_list(cpus)}" for g, cpus in sorted(others.items()))
+    return [Check("cpu.governor", WARN, f"{said}: a core's clock follows its load, so host work after the idle gap "
+                  "between chunks runs slower; `sudo cpupower frequency-set -g performance` (a boot-time unit keeps "
+                  "it; on a Jetson, `jetson_clocks`)")]
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    """[0, 1, 2, 3, 6] -> "0-3,6"."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and runs[-1][1] == c - 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _nvpmodel_query() -> str | None:
