@@ -255,3 +255,14 @@ def test_cpus_whose_clock_follows_their_load_are_warned(tmp_path):
     _governors(tmp_path / "fast", {i: "performance" for i in range(4)})
     assert cpu_governor_checks(tmp_path / "fast")[0].status == OK
     assert cpu_governor_checks(tmp_path / "fast")[0].detail == "performance on CPUs 0-3"
+
+
+def test_info_says_the_cpu_governors(monkeypatch, capsys):
+    from phyai_edge.control import preflight
+
+    monkeypatch.setattr(preflight, "cpu_governors", lambda: {"schedutil": [0, 1, 2, 3]})
+    assert cli(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cpu_governor"] == "schedutil on CPUs 0-3"
+    monkeypatch.setattr(preflight, "cpu_governors", lambda: {})
+    assert cli(["info"]) == 0
+    assert "cpu_governor    not exposed" in capsys.readouterr().out

@@ -47,7 +47,15 @@ def collect() -> dict:
         "opencv": _version("cv2"),
         # On a Jetson, what its timings depend on: whether the GPU clock is locked, the power mode.
         "jetson": _jetson(),
+        # The CPUs' frequency governors (host work after an idle gap is slower off `performance`).
+        "cpu_governor": _cpu_governor(),
     }
+
+
+def _cpu_governor() -> str | None:
+    from phyai_edge.control.preflight import cpu_governors, describe_governors
+
+    return describe_governors(cpu_governors()) or None
 
 
 def _jetson() -> dict[str, str] | None:
@@ -71,6 +79,8 @@ def main(args: argparse.Namespace) -> int:
         elif key == "jetson":
             for what, text in (val or {}).items():  # nothing off a Jetson
                 print(f"{what:<16}{text}")
+        elif key == "cpu_governor" and val is None:
+            print(f"{key:<16}not exposed (no cpufreq: a VM or container)")
         elif key == "cuda" and val is None:
             # torch.version.cuda is None for a CPU-only torch wheel: installing the CUDA toolkit
             # would not help; a CUDA build of torch (JetPack's wheel on a Jetson) would.

@@ -168,21 +168,32 @@ def cpu_governor_checks(root: Path = Path("/")) -> list[Check]:
     prompt, launches) and the clock thread's wake-up run slower after the daemon's idle gap between
     chunks. No check where the kernel exposes no cpufreq (most VMs and containers). `root` is for
     tests."""
+    found = cpu_governors(root)
+    if not found:
+        return []
+    others = {g: cpus for g, cpus in found.items() if g != "performance"}
+    if not others:
+        return [Check("cpu.governor", OK, describe_governors(found))]
+    said = describe_governors(others)
+    return [Check("cpu.governor", WARN, f"{said}: a core's clock follows its load, so host work after the idle gap "
+                  "between chunks runs slower; `sudo cpupower frequency-set -g performance` (a boot-time unit keeps "
+                  "it; on a Jetson, `jetson_clocks`)")]
+
+
+def cpu_governors(root: Path = Path("/")) -> dict[str, list[int]]:
+    """Each cpufreq governor in use -> the CPUs on it; empty where the kernel exposes none."""
     found: dict[str, list[int]] = {}
     for path in sorted((root / "sys/devices/system/cpu").glob("cpu[0-9]*/cpufreq/scaling_governor")):
         try:
             found.setdefault(path.read_text().strip(), []).append(int(path.parent.parent.name[3:]))
         except (OSError, ValueError):
             continue
-    if not found:
-        return []
-    others = {g: cpus for g, cpus in found.items() if g != "performance"}
-    if not others:
-        return [Check("cpu.governor", OK, f"performance on CPUs {_cpu_list(found['performance'])}")]
-    said = "; ".join(f"{g} on CPUs {_cpu_list(cpus)}" for g, cpus in sorted(others.items()))
-    return [Check("cpu.governor", WARN, f"{said}: a core's clock follows its load, so host work after the idle gap "
-                  "between chunks runs slower; `sudo cpupower frequency-set -g performance` (a boot-time unit keeps "
-                  "it; on a Jetson, `jetson_clocks`)")]
+    return found
+
+
+def describe_governors(found: dict[str, list[int]]) -> str:
+    """{"schedutil": [1, 2, 3, 6]} -> "schedutil on CPUs 1-3,6"."""
+    return "; ".join(f"{g} on CPUs {_cpu_list(cpus)}" for g, cpus in sorted(found.items()))
 
 
 def _cpu_list(cpus: list[int]) -> str:
