@@ -37,3 +37,6 @@ for b in 2 4; do
   timeout 120 python3 benchmarks/engine_ab_gpu.py --batch $b --variants "plain:no-early;early:early-max=$b" --reps 60 \
       --json $OUT/ab_early_b$b.json 2>&1 | tail -3
 done
+echo "=== headline at batch 1 with early_step on (the issue's table: beside LeRobot eager's numbers of earlier runs)"
+timeout 200 python3 benchmarks/pi05_gpu.py --triton-only --no-fp8 --no-compile --no-compile-baseline --batches 1 \
+    --variants "triton+gemm" --rtc-modes guided --rtc-batches 1 --out $OUT/pi05 --budget-s 180 2>&1 | tail -8
