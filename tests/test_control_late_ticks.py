@@ -73,11 +73,15 @@ def test_the_daemon_logs_the_tick_its_own_work_made_late(caplog):
     with caplog.at_level("WARNING", logger="phyai_edge.control"):
         run_ticks(daemon, 80)
     lines = [r.getMessage() for r in caplog.records if "after its deadline" in r.getMessage()]
-    # The slow read is the 40th tick's (slot 39): it woke on time and spent >= 15 ms in the tick.
-    ours = [ln for ln in lines if ln.startswith("tick 39 ")]
+
+    def in_tick_ms(line: str) -> float:
+        return float(line.split("then ")[1].split(" ms in the tick")[0])
+
+    # The slow read is the 40th tick's (slot 39 unless a loaded machine made the clock skip slots
+    # before it): the one tick that spent >= 15 ms in its own work, whatever woke late around it.
+    ours = [ln for ln in lines if in_tick_ms(ln) >= 15.0]
     assert len(ours) == 1, lines
-    in_tick_ms = float(ours[0].split("then ")[1].split(" ms in the tick")[0])
-    assert in_tick_ms >= 15.0, ours[0]
+    assert daemon.state.calls >= 40 and int(ours[0].split()[1]) >= 39, ours[0]
     summary = daemon.summary()["late_ticks"]
     assert summary["count"] >= 1 and summary["limit_ms"] == 8.0
     assert summary["worst_ms"] >= 15.0
