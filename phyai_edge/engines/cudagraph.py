@@ -663,18 +663,23 @@ class CudaGraphEngine(EngineBase):
         (the loop graph reads that one; a copy there cost 0.2 ms at batch 32, and a second cache
         its memory) and copying its mask over the masked graph's (which may still hold an earlier
         padded batch's). On failure the masked graph serves every batch."""
-        def body() -> None:
-            k, v, mask = self._prefix(gs, dense=True, out=(gs.kv[0], gs.kv[1]))
-            if k is not gs.kv[0] or v is not gs.kv[1]:
-                raise RuntimeError("the prefix stage did not write the given KV buffers")
-            gs.kv[2].copy_(mask)
-
         try:
-            gs.prefix_dense_graph, _ = self._capture(gs, body)
+            gs.prefix_dense_graph, _ = self._capture(gs, lambda: self._prefix_into_cache(gs, dense=True))
         except Exception as exc:
             log.warning("cudagraph: unmasked prefix capture failed for %s (%s: %s); padded and full batches "
                         "share the masked prefix", gs.key, type(exc).__name__, exc)
             gs.prefix_dense_graph = None
+
+    def _prefix_into_cache(self, gs: _GraphSet, dense: bool = False,
+                           kv_ready: Callable[[int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefix of a second prefix graph (unmasked, or with the first step beside it) into the
+        masked graph's KV cache, which the loop graphs read, and its mask over that graph's mask
+        buffer (which may still hold an earlier batch's): (keys, values, this call's mask)."""
+        k, v, mask = self._prefix(gs, dense=dense, out=(gs.kv[0], gs.kv[1]), kv_ready=kv_ready)
+        if k is not gs.kv[0] or v is not gs.kv[1]:
+            raise RuntimeError("the prefix stage did not write the given KV buffers")
+        gs.kv[2].copy_(mask)
+        return k, v, mask
 
     def _capture_prefix_step(self, gs: _GraphSet) -> None:
         """The prefix graph with the first flow step beside it (`early_step`). On failure the set
@@ -716,10 +721,7 @@ class CudaGraphEngine(EngineBase):
         if gs.eager:
             gs.kv = k, v, mask = self._prefix(gs, out=self._prefix_out(gs), kv_ready=keys_written)
         else:
-            k, v, mask = self._prefix(gs, out=(gs.kv[0], gs.kv[1]), kv_ready=keys_written)
-            if k is not gs.kv[0] or v is not gs.kv[1]:
-                raise RuntimeError("the prefix stage did not write the given KV buffers")
-            gs.kv[2].copy_(mask)  # what the loop graph reads (the plain prefix graph's mask buffer)
+            k, v, mask = self._prefix_into_cache(gs, kv_ready=keys_written)
 
         def first_step() -> None:
             t = torch.full((bufs["noise"].shape[0],), solver.times()[0], dtype=torch.float32, device=self.device)
