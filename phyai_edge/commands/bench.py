@@ -171,13 +171,13 @@ def run_bench(args: argparse.Namespace) -> dict:
 
     info = collect()
     gpu = info["gpus"][0]["name"] if info["gpus"] and args.device != "cpu" else None
-    floor_device, floors, floor_note = _floors(args, adapter, views, n_valid, gpu, getattr(policy.engine, "fp8", None))
     # The cudagraph engine's first flow step beside the prefix (`early_step`): the loop times the
     # other steps, so its floor is theirs.
     early = bool(getattr(policy.engine, "last_early_step", False))
     steps = adapter.solver.num_steps
-    if early and "solver_loop" in floors and steps > 1:
-        floors["solver_loop"] = {**floors["solver_loop"], "floor_ms": floors["solver_loop"]["floor_ms"] * (steps - 1) / steps}
+    loop_steps = steps - 1 if early and steps > 1 else steps
+    floor_device, floors, floor_note = _floors(args, adapter, views, n_valid, gpu, getattr(policy.engine, "fp8", None),
+                                               loop_steps)
     return {
         "adapter": args.adapter, "preset": args.preset if not args.checkpoint else "checkpoint",
         "backend": getattr(policy.engine, "backend", args.backend), "device": args.device, "dtype": args.dtype,
@@ -193,10 +193,11 @@ def run_bench(args: argparse.Namespace) -> dict:
 
 
 def _floors(args: argparse.Namespace, adapter: Any, views: int, prompt_tokens: int | None, gpu: str | None,
-            fp8: str | None) -> tuple[str | None, dict[str, dict[str, float | str]], str]:
+            fp8: str | None, loop_steps: int) -> tuple[str | None, dict[str, dict[str, float | str]], str]:
     """(device name, {stage: floor_ms, bound}, note): each model stage's floor from the adapter's
-    FLOP / byte count (`roofline.costs`) at the device's peaks; empty, with the reason, where there
-    is no floor to print (no device, no cost model, a precision the table has no peak for)."""
+    FLOP / byte count (`roofline.costs`) at the device's peaks, the solver loop's for the
+    `loop_steps` steps it timed; empty, with the reason, where there is no floor to print (no
+    device, no cost model, a precision the table has no peak for)."""
     from phyai_edge.roofline.costs import stage_costs
     from phyai_edge.roofline.devices import find_device
     from phyai_edge.roofline.predict import stage_floors
@@ -215,7 +216,7 @@ def _floors(args: argparse.Namespace, adapter: Any, views: int, prompt_tokens: i
         return device.name, {}, f"no floors: {why}"
     try:
         costs = stage_costs(args.adapter, adapter.cfg, batch=args.batch, views=views, prompt_tokens=prompt_tokens,
-                            steps=adapter.solver.num_steps, precision=precision)
+                            steps=loop_steps, precision=precision)
         floors = stage_floors(costs, device, precision)
     except (ValueError, AttributeError) as exc:  # no cost model for this adapter, or no peak for it
         return device.name, {}, f"no floors: {exc}"
