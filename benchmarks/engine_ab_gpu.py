@@ -12,8 +12,11 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
   unfolded                  the adaptive norms as kernels of their own (the fold off)
   early / no-early          the first flow step beside the prefix on / off (`CudaGraphEngine(early_step=)`,
                             on by default)
-  early-max=N               ... up to batch N (`cudagraph.EARLY_STEP_MAX_BATCH`, 1; the unmasked graphs
-                            take batches from 8 whose prompts and cameras are full)
+  early-max=N               ... up to batch N (`cudagraph.EARLY_STEP_MAX_BATCH`, 4; the unmasked graphs
+                            take batches from 8 whose prompts and cameras are full, and these keep the
+                            whole loop)
+  no-dense                  neither unmasked graph (`dense_prefix=False, dense_expert=False`): a full batch
+                            from 8 then runs the masked ones, as a padded batch does
   plain-io                  the action projections as the model runs them (`set_fold_projections(False)`)
   <class>=bm,bn,bk,warps,stages[,split]
                             that `triton_gemm.CONFIGS` entry (e.g. geglu/m64=64,32,128,4,3,2)
@@ -116,6 +119,9 @@ def parse_variants(text: str) -> list[Variant]:
             if knob in ("early", "no-early"):
                 v.engine["early_step"] = knob == "early"
                 continue
+            if knob == "no-dense":
+                v.engine.update(dense_prefix=False, dense_expert=False)
+                continue
             if knob in ("unfolded", "plain-io"):
                 if knob == "unfolded":
                     v.fold = False
@@ -143,8 +149,9 @@ def parse_variants(text: str) -> list[Variant]:
 
 
 def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin: bool = False,
-           rtc: str | None = None, batch: int = 1) -> dict[str, Any]:
-    """Capture one engine per variant, alternate their calls `reps` times; every number returned."""
+           rtc: str | None = None, batch: int = 1, valid: list[int] | None = None) -> dict[str, Any]:
+    """Capture one engine per variant, alternate their calls `reps` times; every number returned.
+    `valid`: each robot's valid prompt tokens (default VALID_TOKENS for every one)."""
     from phyai_edge.engines.cudagraph import CudaGraphEngine
     from phyai_edge.engines.eager import EagerEngine
 
@@ -155,7 +162,8 @@ def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin:
     else:
         adapter = seeded_adapter(device, tiny)
     cfg = adapter.cfg
-    x = par.model_inputs(par.make_inputs(batch, 3, [VALID_TOKENS] * batch, device, seed=3, max_len=cfg.max_token_len,
+    valid = valid or [VALID_TOKENS] * batch
+    x = par.model_inputs(par.make_inputs(batch, 3, valid, device, seed=3, max_len=cfg.max_token_len,
                                          vocab=cfg.vocab_size))
     noise = torch.randn(batch, adapter.chunk_size, adapter.model_action_dim,
                         generator=torch.Generator().manual_seed(4)).to(device)
@@ -171,7 +179,7 @@ def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin:
     for v in variants:
         engines[v.name] = CudaGraphEngine(copy.deepcopy(adapter), device=device, dtype="bfloat16", **opts, **v.engine)
         with v.active():
-            engines[v.name].warmup(batch, 3, VALID_TOKENS, modes=(rtc or "none",))
+            engines[v.name].warmup(batch, 3, max(valid), modes=(rtc or "none",))
         run(v.name, noise)
     ref = EagerEngine(adapter, device=device, dtype="float32").run(x, noise=noise, rtc=guidance)
     chunks = {name: run(name, noise) for name in engines}
@@ -195,7 +203,7 @@ def run_ab(variants: list[Variant], device: str, tiny: bool, reps: int, builtin:
         return sorted(v)[min(len(v) - 1, int(p * len(v)))]
 
     first = variants[0].name
-    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "reps": reps, "rtc": rtc, "batch": batch,
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "reps": reps, "rtc": rtc, "batch": batch, "valid_tokens": valid,
                            "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
                            "engines": {}}
     for v in variants:
@@ -253,10 +261,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtc", default=None, choices=("inpaint", "guided-approx", "guided"),
                     help="run every call with this RTC mode (default: none)")
     ap.add_argument("--batch", type=int, default=1, help="robots a call (the same inputs for each)")
+    ap.add_argument("--valid-tokens", default=str(VALID_TOKENS),
+                    help="valid prompt tokens of each robot, comma-separated and repeated over the batch "
+                         f"(default {VALID_TOKENS}: no padding, so from batch 8 the unmasked graphs; e.g. 48,40 for "
+                         "a padded batch on the masked ones)")
     args = ap.parse_args(argv)
     if args.batch < 1:
         ap.error("--batch: at least 1")
-    res = run_ab(parse_variants(args.variants), args.device, args.tiny, args.reps, args.builtin, args.rtc, args.batch)
+    try:
+        lengths = [int(t) for t in args.valid_tokens.split(",")]
+    except ValueError:
+        ap.error(f"--valid-tokens: comma-separated integers, got {args.valid_tokens!r}")
+    if not lengths or min(lengths) < 1:
+        ap.error("--valid-tokens: each at least 1")
+    valid = [lengths[i % len(lengths)] for i in range(args.batch)]
+    res = run_ab(parse_variants(args.variants), args.device, args.tiny, args.reps, args.builtin, args.rtc, args.batch,
+                 valid)
     print(table(res))
     write_json(res, args.json)
     return 0

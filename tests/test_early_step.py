@@ -12,6 +12,7 @@ from test_norm_fold import _one_sample
 from test_triton_gemm import float32_routed  # noqa: F401
 from test_triton_ops import DEVICE, _blocks, _plain_blocks, _randn, _stack_inputs, kernels, tiny  # noqa: F401
 
+from phyai_edge.engines import cudagraph
 from phyai_edge.engines.cudagraph import CudaGraphEngine
 from phyai_edge.layers import fused_stacks
 from phyai_edge.layers.rotary import rope_cos_sin
@@ -119,15 +120,24 @@ def test_engine_with_the_first_step_beside_the_prefix_gives_the_same_chunk(tiny,
         assert stages["denoise_step"] == pytest.approx(stages["solver_loop"] / (steps - 1))
 
 
-def test_the_first_step_beside_the_prefix_is_for_batch_1_and_its_warm_up(tiny) -> None:  # noqa: F811
+def test_the_first_step_beside_the_prefix_is_for_small_batches_and_its_warm_up(tiny) -> None:  # noqa: F811
     base, eager = tiny
     early = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
                             early_step=True)
-    two = _inputs(base, 2, 3, [16, 12])
-    noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
-    assert _rel(early.run(two, noise=noise).cpu(), eager.run(two, noise=noise)) < 1e-5
-    gs2 = early._graph_set(2, 3, 16)
-    assert "first_velocity" not in gs2.loop_bufs and not early._early(gs2, "none", False, False)
+    plain = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
+                            early_step=False)
+    most = cudagraph.EARLY_STEP_MAX_BATCH
+    assert most >= 2
+    for b, beside in ((2, True), (most, True), (most + 1, False)):
+        batch = _inputs(base, b, 3, [(16, 12, 9)[i % 3] for i in range(b)])
+        noise = torch.randn(b, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
+        out = early.run(batch, noise=noise)
+        assert early.last_early_step == beside, b
+        assert _rel(out.cpu(), eager.run(batch, noise=noise)) < 1e-5
+        if beside and DEVICE != "cuda":  # the same operations in the same order as without the option
+            assert torch.equal(out, plain.run(batch, noise=noise))
+        gs = early._graph_set(b, 3, 16)
+        assert ("first_velocity" in gs.loop_bufs) == beside and early._early(gs, "none", False, False) == beside
     # A warm-up builds what a call of its shape and mode replays: no graph built by the call.
     early.warmup(1, 3, prompt_tokens=16, modes=("guided-approx", "guided"))
     built = early.graphs_built

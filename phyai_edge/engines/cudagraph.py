@@ -52,13 +52,14 @@ What makes the PI0.5 path fast (each is exact, or equal within rounding, to the 
   GEMMs with RoPE / GeGLU in their epilogues (`layers.triton_gemm`), where a call has at most 64
   rows (batch 1): on by default with the Triton ops on CUDA (H200: 18.5 -> 17.5 ms a batch-1
   chunk); the prefix's compute-bound GEMMs and larger batches stay on cuBLAS.
-- The first flow step beside the prefix (`early_step`, with the fused stages; batch 1, every RTC
+- The first flow step beside the prefix (`early_step`, with the fused stages; batch <= 4, every RTC
   mode but exact guidance): step 0's velocity depends only on the noise and the prefix cache, and
   its block i only on the prefix's block-i keys, so a second prefix graph runs it on a side stream,
   each expert block waiting for its prefix block's keys (events recorded as they are written), in
   the SMs the batch-1 prefix leaves idle; the loop graph then starts from that velocity. The same
   operations on the same inputs, so the same chunk (bit for bit on the H200); there a batch-1 chunk
-  took 14.86 against 15.26 ms (-2.7%; -2.9% with guided-approx), engines alternated.
+  took 14.86 against 15.26 ms (-2.7%; -2.9% with guided-approx), engines alternated; batch 2 and 4
+  -2.1% and -2.3% on an H100.
 - Optional `torch.compile` of the stage functions (inductor fuses norms, RoPE, GeGLU and
   residuals) underneath the same graphs.
 
@@ -104,7 +105,10 @@ DENSE_EXPERT_MIN_BATCH = 8
 # rounded to the bucket as other batches are. Each length is a graph set (captured at first use).
 EXACT_PROMPT_LENGTHS = 4
 # `early_step` up to this batch: where the prefix leaves SMs idle and the step is small beside it.
-EARLY_STEP_MAX_BATCH = 1
+# Engines alternated, the same chunk bit for bit (RESULTS.md): batch 1 -2.7% (H200), batch 2 -2.1%
+# and batch 4 -2.3% (H100). Larger batches not measured yet; from 8, full batches take the unmasked
+# graphs, which keep the whole loop.
+EARLY_STEP_MAX_BATCH = 4
 # The stage graph the PI0.5 path is written for; any other graph takes the generic path.
 PI05_STAGES = ("embed_images", "encode_prefix", "denoise_step")
 
