@@ -12,9 +12,8 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
   unfolded                  the adaptive norms as kernels of their own (the fold off)
   early / no-early          the first flow step beside the prefix on / off (`CudaGraphEngine(early_step=)`,
                             on by default)
-  early-max=N               ... up to batch N (`cudagraph.EARLY_STEP_MAX_BATCH`, 4; the unmasked graphs
-                            take batches from 8 whose prompts and cameras are full, and these keep the
-                            whole loop)
+  early-max=N               ... up to batch N (`cudagraph.EARLY_STEP_MAX_BATCH`; from batch 8 a full
+                            batch takes the unmasked graphs, a padded one the masked ones)
   no-dense                  neither unmasked graph (`dense_prefix=False, dense_expert=False`): a full batch
                             from 8 then runs the masked ones, as a padded batch does
   plain-io                  the action projections as the model runs them (`set_fold_projections(False)`)

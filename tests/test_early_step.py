@@ -81,14 +81,32 @@ def test_the_folded_expert_stack_waits_too(float32_routed) -> None:  # noqa: F81
     assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
-def test_the_hooks_refuse_the_joined_cache() -> None:
+def test_the_stack_on_the_joined_cache_waits_too() -> None:
+    """The unmasked expert (full batches) writes its own keys into the room after the prefix and
+    attends over the whole buffer: it too reads block i's prefix keys only after `kv_wait(i)`."""
     blocks = _blocks(torch.float32)
     x, cos, sin, k_cache, v_cache, mask, mods, final = _stack_inputs(blocks, torch.float32)
-    room = tuple(torch.cat([c, torch.zeros_like(c[:, :, :, : x.shape[1]])], dim=3) for c in (k_cache, v_cache))
-    with torch.no_grad(), pytest.raises(ValueError, match="kv_wait"):
-        fused_stacks.adaptive_block_stack(blocks, x, cos, sin, room[0][:, :, :, : k_cache.shape[3]],
-                                          room[1][:, :, :, : k_cache.shape[3]], mask, mods, final, 1e-6,
-                                          joined=room, kv_wait=lambda i: None)
+    full = torch.ones_like(mask)
+    t = x.shape[1]
+
+    def stack(ks, vs, wait):
+        room = tuple(torch.cat([c, torch.zeros_like(c[:, :, :, :t])], dim=3) for c in (ks, vs))
+        if wait is not None:  # the prefix fills the room's prefix positions as it goes
+            inner = wait
+
+            def wait(i: int) -> None:
+                inner(i)
+                room[0][i, :, :, : ks.shape[3]].copy_(ks[i])
+                room[1][i, :, :, : vs.shape[3]].copy_(vs[i])
+        return fused_stacks.adaptive_block_stack(blocks, x, cos, sin, room[0][:, :, :, : ks.shape[3]],
+                                                 room[1][:, :, :, : ks.shape[3]], full, mods, final, 1e-6,
+                                                 joined=room, kv_wait=wait)
+
+    with torch.no_grad():
+        want = stack(k_cache, v_cache, None)
+    got, order = _fill_on_wait(stack, k_cache, v_cache)
+    assert order == list(range(len(blocks)))
+    assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("mode", ["none", "inpaint", "guided-approx", "guided"])
@@ -181,3 +199,43 @@ def test_bench_says_the_first_step_ran_beside_the_prefix(capsys) -> None:
     assert "solver_loop and its floor are the other 1 steps" in capsys.readouterr().out
     assert cli([*args[:3], "--no-triton-ops", *args[4:], "--json"]) == 0  # the model's own stages: no hooks
     assert json.loads(capsys.readouterr().out)["early_step"] is False
+
+
+def test_full_batches_run_the_first_step_beside_the_unmasked_prefix(tiny, monkeypatch) -> None:  # noqa: F811
+    """Where a full batch takes the unmasked prefix and expert, the first step runs beside that
+    prefix on the unmasked expert (the loop variant "dense, early"); a padded batch of the same
+    size beside the masked one. Both give the chunk the engine gives without the option."""
+    base, eager = tiny
+    monkeypatch.setattr(cudagraph, "DENSE_PREFIX_MIN_BATCH", 2)
+    monkeypatch.setattr(cudagraph, "DENSE_EXPERT_MIN_BATCH", 2)
+    kw: dict = {"device": DEVICE, "dtype": "float32", "triton_ops": "reference"}
+    early = CudaGraphEngine(copy.deepcopy(base), early_step=True, **kw)
+    plain = CudaGraphEngine(copy.deepcopy(base), early_step=False, **kw)
+    noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
+    for valid, variant in (([16, 16], "dense, early"), ([16, 12], "early")):
+        batch = _inputs(base, 2, 3, valid)
+        out, ref = early.run(batch, noise=noise), plain.run(batch, noise=noise)
+        assert early.last_early_step and not plain.last_early_step
+        assert ("none", base.solver, variant) in early._graph_set(2, 3, 16).loops, valid
+        if DEVICE == "cuda":
+            assert _rel(out.cpu(), ref.cpu()) < 1e-6
+        else:
+            assert torch.equal(out, ref), valid
+        assert _rel(out.cpu(), eager.run(batch, noise=noise)) < 1e-5
+    gs = early._graph_set(2, 3, 16)
+    if DEVICE == "cuda":
+        assert gs.prefix_step_graph is not None and gs.prefix_step_dense_graph is not None
+    # exact guidance keeps the whole masked loop; guided-approx on a full batch runs beside too
+    full = _inputs(base, 2, 3, [16, 16])
+    for mode, beside in (("guided", False), ("guided-approx", True)):
+        rtc = _rtc(base, 2, mode)
+        out = early.run(full, noise=noise, rtc=rtc)
+        assert early.last_early_step == beside, mode
+        assert _rel(out.cpu(), eager.run(full, noise=noise, rtc=rtc)) < 1e-5, mode
+    # A warm-up captures what such calls replay (the masked and the unmasked early loops).
+    fresh = CudaGraphEngine(copy.deepcopy(base), early_step=True, **kw)
+    fresh.warmup(2, 3, prompt_tokens=16, modes=("none",))
+    built = fresh.graphs_built
+    fresh.run(full, noise=noise)
+    fresh.run(_inputs(base, 2, 3, [16, 12]), noise=noise)
+    assert fresh.graphs_built == built

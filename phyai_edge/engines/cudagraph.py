@@ -52,14 +52,16 @@ What makes the PI0.5 path fast (each is exact, or equal within rounding, to the 
   GEMMs with RoPE / GeGLU in their epilogues (`layers.triton_gemm`), where a call has at most 64
   rows (batch 1): on by default with the Triton ops on CUDA (H200: 18.5 -> 17.5 ms a batch-1
   chunk); the prefix's compute-bound GEMMs and larger batches stay on cuBLAS.
-- The first flow step beside the prefix (`early_step`, with the fused stages; batch <= 4, every RTC
-  mode but exact guidance): step 0's velocity depends only on the noise and the prefix cache, and
-  its block i only on the prefix's block-i keys, so a second prefix graph runs it on a side stream,
-  each expert block waiting for its prefix block's keys (events recorded as they are written), in
-  the SMs the batch-1 prefix leaves idle; the loop graph then starts from that velocity. The same
+- The first flow step beside the prefix (`early_step`, with the fused stages; batches up to
+  EARLY_STEP_MAX_BATCH, every RTC mode but exact guidance): step 0's velocity depends only on the
+  noise and the prefix cache, and its block i only on the prefix's block-i keys, so a second prefix
+  graph runs it on a side stream, each expert block waiting for its prefix block's keys (events
+  recorded as they are written), in the SMs the prefix leaves idle; the loop graph then starts
+  from that velocity (a full batch from 8: a third, beside the unmasked prefix). The same
   operations on the same inputs, so the same chunk (bit for bit on the H200); there a batch-1 chunk
   took 14.86 against 15.26 ms (-2.7%; -2.9% with guided-approx), engines alternated; batch 2 and 4
-  -2.1% and -2.3% on an H100.
+  -2.1% and -2.3% on an H100, batch 8 -2.3% on the H200; from batch 16 the prefix slows by about
+  what the step saves.
 - Optional `torch.compile` of the stage functions (inductor fuses norms, RoPE, GeGLU and
   residuals) underneath the same graphs.
 
@@ -106,9 +108,10 @@ DENSE_EXPERT_MIN_BATCH = 8
 EXACT_PROMPT_LENGTHS = 4
 # `early_step` up to this batch: where the prefix leaves SMs idle and the step is small beside it.
 # Engines alternated, the same chunk bit for bit (RESULTS.md): batch 1 -2.7% (H200), batch 2 -2.1%
-# and batch 4 -2.3% (H100). Larger batches not measured yet; from 8, full batches take the unmasked
-# graphs, which keep the whole loop.
-EARLY_STEP_MAX_BATCH = 4
+# and batch 4 -2.3% (H100), batch 8 -2.3% full / -1.8% padded, batch 16 -0.7%, batch 32 +0.7% (H200):
+# the prefix takes more of the step as the batch grows. From batch 8 a full batch runs it beside
+# the unmasked prefix, on the unmasked expert.
+EARLY_STEP_MAX_BATCH = 8
 # The stage graph the PI0.5 path is written for; any other graph takes the generic path.
 PI05_STAGES = ("embed_images", "encode_prefix", "denoise_step")
 
@@ -217,8 +220,10 @@ class _GraphSet:
     loop_bufs: dict[str, torch.Tensor] = field(default_factory=dict)
     loops: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(default_factory=dict)
     # (`early_step`) The prefix with the first flow step beside it on the `side` CUDA stream, which
-    # writes loop_bufs["first_velocity"]; None where the set has no such graph.
+    # writes loop_bufs["first_velocity"]; None where the set has no such graph. The dense one: the
+    # unmasked prefix with the first step on the unmasked expert (`kv_room`), for full batches.
     prefix_step_graph: torch.cuda.CUDAGraph | None = None
+    prefix_step_dense_graph: torch.cuda.CUDAGraph | None = None
     side: Any = None
     eager: bool = False
     rtc_staging: _HostStaging = field(default_factory=_HostStaging)
@@ -448,7 +453,7 @@ class CudaGraphEngine(EngineBase):
         for mode in modes:
             self._loop_graph(gs, mode, self.adapter.solver, early=self._early(gs, mode, False, False))
             if gs.kv_room is not None and mode != "guided":
-                self._loop_graph(gs, mode, self.adapter.solver, dense=True)
+                self._loop_graph(gs, mode, self.adapter.solver, dense=True, early=self._early(gs, mode, True, True))
 
     @property
     def prompt_room(self) -> int | None:
@@ -537,11 +542,12 @@ class CudaGraphEngine(EngineBase):
 
     def _early(self, gs: _GraphSet, mode: str, dense_prefix: bool, dense_expert: bool) -> bool:
         """Whether a call runs its first flow step beside the prefix (`early_step`): not exact
-        guidance (its first step needs a gradient), not the unmasked graphs (larger batches), and
-        only where the set has the graph (or runs eagerly). `warmup` and `run` both ask this, so a
-        warm-up captures the loop a call will replay."""
-        return (self._early_batch(gs.key[0]) and mode != "guided" and not dense_prefix and not dense_expert
-                and (gs.eager or gs.prefix_step_graph is not None))
+        guidance (its first step needs a gradient), the masked graphs or both unmasked ones (a full
+        batch's), and only where the set has that graph (or runs eagerly). `warmup` and `run` both
+        ask this, so a warm-up captures the loop a call will replay."""
+        if dense_prefix != dense_expert or mode == "guided" or not self._early_batch(gs.key[0]):
+            return False
+        return gs.eager or (gs.prefix_step_dense_graph if dense_prefix else gs.prefix_step_graph) is not None
 
     def _prompt_length(self, token_mask: torch.Tensor, views: int) -> int:
         """The prompt positions this batch keeps (`prompt_bucket`). Exact, not rounded to the bucket,
@@ -607,6 +613,8 @@ class CudaGraphEngine(EngineBase):
                 self._capture_dense_prefix(gs)
             if self._early_batch(batch):
                 self._capture_prefix_step(gs)
+                if all(self._unmasked(batch)) and gs.prefix_dense_graph is not None and gs.side is not None:
+                    self._capture_prefix_step(gs, dense=True)
         except Exception as exc:  # capture can fail on unusual setups; stay correct, say so once
             log.warning("cudagraph: capture failed for batch %d, views %d (%s: %s); running eagerly",
                         batch, views, type(exc).__name__, exc)
@@ -685,24 +693,34 @@ class CudaGraphEngine(EngineBase):
         gs.kv[2].copy_(mask)
         return k, v, mask
 
-    def _capture_prefix_step(self, gs: _GraphSet) -> None:
-        """The prefix graph with the first flow step beside it (`early_step`). On failure the set
-        runs the plain prefix and the whole loop, as without the option."""
+    def _capture_prefix_step(self, gs: _GraphSet, dense: bool = False) -> None:
+        """The prefix graph with the first flow step beside it (`early_step`); `dense`: the unmasked
+        prefix and expert's. On failure those batches run the prefix and the whole loop, as without
+        the option."""
+        what = "unmasked prefix" if dense else "prefix"
         try:
-            gs.side = torch.cuda.Stream(self.device)
-            gs.prefix_step_graph, _ = self._capture(gs, lambda: self._prefix_and_first_step(gs))
-            log.info("cudagraph: captured the prefix with the first flow step beside it for %s", gs.key)
+            if gs.side is None:
+                gs.side = torch.cuda.Stream(self.device)
+            graph, _ = self._capture(gs, lambda: self._prefix_and_first_step(gs, dense))
+            log.info("cudagraph: captured the %s with the first flow step beside it for %s", what, gs.key)
         except Exception as exc:
-            log.warning("cudagraph: capture of the prefix with the first flow step failed for %s (%s: %s); "
-                        "the loop runs every step", gs.key, type(exc).__name__, exc)
-            gs.prefix_step_graph, gs.side = None, None
+            log.warning("cudagraph: capture of the %s with the first flow step failed for %s (%s: %s); "
+                        "the loop runs every step", what, gs.key, type(exc).__name__, exc)
+            graph = None
+        if dense:
+            gs.prefix_step_dense_graph = graph
+        else:
+            gs.prefix_step_graph = graph
+            if graph is None:
+                gs.side = None
 
-    def _prefix_and_first_step(self, gs: _GraphSet) -> None:
+    def _prefix_and_first_step(self, gs: _GraphSet, dense: bool = False) -> None:
         """The prefix into the set's KV cache, and the first flow step's velocity from the noise
         into loop_bufs["first_velocity"]. With a side stream (`gs.side`, graphs on a GPU) the step
         runs there, each expert block waiting for an event its prefix block records once its keys
         are written; eagerly, one after the other. Either way the same operations on the same
-        inputs as the loop's own first step."""
+        inputs as the loop's own first step. `dense`: the unmasked prefix, and the step on the
+        unmasked expert over `kv_room` (a full batch's)."""
         # The first step is at the solver's start time whatever its step count, so this velocity
         # serves a loop of any number of steps from the same start.
         bufs, solver = gs.loop_bufs, self.adapter.solver
@@ -723,13 +741,15 @@ class CudaGraphEngine(EngineBase):
                 side.wait_event(events[i])
 
         if gs.eager:
-            gs.kv = k, v, mask = self._prefix(gs, out=self._prefix_out(gs), kv_ready=keys_written)
+            gs.kv = k, v, mask = self._prefix(gs, dense, out=self._prefix_out(gs), kv_ready=keys_written)
         else:
-            k, v, mask = self._prefix_into_cache(gs, kv_ready=keys_written)
+            k, v, mask = self._prefix_into_cache(gs, dense, kv_ready=keys_written)
 
         def first_step() -> None:
             t = torch.full((bufs["noise"].shape[0],), solver.times()[0], dtype=torch.float32, device=self.device)
             kw: dict[str, Any] = {"context": make_context(mask)} if make_context is not None else {}
+            if dense:
+                kw["joined"] = gs.kv_room
             bufs["first_velocity"].copy_(step(bufs["noise"], t, k, v, mask, modulation=table[0],
                                               kv_wait=wait_for_keys, **kw))
 
@@ -746,14 +766,14 @@ class CudaGraphEngine(EngineBase):
             if stage == "vision":
                 gs.image_embeds = self._vision(gs)
             elif early:
-                self._prefix_and_first_step(gs)
+                self._prefix_and_first_step(gs, dense)
             else:
                 gs.kv = self._prefix(gs, dense, self._prefix_out(gs))
             return
         if stage == "vision":
             gs.vision_graph.replay()
         elif early:
-            gs.prefix_step_graph.replay()
+            (gs.prefix_step_dense_graph if dense else gs.prefix_step_graph).replay()
         elif dense and gs.prefix_dense_graph is not None:
             gs.prefix_dense_graph.replay()
         else:
@@ -762,10 +782,11 @@ class CudaGraphEngine(EngineBase):
     def _loop_graph(self, gs: _GraphSet, mode: str, solver: SolverSpec, dense: bool = False, early: bool = False):
         # The loop reads the prefix graph's KV cache (and with `early` the first velocity): fill it
         # once before warming up.
-        prefix = gs.prefix_step_graph if early else gs.prefix_graph
+        prefix = ((gs.prefix_step_dense_graph if dense else gs.prefix_step_graph) if early
+                  else gs.prefix_dense_graph if dense and gs.prefix_dense_graph is not None else gs.prefix_graph)
         return self._cached_loop(gs, mode, solver, lambda: (gs.vision_graph.replay(), prefix.replay()),
                                  lambda: self._loop(gs, mode, solver, dense, early),
-                                 variant="dense" if dense else "early" if early else "")
+                                 variant=", ".join(n for n, on in (("dense", dense), ("early", early)) if on))
 
     def _cached_loop(self, sets: Any, mode: str, solver: SolverSpec, fill: Callable[[], Any],
                      body: Callable[[], torch.Tensor], variant: str = ""):

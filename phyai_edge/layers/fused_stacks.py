@@ -348,9 +348,10 @@ def adaptive_block_stack(
     down write the residual and the next norm's input, QKV and gate/up finish the norm on their
     sums, and no norm kernel runs between them. Equal up to rounding.
 
-    `kv_wait(i)`, called before block i first reads `k_cache[i]` / `v_cache[i]`: a caller running
-    the stack beside the prefix that writes the cache, on another CUDA stream, waits there for
-    block i's keys (`plain_block_stack(kv_ready=)`); only stream operations belong in it.
+    `kv_wait(i)`, called before block i first reads `k_cache[i]` / `v_cache[i]` (or `joined`'s prefix
+    positions): a caller running the stack beside the prefix that writes the cache, on another CUDA
+    stream, waits there for block i's keys (`plain_block_stack(kv_ready=)`); only stream operations
+    belong in it.
 
     With `triton_expert_layer.set_enabled(True)` (off by default: measured slower on the H200),
     where `gemm_backend` runs the kernels and `triton_expert_layer.takes` the stack (batch 1: at
@@ -358,8 +359,6 @@ def adaptive_block_stack(
     """
     if joined is not None:
         _check_joined(joined, k_cache, x)
-    if joined is not None and kv_wait is not None:
-        raise ValueError("kv_wait is for a stack reading the prefix cache as it is written; joined buffers are not")
     if (joined is None and kv_wait is None and gemm_backend is not None and triton_expert_layer.enabled()
             and _use_triton(gemm_backend, x)
             and triton_expert_layer.takes(blocks, x, mask)):
@@ -390,6 +389,8 @@ def adaptive_block_stack(
             keys, values = joined[0][i], joined[1][i]
             q, _, _ = _qkv(attn, h, cos, sin, backend, gemm_backend,
                            out=(_query_buffer(attn, h), keys[:, :, p:], values[:, :, p:]), tickets=tickets)
+            if kv_wait is not None:  # the step's own keys went to the room, which the prefix never writes
+                kv_wait(i)
             y = _attend(attn, q, keys, values, None, attention_unmasked, gemm_backend)
         x, h = residual_ada_rms_norm(x, y, gate_in, scale2, shift2, block.post_attention_layernorm.eps, backend)
         y = _mlp(block.mlp, h.to(block.mlp.up_proj.weight.dtype), backend, gemm_backend, tickets)
