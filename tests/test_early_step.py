@@ -112,8 +112,8 @@ def test_the_stack_on_the_joined_cache_waits_too() -> None:
 @pytest.mark.parametrize("mode", ["none", "inpaint", "guided-approx", "guided"])
 def test_engine_with_the_first_step_beside_the_prefix_gives_the_same_chunk(tiny, mode) -> None:  # noqa: F811
     """Batch 1, every RTC mode: the same chunk as the engine without the option (the same operations
-    on the same inputs: bit for bit on a CPU) and as the eager engine; exact guidance (whose first
-    step needs a gradient) keeps the whole loop."""
+    on the same inputs: bit for bit on a CPU) and as the eager engine; in exact guidance the first
+    step's gradient is taken beside the prefix too."""
     base, eager = tiny
     early = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
                             early_step=True)
@@ -124,17 +124,17 @@ def test_engine_with_the_first_step_beside_the_prefix_gives_the_same_chunk(tiny,
     rtc = None if mode == "none" else _rtc(base, 1, mode)
     out, ref = early.run(inputs, noise=noise, rtc=rtc), plain.run(inputs, noise=noise, rtc=rtc)
     gs = early._graph_set(1, 3, 16)
-    assert early._early(gs, mode, False, False) == (mode != "guided")
+    assert early.last_early_step and early._first_step(gs, mode, False, False) == (False, False, mode == "guided")
+    assert (mode, base.solver, "early") in gs.loops
     if DEVICE == "cuda":
-        assert gs.prefix_step_graph is not None
-        assert ((mode, base.solver, "early") in gs.loops) == (mode != "guided")
+        assert gs.prefix_steps[(False, False, mode == "guided")] is not None
         assert _rel(out.cpu(), ref.cpu()) < 1e-6
     else:
         assert torch.equal(out, ref)
     assert torch.isfinite(out).all() and _rel(out.cpu(), eager.run(inputs, noise=noise, rtc=rtc)) < 1e-5
     steps = base.solver.num_steps
     stages = early.last_stage_ms
-    if mode != "guided" and steps > 1:  # the loop's time is the other steps'
+    if steps > 1:  # the loop's time is the other steps'
         assert stages["denoise_step"] == pytest.approx(stages["solver_loop"] / (steps - 1))
 
 
@@ -155,7 +155,8 @@ def test_the_first_step_beside_the_prefix_is_for_small_batches_and_its_warm_up(t
         if beside and DEVICE != "cuda":  # the same operations in the same order as without the option
             assert torch.equal(out, plain.run(batch, noise=noise))
         gs = early._graph_set(b, 3, 16)
-        assert ("first_velocity" in gs.loop_bufs) == beside and early._early(gs, "none", False, False) == beside
+        assert ("first_velocity" in gs.loop_bufs) == beside
+        assert (early._first_step(gs, "none", False, False) is not None) == beside
     # A warm-up builds what a call of its shape and mode replays: no graph built by the call.
     early.warmup(1, 3, prompt_tokens=16, modes=("guided-approx", "guided"))
     built = early.graphs_built
@@ -170,7 +171,7 @@ def test_the_first_step_beside_the_prefix_is_for_small_batches_and_its_warm_up(t
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the fused kernels, captured on two streams, need a GPU")
-@pytest.mark.parametrize("mode", ["none", "guided-approx"])
+@pytest.mark.parametrize("mode", ["none", "guided-approx", "guided"])
 def test_the_fast_path_beside_the_prefix_on_a_gpu(tiny, mode) -> None:  # noqa: F811
     """bf16 on the Triton kernels and small-M GEMMs (the default fast path): the same chunk."""
     base, eager = tiny
@@ -224,18 +225,22 @@ def test_full_batches_run_the_first_step_beside_the_unmasked_prefix(tiny, monkey
         assert _rel(out.cpu(), eager.run(batch, noise=noise)) < 1e-5
     gs = early._graph_set(2, 3, 16)
     if DEVICE == "cuda":
-        assert gs.prefix_step_graph is not None and gs.prefix_step_dense_graph is not None
-    # exact guidance keeps the whole masked loop; guided-approx on a full batch runs beside too
+        assert gs.prefix_steps[(True, True, False)] is not None and gs.prefix_steps[(False, False, False)] is not None
+    # Exact guidance on a full batch: the unmasked prefix, the masked expert (its gradient) beside it.
     full = _inputs(base, 2, 3, [16, 16])
-    for mode, beside in (("guided", False), ("guided-approx", True)):
+    for mode, key in (("guided", (True, False, True)), ("guided-approx", (True, True, False))):
         rtc = _rtc(base, 2, mode)
-        out = early.run(full, noise=noise, rtc=rtc)
-        assert early.last_early_step == beside, mode
+        out, ref = early.run(full, noise=noise, rtc=rtc), plain.run(full, noise=noise, rtc=rtc)
+        assert early.last_early_step and early._first_step(gs, mode, True, key[1]) == key, mode
+        assert DEVICE != "cuda" or gs.prefix_steps[key] is not None
+        if DEVICE != "cuda":
+            assert torch.equal(out, ref), mode
         assert _rel(out.cpu(), eager.run(full, noise=noise, rtc=rtc)) < 1e-5, mode
     # A warm-up captures what such calls replay (the masked and the unmasked early loops).
     fresh = CudaGraphEngine(copy.deepcopy(base), early_step=True, **kw)
-    fresh.warmup(2, 3, prompt_tokens=16, modes=("none",))
+    fresh.warmup(2, 3, prompt_tokens=16, modes=("none", "guided"))
     built = fresh.graphs_built
-    fresh.run(full, noise=noise)
-    fresh.run(_inputs(base, 2, 3, [16, 12]), noise=noise)
+    for rtc in (None, _rtc(base, 2, "guided")):
+        fresh.run(full, noise=noise, rtc=rtc)
+        fresh.run(_inputs(base, 2, 3, [16, 12]), noise=noise, rtc=rtc)
     assert fresh.graphs_built == built

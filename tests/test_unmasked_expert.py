@@ -195,7 +195,8 @@ def test_engine_unmasked_expert_on_the_kernels(tiny, monkeypatch) -> None:  # no
 
     base, eager = tiny
     monkeypatch.setattr(cudagraph, "DENSE_EXPERT_MIN_BATCH", 2)
-    fast = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="triton")
+    fast = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="triton",
+                           early_step=False)  # the whole loop on the unmasked expert (test_early_step: beside)
     full = _inputs(base, 2, 3, [16, 16])
     noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
     out = fast.run(full, noise=noise)
@@ -215,7 +216,7 @@ def test_engine_unmasked_expert_with_fp8_expert(tiny, monkeypatch) -> None:  # n
     outs = {}
     for dense in (True, False):
         eng = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
-                              fp8="expert", dense_expert=dense)
+                              fp8="expert", dense_expert=dense, early_step=False)  # loop variant "dense"
         outs[dense] = eng.run(full, noise=noise).cpu()
         assert (("none", base.solver, "dense") in eng._graph_set(2, 3, 16).loops) == dense
     assert torch.isfinite(outs[True]).all() and _rel(outs[True], outs[False]) < 1e-5
@@ -232,7 +233,7 @@ def test_uniform_prompts_keep_their_exact_length(tiny, monkeypatch) -> None:  # 
     monkeypatch.setattr(cudagraph, "DENSE_EXPERT_MIN_BATCH", 2)
     monkeypatch.setattr(cudagraph, "EXACT_PROMPT_LENGTHS", 2)
     fast = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
-                           dense_prefix=False)
+                           dense_prefix=False, early_step=False)  # the whole loop: variant "dense"
     noise = torch.randn(2, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(9))
     # (valid lengths, positions kept, unmasked)
     for valid, length, unmasked in (([9, 9], 9, True), ([9, 12], 16, False), ([5, 5], 5, True),

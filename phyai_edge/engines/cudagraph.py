@@ -88,6 +88,7 @@ from phyai_edge.adapters.base import Adapter, ModelInputs, SolverSpec
 from phyai_edge.engines.base import EngineBase
 from phyai_edge.engines.eager import resolve_dtype
 from phyai_edge.engines.rtc import RTCGuidance, guidance_weight
+from phyai_edge.engines.solver import exact_guidance
 from phyai_edge.engines.stages import StageGraph, stage_graph
 from phyai_edge.layers.fused import fuse_projections
 
@@ -220,10 +221,9 @@ class _GraphSet:
     loop_bufs: dict[str, torch.Tensor] = field(default_factory=dict)
     loops: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(default_factory=dict)
     # (`early_step`) The prefix with the first flow step beside it on the `side` CUDA stream, which
-    # writes loop_bufs["first_velocity"]; None where the set has no such graph. The dense one: the
-    # unmasked prefix with the first step on the unmasked expert (`kv_room`), for full batches.
-    prefix_step_graph: torch.cuda.CUDAGraph | None = None
-    prefix_step_dense_graph: torch.cuda.CUDAGraph | None = None
+    # writes loop_bufs["first_velocity"], per (unmasked prefix, unmasked expert, exact guidance):
+    # captured on first use, None where that capture failed (those calls run the whole loop).
+    prefix_steps: dict[tuple[bool, bool, bool], torch.cuda.CUDAGraph | None] = field(default_factory=dict)
     side: Any = None
     eager: bool = False
     rtc_staging: _HostStaging = field(default_factory=_HostStaging)
@@ -247,10 +247,13 @@ class _StageSet:
 
 
 def static_euler(velocity: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor], bufs: dict[str, torch.Tensor],
-                 mode: str, solver: SolverSpec) -> torch.Tensor:
+                 mode: str, solver: SolverSpec, first: torch.Tensor | None = None) -> torch.Tensor:
     """The Euler loop of `engines.solver.integrate`, with every per-call quantity (noise, RTC
     target, per-sample soft mask (B, H, D), per-sample hard prefix (B, H, 1), guidance
-    weights) read from static buffers so it can be captured. `velocity(i, x, t)` is step i."""
+    weights) read from static buffers so it can be captured. `velocity(i, x, t)` is step i.
+    `first`: step 0's velocity made beforehand from the noise (`first_velocity`, beside the
+    prefix): in exact guidance the guided one (`guided_velocity`), else the model's, which
+    guided-approx then corrects here as any step's."""
     noise, target, mask, fixed, weight = bufs["noise"], bufs["target"], bufs["mask"], bufs["fixed"], bufs["weight"]
     x = noise
     dt = solver.dt
@@ -259,24 +262,26 @@ def static_euler(velocity: Callable[[int, torch.Tensor, torch.Tensor], torch.Ten
     next_times = [*times[1:], solver.t_end]  # as integrate(): the last is exactly t_end
     for i, t in enumerate(times):
         tt = torch.full((batch,), t, dtype=torch.float32, device=noise.device)
+        made = first if i == 0 else None
         if mode == "guided":
-            with torch.enable_grad():
-                x_in = x.detach().requires_grad_(True)
-                vel = velocity(i, x_in, tt)
-                x1 = x_in - t * vel
-                err = ((target - x1) * mask).detach()
-                (correction,) = torch.autograd.grad(x1, x_in, err)
-            vel = vel.detach() - weight[i] * correction
+            vel = made if made is not None else guided_velocity(
+                lambda x_in, i=i, tt=tt: velocity(i, x_in, tt), x, t, bufs, i)
         elif mode == "guided-approx":
-            vel = velocity(i, x, tt)
+            vel = made if made is not None else velocity(i, x, tt)
             vel = vel - weight[i] * ((target - (x - t * vel)) * mask)
         else:
-            vel = velocity(i, x, tt)
+            vel = made if made is not None else velocity(i, x, tt)
         x = x + dt * vel
         if mode == "inpaint":
             t_next = next_times[i]
             x = torch.where(fixed, t_next * noise + (1.0 - t_next) * target, x)
     return x
+
+
+def guided_velocity(velocity: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t: float,
+                          bufs: dict[str, torch.Tensor], i: int = 0) -> torch.Tensor:
+    """Step i's exactly guided velocity (`solver.exact_guidance`) from the static RTC buffers."""
+    return exact_guidance(velocity, x, t, bufs["target"], bufs["mask"], bufs["weight"][i])
 
 
 def _takes(fn: Callable[..., Any] | None, argument: str) -> bool:
@@ -433,7 +438,7 @@ class CudaGraphEngine(EngineBase):
         """Graph sets and solver loops built so far, each a capture where graphs are on: compared
         across a call, it says whether that call met a shape or RTC mode for the first time."""
         sets = [*self._sets.values(), *self._stage_sets.values()]
-        return len(sets) + sum(len(s.loops) for s in sets)
+        return len(sets) + sum(len(s.loops) + len(getattr(s, "prefix_steps", ())) for s in sets)
 
     def warmup(self, batch: int, views: int, prompt_tokens: int | None = None,
                modes: tuple[str, ...] = ("none",)) -> None:
@@ -450,10 +455,13 @@ class CudaGraphEngine(EngineBase):
             mask = (torch.arange(length)[None, :] < prompt_tokens).expand(batch, length)
             length = self._prompt_length(mask, views)
         gs = self._graph_set(batch, views, length)
+        dense_prefix, dense_expert = self._unmasked(batch)
         for mode in modes:
-            self._loop_graph(gs, mode, self.adapter.solver, early=self._early(gs, mode, False, False))
-            if gs.kv_room is not None and mode != "guided":
-                self._loop_graph(gs, mode, self.adapter.solver, dense=True, early=self._early(gs, mode, True, True))
+            # a padded batch's graphs, then a full batch's where they differ
+            shapes = {(False, False), (dense_prefix, dense_expert and mode != "guided")}
+            for prefix_dense, expert_dense in sorted(shapes):
+                self._loop_graph(gs, mode, self.adapter.solver, expert_dense,
+                                 self._first_step(gs, mode, prefix_dense, expert_dense))
 
     @property
     def prompt_room(self) -> int | None:
@@ -485,8 +493,9 @@ class CudaGraphEngine(EngineBase):
         if dense_prefix or dense_expert:
             full = bool(x["image_mask"].all()) and bool(token_mask[:, :length].all())
             dense_prefix, dense_expert = dense_prefix and full, dense_expert and full
-        early = self._early(gs, mode, dense_prefix, dense_expert)
-        graph, out = self._loop_graph(gs, mode, solver, dense_expert, early)
+        first = self._first_step(gs, mode, dense_prefix, dense_expert)
+        early = first is not None
+        graph, out = self._loop_graph(gs, mode, solver, dense_expert, first)
         ins = gs.inputs
         bufs = gs.loop_bufs
 
@@ -513,7 +522,7 @@ class CudaGraphEngine(EngineBase):
         if late:
             copy_rest()
         prefix_start = self._mark()
-        self._replay(gs, "prefix", dense_prefix, early)
+        self._replay(gs, "prefix", dense_prefix, first)
         marks += [prefix_start, self._mark()]
         if graph is not None:
             graph.replay()
@@ -540,14 +549,23 @@ class CudaGraphEngine(EngineBase):
     def _early_batch(self, batch: int) -> bool:
         return self.early_step and batch <= EARLY_STEP_MAX_BATCH
 
-    def _early(self, gs: _GraphSet, mode: str, dense_prefix: bool, dense_expert: bool) -> bool:
-        """Whether a call runs its first flow step beside the prefix (`early_step`): not exact
-        guidance (its first step needs a gradient), the masked graphs or both unmasked ones (a full
-        batch's), and only where the set has that graph (or runs eagerly). `warmup` and `run` both
-        ask this, so a warm-up captures the loop a call will replay."""
-        if dense_prefix != dense_expert or mode == "guided" or not self._early_batch(gs.key[0]):
-            return False
-        return gs.eager or (gs.prefix_step_dense_graph if dense_prefix else gs.prefix_step_graph) is not None
+    def _first_step(self, gs: _GraphSet, mode: str, dense_prefix: bool,
+                    dense_expert: bool) -> tuple[bool, bool, bool] | None:
+        """Where a call runs its first flow step beside the prefix (`early_step`), the key of that
+        prefix graph (unmasked prefix, unmasked expert, exact guidance: its step takes the
+        gradient there too), captured here on first use; None where it does not (a batch above
+        EARLY_STEP_MAX_BATCH, or a failed capture). `warmup` and `run` both ask this, so a warm-up
+        captures what a call will replay."""
+        if not self._early_batch(gs.key[0]):
+            return None
+        key = (dense_prefix, dense_expert, mode == "guided")
+        if key[2] and dense_expert:  # the unmasked expert writes its cache in place: no gradient
+            return None
+        if gs.eager:
+            return key
+        if key not in gs.prefix_steps:
+            self._capture_prefix_step(gs, key)
+        return key if gs.prefix_steps[key] is not None else None
 
     def _prompt_length(self, token_mask: torch.Tensor, views: int) -> int:
         """The prompt positions this batch keeps (`prompt_bucket`). Exact, not rounded to the bucket,
@@ -611,10 +629,6 @@ class CudaGraphEngine(EngineBase):
                      batch, views, length)
             if self._unmasked(batch)[0]:
                 self._capture_dense_prefix(gs)
-            if self._early_batch(batch):
-                self._capture_prefix_step(gs)
-                if all(self._unmasked(batch)) and gs.prefix_dense_graph is not None and gs.side is not None:
-                    self._capture_prefix_step(gs, dense=True)
         except Exception as exc:  # capture can fail on unusual setups; stay correct, say so once
             log.warning("cudagraph: capture failed for batch %d, views %d (%s: %s); running eagerly",
                         batch, views, type(exc).__name__, exc)
@@ -693,34 +707,35 @@ class CudaGraphEngine(EngineBase):
         gs.kv[2].copy_(mask)
         return k, v, mask
 
-    def _capture_prefix_step(self, gs: _GraphSet, dense: bool = False) -> None:
-        """The prefix graph with the first flow step beside it (`early_step`); `dense`: the unmasked
-        prefix and expert's. On failure those batches run the prefix and the whole loop, as without
-        the option."""
-        what = "unmasked prefix" if dense else "prefix"
-        try:
-            if gs.side is None:
-                gs.side = torch.cuda.Stream(self.device)
-            graph, _ = self._capture(gs, lambda: self._prefix_and_first_step(gs, dense))
-            log.info("cudagraph: captured the %s with the first flow step beside it for %s", what, gs.key)
-        except Exception as exc:
-            log.warning("cudagraph: capture of the %s with the first flow step failed for %s (%s: %s); "
-                        "the loop runs every step", what, gs.key, type(exc).__name__, exc)
-            graph = None
-        if dense:
-            gs.prefix_step_dense_graph = graph
-        else:
-            gs.prefix_step_graph = graph
-            if graph is None:
-                gs.side = None
+    def _capture_prefix_step(self, gs: _GraphSet, key: tuple[bool, bool, bool]) -> None:
+        """The prefix graph with the first flow step beside it (`early_step`) for `key` (see
+        `_first_step`) into `gs.prefix_steps`. On failure those calls run the prefix and the whole
+        loop, as without the option."""
+        dense_prefix, dense_expert, guided = key
+        what = ("unmasked prefix" if dense_prefix else "prefix") + (" (unmasked expert)" if dense_expert else "")
+        graph = None
+        if not dense_prefix or gs.prefix_dense_graph is not None:
+            try:
+                if gs.side is None:
+                    gs.side = torch.cuda.Stream(self.device)
+                self._grow_weights(gs, self.adapter.solver)  # the guided step reads its step's weight
+                graph, _ = self._capture(gs, lambda: self._prefix_and_first_step(gs, *key))
+                log.info("cudagraph: captured the %s with the first flow step%s beside it for %s", what,
+                         " and its exact guidance" if guided else "", gs.key)
+            except Exception as exc:
+                log.warning("cudagraph: capture of the %s with the first flow step failed for %s (%s: %s); "
+                            "those calls run every step in the loop", what, gs.key, type(exc).__name__, exc)
+        gs.prefix_steps[key] = graph
 
-    def _prefix_and_first_step(self, gs: _GraphSet, dense: bool = False) -> None:
+    def _prefix_and_first_step(self, gs: _GraphSet, dense_prefix: bool = False, dense_expert: bool = False,
+                               guided: bool = False) -> None:
         """The prefix into the set's KV cache, and the first flow step's velocity from the noise
         into loop_bufs["first_velocity"]. With a side stream (`gs.side`, graphs on a GPU) the step
         runs there, each expert block waiting for an event its prefix block records once its keys
         are written; eagerly, one after the other. Either way the same operations on the same
-        inputs as the loop's own first step. `dense`: the unmasked prefix, and the step on the
-        unmasked expert over `kv_room` (a full batch's)."""
+        inputs as the loop's own first step. `dense_prefix`: the unmasked prefix; `dense_expert`:
+        the step on the unmasked expert over `kv_room` (a full batch's); `guided`: the step's
+        exactly guided velocity (its gradient taken there too, from the RTC buffers)."""
         # The first step is at the solver's start time whatever its step count, so this velocity
         # serves a loop of any number of steps from the same start.
         bufs, solver = gs.loop_bufs, self.adapter.solver
@@ -741,17 +756,22 @@ class CudaGraphEngine(EngineBase):
                 side.wait_event(events[i])
 
         if gs.eager:
-            gs.kv = k, v, mask = self._prefix(gs, dense, out=self._prefix_out(gs), kv_ready=keys_written)
+            gs.kv = k, v, mask = self._prefix(gs, dense_prefix, out=self._prefix_out(gs), kv_ready=keys_written)
         else:
-            k, v, mask = self._prefix_into_cache(gs, dense, kv_ready=keys_written)
+            k, v, mask = self._prefix_into_cache(gs, dense_prefix, kv_ready=keys_written)
 
         def first_step() -> None:
-            t = torch.full((bufs["noise"].shape[0],), solver.times()[0], dtype=torch.float32, device=self.device)
+            t0 = solver.times()[0]
+            t = torch.full((bufs["noise"].shape[0],), t0, dtype=torch.float32, device=self.device)
             kw: dict[str, Any] = {"context": make_context(mask)} if make_context is not None else {}
-            if dense:
+            if dense_expert:
                 kw["joined"] = gs.kv_room
-            bufs["first_velocity"].copy_(step(bufs["noise"], t, k, v, mask, modulation=table[0],
-                                              kv_wait=wait_for_keys, **kw))
+
+            def velocity(x: torch.Tensor) -> torch.Tensor:
+                return step(x, t, k, v, mask, modulation=table[0], kv_wait=wait_for_keys, **kw)
+
+            noise = bufs["noise"]
+            bufs["first_velocity"].copy_(guided_velocity(velocity, noise, t0, bufs) if guided else velocity(noise))
 
         if side is None:
             first_step()
@@ -761,29 +781,35 @@ class CudaGraphEngine(EngineBase):
             first_step()
         main.wait_stream(side)
 
-    def _replay(self, gs: _GraphSet, stage: str, dense: bool = False, early: bool = False) -> None:
+    def _replay(self, gs: _GraphSet, stage: str, dense: bool = False,
+                first: tuple[bool, bool, bool] | None = None) -> None:
+        """Replay (or run eagerly) `stage`; the prefix with `first` (`_first_step`'s key): with the
+        first flow step beside it."""
         if gs.eager:
             if stage == "vision":
                 gs.image_embeds = self._vision(gs)
-            elif early:
-                self._prefix_and_first_step(gs, dense)
+            elif first is not None:
+                self._prefix_and_first_step(gs, *first)
             else:
                 gs.kv = self._prefix(gs, dense, self._prefix_out(gs))
             return
         if stage == "vision":
             gs.vision_graph.replay()
-        elif early:
-            (gs.prefix_step_dense_graph if dense else gs.prefix_step_graph).replay()
+        elif first is not None:
+            gs.prefix_steps[first].replay()
         elif dense and gs.prefix_dense_graph is not None:
             gs.prefix_dense_graph.replay()
         else:
             gs.prefix_graph.replay()
 
-    def _loop_graph(self, gs: _GraphSet, mode: str, solver: SolverSpec, dense: bool = False, early: bool = False):
-        # The loop reads the prefix graph's KV cache (and with `early` the first velocity): fill it
+    def _loop_graph(self, gs: _GraphSet, mode: str, solver: SolverSpec, dense: bool = False,
+                    first: tuple[bool, bool, bool] | None = None):
+        # The loop reads the prefix graph's KV cache (and with `first` the first velocity): fill it
         # once before warming up.
-        prefix = ((gs.prefix_step_dense_graph if dense else gs.prefix_step_graph) if early
-                  else gs.prefix_dense_graph if dense and gs.prefix_dense_graph is not None else gs.prefix_graph)
+        early = first is not None
+        prefix = gs.prefix_steps.get(first) if early else None
+        if prefix is None:
+            prefix = gs.prefix_dense_graph if dense and gs.prefix_dense_graph is not None else gs.prefix_graph
         return self._cached_loop(gs, mode, solver, lambda: (gs.vision_graph.replay(), prefix.replay()),
                                  lambda: self._loop(gs, mode, solver, dense, early),
                                  variant=", ".join(n for n, on in (("dense", dense), ("early", early)) if on))
@@ -797,8 +823,7 @@ class CudaGraphEngine(EngineBase):
         key = (mode, solver, variant)
         if key in sets.loops:
             return sets.loops[key]
-        if solver.num_steps > sets.loop_bufs["weight"].shape[0]:
-            sets.loop_bufs["weight"] = torch.zeros(solver.num_steps, device=self.device)
+        self._grow_weights(sets, solver)
         entry: tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None] = (None, None)
         if not sets.eager:
             try:
@@ -811,6 +836,15 @@ class CudaGraphEngine(EngineBase):
                             sets.key, mode, type(exc).__name__, exc)
         sets.loops[key] = entry
         return entry
+
+    def _grow_weights(self, sets: Any, solver: SolverSpec) -> None:
+        """Room in the guidance-weight buffer for every step of `solver`. A new buffer leaves the
+        graphs that read the old one stale: the prefix graphs with a guided first step go, to be
+        captured again on first use (loops are per solver and read the buffer of their capture)."""
+        if solver.num_steps > sets.loop_bufs["weight"].shape[0]:
+            sets.loop_bufs["weight"] = torch.zeros(solver.num_steps, device=self.device)
+            for key in [k for k in getattr(sets, "prefix_steps", {}) if k[2]]:
+                del sets.prefix_steps[key]
 
     # -- stage bodies (shared by capture and the eager fallback) --------------------------
     def _vision(self, gs: _GraphSet) -> torch.Tensor:
@@ -857,10 +891,8 @@ class CudaGraphEngine(EngineBase):
         first = gs.loop_bufs["first_velocity"] if early else None  # computed beside the prefix
 
         def velocity(i: int, xin: torch.Tensor, tt: torch.Tensor) -> torch.Tensor:
-            if first is not None and i == 0:
-                return first
             return step(xin, tt, k, v, pmask, modulation=table[i], **kw)
-        return static_euler(velocity, gs.loop_bufs, mode, solver)
+        return static_euler(velocity, gs.loop_bufs, mode, solver, first)
 
     def _load_rtc(self, sets: _GraphSet | _StageSet, rtc: RTCGuidance, solver: SolverSpec, batch: int) -> None:
         """Copy the call's RTC into the static buffers (in place: a captured loop reads them).

@@ -16,18 +16,26 @@ from phyai_edge.engines.rtc import RTCGuidance, guidance_weight
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def exact_guidance(velocity: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t: float,
+                   target: torch.Tensor, mask: torch.Tensor, weight: float | torch.Tensor) -> torch.Tensor:
+    """RTC's guided velocity in its exact vector-Jacobian form: the model's velocity at x minus
+    `weight` times the gradient, with respect to x, of the masked error between `target` and the
+    clean actions the velocity predicts (x - t v). `velocity(x)` is one denoise step at time t."""
+    with torch.enable_grad():
+        x_in = x.detach().requires_grad_(True)
+        v = velocity(x_in)
+        x1 = x_in - t * v
+        err = ((target - x1) * mask).detach()
+        (correction,) = torch.autograd.grad(x1, x_in, err)
+    return v.detach() - weight * correction
+
+
 def rtc_velocity(velocity: Velocity, x: torch.Tensor, tt: torch.Tensor, t: float, rtc: RTCGuidance) -> torch.Tensor:
     """Velocity corrected towards the executing chunk (guided modes)."""
     w = guidance_weight(t, rtc.max_guidance_weight)
     mask = rtc.mask
     if rtc.mode == "guided":
-        with torch.enable_grad():
-            x_in = x.detach().requires_grad_(True)
-            v = velocity(x_in, tt)
-            x1 = x_in - t * v
-            err = ((rtc.target - x1) * mask).detach()
-            (correction,) = torch.autograd.grad(x1, x_in, err)
-        return v.detach() - w * correction
+        return exact_guidance(lambda x_in: velocity(x_in, tt), x, t, rtc.target, mask, w)
     v = velocity(x, tt)
     err = (rtc.target - (x - t * v)) * mask
     return v - w * err
