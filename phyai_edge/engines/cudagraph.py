@@ -53,11 +53,12 @@ What makes the PI0.5 path fast (each is exact, or equal within rounding, to the 
   rows (batch 1): on by default with the Triton ops on CUDA (H200: 18.5 -> 17.5 ms a batch-1
   chunk); the prefix's compute-bound GEMMs and larger batches stay on cuBLAS.
 - The first flow step beside the prefix (`early_step`, with the fused stages; batches up to
-  EARLY_STEP_MAX_BATCH, every RTC mode but exact guidance): step 0's velocity depends only on the
-  noise and the prefix cache, and its block i only on the prefix's block-i keys, so a second prefix
-  graph runs it on a side stream, each expert block waiting for its prefix block's keys (events
-  recorded as they are written), in the SMs the prefix leaves idle; the loop graph then starts
-  from that velocity (a full batch from 8: a third, beside the unmasked prefix). The same
+  EARLY_STEP_MAX_BATCH, every RTC mode): step 0's velocity depends only on the noise and the prefix
+  cache, and its block i only on the prefix's block-i keys, so a second prefix graph runs it on a
+  side stream, each expert block waiting for its prefix block's keys (events recorded as they are
+  written), in the SMs the prefix leaves idle; the loop graph then starts from that velocity (a
+  full batch from 8: another, beside the unmasked prefix; exact guidance: another, whose step
+  takes its gradient there too). The same
   operations on the same inputs, so the same chunk (bit for bit on the H200); there a batch-1 chunk
   took 14.86 against 15.26 ms (-2.7%; -2.9% with guided-approx), engines alternated; batch 2 and 4
   -2.1% and -2.3% on an H100, batch 8 -2.3% on the H200; from batch 16 the prefix slows by about
@@ -279,7 +280,7 @@ def static_euler(velocity: Callable[[int, torch.Tensor, torch.Tensor], torch.Ten
 
 
 def guided_velocity(velocity: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, t: float,
-                          bufs: dict[str, torch.Tensor], i: int = 0) -> torch.Tensor:
+                    bufs: dict[str, torch.Tensor], i: int = 0) -> torch.Tensor:
     """Step i's exactly guided velocity (`solver.exact_guidance`) from the static RTC buffers."""
     return exact_guidance(velocity, x, t, bufs["target"], bufs["mask"], bufs["weight"][i])
 
