@@ -14,6 +14,8 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
                             on by default)
   early-max=N               ... up to batch N (`cudagraph.EARLY_STEP_MAX_BATCH`; from batch 8 a full
                             batch takes the unmasked graphs, a padded one the masked ones)
+  early-guided              ... in exact RTC guidance too, the gradient taken beside the prefix
+                            (`cudagraph.EARLY_STEP_GUIDED`)
   no-dense                  neither unmasked graph (`dense_prefix=False, dense_expert=False`): a full batch
                             from 8 then runs the masked ones, as a padded batch does
   plain-io                  the action projections as the model runs them (`set_fold_projections(False)`)
@@ -70,6 +72,7 @@ class Variant:
     configs: dict[str, Any] = field(default_factory=dict)  # CONFIGS key (or "residual") -> GemmConfig
     engine: dict[str, Any] = field(default_factory=dict)  # CudaGraphEngine options
     early_max: int | None = None  # cudagraph.EARLY_STEP_MAX_BATCH while the variant runs
+    early_guided: bool | None = None  # cudagraph.EARLY_STEP_GUIDED while the variant runs
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -79,9 +82,11 @@ class Variant:
         from phyai_edge.layers import triton_attention, triton_fold, triton_gemm
         from phyai_edge.layers.fused_stacks import set_fold_norms, set_fold_projections
 
-        early_max_before = cudagraph.EARLY_STEP_MAX_BATCH
+        early_max_before, guided_before = cudagraph.EARLY_STEP_MAX_BATCH, cudagraph.EARLY_STEP_GUIDED
         if self.early_max is not None:
             cudagraph.EARLY_STEP_MAX_BATCH = self.early_max
+        if self.early_guided is not None:
+            cudagraph.EARLY_STEP_GUIDED = self.early_guided
         fold_before = set_fold_norms(self.fold)
         io_before = set_fold_projections(self.fold_io)
         saved = dict(triton_gemm.CONFIGS)
@@ -97,7 +102,7 @@ class Variant:
                     triton_gemm.CONFIGS[key] = cfg
             yield
         finally:
-            cudagraph.EARLY_STEP_MAX_BATCH = early_max_before
+            cudagraph.EARLY_STEP_MAX_BATCH, cudagraph.EARLY_STEP_GUIDED = early_max_before, guided_before
             set_fold_norms(fold_before)
             set_fold_projections(io_before)
             triton_gemm.CONFIGS.clear()
@@ -117,6 +122,9 @@ def parse_variants(text: str) -> list[Variant]:
         for knob in filter(None, (k.strip() for k in knobs.split("+"))):
             if knob in ("early", "no-early"):
                 v.engine["early_step"] = knob == "early"
+                continue
+            if knob == "early-guided":
+                v.early_guided = True
                 continue
             if knob == "no-dense":
                 v.engine.update(dense_prefix=False, dense_expert=False)

@@ -114,14 +114,16 @@ def test_engine_ab_variants_set_their_knobs_and_put_them_back() -> None:
         assert active == want
         assert triton_attention.FEW_BLOCKS is few
     assert triton_attention.MID_BLOCKS is mid
-    (e,) = parse_variants("e:no-early+early-max=3+no-dense")
+    (e,) = parse_variants("e:no-early+early-max=3+no-dense+early-guided")
     from phyai_edge.engines import cudagraph
 
     most = cudagraph.EARLY_STEP_MAX_BATCH
     assert e.engine == {"early_step": False, "dense_prefix": False, "dense_expert": False} and e.early_max == 3
+    guided = cudagraph.EARLY_STEP_GUIDED
     with e.active():
-        assert cudagraph.EARLY_STEP_MAX_BATCH == 3
+        assert cudagraph.EARLY_STEP_MAX_BATCH == 3 and cudagraph.EARLY_STEP_GUIDED
     assert cudagraph.EARLY_STEP_MAX_BATCH == most != 3
+    assert cudagraph.EARLY_STEP_GUIDED is guided
     for bad in ("x:geglu/m65=64,32,128,4,3", "x:geglu/m64=64,32", "x;x", "x:few=16,64", "x:mid=64,64,4,2,2000,0,0,1,1"):
         with pytest.raises(SystemExit):
             parse_variants(bad)

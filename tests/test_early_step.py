@@ -110,10 +110,11 @@ def test_the_stack_on_the_joined_cache_waits_too() -> None:
 
 
 @pytest.mark.parametrize("mode", ["none", "inpaint", "guided-approx", "guided"])
-def test_engine_with_the_first_step_beside_the_prefix_gives_the_same_chunk(tiny, mode) -> None:  # noqa: F811
+def test_engine_with_the_first_step_beside_the_prefix_gives_the_same_chunk(tiny, mode, monkeypatch) -> None:  # noqa: F811
     """Batch 1, every RTC mode: the same chunk as the engine without the option (the same operations
     on the same inputs: bit for bit on a CPU) and as the eager engine; in exact guidance the first
     step's gradient is taken beside the prefix too."""
+    monkeypatch.setattr(cudagraph, "EARLY_STEP_GUIDED", True)
     base, eager = tiny
     early = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
                             early_step=True)
@@ -138,7 +139,8 @@ def test_engine_with_the_first_step_beside_the_prefix_gives_the_same_chunk(tiny,
         assert stages["denoise_step"] == pytest.approx(stages["solver_loop"] / (steps - 1))
 
 
-def test_the_first_step_beside_the_prefix_is_for_small_batches_and_its_warm_up(tiny) -> None:  # noqa: F811
+def test_the_first_step_beside_the_prefix_is_for_small_batches_and_its_warm_up(tiny, monkeypatch) -> None:  # noqa: F811
+    monkeypatch.setattr(cudagraph, "EARLY_STEP_GUIDED", True)
     base, eager = tiny
     early = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference",
                             early_step=True)
@@ -172,8 +174,9 @@ def test_the_first_step_beside_the_prefix_is_for_small_batches_and_its_warm_up(t
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the fused kernels, captured on two streams, need a GPU")
 @pytest.mark.parametrize("mode", ["none", "guided-approx", "guided"])
-def test_the_fast_path_beside_the_prefix_on_a_gpu(tiny, mode) -> None:  # noqa: F811
+def test_the_fast_path_beside_the_prefix_on_a_gpu(tiny, mode, monkeypatch) -> None:  # noqa: F811
     """bf16 on the Triton kernels and small-M GEMMs (the default fast path): the same chunk."""
+    monkeypatch.setattr(cudagraph, "EARLY_STEP_GUIDED", True)
     base, eager = tiny
     kw: dict = {"device": "cuda", "dtype": "bfloat16", "triton_ops": True, "triton_gemm": True}
     early = CudaGraphEngine(copy.deepcopy(base), early_step=True, **kw)
@@ -209,6 +212,7 @@ def test_full_batches_run_the_first_step_beside_the_unmasked_prefix(tiny, monkey
     base, eager = tiny
     monkeypatch.setattr(cudagraph, "DENSE_PREFIX_MIN_BATCH", 2)
     monkeypatch.setattr(cudagraph, "DENSE_EXPERT_MIN_BATCH", 2)
+    monkeypatch.setattr(cudagraph, "EARLY_STEP_GUIDED", True)
     kw: dict = {"device": DEVICE, "dtype": "float32", "triton_ops": "reference"}
     early = CudaGraphEngine(copy.deepcopy(base), early_step=True, **kw)
     plain = CudaGraphEngine(copy.deepcopy(base), early_step=False, **kw)
@@ -244,3 +248,21 @@ def test_full_batches_run_the_first_step_beside_the_unmasked_prefix(tiny, monkey
         fresh.run(full, noise=noise, rtc=rtc)
         fresh.run(_inputs(base, 2, 3, [16, 12]), noise=noise, rtc=rtc)
     assert fresh.graphs_built == built
+
+
+def test_exact_guidance_keeps_the_whole_loop_without_its_switch(tiny, monkeypatch) -> None:  # noqa: F811
+    """EARLY_STEP_GUIDED off: exact guidance runs every step in the loop (and its warm-up builds no
+    prefix graph for it); the other modes still run their first step beside the prefix."""
+    monkeypatch.setattr(cudagraph, "EARLY_STEP_GUIDED", False)
+    base, eager = tiny
+    engine = CudaGraphEngine(copy.deepcopy(base), device=DEVICE, dtype="float32", triton_ops="reference")
+    one = _inputs(base, 1, 3, [16])
+    noise = torch.randn(1, base.chunk_size, base.model_action_dim, generator=torch.Generator().manual_seed(7))
+    for mode, beside in (("guided", False), ("guided-approx", True)):
+        rtc = _rtc(base, 1, mode)
+        out = engine.run(one, noise=noise, rtc=rtc)
+        assert engine.last_early_step == beside, mode
+        assert _rel(out.cpu(), eager.run(one, noise=noise, rtc=rtc)) < 1e-5
+    gs = engine._graph_set(1, 3, 16)
+    assert ("guided", base.solver, "") in gs.loops and ("guided", base.solver, "early") not in gs.loops
+    assert all(not key[2] for key in gs.prefix_steps)

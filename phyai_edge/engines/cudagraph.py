@@ -57,8 +57,8 @@ What makes the PI0.5 path fast (each is exact, or equal within rounding, to the 
   cache, and its block i only on the prefix's block-i keys, so a second prefix graph runs it on a
   side stream, each expert block waiting for its prefix block's keys (events recorded as they are
   written), in the SMs the prefix leaves idle; the loop graph then starts from that velocity (a
-  full batch from 8: another, beside the unmasked prefix; exact guidance: another, whose step
-  takes its gradient there too). The same
+  full batch from 8: another, beside the unmasked prefix; exact guidance with
+  EARLY_STEP_GUIDED: another, whose step takes its gradient there too). The same
   operations on the same inputs, so the same chunk (bit for bit on the H200); there a batch-1 chunk
   took 14.86 against 15.26 ms (-2.7%; -2.9% with guided-approx), engines alternated; batch 2 and 4
   -2.1% and -2.3% on an H100, batch 8 -2.3% on the H200; from batch 16 the prefix slows by about
@@ -114,6 +114,9 @@ EXACT_PROMPT_LENGTHS = 4
 # the prefix takes more of the step as the batch grows. From batch 8 a full batch runs it beside
 # the unmasked prefix, on the unmasked expert.
 EARLY_STEP_MAX_BATCH = 8
+# ... and in exact RTC guidance, the first step's gradient taken there too (another prefix graph,
+# autograd on the side stream). Off until measured on a GPU: built and tested on the CPU only.
+EARLY_STEP_GUIDED = False
 # The stage graph the PI0.5 path is written for; any other graph takes the generic path.
 PI05_STAGES = ("embed_images", "encode_prefix", "denoise_step")
 
@@ -555,12 +558,13 @@ class CudaGraphEngine(EngineBase):
         """Where a call runs its first flow step beside the prefix (`early_step`), the key of that
         prefix graph (unmasked prefix, unmasked expert, exact guidance: its step takes the
         gradient there too), captured here on first use; None where it does not (a batch above
-        EARLY_STEP_MAX_BATCH, or a failed capture). `warmup` and `run` both ask this, so a warm-up
-        captures what a call will replay."""
+        EARLY_STEP_MAX_BATCH, exact guidance without EARLY_STEP_GUIDED, or a failed capture).
+        `warmup` and `run` both ask this, so a warm-up captures what a call will replay."""
         if not self._early_batch(gs.key[0]):
             return None
         key = (dense_prefix, dense_expert, mode == "guided")
-        if key[2] and dense_expert:  # the unmasked expert writes its cache in place: no gradient
+        # the unmasked expert writes its cache in place: no gradient there
+        if key[2] and (dense_expert or not EARLY_STEP_GUIDED):
             return None
         if gs.eager:
             return key
