@@ -78,6 +78,13 @@ BAD = [
     ({"model": {"adapter_options": "padded"}}, "model.adapter_options: expected a table of plain values"),
     ({"model": {"bundle": "/tmp", "adapter_options": {"prompt_state": "padded"}}},
      "model.adapter_options: only used with model.checkpoint or model.preset"),
+    ({"model": {"backend": "cudagraph", "engine_options": {"early_steps": False}}},
+     "model.engine_options.early_steps: unknown switch; the cudagraph engine's are triton_ops"),
+    ({"model": {"backend": "cudagraph", "engine_options": {"early_step": "no"}}},
+     'model.engine_options.early_step: expected true or false, got "no"'),
+    ({"model": {"backend": "cudagraph", "engine_options": "early_step"}}, "model.engine_options: expected a table"),
+    ({"model": {"engine_options": {"early_step": False}}},
+     'model.engine_options: only for model.backend = "cudagraph"'),
     ({"rbot": {}}, "rbot: unknown key"),
 ]
 
@@ -146,6 +153,21 @@ def test_model_adapter_options_reach_load_policy():
     cfg = parse_config({"model": {"adapter_options": {"prompt_state": "padded"}}, **ONE_CAMERA})
     assert policy_spec_from_config(cfg).kwargs["adapter_options"] == {"prompt_state": "padded"}
     assert policy_spec_from_config(parse_config(ONE_CAMERA)).kwargs["adapter_options"] is None
+
+
+def test_model_engine_options_reach_load_policy_and_name_real_switches():
+    import inspect
+
+    from phyai_edge.control.config import CUDAGRAPH_SWITCHES
+    from phyai_edge.control.daemon import policy_spec_from_config
+    from phyai_edge.engines.cudagraph import CudaGraphEngine
+
+    cfg = parse_config({"model": {"backend": "cudagraph", "engine_options": {"early_step": False}}, **ONE_CAMERA})
+    assert policy_spec_from_config(cfg).kwargs["engine_options"] == {"early_step": False}
+    assert policy_spec_from_config(parse_config(ONE_CAMERA)).kwargs["engine_options"] is None
+    params = inspect.signature(CudaGraphEngine.__init__).parameters
+    for name in CUDAGRAPH_SWITCHES:  # each a keyword of the engine, on by default or chosen by device
+        assert name in params and params[name].default in (True, None), name
 
 
 def test_model_tokenizer_reaches_load_policy(tmp_path):

@@ -203,6 +203,10 @@ def test_bench_says_the_first_step_ran_beside_the_prefix(capsys) -> None:
     assert "solver_loop and its floor are the other 1 steps" in capsys.readouterr().out
     assert cli([*args[:3], "--no-triton-ops", *args[4:], "--json"]) == 0  # the model's own stages: no hooks
     assert json.loads(capsys.readouterr().out)["early_step"] is False
+    assert cli([*args, "--no-early-step", "--json"]) == 0  # the fused stages, the option off
+    assert json.loads(capsys.readouterr().out)["early_step"] is False
+    with pytest.raises(SystemExit, match="--early-step is a cudagraph engine option"):
+        cli(["bench", "--backend", "eager", "--early-step", "--iters", "1", "--warmup", "0"])
 
 
 def test_full_batches_run_the_first_step_beside_the_unmasked_prefix(tiny, monkeypatch) -> None:  # noqa: F811

@@ -61,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cudagraph backend, with the Triton ops: the action expert's projections on small-M Triton "
                    "GEMMs with RoPE / GeGLU fused in (layers/triton_gemm.py; calls of <= 64 rows, i.e. batch 1); "
                    "default: on wherever the Triton ops run on a CUDA device")
+    p.add_argument("--early-step", action=argparse.BooleanOptionalAction, default=None,
+                   help="cudagraph backend, with the Triton ops: the first flow step on a second CUDA stream beside "
+                   "the prefix (batches up to 8), the same chunk; default: on. Measured faster on Hopper (-2 to -3%% "
+                   "a chunk); where the prefix already fills the GPU it can be slower: compare --no-early-step "
+                   "on yours (daemon: model.engine_options = { early_step = false })")
     p.add_argument("--floor-device", default=None, metavar="NAME",
                    help="print each model stage's floor on this device (its peak FLOPs and bandwidth from the "
                    "roofline's device table, e.g. h200, orin, rtx-4090) beside the measured time; default: the "
@@ -114,10 +119,11 @@ def run_bench(args: argparse.Namespace) -> dict:
         if args.backend != "cudagraph":
             raise SystemExit(f"--triton-ops needs --backend cudagraph (got --backend {args.backend})")
         options["triton_ops"] = args.triton_ops
-    if getattr(args, "triton_gemm", None) is not None:
-        if args.engine or args.backend != "cudagraph":
-            raise SystemExit("--triton-gemm is a cudagraph engine option: it needs --backend cudagraph and no --engine")
-        options["triton_gemm"] = args.triton_gemm
+    for flag, name in (("--triton-gemm", "triton_gemm"), ("--early-step", "early_step")):
+        if getattr(args, name, None) is not None:
+            if args.engine or args.backend != "cudagraph":
+                raise SystemExit(f"{flag} is a cudagraph engine option: it needs --backend cudagraph and no --engine")
+            options[name] = getattr(args, name)
     policy = load_policy_or_fail("bench", adapter=args.adapter, checkpoint=args.checkpoint, preset=args.preset,
                                  backend=args.backend, device=args.device, dtype=args.dtype, bundle=args.engine,
                                  tokenizer=args.tokenizer, engine_options=options,

@@ -28,6 +28,11 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
+# `CudaGraphEngine` keyword arguments the daemon's config may set (`model.engine_options`), each on /
+# off; what each does: the options table of docs/gpu.md. Named here so the clock process never imports torch.
+CUDAGRAPH_SWITCHES = ("triton_ops", "triton_gemm", "dense_prefix", "dense_expert", "early_step")
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message starts with the key path."""
 
@@ -127,6 +132,8 @@ class ModelConfig:
     factory_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments for `factory`
     # The adapter's own options (its module's OPTIONS; PI0.5: prompt_state), checked when it loads.
     adapter_options: dict[str, Any] = field(default_factory=dict)
+    # The cudagraph engine's switches (CUDAGRAPH_SWITCHES), e.g. {"early_step": False}; {}: its defaults.
+    engine_options: dict[str, bool] = field(default_factory=dict)
     restart_backoff_s: float = 0.5  # first wait before restarting a dead worker process; doubles per failure
     restart_backoff_max_s: float = 30.0  # the longest wait between restart attempts (they never stop)
     inference_timeout_s: float = 10.0  # a process worker's inference taking longer: killed and restarted
@@ -503,6 +510,20 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
             raise ConfigError("model.adapter_options: only used with model.checkpoint or model.preset, "
                               "not with model.bundle or model.factory")
         cfg.model.adapter_options = dict(aopts)
+    present, eopts = m._take("engine_options")
+    if present:
+        if not isinstance(eopts, dict):
+            raise ConfigError(f"model.engine_options: expected a table, got {_show(eopts)}")
+        if cfg.model.backend != "cudagraph" or cfg.model.bundle or cfg.model.factory:
+            raise ConfigError("model.engine_options: only for model.backend = \"cudagraph\" without model.bundle "
+                              "or model.factory (a bundle's engine was fixed at export)")
+        for name, value in eopts.items():
+            if name not in CUDAGRAPH_SWITCHES:
+                raise ConfigError(f"model.engine_options.{name}: unknown switch; the cudagraph engine's are "
+                                  f"{', '.join(CUDAGRAPH_SWITCHES)}")
+            if not isinstance(value, bool):
+                raise ConfigError(f"model.engine_options.{name}: expected true or false, got {_show(value)}")
+        cfg.model.engine_options = dict(eopts)
     if cfg.model.factory and ":" not in cfg.model.factory:
         raise ConfigError(f"model.factory: expected \"module:function\", got {_show(cfg.model.factory)}")
     if cfg.model.restart_backoff_max_s < cfg.model.restart_backoff_s:
@@ -786,6 +807,8 @@ warmup = 1                   # warm-up rounds before the clock starts: a chunk w
 restart_backoff_s = 0.5      # a dead worker process is restarted after this, doubling per failed attempt
 restart_backoff_max_s = 30.0 # up to this; attempts never stop (the daemon holds meanwhile)
 inference_timeout_s = 10.0   # an inference still running after this: the worker is hung, killed and restarted
+# engine_options = { early_step = false }   # backend = "cudagraph": its switches (triton_ops, triton_gemm,
+                             # dense_prefix, dense_expert, early_step; docs/gpu.md), each true / false
 # adapter_options = { prompt_state = "padded" }   # the adapter's options (PI0.5: prompt_state = robot |
                              # padded; padded for a policy fine-tuned with LeRobot v0.4.x; relative_actions =
                              # "6,-1,6,-1" for an openpi ALOHA policy trained on delta joints, "none" for absolute)

@@ -113,6 +113,7 @@ def policy_spec_from_config(cfg: DaemonConfig) -> PolicySpec:
         "bundle": m.bundle or None,
         "tokenizer": m.tokenizer or None,
         "adapter_options": dict(m.adapter_options) or None,
+        "engine_options": dict(m.engine_options) or None,
     }
     return PolicySpec("phyai_edge.engines.policy:load_policy", kwargs, m.threads)
 
