@@ -266,15 +266,14 @@ def static_euler(velocity: Callable[[int, torch.Tensor, torch.Tensor], torch.Ten
     next_times = [*times[1:], solver.t_end]  # as integrate(): the last is exactly t_end
     for i, t in enumerate(times):
         tt = torch.full((batch,), t, dtype=torch.float32, device=noise.device)
-        made = first if i == 0 else None
-        if mode == "guided":
-            vel = made if made is not None else guided_velocity(
-                lambda x_in, i=i, tt=tt: velocity(i, x_in, tt), x, t, bufs, i)
-        elif mode == "guided-approx":
-            vel = made if made is not None else velocity(i, x, tt)
-            vel = vel - weight[i] * ((target - (x - t * vel)) * mask)
+        if i == 0 and first is not None:
+            vel = first
+        elif mode == "guided":
+            vel = guided_velocity(lambda x_in, i=i, tt=tt: velocity(i, x_in, tt), x, t, bufs, i)
         else:
-            vel = made if made is not None else velocity(i, x, tt)
+            vel = velocity(i, x, tt)
+        if mode == "guided-approx":
+            vel = vel - weight[i] * ((target - (x - t * vel)) * mask)
         x = x + dt * vel
         if mode == "inpaint":
             t_next = next_times[i]
@@ -416,7 +415,8 @@ class CudaGraphEngine(EngineBase):
         # A twin of the loop graph for the same batches whose action expert attends with no mask to
         # a KV cache with room for its own keys, from DENSE_EXPERT_MIN_BATCH (not in exact RTC mode).
         self.dense_expert = bool(dense_expert and triton_backend is not None and not self.generic)
-        # The first flow step beside the prefix, at batch 1, where the stages take its hooks (the fused ones).
+        # The first flow step beside the prefix (up to EARLY_STEP_MAX_BATCH), where the stages take its
+        # hooks (the fused ones).
         self.early_step = bool(early_step and not self.generic and not compile
                                and _takes(self._stages.get("encode_prefix"), "kv_ready")
                                and _takes(self._stages.get("denoise_step"), "kv_wait"))
