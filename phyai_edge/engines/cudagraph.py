@@ -115,8 +115,10 @@ EXACT_PROMPT_LENGTHS = 4
 # the unmasked prefix, on the unmasked expert.
 EARLY_STEP_MAX_BATCH = 8
 # ... and in exact RTC guidance, the first step's gradient taken there too (another prefix graph,
-# autograd on the side stream). Off until measured on a GPU: built and tested on the CPU only.
-EARLY_STEP_GUIDED = False
+# autograd on the side stream). H100, engines alternated, the same chunk bit for bit (RESULTS.md,
+# twenty-third session call 1): batch 1 -1.5%, batch 8 -0.3% full / -1.0% padded. Less than the
+# unguided step saves: the guided step is 2.1 ms beside a 5.6 ms prefix, and hides ~0.5 ms of it.
+EARLY_STEP_GUIDED = True
 # The stage graph the PI0.5 path is written for; any other graph takes the generic path.
 PI05_STAGES = ("embed_images", "encode_prefix", "denoise_step")
 
