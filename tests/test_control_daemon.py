@@ -457,6 +457,39 @@ def test_the_delay_estimate_never_starts_from_the_capturing_round(delay):
         d.shutdown()
 
 
+class SlowPromptFit(FakePolicy):
+    """`Policy.fix_prompt_positions` tokenises the prompt with every state bin: a warm-up's one-off
+    setup, on the host, that live jobs never run."""
+
+    def __init__(self, fit_s: float, **kw) -> None:
+        super().__init__(**kw)
+        self.fit_s = fit_s
+        self.fits = 0
+
+    def fix_prompt_positions(self, prompts, at_least: int = 0):
+        self.fits += 1
+        time.sleep(self.fit_s)
+        return None
+
+
+def test_the_first_delay_estimate_times_the_inference_not_the_warm_up_setup():
+    """The delay estimate starts from a warm-up's time: the warm-up's prompt fitting (the full-size
+    daemon's rounds took 34-48 ms on an H100 against ~13-25 ms live, the difference this) must not
+    be in it, or the first chunks assume slots they will not need."""
+    cfg = test_config(model={"warmup": 1}, chunking={"mode": "guided-approx", "execution_horizon": 10,
+                                                      "delay_initial": 2})
+    pol = SlowPromptFit(0.2, action_dim=6, state_dim=6, latency_s=0.005)
+    d = Daemon(cfg, policy=pol, realtime=False)
+    try:
+        d.setup()
+        assert pol.fits == 4  # every warm-up job fits the prompt (two rounds, two jobs each)
+        # 5 ms chunks at 50 Hz: 1 slot, plus one of margin (a slot more on a slow machine); with
+        # the 200 ms fit in the timing it would be 12
+        assert 2 <= d.delays.initial <= 3, d.delays.initial
+    finally:
+        d.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["guided", "guided-approx", "inpaint", "crossfade", "none"])
 def test_warm_up_meets_the_rtc_mode_the_loop_will_run(mode):
     """Every chunk after the first carries the executing chunk as an RTC prefix. A cudagraph engine

@@ -339,6 +339,9 @@ class Daemon:
                 # exact guidance runs a backward pass too; not the first round, which captured), plus
                 # a slot of margin.
                 self.delays.initial = max(ch.delay_initial, math.ceil(max(took) / 1e3 / cfg.robot.period_s) + 1)
+                log.info("delay: the first chunks assume %d slots (from %.1f ms an inference, one slot of margin, "
+                         "chunking.delay_initial %d at least) until delays are measured",
+                         self.delays.initial, max(took), ch.delay_initial)
         # A restarted worker process runs these before it counts as up (at least one round: it proves
         # the new process can infer before the daemon relies on it).
         self.worker.warmup_jobs = rounds * max(1, cfg.model.warmup)

@@ -196,19 +196,15 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
 
     t0 = time.perf_counter()
     try:
+        if job.warmup:
+            _prepare_warmup(policy, job)
+            # A warm-up's time is what a live job of its kind will take (`Daemon.setup` seeds the
+            # delay estimate from it), so the one-off setup above is not in it: the longest prompt
+            # with any state takes a tokenisation per state bin (~12-20 ms, on the host).
+            t0 = time.perf_counter()
         images = {name: None if img is None else as_policy_frame(img, job.bgr.get(name, False), job.geometry.get(name))
                   for name, img in job.images.items()}
         obs = Observation(images=images, state=job.state, prompt=job.prompt, timestamp=job.timestamp)
-        fix_prompt = getattr(policy, "fix_prompt_positions", None)
-        if job.warmup and fix_prompt is not None:
-            # the warm-up's zero state must capture the graphs every live state will run
-            fix_prompt([job.prompt, *job.room_prompts], at_least=job.room_tokens)
-        absent = getattr(policy, "set_absent_cameras", None)
-        if job.warmup and absent is not None:
-            # A warm-up frame is None exactly for a policy camera with no source (`warmup_frames`):
-            # never present, so the model may run without its slot (a camera that goes stale is
-            # masked in its job, not declared here: its slot stays, and so do the graphs).
-            absent([name for name, img in job.images.items() if img is None])
         rtc = None
         if job.prefix is not None and job.rtc_mode in SOLVER_RTC_MODES:
             rtc = RTCRequest(
@@ -240,6 +236,20 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
     except Exception as exc:
         detail = _one_line(exc)
         return JobResult(job.job_id, None, {}, (time.perf_counter() - t0) * 1e3, detail)
+
+
+def _prepare_warmup(policy: PolicyLike, job: Job) -> None:
+    """What a warm-up job sets on the policy before its inference."""
+    fix_prompt = getattr(policy, "fix_prompt_positions", None)
+    if fix_prompt is not None:
+        # the warm-up's zero state must capture the graphs every live state will run
+        fix_prompt([job.prompt, *job.room_prompts], at_least=job.room_tokens)
+    absent = getattr(policy, "set_absent_cameras", None)
+    if absent is not None:
+        # A warm-up frame is None exactly for a policy camera with no source (`warmup_frames`):
+        # never present, so the model may run without its slot (a camera that goes stale is
+        # masked in its job, not declared here: its slot stays, and so do the graphs).
+        absent([name for name, img in job.images.items() if img is None])
 
 
 def as_policy_frame(image: np.ndarray, bgr: bool, geometry: FrameGeometry | None) -> np.ndarray:
