@@ -31,7 +31,7 @@ the server skips resizing; pass 480x640 to include resizing).
 Warm-up: every captured batch size runs, before any robot starts, once per prompt bucket the
 robots' states can reach (the cudagraph engine keeps graphs per batch size, prompt bucket and RTC
 mode; a shape first met while serving is a capture of ~1 s inside some robot's request). The
-report counts the captures logged while robots ran (`captures_while_serving`, expected 0) and
+report counts the graphs the engine built while robots ran (`captures_while_serving`, expected 0) and
 gives the server's own per-batch phases by padded size (`by_size`: service, preprocess, RTC +
 engine, postprocess, batcher) beside the engine's time.
 
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import multiprocessing as mp
 import statistics
@@ -102,16 +101,11 @@ def batch_sizes(args: argparse.Namespace) -> list[int]:
 
 
 # -- shared server, many robots ---------------------------------------------------------------
-class CaptureCounter(logging.Handler):
-    """Counts the cudagraph engine's capture log lines: each is a shape met for the first time."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if str(record.msg).startswith("cudagraph: captured"):
-            self.count += 1
+def graphs_built(policy: Any) -> int | None:
+    """The engine's count of graph sets and loops built (each a capture on a GPU), where it keeps one.
+    (Counted there, not from its INFO log lines: with logging unconfigured those never reach a handler.)"""
+    built = getattr(getattr(policy, "engine", None), "graphs_built", None)
+    return built if isinstance(built, int) else None
 
 
 def collect(out: Any, want: int, deadline: float) -> tuple[dict[Any, Any], list[Any]]:
@@ -150,8 +144,7 @@ def run_robots(args: argparse.Namespace, n_robots: int, policy: Any, seeds: dict
     names = [f"robot-{i:03d}" for i in range(n_robots)]
     # Every robot sends its executing chunk's unexecuted rest (H - s actions) and one fixed d.
     rtc = None if args.rtc_mode == "none" else (args.rtc_mode, args.horizon - args.s, args.rtc_delay, args.s)
-    captures = CaptureCounter()
-    logging.getLogger("phyai_edge.engines.cudagraph").addHandler(captures)
+    built_before = graphs_built(policy)
     try:
         with PolicyServer(LocalExecutor(policy, sizes, max(sizes)), "tcp://127.0.0.1:*", cfg,
                           default_budget_ms=budget) as srv:
@@ -172,7 +165,8 @@ def run_robots(args: argparse.Namespace, n_robots: int, policy: Any, seeds: dict
                     p.kill()
             report = srv.report()
     finally:
-        logging.getLogger("phyai_edge.engines.cudagraph").removeHandler(captures)
+        built_after = graphs_built(policy)
+    captures = None if built_before is None or built_after is None else built_after - built_before
     measured_from = start_at + args.warmup_s
     lat = {n: [x * 1e3 for x, t in zip(r["latency_s"], r["sent_at"]) if t >= measured_from] for n, r in results.items()}
     p99 = {n: percentile(v, 99) for n, v in lat.items() if v}
@@ -193,7 +187,7 @@ def run_robots(args: argparse.Namespace, n_robots: int, policy: Any, seeds: dict
         "mean_batch": report["batch_size"]["mean"], "max_batch": report["batch_size"]["max"],
         "mean_observations": report["observations_per_batch"]["mean"], "batches": report["batches"],
         "mean_service_ms": sum(b["service_ms"] * b["batches"] for b in by_size.values()) / batches if batches else 0.0,
-        "reruns": report["reruns"], "captures_while_serving": captures.count,
+        "reruns": report["reruns"], "captures_while_serving": captures,
         "by_size": by_size, "service_estimate_ms": report["service_estimate_ms"],
     }
 
