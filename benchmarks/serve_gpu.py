@@ -243,23 +243,32 @@ def prompt_classes(policy: Any, hw: tuple[int, int], draws: int = 4096, seed: in
 
 
 def warm(policy: Any, args: argparse.Namespace) -> dict[int, float]:
-    """Capture / compile every batch size for every prompt bucket the robots reach before
-    timing (a first call at a shape captures CUDA graphs and would otherwise land in some
-    robot's p99); returns the seconds per batch size (the scheduler's first estimates)."""
+    """Capture / compile every batch size before timing, as `phyai-edge serve` warms up
+    (`LocalExecutor.warm_up`: room kept for the robots' prompt with any state first, so every batch
+    of any states runs the graphs captured here), without RTC (a robot's first request) and in
+    --rtc-mode; a first call at a shape captures CUDA graphs and would otherwise land in some
+    robot's p99. Returns the seconds per batch size (the scheduler's first estimates).
+
+    (Until the twenty-third session this warmed through `batching.warm_up` alone: without the room
+    every batch of identical warm-up observations took an exact-length graph set that live batches of
+    mixed lengths never use, so those captured while serving; the count that would have said so
+    never counted.)"""
     from phyai_edge.engines.base import RTCRequest
-    from phyai_edge.serve.batching import warm_up
+    from phyai_edge.serve.server import LocalExecutor
 
     obs = prompt_classes(policy, args.image_hw)
-    rtc = None
+    if getattr(policy, "fix_prompt_positions", None) is not None:
+        obs = obs[:1]  # the room covers every class: one bucket
+    rtcs: list[Any] = [None]
     if args.rtc_mode != "none":
-        rtc = RTCRequest(args.rtc_mode, np.zeros((args.horizon - args.s, policy.action_dim), np.float32),
-                         args.rtc_delay, args.s)
+        rtcs.append(RTCRequest(args.rtc_mode, np.zeros((args.horizon - args.s, policy.action_dim), np.float32),
+                               args.rtc_delay, args.s))
     # The eager engine captures nothing: one size primes its first-call costs; the latency
     # rule learns the others' times as it runs them.
     sizes = batch_sizes(args) if args.backend != "eager" else batch_sizes(args)[:1]
-    say(f"warming batch sizes {sizes} x {len(obs)} prompt bucket(s)")
+    say(f"warming batch sizes {sizes} x {len(obs)} prompt bucket(s) x RTC {[r.mode if r else 'none' for r in rtcs]}")
     t0 = time.perf_counter()
-    seeds = warm_up(policy, sizes, obs, [rtc])
+    seeds = LocalExecutor(policy, sizes, max(sizes)).warm_up(obs, rtcs)
     say(f"  warm in {time.perf_counter() - t0:.1f} s; ms per batch: "
         + ", ".join(f"{b}: {t * 1e3:.1f}" for b, t in seeds.items()))
     return seeds

@@ -168,6 +168,45 @@ def test_warming_a_prompt_keeps_room_for_it_with_any_robot_state():
     assert set(policy.engine._sets) == warmed and len(warmed) == 2  # one set per batch size
 
 
+def test_with_prompt_room_a_batch_of_one_prompt_length_keeps_the_room():
+    """From the unmasked graphs' batch size a batch whose prompts share one length keeps exactly that
+    length (evaluation: one task, its graphs). Where prompt room is kept (the server, the daemon) it
+    keeps the room instead: the warm-up's batches of one observation share a length, live batches of
+    robots with their own states do not, so the warm-up must capture the room's graphs, and a live
+    batch that happened to share a length must not capture its own. (The server benchmark showed it
+    on an H100: 16 graph sets built while 48 robots waited, 0.7-3.5 s each.)"""
+    from phyai_edge.adapters.base import Observation
+    from phyai_edge.engines import cudagraph
+    from phyai_edge.engines.policy import load_policy
+
+    prompt = "pick up the cube"
+    batch = cudagraph.DENSE_PREFIX_MIN_BATCH
+    for room in (False, True):
+        # the fused stages' reference path: on a CPU that is what gives the unmasked graphs
+        policy = load_policy(preset="tiny", backend="cudagraph", device="cpu", engine_options={"triton_ops": "reference"})
+        assert any(policy.engine._unmasked(batch))
+        frames = {n: np.zeros((32, 32, 3), np.uint8) for n in policy.camera_names}
+        rng = np.random.default_rng(1)
+        states = [(rng.standard_normal(policy.state_dim) * 2).astype(np.float32) for _ in range(batch)]
+        lengths = [int(policy.adapter.prompt_tokens([Observation(frames, st, prompt)])[1].sum()) for st in states]
+        assert len(set(lengths)) > 1
+        same = [Observation(frames, states[0], prompt)] * batch
+        if room:  # what the executor's warm-up sets: here exactly this prompt's length
+            policy.engine.min_prompt_positions = lengths[0]
+        executor = LocalExecutor(policy, [batch], max_batch=batch)
+        assert all(r.actions is not None for r in executor.run([BatchItem([o], None) for o in same]))
+        (key,) = policy.engine._sets
+        assert key[2] == (_bucketed(lengths[0]) if room else lengths[0]), (room, key)
+        if room:
+            mixed = executor.run([BatchItem([Observation(frames, st, prompt)], None) for st in states])
+            assert all(r.actions is not None for r in mixed)
+            assert set(policy.engine._sets) == {key}  # the room's graphs served the live batch
+
+
+def _bucketed(tokens: int, bucket: int = 16) -> int:
+    return -(-tokens // bucket) * bucket
+
+
 def test_serve_runs_without_the_cameras_no_robot_has():
     """`serve --absent-camera`: the policy leaves those cameras out of the model (load_policy's
     absent_cameras), the hello reply names them, the warm-up observations lack them, so the warm-up

@@ -579,12 +579,15 @@ class CudaGraphEngine(EngineBase):
         for a batch of one prompt length (evaluation, rollouts: one task for every robot) where an
         unmasked graph exists for its size, so it gets them; up to EXACT_PROMPT_LENGTHS such lengths
         per (batch, views), each a graph set of its own. Small batches (the daemon's) keep the
-        buckets: a new length there would be a capture in the middle of a control loop."""
+        buckets: a new length there would be a capture in the middle of a control loop. So does every
+        batch where prompt room is kept (`min_prompt_positions`: the daemon, the server, whose robots'
+        states move their prompts' lengths): its warm-up captured the room's graphs, and a batch
+        whose prompts happened to share one length would capture its own while robots wait."""
         b = token_mask.shape[0]
         token_mask = token_mask.detach().to("cpu", torch.bool)  # one device-to-host copy for both calls
         floor = self.min_prompt_positions
         bucketed = prompt_bucket(token_mask, self.token_bucket, at_least=floor)
-        if not any(self._unmasked(b)):
+        if floor > 0 or not any(self._unmasked(b)):
             return bucketed
         exact = prompt_bucket(token_mask, self.token_bucket, exact=True, at_least=floor)
         if exact == bucketed:
