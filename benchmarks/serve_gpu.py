@@ -28,9 +28,10 @@ Robots are torch-free client threads (`phyai_edge.serve.loadgen`) in several pro
 the same host over TCP loopback; images are sent at --image-size (224: the model's size, so
 the server skips resizing; pass 480x640 to include resizing).
 
-Warm-up: every captured batch size runs, before any robot starts, once per prompt bucket the
-robots' states can reach (the cudagraph engine keeps graphs per batch size, prompt bucket and RTC
-mode; a shape first met while serving is a capture of ~1 s inside some robot's request). The
+Warm-up: as `phyai-edge serve` does it, every captured batch size runs before any robot starts,
+with prompt room kept for the robots' prompt with any state, without RTC and in --rtc-mode (the
+cudagraph engine keeps graphs per batch size, prompt length and RTC mode; a shape first met while
+serving is a capture of ~1 s inside some robot's request). The
 report counts the graphs the engine built while robots ran (`captures_while_serving`, expected 0) and
 gives the server's own per-batch phases by padded size (`by_size`: service, preprocess, RTC +
 engine, postprocess, batcher) beside the engine's time.
@@ -247,12 +248,9 @@ def warm(policy: Any, args: argparse.Namespace) -> dict[int, float]:
     (`LocalExecutor.warm_up`: room kept for the robots' prompt with any state first, so every batch
     of any states runs the graphs captured here), without RTC (a robot's first request) and in
     --rtc-mode; a first call at a shape captures CUDA graphs and would otherwise land in some
-    robot's p99. Returns the seconds per batch size (the scheduler's first estimates).
-
-    (Until the twenty-third session this warmed through `batching.warm_up` alone: without the room
-    every batch of identical warm-up observations took an exact-length graph set that live batches of
-    mixed lengths never use, so those captured while serving; the count that would have said so
-    never counted.)"""
+    robot's p99. Returns the seconds per batch size (the scheduler's first estimates). Without the
+    room, batches of identical warm-up observations would take exact-length graph sets that live
+    batches of mixed lengths never run (RESULTS.md, twenty-third session)."""
     from phyai_edge.engines.base import RTCRequest
     from phyai_edge.serve.server import LocalExecutor
 

@@ -589,7 +589,7 @@ class CudaGraphEngine(EngineBase):
         bucketed = prompt_bucket(token_mask, self.token_bucket, at_least=floor)
         if floor > 0 or not any(self._unmasked(b)):
             return bucketed
-        exact = prompt_bucket(token_mask, self.token_bucket, exact=True, at_least=floor)
+        exact = prompt_bucket(token_mask, self.token_bucket, exact=True)
         if exact == bucketed:
             return bucketed
         held = self._exact_lengths.setdefault((b, views), set())
