@@ -531,7 +531,8 @@ def test_stats_report_percentiles_and_forget_idle_robots():
     a = rep["robots"]["a"]
     assert (a["served"], a["deadline_misses"], a["latency_ms"]["p50"], a["latency_ms"]["p99"]) == (100, 2, 50.0, 99.0)
     assert rep["robots"]["b"]["rejected"] == 1 and rep["batch_size"]["max"] == 4
-    assert "a" in format_report(rep)
+    assert "a" in format_report(rep) and "graphs built while serving" not in format_report(rep)
+    assert "graphs built while serving 2," in format_report({**rep, "graphs_built_serving": 2})
     time.sleep(0.1)
     assert st.report()["robots"] == {}
 

@@ -256,6 +256,7 @@ def test_prompt_tokens_keep_room_for_a_prompt_no_warm_up_ran() -> None:
         got = executor.run([BatchItem([Observation(frames, state, longer)], None)])
         assert got[0].actions is not None
         assert (set(policy.engine._sets) != warmed) == builds, (room, policy.engine._sets)
+        assert executor.graphs_built_serving == int(builds)  # counted (and logged) where it happens
 
 
 def test_serve_refuses_prompt_tokens_where_no_warm_up_keeps_them(capsys) -> None:

@@ -93,13 +93,28 @@ class LocalExecutor:
         # it, with any state, runs the graphs the warm-up captured.
         self.prompt_tokens = prompt_tokens
         self._lock = threading.Lock()  # for callers other than the server (which runs one worker)
+        self._warmed = False
+        # Batches that made the engine build graphs after the warm-up (each a capture on a GPU, ~1 s
+        # at full size, while every robot in the batch waits): a shape, prompt length or RTC mode
+        # the warm-up did not run.
+        self.graphs_built_serving = 0
 
     def describe(self) -> dict[str, Any]:
         return describe_policy(self.policy)
 
     def run(self, items: list[BatchItem]) -> list[ItemResult]:
         with self._lock:
-            return run_items(self.policy, items, self.batch_sizes, self.max_batch)
+            engine = getattr(self.policy, "engine", None)
+            before = getattr(engine, "graphs_built", None)
+            t0 = time.perf_counter()
+            results = run_items(self.policy, items, self.batch_sizes, self.max_batch)
+            if self._warmed and isinstance(before, int) and engine.graphs_built != before:
+                self.graphs_built_serving += 1
+                log.warning("a batch of %d met a shape, prompt length or RTC mode the warm-up did not run: the engine "
+                            "built graphs for it while its robots waited (%.0f ms); warm with the robots' prompts "
+                            "and RTC modes (--warm-prompt, --warm-rtc, --prompt-tokens)",
+                            sum(len(it.observations) for it in items), (time.perf_counter() - t0) * 1e3)
+            return results
 
     def warm_up(self, observations: Sequence[Observation],
                 rtcs: Sequence[RTCRequest | None] = (None,)) -> dict[int, float]:
@@ -115,7 +130,9 @@ class LocalExecutor:
             fix_prompt([o.prompt for o in observations], at_least=self.prompt_tokens)
         # Every size a batch of up to max_batch observations can be padded to, and no larger.
         top = pad_size(min(self.max_batch or max(self.batch_sizes), max(self.batch_sizes)), self.batch_sizes)
-        return warm_up(self.policy, [b for b in self.batch_sizes if b <= top], observations, rtcs)
+        times = warm_up(self.policy, [b for b in self.batch_sizes if b <= top], observations, rtcs)
+        self._warmed = True
+        return times
 
 
 def request_item(req: wire.Request, tag: Any = None) -> BatchItem:
@@ -237,6 +254,9 @@ class PolicyServer:
         rep["queued"] = len(self.sched)
         # The latency rule's learned service time per padded batch size.
         rep["service_estimate_ms"] = {b: s * 1e3 for b, s in self.sched.service_estimates().items()}
+        built = getattr(self.executor, "graphs_built_serving", None)
+        if built is not None:
+            rep["graphs_built_serving"] = built
         return rep
 
     def serve_forever(self) -> None:

@@ -183,7 +183,9 @@ def format_report(rep: dict[str, Any]) -> str:
     then one line per robot."""
     lines = [f"serve: {rep['batches']} batches, mean batch {rep['batch_size']['mean']:.1f} "
              f"({rep.get('observations_per_batch', {}).get('mean', 0.0):.1f} real), reruns {rep.get('reruns', 0)}, "
-             f"expired {rep.get('expired', 0)}, uptime {rep['uptime_s']:.0f} s"]
+             f"expired {rep.get('expired', 0)}, "
+             + (f"graphs built while serving {rep['graphs_built_serving']}, " if "graphs_built_serving" in rep else "")
+             + f"uptime {rep['uptime_s']:.0f} s"]
     for size, b in rep.get("by_size", {}).items():
         lines.append(f"  batch {size:>3}: {b['batches']} runs, {b['observations']:.1f} real, service "
                      f"{b['service_ms']:.1f} ms (pre {b['preprocess_ms']:.1f}, engine {b['engine_ms']:.1f}, "
