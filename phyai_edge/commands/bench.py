@@ -66,11 +66,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the prefix (batches up to 8), the same chunk; default: on. Measured faster on Hopper (-2 to -3%% "
                    "a chunk); where the prefix already fills the GPU it can be slower: compare --no-early-step "
                    "on yours (daemon: model.engine_options = { early_step = false })")
+    p.add_argument("--rtc", default="none", choices=("none", "inpaint", "guided-approx", "guided"),
+                   help="time every chunk with this Real-Time Chunking mode, as the daemon's chunks after the first "
+                   "run: the rest of a previous chunk (half of it) as the prefix, d = 2 (guided: exact guidance, "
+                   "a backward pass every flow step; the daemon's default is guided-approx); default: none")
     p.add_argument("--floor-device", default=None, metavar="NAME",
                    help="print each model stage's floor on this device (its peak FLOPs and bandwidth from the "
                    "roofline's device table, e.g. h200, orin, rtx-4090) beside the measured time; default: the "
                    "GPU the run is on, when the table knows it; 'none': no floors")
     p.add_argument("--json", action="store_true", help="print one JSON object (input to `phyai-edge roofline`)")
+
+
+# d for `--rtc`: at 50 Hz a 15-30 ms chunk is 1-2 slots late. Timing does not depend on it.
+BENCH_RTC_DELAY = 2
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -157,12 +165,25 @@ def run_bench(args: argparse.Namespace) -> dict:
         mask[:, :n_valid] = True
         inputs = ModelInputs({**base.tensors, "tokens": tokens.to(policy.device),
                               "token_mask": mask.to(policy.device)}, args.batch)
+    rtc_mode = getattr(args, "rtc", "none")
+    rtc_request = None
+    if rtc_mode != "none":
+        from phyai_edge.engines.base import RTCRequest
+
+        # As the daemon's chunks after the first: the executing chunk's rest after s = H / 2 actions
+        # ran (a chunk this policy made), d actions of it fixed while the new one is computed.
+        s = policy.chunk_size // 2
+        previous = policy.postprocess(policy.engine.run(inputs), base)
+        rtc_request = RTCRequest(rtc_mode, np.asarray(previous)[:, s:], min(BENCH_RTC_DELAY, s), s)  # type: ignore[arg-type]
+    states = base.extras.get("states")
     samples: dict[str, list[float]] = {}
     for i in range(args.warmup + args.iters):
         t0 = time.perf_counter()
         adapter.preprocess(obs, device=policy.device)
         t1 = time.perf_counter()
-        chunk = policy.engine.run(inputs)
+        # the guidance is made on the host every call, as `Policy.infer` makes it: engine time
+        guidance = None if rtc_request is None else policy.rtc_guidance(rtc_request, args.batch, states)
+        chunk = policy.engine.run(inputs, rtc=guidance)
         t2 = time.perf_counter()
         policy.postprocess(chunk, base)  # `base` keeps preprocess's extras (the states a relative policy adds back)
         t3 = time.perf_counter()
@@ -191,7 +212,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "triton_ops": getattr(policy.engine, "triton_ops", None),
         "triton_gemm": getattr(policy.engine, "triton_gemm", None),
         "batch": args.batch, "views": views, "steps": adapter.solver.num_steps, "prompt_tokens": n_valid,
-        "iters": args.iters, "stages": stages, "early_step": early,
+        "iters": args.iters, "stages": stages, "early_step": early, "rtc": rtc_mode,
         "samples_per_s": args.batch / (stages["engine"]["p50_ms"] / 1e3),
         "torch": info["torch"], "gpu": gpu,
         "floor_device": floor_device, "floors": floors, "floor_note": floor_note,
@@ -248,6 +269,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"{result['adapter']} {result['preset']} on {result['device']} ({result['backend']}, {result['dtype']}{fp8}), "
           f"batch {result['batch']}, {result['views']} views, {result['steps']} steps, "
           + (f"{result['prompt_tokens']} prompt tokens, " if result["prompt_tokens"] is not None else "")
+          + (f"RTC {result['rtc']}, " if result.get("rtc", "none") != "none" else "")
           + f"{result['iters']} iterations")
     floors = result.get("floors") or {}
     head = f"{'stage':<16}{'p50 ms':>10}{'p90 ms':>10}"
