@@ -58,6 +58,9 @@ def test_bench_schema() -> None:
     assert t.denoise_step_s == pytest.approx(1.0e-3)  # denoise_step wins over solver_loop / steps
     assert t.total_s == pytest.approx((1.5 + 2.5 + 9.0 + 10 * 1.0 + 0.3) * 1e-3)
     assert m.stage_times(steps=5).denoise_total_s == pytest.approx(5e-3)  # what-if --steps
+    assert not any("RTC" in n for n in m.notes)
+    (guided,) = parse_bench({**BENCH, "rtc": "guided"})  # `phyai-edge bench --rtc guided`
+    assert any("timed with RTC guided" in n for n in guided.notes)
 
 
 def test_bench_tolerates_other_shapes() -> None:

@@ -189,6 +189,10 @@ def parse_bench(
         extra = run.get("notes")
         if isinstance(extra, list):  # a converter's own notes (gpu_report)
             m.notes.extend(str(n) for n in extra)
+        rtc = run.get("rtc")
+        if isinstance(rtc, str) and rtc != "none":  # `phyai-edge bench --rtc`
+            m.notes.append(f"timed with RTC {rtc}: its flow loop includes the guidance, which the floors and "
+                           "predictions leave out")
         _fill_run_info(m, run)
         m.label = label or run.get("label") or _default_label(m, i, len(runs))
         out.append(m)
