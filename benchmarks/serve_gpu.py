@@ -102,13 +102,6 @@ def batch_sizes(args: argparse.Namespace) -> list[int]:
 
 
 # -- shared server, many robots ---------------------------------------------------------------
-def graphs_built(policy: Any) -> int | None:
-    """The engine's count of graph sets and loops built (each a capture on a GPU), where it keeps one.
-    (Counted there, not from its INFO log lines: with logging unconfigured those never reach a handler.)"""
-    built = getattr(getattr(policy, "engine", None), "graphs_built", None)
-    return built if isinstance(built, int) else None
-
-
 def collect(out: Any, want: int, deadline: float) -> tuple[dict[Any, Any], list[Any]]:
     """Read the worker processes' ("done" | "error", key, payload) messages from `out` until `want`
     have reported or `deadline` (time.time()) passes: the done payloads by key, and the errors."""
@@ -145,7 +138,9 @@ def run_robots(args: argparse.Namespace, n_robots: int, policy: Any, seeds: dict
     names = [f"robot-{i:03d}" for i in range(n_robots)]
     # Every robot sends its executing chunk's unexecuted rest (H - s actions) and one fixed d.
     rtc = None if args.rtc_mode == "none" else (args.rtc_mode, args.horizon - args.s, args.rtc_delay, args.s)
-    built_before = graphs_built(policy)
+    # Counted by the engine (`Policy.graphs_built`), not from its INFO log lines: with logging
+    # unconfigured those never reach a handler.
+    built_before = policy.graphs_built
     try:
         with PolicyServer(LocalExecutor(policy, sizes, max(sizes)), "tcp://127.0.0.1:*", cfg,
                           default_budget_ms=budget) as srv:
@@ -166,7 +161,7 @@ def run_robots(args: argparse.Namespace, n_robots: int, policy: Any, seeds: dict
                     p.kill()
             report = srv.report()
     finally:
-        built_after = graphs_built(policy)
+        built_after = policy.graphs_built
     captures = None if built_before is None or built_after is None else built_after - built_before
     measured_from = start_at + args.warmup_s
     lat = {n: [x * 1e3 for x, t in zip(r["latency_s"], r["sent_at"]) if t >= measured_from] for n, r in results.items()}

@@ -216,8 +216,7 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
             )
         # A live job that makes the engine build graphs (a capture on a GPU, ~1 s at full size) met a
         # shape or RTC mode the warm-up did not run: the control loop holds meanwhile, so say so.
-        engine = getattr(policy, "engine", None)
-        built = getattr(engine, "graphs_built", None)
+        built = getattr(policy, "graphs_built", None)
         if job.noise is not None:
             import torch  # only here: the daemon never sends noise, so its clock process never imports torch
 
@@ -229,7 +228,7 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
             raise ValueError(f"policy returned actions of shape {actions.shape}, expected (1, H, action_dim)")
         stage_ms = {str(k): float(v) for k, v in dict(getattr(res, "stage_ms", {}) or {}).items()}
         took_ms = (time.perf_counter() - t0) * 1e3
-        if not job.warmup and isinstance(built, int) and engine.graphs_built != built:
+        if not job.warmup and built is not None and policy.graphs_built != built:
             log.warning("inference %d met a shape or RTC mode the warm-up did not run: the engine built graphs "
                         "for it inside the control loop (%.0f ms)", job.job_id, took_ms)
         return JobResult(job.job_id, np.ascontiguousarray(actions[0]), stage_ms, took_ms)

@@ -180,6 +180,14 @@ class Policy:
         return g
 
     @property
+    def graphs_built(self) -> int | None:
+        """The engine's count of graph sets and loops built so far (each a capture on a GPU), None
+        where it keeps none. Compared across a call it says whether the call met a shape, prompt
+        length or RTC mode its warm-up did not run."""
+        built = getattr(self.engine, "graphs_built", None)
+        return built if isinstance(built, int) else None
+
+    @property
     def drops_cameras(self) -> bool:
         """Whether cameras declared absent are left out of the model (the adapter can drop slots,
         `drop_cameras`, and the engine takes any view count, `any_views`) rather than run masked."""

@@ -104,11 +104,10 @@ class LocalExecutor:
 
     def run(self, items: list[BatchItem]) -> list[ItemResult]:
         with self._lock:
-            engine = getattr(self.policy, "engine", None)
-            before = getattr(engine, "graphs_built", None)
+            before = getattr(self.policy, "graphs_built", None)
             t0 = time.perf_counter()
             results = run_items(self.policy, items, self.batch_sizes, self.max_batch)
-            if self._warmed and isinstance(before, int) and engine.graphs_built != before:
+            if self._warmed and before is not None and self.policy.graphs_built != before:
                 self.graphs_built_serving += 1
                 log.warning("a batch of %d met a shape, prompt length or RTC mode the warm-up did not run: the engine "
                             "built graphs for it while its robots waited (%.0f ms); warm with the robots' prompts "
