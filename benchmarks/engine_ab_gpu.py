@@ -19,11 +19,6 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
   no-dense                  neither unmasked graph (`dense_prefix=False, dense_expert=False`): a full batch
                             from 8 then runs the masked ones, as a padded batch does
   plain-io                  the action projections as the model runs them (`set_fold_projections(False)`)
-  grad-gemms                exact guidance's projections and their input gradients on the small-M kernels
-                            (`triton_gemm.set_grad_gemms(True)`; the default: cuBLAS)
-  grad:<class>=bm,bn,bk,warps,stages[,split]
-                            that `triton_gemm.GRAD_CONFIGS` entry (the input gradients' tiling, e.g.
-                            grad:linear/m64/narrow=64,32,128,4,4,4)
   <class>=bm,bn,bk,warps,stages[,split]
                             that `triton_gemm.CONFIGS` entry (e.g. geglu/m64=64,32,128,4,3,2)
   residual=bm,bn,bk,warps,stages[,split]
@@ -78,7 +73,6 @@ class Variant:
     engine: dict[str, Any] = field(default_factory=dict)  # CudaGraphEngine options
     early_max: int | None = None  # cudagraph.EARLY_STEP_MAX_BATCH while the variant runs
     early_guided: bool | None = None  # cudagraph.EARLY_STEP_GUIDED while the variant runs
-    grad_gemms: bool = False  # triton_gemm.set_grad_gemms while the variant runs
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -95,8 +89,7 @@ class Variant:
             cudagraph.EARLY_STEP_GUIDED = self.early_guided
         fold_before = set_fold_norms(self.fold)
         io_before = set_fold_projections(self.fold_io)
-        saved, saved_grad = dict(triton_gemm.CONFIGS), dict(triton_gemm.GRAD_CONFIGS)
-        grad_before = triton_gemm.set_grad_gemms(self.grad_gemms)
+        saved = dict(triton_gemm.CONFIGS)
         residual_before = triton_fold.RESIDUAL_CONFIG
         tilings_before = {key: getattr(triton_attention, name) for key, name in ATTENTION_TILINGS.items()}
         try:
@@ -105,8 +98,6 @@ class Variant:
                     setattr(triton_attention, ATTENTION_TILINGS[key], cfg)
                 elif key == "residual":
                     triton_fold.RESIDUAL_CONFIG = cfg
-                elif key.startswith("grad:"):
-                    triton_gemm.GRAD_CONFIGS[key[len("grad:"):]] = cfg
                 else:
                     triton_gemm.CONFIGS[key] = cfg
             yield
@@ -116,9 +107,6 @@ class Variant:
             set_fold_projections(io_before)
             triton_gemm.CONFIGS.clear()
             triton_gemm.CONFIGS.update(saved)
-            triton_gemm.GRAD_CONFIGS.clear()
-            triton_gemm.GRAD_CONFIGS.update(saved_grad)
-            triton_gemm.set_grad_gemms(grad_before)
             triton_fold.RESIDUAL_CONFIG = residual_before
             for key, cfg in tilings_before.items():
                 setattr(triton_attention, ATTENTION_TILINGS[key], cfg)
@@ -138,9 +126,6 @@ def parse_variants(text: str) -> list[Variant]:
             if knob == "early-guided":
                 v.early_guided = True
                 continue
-            if knob == "grad-gemms":
-                v.grad_gemms = True
-                continue
             if knob == "no-dense":
                 v.engine.update(dense_prefix=False, dense_expert=False)
                 continue
@@ -157,10 +142,9 @@ def parse_variants(text: str) -> list[Variant]:
             if key in ATTENTION_TILINGS and eq:
                 v.configs[key] = split_config(spec, knob)
                 continue
-            if not eq or (key != "residual" and key not in CONFIGS
-                          and not (key.startswith("grad:") and key[len("grad:"):] in CONFIGS)):
+            if not eq or (key != "residual" and key not in CONFIGS):
                 raise SystemExit(f"--variants: unknown knob {knob!r} (unfolded, residual=..., or a CONFIGS key "
-                                 f"such as geglu/m64=... or grad:linear/m64/narrow=...)")
+                                 f"such as geglu/m64=...)")
             fields = [int(x) for x in spec.split(",")]
             if len(fields) not in (5, 6):
                 raise SystemExit(f"--variants: {knob!r} needs bm,bn,bk,warps,stages[,split]")

@@ -26,7 +26,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cudagraph import _inputs, _rel, _rtc
+from test_cudagraph import _inputs, _rel
 from test_triton_ops import _blocks, _float32_truth, _stack_inputs, _stack_reference
 
 from phyai_edge.adapters.base import SolverSpec
@@ -393,9 +393,7 @@ def test_shape_classes_have_configs() -> None:
 @kernels
 @pytest.mark.parametrize("op", ["linear", "geglu", "qkv_rope"])
 def test_grad_inputs_take_the_reference(no_kernels, op) -> None:
-    """Exact RTC guidance differentiates through the step: by default (`set_grad_gemms` off) such a
-    call takes the reference, and the fused GeGLU GEMM always does (its backward would need the
-    gate/up sums it never writes)."""
+    """Exact RTC guidance differentiates through the step: the kernels have no backward."""
     h = _randn(1, 7, 32, seed=18).requires_grad_(True)
     cos, sin = _rope_inputs(1, 7, 16, torch.float32, "shared")
     w = {"linear": _weight(24, 32, torch.float32, 19), "geglu": _weight(48, 32, torch.float32, 19),
@@ -408,120 +406,6 @@ def test_grad_inputs_take_the_reference(no_kernels, op) -> None:
         out = tg.linear_qkv_rope(h, w, cos, sin, 2, 1, 16, "triton")[0]
     out.sum().backward()
     assert h.grad is not None and h.grad.abs().sum() > 0
-
-
-# -- input gradients on the kernels (exact guidance, `set_grad_gemms(True)`) ------------------------------
-@pytest.fixture
-def grad_gemms():
-    before = tg.set_grad_gemms(True)
-    yield
-    tg.set_grad_gemms(before)
-
-
-@kernels
-@pytest.mark.parametrize("shape", LINEAR_SHAPES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", ["default", "narrow", "split3"])
-def test_input_gradient_kernel(poisoned, shape, dtype, config) -> None:
-    """dh = dout W on the kernel, the weight read transposed where it lies, against the product."""
-    b, t, k, n = shape
-    w, dout = _weight(n, k, dtype, 30), _randn(b, t, n, dtype=dtype, seed=31)
-    got = tg.input_grad(dout, w, SPLIT_CONFIGS[config])
-    assert got.shape == (b, t, k)
-    if dtype == torch.float32:
-        _check_f32(got, dout @ w)
-    else:
-        _check_bf16(got, dout @ w, dout.double() @ w.double())
-
-
-@kernels
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_grad_on_the_kernels(poisoned, grad_gemms, launches, dtype) -> None:
-    """With the switch on, a call needing h's gradient runs the same forward kernel (the same bits as
-    without a gradient) and its backward is `input_grad`; one needing the weight's takes the reference."""
-    h, w = _randn(1, 50, 96, dtype=dtype, seed=32), _weight(128, 96, dtype, 33)
-    dout = _randn(1, 50, 128, dtype=dtype, seed=34)
-    leaf = h.clone().requires_grad_(True)
-    out = tg.linear(leaf, w, "triton")
-    assert type(out.grad_fn).__name__ == "LinearFnBackward"
-    assert torch.equal(out.detach(), tg.linear(h, w, "triton"))
-    (dh,) = torch.autograd.grad(out, leaf, dout)
-    assert torch.equal(dh, tg.input_grad(dout, w))
-    assert launches["_linear_triton"] == 4  # forward, plain forward, backward, plain backward
-    w_leaf = w.clone().requires_grad_(True)
-    assert "LinearFn" not in type(tg.linear(leaf, w_leaf, "triton").grad_fn).__name__
-    assert launches["_linear_triton"] == 4
-
-
-@kernels
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["shared", "per_sample"])
-def test_linear_qkv_rope_grad_on_the_kernels(poisoned, grad_gemms, launches, dtype, layout) -> None:
-    """QKV + RoPE differentiable on the fused kernel: RoPE's rotation back, then `input_grad`; the
-    forward the same bits as without a gradient, the input gradient against autograd through the
-    reference."""
-    b, t, k, heads, kv_heads, d = 2, 7, 40, 2, 1, 16
-    h, w = _randn(b, t, k, dtype=dtype, seed=35), _weight((heads + 2 * kv_heads) * d, k, dtype, 36)
-    cos, sin = _rope_inputs(b, t, d, dtype, layout)
-    cots = [_randn(b, hh, t, d, dtype=dtype, seed=37 + i) for i, hh in enumerate((heads, kv_heads, kv_heads))]
-    leaf = h.clone().requires_grad_(True)
-    outs = tg.linear_qkv_rope(leaf, w, cos, sin, heads, kv_heads, d, "triton")
-    assert type(outs[0].grad_fn).__name__ == "LinearQkvRopeFnBackward"
-    for got, plain in zip(outs, tg.linear_qkv_rope(h, w, cos, sin, heads, kv_heads, d, "triton")):
-        assert torch.equal(got.detach(), plain)
-    (dh,) = torch.autograd.grad(outs, leaf, cots)
-    ref_leaf = h.double().requires_grad_(True)
-    ref = tg.linear_qkv_rope_ref(ref_leaf, w.double(), cos.double(), sin.double(), heads, kv_heads, d)
-    (truth,) = torch.autograd.grad(ref, ref_leaf, [c.double() for c in cots])
-    assert dh.dtype == dtype and torch.isfinite(dh).all()
-    assert _rel(dh.double(), truth) < (1e-5 if dtype == torch.float32 else 1e-2)
-    assert launches == {"_linear_triton": 1, "_geglu_triton": 0, "_qkv_rope_triton": 2}
-
-
-@kernels
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_block_stack_vjp_on_the_gemms(poisoned, launches, float32_routed, grad_gemms, dtype) -> None:
-    """The expert stack's input gradient (exact guidance's VJP) with its projections on the kernels:
-    forward QKV + RoPE fused, gate/up plain (GeGLU's gradient needs its sums), o_proj and down plain;
-    backward one `input_grad` a projection. Against autograd through the reference path."""
-    blocks = _blocks(dtype)
-    for blk in blocks:  # constants, as the engine's (it fuses after freezing; `_blocks` fuses first)
-        blk.self_attn.qkv_proj.requires_grad_(False)
-        blk.mlp.gate_up.requires_grad_(False)
-    x, *rest = _stack_inputs(blocks, dtype)
-    cot = _randn(*x.shape, dtype=dtype, seed=40)
-
-    def grad(backend, gemm):
-        leaf = x.clone().requires_grad_(True)
-        out = fused_stacks.adaptive_block_stack(blocks, leaf, *rest, 1e-6, backend=backend, gemm_backend=gemm)
-        return torch.autograd.grad(out, leaf, cot)[0]
-
-    got = grad("triton", "triton")
-    n = len(blocks)
-    assert launches == {"_linear_triton": 3 * n + 4 * n, "_geglu_triton": 0, "_qkv_rope_triton": n}
-    ref = grad("reference", None)
-    assert torch.isfinite(got).all()
-    if dtype == torch.float32:
-        assert _rel(got, ref) < 1e-5
-    else:  # bf16 through three blocks: as test_triton_grad's stack VJP, a bound, not a ranking
-        assert _rel(got.float(), ref.float()) < 6e-2
-
-
-@kernels
-def test_engine_exact_guidance_on_the_gemms(tiny, launches, float32_routed, grad_gemms) -> None:
-    """The engine's exact RTC mode with the projections' VJP on the kernels gives eager's chunk (fp32)."""
-    from phyai_edge.engines.eager import EagerEngine
-
-    fast = CudaGraphEngine(copy.deepcopy(tiny), device=DEVICE, dtype="float32", triton_ops=True, triton_gemm=True)
-    eager = EagerEngine(copy.deepcopy(tiny), device="cpu", dtype="float32")
-    inputs = _inputs(tiny, 1, 1, [20])
-    noise = torch.randn(1, tiny.chunk_size, tiny.model_action_dim, generator=torch.Generator().manual_seed(9))
-    rtc = _rtc(tiny, 1, "guided")
-    out = fast.run(inputs, noise=noise, rtc=rtc)
-    calls = tiny.cfg.expert.depth * tiny.solver.num_steps
-    assert launches["_qkv_rope_triton"] >= calls and launches["_geglu_triton"] == 0
-    assert launches["_linear_triton"] >= 7 * calls  # three forward GEMMs and four input gradients a block
-    assert _rel(out.cpu(), eager.run(inputs, noise=noise, rtc=rtc).cpu()) < 1e-5
 
 
 @kernels

@@ -113,10 +113,7 @@ def _mlp(mlp: torch.nn.Module, h: torch.Tensor, backend: str, gemm_backend: str 
         return mlp(h)
     if gemm_backend is None:
         return mlp.down_proj(geglu(mlp.gate_up(h), backend))
-    if triton_gemm.module_takes(mlp.gate_up, h) and needs_grad(h):
-        # a VJP needs the gate/up sums for GeGLU's gradient: the plain GEMM, then GeGLU's own kernel
-        a = geglu(triton_gemm.linear(h, mlp.gate_up.weight, gemm_backend, bias=mlp.gate_up.bias), backend)
-    elif triton_gemm.module_takes(mlp.gate_up, h):
+    if triton_gemm.module_takes(mlp.gate_up, h):
         a = triton_gemm.linear_geglu(h, mlp.gate_up.weight, gemm_backend, bias=mlp.gate_up.bias, tickets=tickets)
     else:
         a = geglu(mlp.gate_up(h), backend)

@@ -60,13 +60,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phyai_edge.layers import triton_grad
 from phyai_edge.layers.triton_dispatch import (
     Tickets,
     _per_batch,
@@ -196,12 +195,10 @@ def takes(rows: int, weight: torch.Tensor) -> bool:
 
 def module_takes(module: nn.Module | None, h: torch.Tensor) -> bool:
     """`module` is a plain `nn.Linear` (exactly: `layers.fp8.Fp8Linear` subclasses it and must keep
-    its own forward) with a constant weight that `takes` h's rows, in h's dtype. A call needing h's
-    gradient (exact RTC guidance's VJP) only with `set_grad_gemms(True)`: otherwise it takes the
-    module, cuBLAS, whose input gradient is one GEMM."""
-    if type(module) is not nn.Linear or h.dim() == 0 or h.shape[-1] == 0 or module.weight.requires_grad:
-        return False
-    if needs_grad(h) and not _GRAD_GEMMS:
+    its own forward) whose weight `takes` h's rows, in h's dtype, for a call needing no gradient
+    (these GEMMs have no backward: exact RTC guidance takes the module, cuBLAS, whose input
+    gradient is one GEMM, and the elementwise ops' own differentiable kernels)."""
+    if type(module) is not nn.Linear or h.dim() == 0 or h.shape[-1] == 0 or needs_grad(h):
         return False
     rows = h.numel() // h.shape[-1]
     return takes(rows, module.weight) and module.weight.dtype == h.dtype and h.shape[-1] == module.in_features
@@ -757,15 +754,9 @@ def linear(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
     tiling (None: `CONFIGS` by shape class); its `split_k` > 1 adds a second, reducing kernel.
     `defer_sum`: where the kernels split K (and there is no bias), return the unreduced
     `triton_ops.SplitSums` instead, for a consumer that adds them itself
-    (`triton_ops.residual_ada_rms_norm`); elsewhere the tensor as usual. A call needing h's
-    gradient takes the kernels only with `set_grad_gemms(True)` (`LinearFn`; never deferred), and
-    the reference wherever the weight or bias needs one."""
-    grad = needs_grad(h)
-    if (not (_use_triton(backend, h, weight, *_present(bias), differentiable=grad and _GRAD_GEMMS)
-             and kernel_takes(h, weight, bias)) or needs_grad(weight, bias)):
+    (`triton_ops.residual_ada_rms_norm`); elsewhere the tensor as usual."""
+    if not (_use_triton(backend, h, weight, *_present(bias)) and kernel_takes(h, weight, bias)):
         return linear_ref(h, weight, bias)
-    if grad:
-        return LinearFn.apply(h, weight, bias, config)
     return _linear_triton(h, weight, bias, config, defer_sum)
 
 
@@ -838,7 +829,7 @@ def linear_qkv_rope(
     the contract of `qkv_rope_ref(F.linear(h, weight), cos, sin, H, Hkv, D)` (q (B, H, T, D); k, v
     (B, Hkv, T, D)); cos, sin (B or 1, 1, T, D) as `rope_cos_sin` makes them. The kernel's q, k
     and v are contiguous (the reference's v is a view). `norm` / `norm_bias`, split K and `tickets`:
-    as `linear_geglu`'s. A call needing h's gradient: as `linear`'s (`LinearQkvRopeFn`, no norm)."""
+    as `linear_geglu`'s."""
     if head_dim % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
     if h.dim() != 3:
@@ -846,96 +837,11 @@ def linear_qkv_rope(
     if weight.dim() == 2 and weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"qkv weight rows {weight.shape[0]} != (heads + 2 kv heads) * head_dim")
     _check_norm("linear_qkv_rope", h, norm, norm_bias, weight.shape[0])
-    grad = needs_grad(h)
-    if (not (_use_triton(backend, h, weight, cos, sin, *_present(bias), differentiable=grad and _GRAD_GEMMS)
-             and kernel_takes(h, weight, bias)) or needs_grad(weight, cos, sin, bias) or (grad and norm is not None)):
+    if (not (_use_triton(backend, h, weight, cos, sin, *_present(bias)) and kernel_takes(h, weight, bias))
+            or needs_grad(h)):
         if norm is not None:
             return qkv_rope_ref(folded_product_ref(norm, weight, norm_bias, bias), cos, sin, num_heads, num_kv_heads,
                                 head_dim)
         return linear_qkv_rope_ref(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias)
-    if grad:
-        return LinearQkvRopeFn.apply(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias, config, tickets)
     return _qkv_rope_triton(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias, config, norm, norm_bias,
                             tickets)
-
-
-# -- exact RTC guidance: the projections differentiable on the kernels ---------------------------------
-# Exact guidance takes a vector-Jacobian product through every denoise step: for each projection
-# y = h W^T it needs dh = dy W, the same memory-bound small-M product over the same weight bytes, on
-# the transposed weight. The weight is a (K, N) strided view (unit stride along N), which the
-# kernel's (BLOCK_K, BLOCK_N) weight tile reads along its contiguous N axis: no copy, no extra memory.
-_GRAD_GEMMS = False
-
-
-def set_grad_gemms(on: bool) -> bool:
-    """Whether a projection call needing its input's gradient (exact RTC guidance) takes the
-    small-M kernels and their backward (`LinearFn`, `LinearQkvRopeFn`) instead of cuBLAS. Off
-    until a GPU run shows it faster (`benchmarks/engine_ab_gpu.py --rtc guided`, knob
-    `grad-gemms`). Applies to graphs captured from now on; returns the previous setting."""
-    global _GRAD_GEMMS
-    before, _GRAD_GEMMS = _GRAD_GEMMS, bool(on)
-    return before
-
-
-# The input gradients' tilings, keyed as `CONFIGS` by the gradient's own (rows, columns): guesses,
-# not measurements. The transposed weight's tile is contiguous along the output columns, so they are
-# 64 wide (128 bytes a row in bf16) where the forward's narrow tiles are 32; K split so that ~128
-# programs stream the weight at 50 rows.
-GRAD_CONFIGS: dict[str, GemmConfig] = {
-    "linear/m16/narrow": _cfg(16, 64, 64, stages=4, split=4),
-    "linear/m64/narrow": _cfg(64, 64, 64, stages=4, split=4),
-    "linear/m16/wide": _cfg(16, 64, 64, stages=4, split=2),
-    "linear/m64/wide": _cfg(64, 64, 64, stages=4, split=2),
-}
-
-
-def grad_config(rows: int, n: int) -> GemmConfig:
-    """The tiling of an input gradient of `rows` rows and `n` columns (`GRAD_CONFIGS`, else the
-    forward's table)."""
-    key = shape_class("linear", rows, n)
-    return GRAD_CONFIGS.get(key) or CONFIGS[key]
-
-
-def input_grad(dout: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
-    """dh = dout (..., N) @ weight (N, K) -> (..., K) in the weight's dtype: a projection's input
-    gradient on the small-M kernel, the weight read transposed where it lies."""
-    wt = weight.t()
-    rows = dout.numel() // dout.shape[-1]
-    chosen = grad_config(rows, wt.shape[0])
-    return _fitting("small-M GEMM (input gradient)", dout.device, config, chosen,
-                    lambda cfg: _linear_triton(dout.to(weight.dtype), wt, None, cfg))
-
-
-class LinearFn(torch.autograd.Function):
-    """`linear` on the kernel, differentiable in h (the weight and bias are constants)."""
-
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                config: GemmConfig | None) -> torch.Tensor:
-        ctx.save_for_backward(weight)
-        return _linear_triton(h, weight, bias, config)
-
-    @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (weight,) = ctx.saved_tensors
-        return input_grad(dout, weight), None, None, None
-
-
-class LinearQkvRopeFn(torch.autograd.Function):
-    """`linear_qkv_rope` on its fused kernel, differentiable in h: RoPE's transpose
-    (`triton_grad.rope_grad`, the rotation back, packed as the projection's output), then the
-    projection's input gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                num_heads: int, num_kv_heads: int, head_dim: int, bias: torch.Tensor | None,
-                config: GemmConfig | None, tickets: Tickets | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ctx.save_for_backward(weight, cos, sin)
-        return _qkv_rope_triton(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias, config,
-                                tickets=tickets)
-
-    @staticmethod
-    def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        weight, cos, sin = ctx.saved_tensors
-        dqkv = triton_grad.rope_grad(dq, dk, dv, cos, sin, weight.dtype)
-        return (input_grad(dqkv, weight), *([None] * 9))
