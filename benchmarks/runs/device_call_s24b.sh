@@ -1,4 +1,5 @@
 #!/bin/bash
+# Runs at ca030da (the knobs it names were reverted in the next commit).
 # Exact guidance's projections on the small-M kernels (`triton_gemm.set_grad_gemms`): their tests on
 # the GPU, then engines alternated at batch 1 with exact guidance (cuBLAS, the default; the kernels
 # with GRAD_CONFIGS' guesses; the kernels with the forward's tilings). Carry .whl.
