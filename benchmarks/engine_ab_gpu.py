@@ -19,6 +19,9 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
   no-dense                  neither unmasked graph (`dense_prefix=False, dense_expert=False`): a full batch
                             from 8 then runs the masked ones, as a padded batch does
   plain-io                  the action projections as the model runs them (`set_fold_projections(False)`)
+  grad-gemms                exact guidance's QKV + RoPE and gate/up + GeGLU forward on their fused small-M
+                            kernels (`triton_gemm.set_grad_gemms(True)`; the default: cuBLAS and the
+                            elementwise kernels)
   <class>=bm,bn,bk,warps,stages[,split]
                             that `triton_gemm.CONFIGS` entry (e.g. geglu/m64=64,32,128,4,3,2)
   residual=bm,bn,bk,warps,stages[,split]
@@ -73,6 +76,7 @@ class Variant:
     engine: dict[str, Any] = field(default_factory=dict)  # CudaGraphEngine options
     early_max: int | None = None  # cudagraph.EARLY_STEP_MAX_BATCH while the variant runs
     early_guided: bool | None = None  # cudagraph.EARLY_STEP_GUIDED while the variant runs
+    grad_gemms: bool = False  # triton_gemm.set_grad_gemms while the variant runs
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -90,6 +94,7 @@ class Variant:
         fold_before = set_fold_norms(self.fold)
         io_before = set_fold_projections(self.fold_io)
         saved = dict(triton_gemm.CONFIGS)
+        grad_before = triton_gemm.set_grad_gemms(self.grad_gemms)
         residual_before = triton_fold.RESIDUAL_CONFIG
         tilings_before = {key: getattr(triton_attention, name) for key, name in ATTENTION_TILINGS.items()}
         try:
@@ -107,6 +112,7 @@ class Variant:
             set_fold_projections(io_before)
             triton_gemm.CONFIGS.clear()
             triton_gemm.CONFIGS.update(saved)
+            triton_gemm.set_grad_gemms(grad_before)
             triton_fold.RESIDUAL_CONFIG = residual_before
             for key, cfg in tilings_before.items():
                 setattr(triton_attention, ATTENTION_TILINGS[key], cfg)
@@ -125,6 +131,9 @@ def parse_variants(text: str) -> list[Variant]:
                 continue
             if knob == "early-guided":
                 v.early_guided = True
+                continue
+            if knob == "grad-gemms":
+                v.grad_gemms = True
                 continue
             if knob == "no-dense":
                 v.engine.update(dense_prefix=False, dense_expert=False)

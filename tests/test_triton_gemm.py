@@ -26,7 +26,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cudagraph import _inputs, _rel
+from test_cudagraph import _inputs, _rel, _rtc
 from test_triton_ops import _blocks, _float32_truth, _stack_inputs, _stack_reference
 
 from phyai_edge.adapters.base import SolverSpec
@@ -393,7 +393,9 @@ def test_shape_classes_have_configs() -> None:
 @kernels
 @pytest.mark.parametrize("op", ["linear", "geglu", "qkv_rope"])
 def test_grad_inputs_take_the_reference(no_kernels, op) -> None:
-    """Exact RTC guidance differentiates through the step: the kernels have no backward."""
+    """Exact RTC guidance differentiates through the step: by default (`set_grad_gemms` off) such a
+    call takes the reference, and the fused GeGLU GEMM always does (its backward would need the
+    gate/up sums it never writes)."""
     h = _randn(1, 7, 32, seed=18).requires_grad_(True)
     cos, sin = _rope_inputs(1, 7, 16, torch.float32, "shared")
     w = {"linear": _weight(24, 32, torch.float32, 19), "geglu": _weight(48, 32, torch.float32, 19),
@@ -406,6 +408,132 @@ def test_grad_inputs_take_the_reference(no_kernels, op) -> None:
         out = tg.linear_qkv_rope(h, w, cos, sin, 2, 1, 16, "triton")[0]
     out.sum().backward()
     assert h.grad is not None and h.grad.abs().sum() > 0
+
+
+# -- exact guidance's forward on the fused kernels (`set_grad_gemms(True)`) --------------------------------
+@pytest.fixture
+def grad_gemms():
+    before = tg.set_grad_gemms(True)
+    yield
+    tg.set_grad_gemms(before)
+
+
+def _f64_grad(fn, h, cots):
+    """d <fn(h), cots> / dh in float64 (fn on float64 copies of its inputs)."""
+    leaf = h.double().requires_grad_(True)
+    outs = fn(leaf)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return torch.autograd.grad(outs, leaf, [c.double() for c in cots])[0]
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["shared", "per_sample"])
+def test_linear_qkv_rope_grad_on_the_fused_kernel(poisoned, grad_gemms, launches, dtype, layout) -> None:
+    """With the switch on, QKV + RoPE needing h's gradient runs its fused kernel (the same bits as
+    without a gradient); its backward is RoPE's rotation back and one GEMM. Against float64 autograd
+    through the reference."""
+    b, t, k, heads, kv_heads, d = 2, 7, 40, 2, 1, 16
+    h, w = _randn(b, t, k, dtype=dtype, seed=35), _weight((heads + 2 * kv_heads) * d, k, dtype, 36)
+    cos, sin = _rope_inputs(b, t, d, dtype, layout)
+    cots = [_randn(b, hh, t, d, dtype=dtype, seed=37 + i) for i, hh in enumerate((heads, kv_heads, kv_heads))]
+    leaf = h.clone().requires_grad_(True)
+    outs = tg.linear_qkv_rope(leaf, w, cos, sin, heads, kv_heads, d, "triton")
+    assert type(outs[0].grad_fn).__name__ == "LinearQkvRopeFnBackward"
+    for got, plain in zip(outs, tg.linear_qkv_rope(h, w, cos, sin, heads, kv_heads, d, "triton")):
+        assert torch.equal(got.detach(), plain)
+    (dh,) = torch.autograd.grad(outs, leaf, cots)
+    truth = _f64_grad(lambda x: tg.linear_qkv_rope_ref(x, w.double(), cos.double(), sin.double(), heads, kv_heads,
+                                                      d), h, cots)
+    assert dh.dtype == dtype and torch.isfinite(dh).all()
+    assert _rel(dh.double(), truth) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert launches == {"_linear_triton": 0, "_geglu_triton": 0, "_qkv_rope_triton": 2}
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [None, tg.GemmConfig(16, 16, 16, split_k=3)], ids=["default", "split3"])
+def test_linear_geglu_grad_on_the_fused_kernel(poisoned, grad_gemms, launches, dtype, config) -> None:
+    """Gate/up + GeGLU needing h's gradient runs its fused kernel, which also stores the gate/up sums
+    for GeGLU's gradient (split K too: the tile's last split stores them); the output the same bits
+    as without a gradient. Against float64 autograd through the reference."""
+    h, w = _randn(1, 50, 40, dtype=dtype, seed=41), _weight(2 * 24, 40, dtype, 42)
+    cot = _randn(1, 50, 24, dtype=dtype, seed=43)
+    leaf = h.clone().requires_grad_(True)
+    out = tg.linear_geglu(leaf, w, "triton", config=config)
+    assert type(out.grad_fn).__name__ == "LinearGegluFnBackward"
+    assert torch.equal(out.detach(), tg.linear_geglu(h, w, "triton", config=config))
+    (dh,) = torch.autograd.grad(out, leaf, cot)
+    truth = _f64_grad(lambda x: tg.linear_geglu_ref(x, w.double()), h, [cot])
+    assert dh.dtype == dtype and torch.isfinite(dh).all()
+    assert _rel(dh.double(), truth) < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert launches == {"_linear_triton": 0, "_geglu_triton": 2, "_qkv_rope_triton": 0}
+
+
+@kernels
+def test_grad_calls_the_fused_kernels_do_not_take(no_kernels, grad_gemms) -> None:
+    """With the switch on: a plain linear needing a gradient stays on cuBLAS (the kernel would add a
+    reducing kernel where it splits K), and so does a call whose weight needs a gradient."""
+    h = _randn(1, 7, 32, seed=44).requires_grad_(True)
+    assert tg.linear(h, _weight(24, 32, torch.float32, 45), "triton").grad_fn is not None
+    w = _weight(48, 32, torch.float32, 46).requires_grad_(True)
+    assert "LinearGeglu" not in type(tg.linear_geglu(h, w, "triton").grad_fn).__name__
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_stack_vjp_on_the_fused_kernels(poisoned, launches, float32_routed, grad_gemms, dtype) -> None:
+    """The expert stack's input gradient (exact guidance's VJP) with QKV + RoPE and gate/up + GeGLU on
+    their fused kernels, o_proj and down on cuBLAS, against autograd through the reference path."""
+    blocks = _blocks(dtype)
+    for blk in blocks:  # constants, as the engine's (it fuses after freezing; `_blocks` fuses first)
+        blk.self_attn.qkv_proj.requires_grad_(False)
+        blk.mlp.gate_up.requires_grad_(False)
+    x, *rest = _stack_inputs(blocks, dtype)
+    cot = _randn(*x.shape, dtype=dtype, seed=40)
+
+    def grad(backend, gemm, blocks=blocks, x=x, rest=rest):
+        leaf = x.clone().requires_grad_(True)
+        out = fused_stacks.adaptive_block_stack(blocks, leaf, *rest, 1e-6, backend=backend, gemm_backend=gemm)
+        return torch.autograd.grad(out, leaf, cot.to(x.dtype))[0]
+
+    got = grad("triton", "triton")
+    n = len(blocks)
+    assert launches == {"_linear_triton": 0, "_geglu_triton": n, "_qkv_rope_triton": n}
+    assert torch.isfinite(got).all()
+    if dtype == torch.float32:
+        assert _rel(got, grad("reference", None)) < 1e-5
+        return
+    # bf16 through three blocks: against the float32 gradient, with test_triton_grad's stack bound
+    # (on a GPU the bf16 reference path is itself ~1e-1 from it, so not against that)
+    truth = _float32_truth_blocks(blocks)
+    f32 = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in (x, *rest[:5])]
+    assert _rel(got.float(), grad("reference", None, truth, f32[0], [*f32[1:], *rest[5:]])) < 6e-2
+
+
+def _float32_truth_blocks(blocks):
+    out = [copy.deepcopy(b).float() for b in blocks]
+    for b in out:
+        b.self_attn.fuse()
+        b.mlp.fuse()
+    return out
+
+
+@kernels
+def test_engine_exact_guidance_on_the_fused_kernels(tiny, launches, float32_routed, grad_gemms) -> None:
+    """The engine's exact RTC mode with QKV + RoPE and gate/up + GeGLU on their fused kernels gives
+    eager's chunk (fp32)."""
+    from phyai_edge.engines.eager import EagerEngine
+
+    fast = CudaGraphEngine(copy.deepcopy(tiny), device=DEVICE, dtype="float32", triton_ops=True, triton_gemm=True)
+    eager = EagerEngine(copy.deepcopy(tiny), device="cpu", dtype="float32")
+    inputs = _inputs(tiny, 1, 1, [20])
+    noise = torch.randn(1, tiny.chunk_size, tiny.model_action_dim, generator=torch.Generator().manual_seed(9))
+    rtc = _rtc(tiny, 1, "guided")
+    out = fast.run(inputs, noise=noise, rtc=rtc)
+    calls = tiny.cfg.expert.depth * tiny.solver.num_steps
+    assert launches["_qkv_rope_triton"] >= calls and launches["_geglu_triton"] >= calls
+    assert _rel(out.cpu(), eager.run(inputs, noise=noise, rtc=rtc).cpu()) < 1e-5
 
 
 @kernels

@@ -60,12 +60,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phyai_edge.layers import triton_grad
 from phyai_edge.layers.triton_dispatch import (
     Tickets,
     _per_batch,
@@ -195,10 +196,13 @@ def takes(rows: int, weight: torch.Tensor) -> bool:
 
 def module_takes(module: nn.Module | None, h: torch.Tensor) -> bool:
     """`module` is a plain `nn.Linear` (exactly: `layers.fp8.Fp8Linear` subclasses it and must keep
-    its own forward) whose weight `takes` h's rows, in h's dtype, for a call needing no gradient
-    (these GEMMs have no backward: exact RTC guidance takes the module, cuBLAS, whose input
-    gradient is one GEMM, and the elementwise ops' own differentiable kernels)."""
-    if type(module) is not nn.Linear or h.dim() == 0 or h.shape[-1] == 0 or needs_grad(h):
+    its own forward) with a constant weight that `takes` h's rows, in h's dtype. A call needing h's
+    gradient (exact RTC guidance's VJP) only with `set_grad_gemms(True)`, where QKV + RoPE and gate/up
+    + GeGLU run forward on their fused kernels (`LinearQkvRopeFn`, `LinearGegluFn`) and o_proj and
+    down on cuBLAS (`linear` takes the reference under a gradient)."""
+    if type(module) is not nn.Linear or h.dim() == 0 or h.shape[-1] == 0 or module.weight.requires_grad:
+        return False
+    if needs_grad(h) and not _GRAD_GEMMS:
         return False
     rows = h.numel() // h.shape[-1]
     return takes(rows, module.weight) and module.weight.dtype == h.dtype and h.shape[-1] == module.in_features
@@ -424,27 +428,34 @@ if triton is not None:
         return acc1, acc2
 
     @triton.jit
-    def _geglu_epilogue(acc_g, acc_u, rstd, nb_g, nb_u, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, H, s_om,
-                        HAS_BIAS: tl.constexpr, FOLD: tl.constexpr):
-        """A gate/up tile's whole float32 sums finished: the folded norm, the bias, gelu(gate) * up."""
+    def _geglu_epilogue(acc_g, acc_u, rstd, nb_g, nb_u, bias_ptr, out_ptr, pre_ptr, rm, rn, m_ok, n_ok, H, s_om,
+                        s_pre, HAS_BIAS: tl.constexpr, FOLD: tl.constexpr, SAVE_PRE: tl.constexpr):
+        """A gate/up tile's whole float32 sums finished: the folded norm, the bias, gelu(gate) * up.
+        SAVE_PRE: the sums themselves also stored, rounded, as the packed (M, 2 H) gate/up output
+        (what GeGLU's gradient reads)."""
         if FOLD:
             acc_g = acc_g * rstd[:, None] + nb_g
             acc_u = acc_u * rstd[:, None] + nb_u
         if HAS_BIAS:
             acc_g += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(bias_ptr + H + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SAVE_PRE:
+            pre = pre_ptr + rm[:, None] * s_pre + rn[None, :]
+            ok = m_ok[:, None] & n_ok[None, :]
+            tl.store(pre, acc_g.to(pre_ptr.dtype.element_ty), mask=ok)
+            tl.store(pre + H, acc_u.to(pre_ptr.dtype.element_ty), mask=ok)
         out = _gelu_tanh(acc_g) * acc_u
         tl.store(out_ptr + rm[:, None] * s_om + rn[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _linear_geglu_kernel(
-        a_ptr, w_ptr, bias_ptr, out_ptr, stats_ptr, nbias_ptr, part_ptr, ticket_ptr,
+        a_ptr, w_ptr, bias_ptr, out_ptr, pre_ptr, stats_ptr, nbias_ptr, part_ptr, ticket_ptr,
         M, H, K, k_per_split, rows_per_batch, stats_tiles, width, norm_eps,
-        s_am, s_ak, s_wn, s_wk, s_om, s_stm, s_nbb, s_ps, s_pm,
+        s_am, s_ak, s_wn, s_wk, s_om, s_pre, s_stm, s_nbb, s_ps, s_pm,
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-        FOLD: tl.constexpr, STATS_BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+        FOLD: tl.constexpr, STATS_BLOCK: tl.constexpr, SPLITS: tl.constexpr, SAVE_PRE: tl.constexpr,
     ):
         """Gate/up with GeGLU in the epilogue. Split K (SPLITS > 1): each split stores its two float32
         partials and the tile's last split to finish (a ticket per tile) adds them and runs the
@@ -461,14 +472,14 @@ if triton is not None:
         # Both branches written out (not an early return): Triton 3.6 compiles the code after a
         # constexpr-guarded return too, and without a split the ticket is not an int32 buffer.
         if SPLITS == 1:
-            _geglu_epilogue(acc_g, acc_u, rstd, nb_g, nb_u, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, H, s_om, HAS_BIAS,
-                            FOLD)
+            _geglu_epilogue(acc_g, acc_u, rstd, nb_g, nb_u, bias_ptr, out_ptr, pre_ptr, rm, rn, m_ok, n_ok, H, s_om,
+                            s_pre, HAS_BIAS, FOLD, SAVE_PRE)
         else:
             _pair_partials(acc_g, acc_u, part_ptr, rm, rn, H, m_ok, n_ok, split, s_ps, s_pm)
             if _last_of(ticket_ptr + tl.program_id(0), SPLITS):
                 acc_g, acc_u = _pair_sums(part_ptr, rm, rn, H, m_ok, n_ok, s_ps, s_pm, SPLITS, BLOCK_M, BLOCK_N)
-                _geglu_epilogue(acc_g, acc_u, rstd, nb_g, nb_u, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, H, s_om,
-                                HAS_BIAS, FOLD)
+                _geglu_epilogue(acc_g, acc_u, rstd, nb_g, nb_u, bias_ptr, out_ptr, pre_ptr, rm, rn, m_ok, n_ok, H,
+                                s_om, s_pre, HAS_BIAS, FOLD, SAVE_PRE)
 
     @triton.jit
     def _linear_qkv_rope_kernel(
@@ -675,13 +686,16 @@ def _split_buffers(k: int, m: int, width: int, tiles: int, cfg: GemmConfig, tick
 
 def _geglu_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   cfg: GemmConfig | None, norm: FoldedNorm | None = None,
-                  norm_bias: torch.Tensor | None = None, tickets: Tickets | None = None) -> torch.Tensor:
+                  norm_bias: torch.Tensor | None = None, tickets: Tickets | None = None,
+                  pre: torch.Tensor | None = None) -> torch.Tensor:
+    """`pre`: a (..., 2 H) buffer of h's dtype that also receives the gate/up sums (`LinearGegluFn`)."""
     two_h, k = weight.shape
     hidden = two_h // 2
     a = _rows(h, k)
     m = a.shape[0]
     per_batch = h[0].numel() // k if h.dim() > 1 else m
     (stats, nb, tiles, width, eps, s_stm, s_nbb), fold = _fold_args(norm, norm_bias, a, per_batch)
+    pre2 = pre.view(m, two_h) if pre is not None else None
 
     def launch(cfg: GemmConfig) -> torch.Tensor:
         out = _empty((*h.shape[:-1], hidden), h.dtype, h.device)
@@ -689,10 +703,11 @@ def _geglu_triton(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         n_tiles = triton.cdiv(hidden, cfg.block_n) * triton.cdiv(m, cfg.block_m)
         splits, per, (part, ticket, s_ps, s_pm) = _split_buffers(k, m, two_h, n_tiles, cfg, tickets, h.device, out2)
         _linear_geglu_kernel[(n_tiles, splits)](
-            a, weight, bias if bias is not None else a, out2, stats, nb, part, ticket,
-            m, hidden, k, per, per_batch, tiles, width, eps,
-            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out2.stride(0), s_stm, s_nbb, s_ps, s_pm,
-            HAS_BIAS=bias is not None, SPLITS=splits, **fold, **_flags(a, k, cfg),
+            a, weight, bias if bias is not None else a, out2, pre2 if pre2 is not None else out2, stats, nb, part,
+            ticket, m, hidden, k, per, per_batch, tiles, width, eps,
+            a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out2.stride(0),
+            pre2.stride(0) if pre2 is not None else 0, s_stm, s_nbb, s_ps, s_pm,
+            HAS_BIAS=bias is not None, SPLITS=splits, SAVE_PRE=pre2 is not None, **fold, **_flags(a, k, cfg),
         )
         return out
 
@@ -754,7 +769,8 @@ def linear(h: torch.Tensor, weight: torch.Tensor, backend: str = "reference", *,
     tiling (None: `CONFIGS` by shape class); its `split_k` > 1 adds a second, reducing kernel.
     `defer_sum`: where the kernels split K (and there is no bias), return the unreduced
     `triton_ops.SplitSums` instead, for a consumer that adds them itself
-    (`triton_ops.residual_ada_rms_norm`); elsewhere the tensor as usual."""
+    (`triton_ops.residual_ada_rms_norm`); elsewhere the tensor as usual. A call needing a
+    gradient takes the reference (cuBLAS: the kernel would add a reducing kernel where it splits K)."""
     if not (_use_triton(backend, h, weight, *_present(bias)) and kernel_takes(h, weight, bias)):
         return linear_ref(h, weight, bias)
     return _linear_triton(h, weight, bias, config, defer_sum)
@@ -808,14 +824,19 @@ def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "referenc
     activation applied to the float32 sums. `norm` (h being its u) with `norm_bias` (B or 1, 2 H)
     = shift W^T: the input's adaptive norm finished on the sums (`triton_ops.FoldedNorm`). A tiling
     with `split_k` > 1 splits K: the last split of each tile adds the float32 partials in split order
-    and runs the epilogue (`tickets`: as `triton_fold.linear_residual_fold`'s)."""
+    and runs the epilogue (`tickets`: as `triton_fold.linear_residual_fold`'s). A call needing h's
+    gradient: as `linear_qkv_rope`'s (`LinearGegluFn`, no norm)."""
     if weight.dim() == 2 and weight.shape[0] % 2:
         raise ValueError(f"linear_geglu: the fused gate/up weight has an odd row count {weight.shape[0]}")
     _check_norm("linear_geglu", h, norm, norm_bias, weight.shape[0])
-    if not (_use_triton(backend, h, weight, *_present(bias)) and kernel_takes(h, weight, bias)) or needs_grad(h):
+    grad = needs_grad(h)
+    if (not (_use_triton(backend, h, weight, *_present(bias), differentiable=grad and _GRAD_GEMMS)
+             and kernel_takes(h, weight, bias)) or needs_grad(weight, bias) or (grad and norm is not None)):
         if norm is not None:
             return geglu_ref(folded_product_ref(norm, weight, norm_bias, bias))
         return linear_geglu_ref(h, weight, bias)
+    if grad:
+        return LinearGegluFn.apply(h, weight, bias, config, tickets)
     return _geglu_triton(h, weight, bias, config, norm, norm_bias, tickets)
 
 
@@ -829,7 +850,7 @@ def linear_qkv_rope(
     the contract of `qkv_rope_ref(F.linear(h, weight), cos, sin, H, Hkv, D)` (q (B, H, T, D); k, v
     (B, Hkv, T, D)); cos, sin (B or 1, 1, T, D) as `rope_cos_sin` makes them. The kernel's q, k
     and v are contiguous (the reference's v is a view). `norm` / `norm_bias`, split K and `tickets`:
-    as `linear_geglu`'s."""
+    as `linear_geglu`'s. A call needing h's gradient: as `linear`'s (`LinearQkvRopeFn`, no norm)."""
     if head_dim % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
     if h.dim() != 3:
@@ -837,11 +858,77 @@ def linear_qkv_rope(
     if weight.dim() == 2 and weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"qkv weight rows {weight.shape[0]} != (heads + 2 kv heads) * head_dim")
     _check_norm("linear_qkv_rope", h, norm, norm_bias, weight.shape[0])
-    if (not (_use_triton(backend, h, weight, cos, sin, *_present(bias)) and kernel_takes(h, weight, bias))
-            or needs_grad(h)):
+    grad = needs_grad(h)
+    if (not (_use_triton(backend, h, weight, cos, sin, *_present(bias), differentiable=grad and _GRAD_GEMMS)
+             and kernel_takes(h, weight, bias)) or needs_grad(weight, cos, sin, bias) or (grad and norm is not None)):
         if norm is not None:
             return qkv_rope_ref(folded_product_ref(norm, weight, norm_bias, bias), cos, sin, num_heads, num_kv_heads,
                                 head_dim)
         return linear_qkv_rope_ref(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias)
+    if grad:
+        return LinearQkvRopeFn.apply(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias, config, tickets)
     return _qkv_rope_triton(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias, config, norm, norm_bias,
                             tickets)
+
+
+# -- exact RTC guidance: the forward's fused projections, differentiable ------------------------------
+# Exact guidance takes a vector-Jacobian product through every denoise step. At batch 1 that step is
+# ~400 kernels of a few microseconds each, so what costs is their number: QKV + RoPE and gate/up +
+# GeGLU on their fused kernels are two kernels a block fewer than the GEMM and the elementwise kernel
+# apart. Their backward: the elementwise gradient kernel, then the input gradient as one cuBLAS GEMM
+# (dh = dy W; the small-M kernel on the transposed weight was no faster, RESULTS.md).
+_GRAD_GEMMS = False
+
+
+def set_grad_gemms(on: bool) -> bool:
+    """Whether a call needing its input's gradient (exact RTC guidance) runs QKV + RoPE and gate/up +
+    GeGLU forward on their fused small-M kernels (`LinearQkvRopeFn`, `LinearGegluFn`) instead of
+    cuBLAS and the elementwise kernel. Applies to graphs captured from now on; returns the previous
+    setting."""
+    global _GRAD_GEMMS
+    before, _GRAD_GEMMS = _GRAD_GEMMS, bool(on)
+    return before
+
+
+def _input_grad(dout: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dh = dout (..., N) @ weight (N, K): a projection's input gradient."""
+    return torch.matmul(dout.to(weight.dtype), weight)
+
+
+class LinearQkvRopeFn(torch.autograd.Function):
+    """`linear_qkv_rope` on its fused kernel, differentiable in h: RoPE's transpose
+    (`triton_grad.rope_grad`, the rotation back, packed as the projection's output), then the
+    projection's input gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                num_heads: int, num_kv_heads: int, head_dim: int, bias: torch.Tensor | None,
+                config: GemmConfig | None, tickets: Tickets | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(weight, cos, sin)
+        return _qkv_rope_triton(h, weight, cos, sin, num_heads, num_kv_heads, head_dim, bias, config,
+                                tickets=tickets)
+
+    @staticmethod
+    def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        weight, cos, sin = ctx.saved_tensors
+        dqkv = triton_grad.rope_grad(dq, dk, dv, cos, sin, weight.dtype)
+        return (_input_grad(dqkv, weight), *([None] * 9))
+
+
+class LinearGegluFn(torch.autograd.Function):
+    """`linear_geglu` on its fused kernel, differentiable in h: the kernel also stores the gate/up
+    sums (rounded to h's dtype) that GeGLU's gradient reads (`triton_grad.geglu_grad`), then the
+    projection's input gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                config: GemmConfig | None, tickets: Tickets | None) -> torch.Tensor:
+        pre = _empty((*h.shape[:-1], weight.shape[0]), h.dtype, h.device)
+        out = _geglu_triton(h, weight, bias, config, tickets=tickets, pre=pre)
+        ctx.save_for_backward(weight, pre)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        weight, pre = ctx.saved_tensors
+        return _input_grad(triton_grad.geglu_grad(pre, dout), weight), None, None, None, None
