@@ -19,9 +19,9 @@ A variant is `name` or `name:knob+knob+...`, variants separated by ';'. Knobs:
   no-dense                  neither unmasked graph (`dense_prefix=False, dense_expert=False`): a full batch
                             from 8 then runs the masked ones, as a padded batch does
   plain-io                  the action projections as the model runs them (`set_fold_projections(False)`)
-  grad-gemms                exact guidance's QKV + RoPE and gate/up + GeGLU forward on their fused small-M
-                            kernels (`triton_gemm.set_grad_gemms(True)`; the default: cuBLAS and the
-                            elementwise kernels)
+  unfused-vjp               exact guidance's QKV + RoPE and gate/up + GeGLU forward on cuBLAS and the
+                            elementwise kernels (`triton_gemm.set_fused_vjp_forward(False)`; the default:
+                            their fused small-M kernels)
   <class>=bm,bn,bk,warps,stages[,split]
                             that `triton_gemm.CONFIGS` entry (e.g. geglu/m64=64,32,128,4,3,2)
   residual=bm,bn,bk,warps,stages[,split]
@@ -76,7 +76,7 @@ class Variant:
     engine: dict[str, Any] = field(default_factory=dict)  # CudaGraphEngine options
     early_max: int | None = None  # cudagraph.EARLY_STEP_MAX_BATCH while the variant runs
     early_guided: bool | None = None  # cudagraph.EARLY_STEP_GUIDED while the variant runs
-    grad_gemms: bool = False  # triton_gemm.set_grad_gemms while the variant runs
+    fused_vjp: bool = True  # triton_gemm.set_fused_vjp_forward while the variant runs
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -94,7 +94,7 @@ class Variant:
         fold_before = set_fold_norms(self.fold)
         io_before = set_fold_projections(self.fold_io)
         saved = dict(triton_gemm.CONFIGS)
-        grad_before = triton_gemm.set_grad_gemms(self.grad_gemms)
+        vjp_before = triton_gemm.set_fused_vjp_forward(self.fused_vjp)
         residual_before = triton_fold.RESIDUAL_CONFIG
         tilings_before = {key: getattr(triton_attention, name) for key, name in ATTENTION_TILINGS.items()}
         try:
@@ -112,7 +112,7 @@ class Variant:
             set_fold_projections(io_before)
             triton_gemm.CONFIGS.clear()
             triton_gemm.CONFIGS.update(saved)
-            triton_gemm.set_grad_gemms(grad_before)
+            triton_gemm.set_fused_vjp_forward(vjp_before)
             triton_fold.RESIDUAL_CONFIG = residual_before
             for key, cfg in tilings_before.items():
                 setattr(triton_attention, ATTENTION_TILINGS[key], cfg)
@@ -132,8 +132,8 @@ def parse_variants(text: str) -> list[Variant]:
             if knob == "early-guided":
                 v.early_guided = True
                 continue
-            if knob == "grad-gemms":
-                v.grad_gemms = True
+            if knob == "unfused-vjp":
+                v.fused_vjp = False
                 continue
             if knob == "no-dense":
                 v.engine.update(dense_prefix=False, dense_expert=False)

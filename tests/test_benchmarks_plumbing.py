@@ -124,10 +124,10 @@ def test_engine_ab_variants_set_their_knobs_and_put_them_back() -> None:
         assert cudagraph.EARLY_STEP_MAX_BATCH == 3 and cudagraph.EARLY_STEP_GUIDED
     assert cudagraph.EARLY_STEP_MAX_BATCH == most != 3
     assert cudagraph.EARLY_STEP_GUIDED is guided
-    (g,) = parse_variants("g:grad-gemms")
+    (g,) = parse_variants("g:unfused-vjp")
     with g.active():
-        assert triton_gemm.set_grad_gemms(True) is True  # the variant had turned it on
-    assert triton_gemm.set_grad_gemms(False) is False
+        assert triton_gemm.set_fused_vjp_forward(False) is False  # the variant had turned it off
+    assert triton_gemm.set_fused_vjp_forward(True) is True
     for bad in ("x:geglu/m65=64,32,128,4,3", "x:geglu/m64=64,32", "x;x", "x:few=16,64", "x:mid=64,64,4,2,2000,0,0,1,1"):
         with pytest.raises(SystemExit):
             parse_variants(bad)

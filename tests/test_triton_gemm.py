@@ -392,10 +392,9 @@ def test_shape_classes_have_configs() -> None:
 
 @kernels
 @pytest.mark.parametrize("op", ["linear", "geglu", "qkv_rope"])
-def test_grad_inputs_take_the_reference(no_kernels, op) -> None:
-    """Exact RTC guidance differentiates through the step: by default (`set_grad_gemms` off) such a
-    call takes the reference, and the fused GeGLU GEMM always does (its backward would need the
-    gate/up sums it never writes)."""
+def test_grad_inputs_take_the_reference(no_kernels, unfused_vjp, op) -> None:
+    """Exact RTC guidance differentiates through the step: with `set_fused_vjp_forward(False)` such a
+    call takes the reference (cuBLAS and the elementwise ops' own kernels)."""
     h = _randn(1, 7, 32, seed=18).requires_grad_(True)
     cos, sin = _rope_inputs(1, 7, 16, torch.float32, "shared")
     w = {"linear": _weight(24, 32, torch.float32, 19), "geglu": _weight(48, 32, torch.float32, 19),
@@ -410,12 +409,20 @@ def test_grad_inputs_take_the_reference(no_kernels, op) -> None:
     assert h.grad is not None and h.grad.abs().sum() > 0
 
 
-# -- exact guidance's forward on the fused kernels (`set_grad_gemms(True)`) --------------------------------
+# -- exact guidance's forward on the fused kernels (`set_fused_vjp_forward`, on by default) -------------
 @pytest.fixture
-def grad_gemms():
-    before = tg.set_grad_gemms(True)
+def unfused_vjp():
+    before = tg.set_fused_vjp_forward(False)
     yield
-    tg.set_grad_gemms(before)
+    tg.set_fused_vjp_forward(before)
+
+
+@pytest.fixture
+def fused_vjp():
+    """On, as by default (pinned: a test elsewhere may not have put a switch back)."""
+    before = tg.set_fused_vjp_forward(True)
+    yield
+    tg.set_fused_vjp_forward(before)
 
 
 def _f64_grad(fn, h, cots):
@@ -429,8 +436,8 @@ def _f64_grad(fn, h, cots):
 @kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["shared", "per_sample"])
-def test_linear_qkv_rope_grad_on_the_fused_kernel(poisoned, grad_gemms, launches, dtype, layout) -> None:
-    """With the switch on, QKV + RoPE needing h's gradient runs its fused kernel (the same bits as
+def test_linear_qkv_rope_grad_on_the_fused_kernel(poisoned, fused_vjp, launches, dtype, layout) -> None:
+    """By default QKV + RoPE needing h's gradient runs its fused kernel (the same bits as
     without a gradient); its backward is RoPE's rotation back and one GEMM. Against float64 autograd
     through the reference."""
     b, t, k, heads, kv_heads, d = 2, 7, 40, 2, 1, 16
@@ -453,7 +460,7 @@ def test_linear_qkv_rope_grad_on_the_fused_kernel(poisoned, grad_gemms, launches
 @kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [None, tg.GemmConfig(16, 16, 16, split_k=3)], ids=["default", "split3"])
-def test_linear_geglu_grad_on_the_fused_kernel(poisoned, grad_gemms, launches, dtype, config) -> None:
+def test_linear_geglu_grad_on_the_fused_kernel(poisoned, fused_vjp, launches, dtype, config) -> None:
     """Gate/up + GeGLU needing h's gradient runs its fused kernel, which also stores the gate/up sums
     for GeGLU's gradient (split K too: the tile's last split stores them); the output the same bits
     as without a gradient. Against float64 autograd through the reference."""
@@ -471,8 +478,8 @@ def test_linear_geglu_grad_on_the_fused_kernel(poisoned, grad_gemms, launches, d
 
 
 @kernels
-def test_grad_calls_the_fused_kernels_do_not_take(no_kernels, grad_gemms) -> None:
-    """With the switch on: a plain linear needing a gradient stays on cuBLAS (the kernel would add a
+def test_grad_calls_the_fused_kernels_do_not_take(no_kernels, fused_vjp) -> None:
+    """A plain linear needing a gradient stays on cuBLAS (the kernel would add a
     reducing kernel where it splits K), and so does a call whose weight needs a gradient."""
     h = _randn(1, 7, 32, seed=44).requires_grad_(True)
     assert tg.linear(h, _weight(24, 32, torch.float32, 45), "triton").grad_fn is not None
@@ -482,7 +489,7 @@ def test_grad_calls_the_fused_kernels_do_not_take(no_kernels, grad_gemms) -> Non
 
 @kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_block_stack_vjp_on_the_fused_kernels(poisoned, launches, float32_routed, grad_gemms, dtype) -> None:
+def test_block_stack_vjp_on_the_fused_kernels(poisoned, launches, float32_routed, fused_vjp, dtype) -> None:
     """The expert stack's input gradient (exact guidance's VJP) with QKV + RoPE and gate/up + GeGLU on
     their fused kernels, o_proj and down on cuBLAS, against autograd through the reference path."""
     blocks = _blocks(dtype)
@@ -520,7 +527,7 @@ def _float32_truth_blocks(blocks):
 
 
 @kernels
-def test_engine_exact_guidance_on_the_fused_kernels(tiny, launches, float32_routed, grad_gemms) -> None:
+def test_engine_exact_guidance_on_the_fused_kernels(tiny, launches, float32_routed, fused_vjp) -> None:
     """The engine's exact RTC mode with QKV + RoPE and gate/up + GeGLU on their fused kernels gives
     eager's chunk (fp32)."""
     from phyai_edge.engines.eager import EagerEngine

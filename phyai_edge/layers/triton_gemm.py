@@ -32,9 +32,11 @@ rounds once, in the activation dtype. Tile configs are explicit (`GemmConfig`); 
 small table keyed by shape class (`shape_class`, `CONFIGS`) gives it. Nothing autotunes at run
 time: a robot's start-up time matters, and autotuning inside a CUDA graph's warm-up is fragile.
 
-Dispatch: `backend` as in `layers.triton_ops` ("reference" | "triton" | "auto"); a call whose
-inputs need a gradient (exact RTC guidance takes a vector-Jacobian product) runs the reference,
-as does a dtype or layout the kernels do not take (`kernel_takes`). Where the kernels are worth
+Dispatch: `backend` as in `layers.triton_ops` ("reference" | "triton" | "auto"); a dtype or layout
+the kernels do not take (`kernel_takes`) runs the reference. A call whose input needs a gradient
+(exact RTC guidance takes a vector-Jacobian product): QKV + RoPE and gate/up + GeGLU run their fused
+kernels under autograd functions (`LinearQkvRopeFn`, `LinearGegluFn`, whose input gradient is one
+cuBLAS GEMM; `set_fused_vjp_forward`), the plain linear the reference. Where the kernels are worth
 it is a separate rule for callers, `takes(rows, weight)` / `module_takes(module, h)`: at most
 `MAX_ROWS` rows, a 2-D bf16 / fp16 weight of a plain `nn.Linear` (an fp8 linear from
 `layers.fp8`, or anything else, keeps its own forward). `fused_stacks.adaptive_block_stack(...,
@@ -197,12 +199,12 @@ def takes(rows: int, weight: torch.Tensor) -> bool:
 def module_takes(module: nn.Module | None, h: torch.Tensor) -> bool:
     """`module` is a plain `nn.Linear` (exactly: `layers.fp8.Fp8Linear` subclasses it and must keep
     its own forward) with a constant weight that `takes` h's rows, in h's dtype. A call needing h's
-    gradient (exact RTC guidance's VJP) only with `set_grad_gemms(True)`, where QKV + RoPE and gate/up
-    + GeGLU run forward on their fused kernels (`LinearQkvRopeFn`, `LinearGegluFn`) and o_proj and
-    down on cuBLAS (`linear` takes the reference under a gradient)."""
-    if type(module) is not nn.Linear or h.dim() == 0 or h.shape[-1] == 0 or module.weight.requires_grad:
+    gradient (exact RTC guidance's VJP) unless `set_fused_vjp_forward(False)`: then QKV + RoPE and
+    gate/up + GeGLU run forward on their fused kernels (`LinearQkvRopeFn`, `LinearGegluFn`), and
+    o_proj and down on cuBLAS (`linear` takes the reference under a gradient)."""
+    if type(module) is not nn.Linear or h.dim() == 0 or h.shape[-1] == 0:
         return False
-    if needs_grad(h) and not _GRAD_GEMMS:
+    if needs_grad(h) and (not _FUSED_VJP_FORWARD or module.weight.requires_grad):
         return False
     rows = h.numel() // h.shape[-1]
     return takes(rows, module.weight) and module.weight.dtype == h.dtype and h.shape[-1] == module.in_features
@@ -830,7 +832,7 @@ def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "referenc
         raise ValueError(f"linear_geglu: the fused gate/up weight has an odd row count {weight.shape[0]}")
     _check_norm("linear_geglu", h, norm, norm_bias, weight.shape[0])
     grad = needs_grad(h)
-    if (not (_use_triton(backend, h, weight, *_present(bias), differentiable=grad and _GRAD_GEMMS)
+    if (not (_use_triton(backend, h, weight, *_present(bias), differentiable=grad and _FUSED_VJP_FORWARD)
              and kernel_takes(h, weight, bias)) or needs_grad(weight, bias) or (grad and norm is not None)):
         if norm is not None:
             return geglu_ref(folded_product_ref(norm, weight, norm_bias, bias))
@@ -859,7 +861,7 @@ def linear_qkv_rope(
         raise ValueError(f"qkv weight rows {weight.shape[0]} != (heads + 2 kv heads) * head_dim")
     _check_norm("linear_qkv_rope", h, norm, norm_bias, weight.shape[0])
     grad = needs_grad(h)
-    if (not (_use_triton(backend, h, weight, cos, sin, *_present(bias), differentiable=grad and _GRAD_GEMMS)
+    if (not (_use_triton(backend, h, weight, cos, sin, *_present(bias), differentiable=grad and _FUSED_VJP_FORWARD)
              and kernel_takes(h, weight, bias)) or needs_grad(weight, cos, sin, bias) or (grad and norm is not None)):
         if norm is not None:
             return qkv_rope_ref(folded_product_ref(norm, weight, norm_bias, bias), cos, sin, num_heads, num_kv_heads,
@@ -877,16 +879,18 @@ def linear_qkv_rope(
 # GeGLU on their fused kernels are two kernels a block fewer than the GEMM and the elementwise kernel
 # apart. Their backward: the elementwise gradient kernel, then the input gradient as one cuBLAS GEMM
 # (dh = dy W; the small-M kernel on the transposed weight was no faster, RESULTS.md).
-_GRAD_GEMMS = False
+# On an H100 (2026-12-05, RESULTS.md), batch 1, engines alternated: a guided chunk 28.98 -> 28.54 ms,
+# the loop -2.0%.
+_FUSED_VJP_FORWARD = True
 
 
-def set_grad_gemms(on: bool) -> bool:
+def set_fused_vjp_forward(on: bool) -> bool:
     """Whether a call needing its input's gradient (exact RTC guidance) runs QKV + RoPE and gate/up +
-    GeGLU forward on their fused small-M kernels (`LinearQkvRopeFn`, `LinearGegluFn`) instead of
-    cuBLAS and the elementwise kernel. Applies to graphs captured from now on; returns the previous
-    setting."""
-    global _GRAD_GEMMS
-    before, _GRAD_GEMMS = _GRAD_GEMMS, bool(on)
+    GeGLU forward on their fused small-M kernels (`LinearQkvRopeFn`, `LinearGegluFn`; the default)
+    instead of cuBLAS and the elementwise kernel. Applies to graphs captured from now on; returns the
+    previous setting."""
+    global _FUSED_VJP_FORWARD
+    before, _FUSED_VJP_FORWARD = _FUSED_VJP_FORWARD, bool(on)
     return before
 
 

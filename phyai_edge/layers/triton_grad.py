@@ -31,8 +31,10 @@ needed (each function lives beside its forward op and kernel; this module needs 
   Chosen by shape (`triton_attention.GRAD_ON_KERNEL`); on the H200 it beat SDPA over the joined
   keys (cuDNN's fused forward and backward) at batches 1-16 of PI0.5's expert: benchmarks/RESULTS.md.
 
-The projections need nothing here: a call needing a gradient takes `F.linear` (cuBLAS), whose
-backward for the input alone is one GEMM.
+The projections' input gradients are one cuBLAS GEMM each: QKV + RoPE and gate/up + GeGLU run forward
+on their fused small-M kernels (`triton_gemm.LinearQkvRopeFn`, `LinearGegluFn`: RoPE's and GeGLU's
+gradients from here, then the GEMM), o_proj and down on `F.linear`. The small-M kernel on the
+transposed weight was no faster than cuBLAS for those GEMMs (RESULTS.md, 2026-12-05).
 
 The ops in `layers.triton_ops` and `triton_attention.attention_split` choose those functions when
 their inputs need a gradient (`triton_dispatch.needs_grad`); the references stay what autograd
