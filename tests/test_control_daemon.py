@@ -277,6 +277,115 @@ def test_a_chunk_of_the_wrong_width_is_rejected_like_a_failed_inference():
     assert run.listener.stats.gaps == 0 and run.listener.stats.repeats == 0
 
 
+class ShortChunks(FakePolicy):
+    """From its third call, chunks of `rows` rows (a remote server restarted with a shorter H)."""
+
+    def __init__(self, rows: int, **kw) -> None:
+        super().__init__(**kw)
+        self.rows = rows
+
+    def infer(self, observations, rtc=None, noise=None):
+        out = super().infer(observations, rtc, noise)
+        if self.calls > 2:
+            out.actions = out.actions[:, : self.rows]
+        return out
+
+
+def test_a_chunk_shorter_than_the_horizon_is_rejected_like_a_failed_inference():
+    """Fewer rows than H (here 8, below s = 10): adopted, such a chunk would run out before the next
+    inference is asked for, and the daemon would hold STARVED for good with no error. Refused at
+    collection instead, naming the rows, and the daemon keeps asking."""
+    cfg = test_config(chunking={"mode": "none", "execution_horizon": 10})
+    pol = ShortChunks(8, action_dim=6, state_dim=6, latency_s=0.01)
+    run = Running(Daemon(cfg, policy=pol, realtime=False))
+    run.wait_for(lambda: pol.calls >= 8, what="the policy asked again after short chunks")
+    run.stop()
+    st = run.daemon.stats
+    assert st.failures >= 5 and st.adopted <= 2
+    assert count(run, lambda h, v: h.flags & Flag.INFER_FAIL) >= 1
+    assert len({h.chunk_id for h, _ in run.actions() if not h.flags & Flag.HOLD}) <= 2, "a short chunk was adopted"
+    assert run.listener.stats.gaps == 0 and run.listener.stats.repeats == 0
+
+
+def test_a_state_hold_never_holds_at_a_stale_state():
+    """`safety.hold = "state"` holds at the measured state, but not at one too old to trust: when the
+    state itself is what went stale, the hold repeats the last published action."""
+    cfg = test_config(safety={"hold": "state", "state_max_age_ms": 60.0})
+    state = SyntheticState(6)
+    run = Running(Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), state=state,
+                         realtime=False))
+    run.wait_for(lambda: count(run, lambda h, v: not h.flags & Flag.HOLD) >= 10, what="policy actions")
+    state.alive = False
+    frozen = state.latest().values.copy()
+    run.wait_for(lambda: count(run, lambda h, v: h.flags & Flag.STALE) >= 5, what="STALE holds")
+    run.stop()
+    acts = run.actions()
+    first = next(i for i, (h, _) in enumerate(acts) if h.flags & Flag.STALE)
+    assert not np.allclose(acts[first - 1][1], frozen), "the test needs the last action and the state to differ"
+    for _, v in acts[first:first + 5]:
+        np.testing.assert_array_equal(v, acts[first - 1][1])
+
+
+def test_every_camera_optional_and_silent_holds_stale_rather_than_running_blind():
+    """No camera is required, and the only one stops: the policy would run on no image at all.
+    HOLD | STALE instead, and no inference starts."""
+    cfg = test_config(cameras={"top": {"source": "synthetic", "width": 32, "height": 32, "required": False}})
+    pol = FakePolicy(action_dim=6, state_dim=6, latency_s=0.01)
+    run = Running(Daemon(cfg, policy=pol, realtime=False))
+    run.wait_for(lambda: run.daemon.stats.adopted >= 2, what="two chunks")
+    run.daemon.cameras["top"].alive = False
+    run.wait_for(lambda: count(run, lambda h, v: h.flags & Flag.STALE) >= 5, what="STALE holds")
+    calls = pol.calls
+    n = len(run.actions())
+    run.wait_for(lambda: len(run.actions()) >= n + 20, what="20 more ticks")
+    run.stop()
+    assert pol.calls == calls, "an inference ran with no camera"
+    assert all(h.flags & Flag.HOLD and h.flags & Flag.STALE for h, _ in run.actions()[n:-1])
+
+
+def test_a_bad_state_message_is_refused_but_its_estop_bit_is_not():
+    """A state message with NaN values is refused like one of the wrong width (the last good sample
+    stays), and either kind carrying the e-stop bit e-stops at once."""
+    from phyai_edge.control.config import StateConfig
+    from phyai_edge.control.protocol import STATE_FLAG_ESTOP, StateMessage
+    from phyai_edge.control.state import ZmqState
+
+    ep = free_tcp_endpoint()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(ep)
+    src = ZmqState(StateConfig(source="zmq", endpoint=ep), 3)
+    src.start()
+    try:
+        def send(values, flags=0, seq=[0]):  # noqa: B006  (a counter across calls)
+            seq[0] += 1
+            pub.send(StateMessage(np.asarray(values, np.float32), seq[0], time.monotonic_ns(), time.time_ns(),
+                                  flags).encode())
+
+        def settle(pred):
+            end = time.monotonic() + 5
+            while time.monotonic() < end:
+                send([0.1, 0.2, 0.3]) if src.latest() is None else None
+                if pred(src.latest()):
+                    return src.latest()
+                time.sleep(0.01)
+            raise AssertionError("state source never settled")
+
+        good = settle(lambda s: s is not None)
+        send([0.4, np.nan, 0.6])
+        time.sleep(0.1)
+        kept = src.latest()
+        assert kept.seq == good.seq and np.isfinite(kept.values).all() and not kept.estop
+        assert src.bad_messages == 1
+        send([0.4, 0.5], flags=STATE_FLAG_ESTOP)  # the wrong width, with the e-stop bit
+        stopped = settle(lambda s: s.estop)
+        np.testing.assert_array_equal(stopped.values, good.values)
+        send([0.7, 0.8, 0.9])
+        assert settle(lambda s: not s.estop).values[0] == np.float32(0.7)
+    finally:
+        src.stop()
+        pub.close(0)
+
+
 def test_record_writes_observations_and_chunks(tmp_path):
     cfg = test_config()
     d = Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), record_dir=str(tmp_path), realtime=False)

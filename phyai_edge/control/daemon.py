@@ -276,6 +276,7 @@ class Daemon:
         # Policy camera -> its crop / rotation / mirror (applied in the worker), for the cameras that have one.
         self.geometry = {c.view_name: c.geometry for c in cfg.cameras.values() if c.geometry is not None}
         self._job_changes = 0  # the instruction count (`TaskChannel.changes`) of the last job started
+        self._holds_seen = 0  # the operator holds (`TaskChannel.holds`) the clock has acted on
         self._status: Any = None
         self.late_ticks = LateTicks(round(cfg.clock.late_limit_s(cfg.robot.period_s) * 1e9))
 
@@ -538,10 +539,18 @@ class Daemon:
                         stale.append(f"camera {name}")
                     fr = None
                 frames[views[name]] = fr
+            if self.cameras and not stale and all(fr is None for fr in frames.values()):
+                stale.append("every camera")  # all optional, all silent: the policy would run blind
             if sample is None or now_s - sample.time_s > state_age:
                 stale.append("state")
             estop = sample is not None and sample.estop
-            paused = self.task is not None and self.task.holding  # an operator's hold (task.py)
+            # An operator's hold (task.py), also one released before this tick read it: each hold
+            # taken holds at least one tick, dropping the executing chunk, as the operator was told.
+            paused = False
+            if self.task is not None:
+                holds = self.task.holds
+                paused = self.task.holding or holds != self._holds_seen
+                self._holds_seen = holds
 
             # -- the worker's health (a dead worker process is restarted by its client thread)
             worker_up = worker.up
@@ -576,7 +585,8 @@ class Daemon:
                 q.reset()
                 if inflight is not None:
                     inflight.valid = False
-                payload = guard.hold_target(state_values)
+                # A stale state is not where the robot is now: hold at the last action instead.
+                payload = guard.hold_target(None if "state" in stale else state_values)
                 obs_t, chunk_id, index = 0.0, 0, 0
                 self._count_hold(reason)
             else:
@@ -768,6 +778,11 @@ class Daemon:
         if actions is None or actions.ndim != 2 or actions.shape[0] == 0 or actions.shape[1] != width:
             shape = None if actions is None else actions.shape
             return f"the policy returned a chunk of shape {shape}, expected (rows, {width})"
+        # Fewer rows than H: the chunk could run out before the next inference is asked for (at s),
+        # and RTC's prefix and delay assume H rows.
+        if actions.shape[0] < self.queue.horizon:
+            return (f"the policy returned a chunk of {actions.shape[0]} rows, fewer than chunking.horizon "
+                    f"({self.queue.horizon})")
         return None
 
     def render_status(self) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -100,14 +100,21 @@ class ZmqState:
             except zmq.Again:
                 break
             recv_s = time.monotonic()
+            msg = None
             try:
                 msg = StateMessage.decode(raw.buffer)
                 if self.dim and msg.values.size != self.dim:  # 0: any width (`--preflight` before the policy says)
                     raise ValueError(f"{msg.values.size} values, the policy expects {self.dim}")
+                if not np.isfinite(msg.values).all():
+                    raise ValueError("non-finite values (NaN or Inf)")
             except ValueError as exc:
                 self.bad_messages += 1
                 if self.bad_messages in (1, 10, 100) or self.bad_messages % 1000 == 0:
                     log.warning("state: bad message (%s); %d so far", exc, self.bad_messages)
+                if msg is not None and msg.flags & STATE_FLAG_ESTOP and self._last is not None:
+                    # The values are unusable, the e-stop is not: hold now, not when the last good
+                    # sample ages out (and as an e-stop, not as stale state).
+                    self._last = replace(self._last, estop=True)
                 continue
             if self.cfg.clock == "monotonic":
                 t = msg.mono_ns / 1e9

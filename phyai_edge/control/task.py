@@ -36,7 +36,8 @@ POLL_MS = 100  # how often the thread looks at `close` while no request comes
 class TaskChannel:
     """`current`: (changes so far, the instruction), replaced whole by this thread and read by
     the clock thread without a lock (one attribute: each read sees one whole pair); `holding`
-    likewise."""
+    likewise, and `holds`, the holds taken so far: a hold released within one control period is
+    gone from `holding` before the clock reads it, and the count still shows it."""
 
     def __init__(self, cfg: TaskConfig, initial: str, check: Callable[[str], PromptFit], context: Any = None,
                  metrics: Metrics | None = None) -> None:
@@ -45,6 +46,7 @@ class TaskChannel:
         self.metrics = metrics or Metrics()
         self.current: tuple[int, str] = (0, initial)
         self.holding = cfg.start_held
+        self.holds = int(cfg.start_held)
         self.metrics.task_holding.set(int(self.holding))
         # Declared instructions: the only ones taken with any_prompt = false.
         self.declared = frozenset((initial, *cfg.prompts))
@@ -151,6 +153,8 @@ class TaskChannel:
         elif req.prompt is not None:
             self.metrics.task_requests.labels("unchanged").inc()
         if req.hold is not None and req.hold != self.holding:
+            if req.hold:
+                self.holds += 1  # before `holding`: the clock never sees the hold without its count
             self.holding = req.hold
             self.metrics.task_requests.labels("hold" if req.hold else "release").inc()
             self.metrics.task_holding.set(int(req.hold))
