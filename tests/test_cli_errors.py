@@ -48,6 +48,9 @@ def cpu_only_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--adapter", "pi99"], "unknown adapter 'pi99'"),
         (["--engine", "{tmp}"], "has no manifest.json: not an engine bundle"),
         (["--device", "gpu"], "--device gpu: not a device; expected cpu, cuda, cuda:N or meta"),
+        (["--batch", "0"], "--batch 0: expected an integer >= 1"),
+        (["--floor-device", "foo"], "--floor-device: unknown device 'foo'"),
+        (["--views", "9"], "--views 9: expected 1 to 3 for this model"),
     ],
 )
 def test_bench_names_the_mistake(args: list[str], expected: str, tmp_path: Path,
@@ -113,3 +116,40 @@ def test_a_bundle_from_another_checkpoint_is_refused(tmp_path: Path, capsys: pyt
     assert rc == 2 and "checkpoint hash differs" in one_line(err, "eval")
     # Its own checkpoint is accepted.
     assert cli(["bench", "--engine", str(bundle), "--checkpoint", str(mine), "--iters", "1", "--warmup", "0"]) == 0
+
+
+def test_output_paths_are_checked_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A summary or recording that cannot be written is refused at once: after a run it would be
+    the run's record lost (and for `run`, after the model's load and warm-up)."""
+    missing = tmp_path / "no" / "such" / "s.json"
+    rc, err = run(["run", "--duration", "1", "--summary", str(missing)], capsys)
+    assert rc == 2 and f"--summary {missing}: the folder {missing.parent} does not exist" in one_line(err, "run")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc, err = run(["run", "--duration", "1", "--record", str(blocker / "rec")], capsys)
+    assert rc == 2 and f"--record {blocker / 'rec'}: cannot make this folder" in one_line(err, "run")
+    rc, err = run(["listen", "--json", str(missing)], capsys)
+    assert rc == 2 and "--json" in one_line(err, "listen")
+    rc, err = run(["sim", "--report", str(tmp_path / "none.npz")], capsys)
+    assert rc == 2 and "--report" in one_line(err, "sim")
+
+
+def test_bench_refuses_no_timed_calls(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = run(["bench", "--iters", "0"], capsys)
+    assert rc == 2 and "--iters 0: expected an integer >= 1" in one_line(err, "bench")
+
+
+def test_listen_names_an_endpoint_zeromq_cannot_parse(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = run(["listen", "--endpoint", "localhost:5555", "--duration", "1"], capsys)
+    assert rc == 2 and "--endpoint 'localhost:5555'" in one_line(err, "listen")
+
+
+def test_json_output_has_no_nan() -> None:
+    """JSON has no NaN: an empty run's percentiles are null, which every parser reads."""
+    import json
+
+    from phyai_edge.commands.common import json_text
+
+    text = json_text({"p50": float("nan"), "rows": [1.0, float("inf")], "n": 3})
+    assert json.loads(text) == {"p50": None, "rows": [1.0, None], "n": 3}
+    assert "NaN" not in text and "Infinity" not in text

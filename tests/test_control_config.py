@@ -25,6 +25,17 @@ def test_embedded_default_is_valid_and_self_describing():
     assert parse_config(tomllib.loads(DEFAULT_CONFIG_TOML)) == cfg.__class__(**{**cfg.__dict__, "source": "<dict>"})
 
 
+def test_every_key_left_out_takes_the_printed_default():
+    """The printed default says "Every key is optional; these are the defaults": a file with only its
+    camera tables must run as the whole printed file does (it once differed in the worker's torch
+    threads, 0 against 1, which made a tiny model's warm-up 30x slower, the whole-chunk topic and the
+    robot's name)."""
+    full = tomllib.loads(DEFAULT_CONFIG_TOML)
+    printed = parse_config(full, "<default>")
+    minimal = parse_config({"cameras": full["cameras"]}, "<default>")
+    assert minimal == printed
+
+
 ONE_CAMERA = {"cameras": {"top": {}}}  # a file needs one: camera tables replace the default's
 
 BAD = [

@@ -195,16 +195,19 @@ def test_bench_prints_each_stage_floor(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_bench_floors_say_why_not(capsys: pytest.CaptureFixture[str]) -> None:
-    """No floors where the table has no peak for the precision, or the device is unknown: the
-    reason is printed, the timings are not affected; on a CPU run nothing is asked for."""
+    """No floors where the table has no peak for the precision: the reason is printed, the timings
+    are not affected; on a CPU run nothing is asked for. An unknown device is refused before the
+    run (a typo would otherwise cost a whole benchmark), naming the ones the table has."""
     pytest.importorskip("torch")
     base = ["bench", "--preset", "tiny", "--iters", "1", "--warmup", "0"]
     assert main([*base, "--floor-device", "orin"]) == 0  # float32
     out = capsys.readouterr().out
     assert "floor ms" not in out and "the table has no float32 peak" in out
-    assert main([*base, "--floor-device", "no-such-gpu", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["floors"] == {} and "unknown device" in report["floor_note"]
+    with pytest.raises(SystemExit) as exc:
+        main([*base, "--floor-device", "no-such-gpu", "--json"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--floor-device: unknown device 'no-such-gpu'" in err and "h200-sxm" in err
     assert main([*base, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["floor_device"] is None and report["floors"] == {}

@@ -100,6 +100,16 @@ def run_bench(args: argparse.Namespace) -> dict:
     )
 
     check_device("bench", args.device, allow_meta=True)
+    for flag, value, least in (("--batch", args.batch, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0)):
+        if value < least:
+            fail("bench", f"{flag} {value}: expected an integer >= {least}")
+    if args.floor_device and args.floor_device.lower() != "none":
+        from phyai_edge.roofline.devices import find_device
+
+        try:  # before the run, not after it
+            find_device(args.floor_device)
+        except ValueError as exc:
+            fail("bench", f"--floor-device: {exc}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device == "meta":
@@ -142,7 +152,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     cams = policy.camera_names
     views = args.views or len(cams)
     if not 1 <= views <= len(cams):
-        raise SystemExit(f"--views must be between 1 and {len(cams)} for this model")
+        fail("bench", f"--views {views}: expected 1 to {len(cams)} for this model (its cameras: {', '.join(cams)})")
     rng = np.random.default_rng(0)
     obs = [
         Observation(images={c: (rng.integers(0, 256, (480, 640, 3), dtype=np.uint8) if i < views else None)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from phyai_edge.engines.device import device_problem
@@ -25,14 +28,52 @@ if TYPE_CHECKING:
 LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, RuntimeError, ImportError)
 
 
+def _finite_or_null(data: object) -> object:
+    """`data` with every NaN / Inf float as None: JSON has no NaN (Python writes one; jq, browsers
+    and most parsers refuse it)."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite_or_null(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite_or_null(v) for v in data]
+    return data
+
+
+def json_text(data: object) -> str:
+    """`data` as indented JSON, numpy scalars as floats and NaN / Inf as null."""
+    return json.dumps(_finite_or_null(json.loads(json.dumps(data, default=float))), indent=2, allow_nan=False)
+
+
 def write_json(data: object, where: str) -> None:
-    """`data` as indented JSON to the file `where`, or to stdout for "-" (numpy scalars as floats)."""
-    text = json.dumps(data, indent=2, default=float)
+    """`data` as indented JSON (`json_text`) to the file `where`, or to stdout for "-"."""
+    text = json_text(data)
     if where == "-":
         print(text)
     else:
         with open(where, "w") as f:
             f.write(text + "\n")
+
+
+def check_writable(command: str, flag: str, path: str | None, *, folder: bool = False) -> None:
+    """`fail` now, not after a run, where `path` cannot be written: a file whose folder is missing or
+    not writable, or (`folder`) a folder that cannot be made (it is made here). "-" and None pass."""
+    if not path or path == "-":
+        return
+    target = Path(path)
+    if folder:  # made now, as the run would make it later
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            fail(command, f"{flag} {path}: cannot make this folder ({exc.strerror or exc})")
+        if not os.access(target, os.W_OK):
+            fail(command, f"{flag} {path}: the folder is not writable")
+        return
+    parent = target.parent
+    if not parent.is_dir():
+        fail(command, f"{flag} {path}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        fail(command, f"{flag} {path}: the folder {parent} is not writable")
 
 
 def fail(command: str, message: str) -> NoReturn:

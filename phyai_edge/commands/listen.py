@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import time
@@ -20,13 +19,16 @@ Examples:
 """
 
 
+SILENT_HINT_S = 5.0  # no message for this long: say what to check, once
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5555", help="the daemon's publish endpoint")
     p.add_argument("--topic", default="action", help="action topic (publish.topic)")
     p.add_argument("--chunk-topic", default="",
                    help="also count whole-chunk messages on this topic, e.g. chunk (publish.chunk_topic); default: none")
     p.add_argument("--duration", type=float, default=None,
-                   help="stop after this many seconds (default: at Ctrl-C, or when the daemon sends SHUTDOWN)")
+                   help="stop after this many seconds (default, or 0: at Ctrl-C, or when the daemon sends SHUTDOWN)")
     p.add_argument("--count", type=int, default=None,
                    help="stop after this many actions (default: at Ctrl-C, or when the daemon sends SHUTDOWN)")
     p.add_argument("--print", dest="print_each", action="store_true", help="print every action")
@@ -49,8 +51,17 @@ def main(args: argparse.Namespace) -> int:
 
         for line in setup_realtime(args.priority, (), False):
             print(line.replace("clock thread", "listener"), file=sys.stderr)
-    lis = Listener(args.endpoint, args.topic, args.chunk_topic, args.wall, keep=bool(args.record or args.print_each),
-                   priority=args.priority)
+    from phyai_edge.commands.common import check_writable, fail, json_text
+
+    check_writable("listen", "--json", args.json_path)
+    check_writable("listen", "--record", args.record)
+    try:
+        lis = Listener(args.endpoint, args.topic, args.chunk_topic, args.wall,
+                       keep=bool(args.record or args.print_each), priority=args.priority)
+    except Exception as exc:  # zmq.ZMQError: an endpoint ZeroMQ cannot parse
+        fail("listen", f"--endpoint {args.endpoint!r}: {exc} (expected tcp://host:port or ipc://path)")
+    started = time.monotonic()
+    said_silent = False
     stop = False
 
     def on_signal(signum, frame):
@@ -77,6 +88,10 @@ def main(args: argparse.Namespace) -> int:
                       f"{np.array2string(v[0], precision=3)}")
             printed = len(lis.messages)
         now = time.monotonic()
+        if not st.received and not said_silent and now - started >= SILENT_HINT_S:
+            print(f"no message from {args.endpoint} in {SILENT_HINT_S:g} s (topic {args.topic!r}): is the daemon "
+                  f"running, and is this its publish.endpoint?", file=sys.stderr, flush=True)
+            said_silent = True
         if now >= next_report and not args.quiet:
             lat = np.asarray(st.latency_ns[last_count:], dtype=np.float64) / 1e3
             rate = st.received - last_count
@@ -106,7 +121,7 @@ def main(args: argparse.Namespace) -> int:
             obs_mono_ns=np.array([h.obs_mono_ns for h, _ in msgs], dtype=np.int64),
             actions=np.array([v[0] for h, v in msgs if h.kind == 1], dtype=np.float32),
         )
-    text = json.dumps(summary, indent=2)
+    text = json_text(summary)
     if args.json_path == "-":
         print(text)
     elif args.json_path:

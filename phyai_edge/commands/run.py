@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -33,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "files, GPU) for --duration seconds (default 3) without loading the policy, print a check "
                         "per item and exit (0: ready, 1: warnings, 2: a failure)")
     p.add_argument("--duration", type=float, default=None,
-                   help="stop by itself after this many seconds (default: run until SIGINT / SIGTERM)")
+                   help="stop by itself after this many seconds (default, or 0: run until SIGINT / SIGTERM)")
     p.add_argument("--record", metavar="DIR", help="save every inference's observation and chunk to DIR")
     p.add_argument("--no-realtime", action="store_true", help="skip SCHED_FIFO, CPU affinity and mlockall")
     p.add_argument("--summary", metavar="FILE", help="write the run's timing summary as JSON ('-': stdout)")
@@ -53,7 +52,7 @@ def startup_budget_s(cfg: Any) -> float:
 
 
 def _preflight(args: argparse.Namespace) -> int:
-    from phyai_edge.commands.common import write_json
+    from phyai_edge.commands.common import check_writable, write_json
     from phyai_edge.control.config import ConfigError, load_config
     from phyai_edge.control.preflight import exit_code, format_checks, run_preflight
 
@@ -62,6 +61,7 @@ def _preflight(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"{args.preflight}: invalid: {exc}", file=sys.stderr)
         return 2
+    check_writable("run", "--summary", args.summary)
     seconds = args.duration if args.duration else 3.0
     print(f"{args.preflight}: opening cameras and state for {seconds:g} s ...", file=sys.stderr)
     checks = run_preflight(cfg, seconds)
@@ -104,6 +104,11 @@ def main(args: argparse.Namespace) -> int:
         log.error("configuration: %s", exc)
         return 2
     log.info("configuration: %s", cfg.source)
+    from phyai_edge.commands.common import check_writable, write_json
+
+    # before the model loads: a summary refused at the end of a run is the run's record lost
+    check_writable("run", "--summary", args.summary)
+    check_writable("run", "--record", args.record, folder=True)
 
     from phyai_edge.control.daemon import Daemon, StartupInterruptedError
     from phyai_edge.control.notify import Notifier
@@ -143,12 +148,7 @@ def main(args: argparse.Namespace) -> int:
         log.warning("%d tick(s) published over %g ms late; the worst, tick %d, %.2f ms (see the log lines above)",
                     late["count"], late["limit_ms"], late["worst_tick"], late["worst_ms"])
     if args.summary:
-        text = json.dumps(summary, indent=2)
-        if args.summary == "-":
-            print(text)
-        else:
-            with open(args.summary, "w") as f:
-                f.write(text)
+        write_json(summary, args.summary)
     sys.stdout.flush()
     sys.stderr.flush()
     # Everything is closed and flushed; skip the interpreter's teardown so that the process is

@@ -71,6 +71,9 @@ def main(args: argparse.Namespace) -> int:
     if args.report:
         from phyai_edge.sim.report import analyse, load_log, plot_run, roofline_bench
 
+        if not Path(args.report).is_file():
+            print(f"phyai-edge sim: --report {args.report}: no such file (a run's --log .npz)", file=sys.stderr)
+            return 2
         run = load_log(args.report)
         metrics = Path(args.metrics_file).read_text() if args.metrics_file else None
         result = analyse(run, metrics)

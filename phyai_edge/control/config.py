@@ -125,7 +125,7 @@ class ModelConfig:
     dtype: str = "float32"
     prompt: str = "pick up the cube"
     worker: str = "process"  # "process" keeps the policy's GIL and allocator away from the clock
-    threads: int = 0  # torch intra-op threads in the worker; 0: torch's default
+    threads: int = 1  # torch intra-op threads in the worker (leave a core for the clock); 0: torch's default
     warmup: int = 1  # warm-up rounds before the clock starts (a chunk without RTC, one in the solver RTC mode)
     load_timeout_s: float = 600.0
     factory: str = ""  # "module:function" building the policy; "" means load_policy (tests use fakes)
@@ -156,7 +156,7 @@ class PublishConfig:
     endpoint: str = "tcp://127.0.0.1:5555"
     bind: bool = True
     topic: str = "action"
-    chunk_topic: str = ""  # "" disables the whole-chunk topic
+    chunk_topic: str = "chunk"  # the whole-chunk topic; "" disables it
     sndhwm: int = 1000
 
 
@@ -752,7 +752,7 @@ DEFAULT_CONFIG_TOML = """\
 # tables are the exception: a file needs at least one, and its tables replace [cameras.top] below.
 
 [robot]
-name = "demo"
+name = "robot"
 control_hz = 50.0            # the fixed control period is 1 / control_hz
 # action_names = ["waist", "shoulder", ...]   # optional; sets action_dim
 action_dim = 0               # 0: the policy's action width
@@ -770,12 +770,16 @@ view = "top"                 # which of the policy's camera slots this feeds (to
 width = 224
 height = 224
 fps = 30.0
+required = true              # false: a camera with no fresh frame is masked out instead of holding
+                             # (when every camera is optional and none is fresh, the tick holds STALE)
+max_age_ms = 0.0             # a frame older than this is stale; 0: safety.camera_max_age_ms
 # device = 0                 # v4l2: index or a path; "/dev/v4l/by-id/usb-..." keeps naming the same
                              # camera after a replug, where its index may change
 # pipeline = "..."           # gstreamer: a pipeline ending in appsink
 # url = "rtsp://..."         # rtsp
-# path = "clip.mp4"          # file (loop = true)
-# endpoint = "tcp://127.0.0.1:5560"   # zmq: frames in docs/protocol.md format; clock = "monotonic"
+# path = "clip.mp4"          # file; loop = true starts it again at the end
+# endpoint = "tcp://127.0.0.1:5560"   # zmq: frames in docs/protocol.md format; topic = "" (the camera's
+                             # name), clock = "monotonic" | "realtime" | "receive": which time is the capture's
 # crop = [0, 0, 224, 224]    # what the policy sees, as it was trained: a crop (x, y, width, height of
 # rotate = 180               # the width x height above), then a clockwise rotation (0 | 90 | 180 | 270),
 # flip = "horizontal"        # then a mirror ("horizontal" | "vertical"); in the worker, off the clock
@@ -783,6 +787,8 @@ fps = 30.0
 [state]
 source = "synthetic"         # synthetic | zmq
 # endpoint = "tcp://127.0.0.1:5556"   # zmq: the motor controller's joint-state PUB
+clock = "monotonic"          # zmq: the sample's time from its header's monotonic_ns ("realtime": wall_ns,
+                             # for a sender on another host with a synchronised clock; "receive": arrival)
 
 [model]
 adapter = "pi05"
@@ -796,7 +802,7 @@ device = "cpu"
 dtype = "float32"
 prompt = "pick up the cube"
 worker = "process"           # process | thread: where the policy runs
-threads = 1                  # torch threads in the worker (leave a core for the clock)
+threads = 1                  # torch threads in the worker (leave a core for the clock); 0: torch's default
 load_timeout_s = 600.0       # loading the policy may take this long (a full-size checkpoint, Triton's
                              # first compile); each warm-up inference too (graph capture). systemd's
                              # start timeout is extended to match
@@ -825,8 +831,10 @@ crossfade_steps = 8
 
 [publish]
 endpoint = "tcp://127.0.0.1:5555"
+bind = true                  # the daemon binds its PUB; false: it connects to a proxy's XSUB
 topic = "action"
 chunk_topic = "chunk"        # whole remaining chunk on adoption; "" to disable
+sndhwm = 1000                # messages queued per slow subscriber before ZeroMQ drops for it
 
 [safety]
 camera_max_age_ms = 200.0
@@ -835,7 +843,7 @@ hold = "last"                # last | state | zero: the payload of HOLD messages
 
 [task]                       # the instruction (model.prompt) changed while the daemon runs: `phyai-edge task`
 endpoint = ""                # a ZeroMQ REP endpoint, e.g. "tcp://127.0.0.1:5557"; "" is off
-bind = true
+bind = true                  # the daemon binds its REP; false: it connects (to a broker's DEALER)
 prompts = []                 # instructions the engine keeps room for at warm-up, beside model.prompt
 prompt_tokens = 0            # room (prompt tokens, the state's included) for instructions not listed;
                              # a chunk's prefix costs more with more room. A longer one is refused, never
