@@ -153,3 +153,10 @@ def test_json_output_has_no_nan() -> None:
     text = json_text({"p50": float("nan"), "rows": [1.0, float("inf")], "n": 3})
     assert json.loads(text) == {"p50": None, "rows": [1.0, None], "n": 3}
     assert "NaN" not in text and "Infinity" not in text
+
+
+def test_a_folder_of_pickles_says_why_it_is_not_loaded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    rc, err = run(["bench", "--checkpoint", str(tmp_path), "--iters", "1", "--warmup", "0"], capsys)
+    line = one_line(err, "bench")
+    assert rc == 2 and "pytorch_model.bin: pickled weights are never loaded" in line and "safetensors" in line

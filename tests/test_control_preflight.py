@@ -13,7 +13,7 @@ import zmq
 from phyai_edge.cli import main as cli
 from phyai_edge.control.config import parse_config
 from phyai_edge.control.fakes import free_tcp_endpoint
-from phyai_edge.control.preflight import FAIL, OK, WARN, exit_code, run_preflight
+from phyai_edge.control.preflight import FAIL, OK, WARN, Check, exit_code, format_checks, run_preflight
 from phyai_edge.control.protocol import STATE_FLAG_ESTOP, FrameMessage, StateMessage
 
 
@@ -266,3 +266,13 @@ def test_info_says_the_cpu_governors(monkeypatch, capsys):
     monkeypatch.setattr(preflight, "cpu_governors", lambda: {})
     assert cli(["info"]) == 0
     assert "cpu_governor    not exposed" in capsys.readouterr().out
+
+
+def test_a_long_label_gets_a_line_of_its_own_and_the_column_stays_narrow():
+    """A GStreamer camera's name is its pipeline: the other lines keep a narrow label column."""
+    long = "v4l2src device=/dev/video0 ! video/x-raw,width=640 ! videoconvert ! appsink"
+    text = format_checks([Check("state", OK, "fresh"), Check(f"camera {long}", WARN, "slow"), Check("gpu", OK, "H200")])
+    lines = text.splitlines()
+    assert lines[0].startswith("OK    state") and len(lines[0]) < 50
+    assert lines[1] == f"WARN  camera {long}" and lines[2].strip() == "slow"
+    assert lines[3].startswith("OK    gpu") and lines[3].index("H200") == lines[0].index("fresh")

@@ -423,9 +423,18 @@ def _judge_state(cfg: DaemonConfig, s: _Stream, state: Any, seconds: float) -> C
     return Check(what, OK, text)
 
 
+LABEL_WIDTH = 28  # a longer label (a GStreamer pipeline names its camera) gets a line of its own
+
+
 def format_checks(checks: list[Check]) -> str:
-    width = max((len(c.what) for c in checks), default=0)
-    return "\n".join(f"{c.status.upper():<5} {c.what:<{width}}  {c.detail}" for c in checks)
+    width = min(max((len(c.what) for c in checks), default=0), LABEL_WIDTH)
+    lines = []
+    for c in checks:
+        if len(c.what) > width:
+            lines.append(f"{c.status.upper():<5} {c.what}\n{'':<5} {'':<{width}}  {c.detail}")
+        else:
+            lines.append(f"{c.status.upper():<5} {c.what:<{width}}  {c.detail}")
+    return "\n".join(lines)
 
 
 def exit_code(checks: list[Check]) -> int:

@@ -70,6 +70,13 @@ def detect_format(folder: Path) -> str:
             return "lerobot"
     if list(folder.glob("assets/*/norm_stats.json")) and (folder / "model.safetensors").exists():
         return "openpi"
+    pickles = sorted(p.name for pattern in ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.pkl") for p in folder.glob(pattern))
+    if pickles and not list(folder.glob("*.safetensors")):
+        raise CheckpointError(
+            f"{folder} holds {', '.join(pickles[:3])}: pickled weights are never loaded (loading one runs "
+            "whatever code it carries); convert them to safetensors (safetensors.torch.save_file) in a "
+            "LeRobot, openpi or native folder"
+        )
     raise CheckpointError(
         f"{folder} is not a PI0.5 checkpoint folder I know: expected {NATIVE_MANIFEST} (native), "
         "config.json with type 'pi05' (LeRobot), or model.safetensors + assets/*/norm_stats.json (openpi)"
