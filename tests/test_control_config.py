@@ -149,6 +149,26 @@ def test_cli_print_and_check_config(tmp_path):
     assert res.returncode == 2 and "not valid TOML" in res.stderr
 
 
+@pytest.mark.parametrize(("sections", "message"), [
+    ('[cameras.a]\nview = "wrist"\n', "cameras.a.view: the policy has no camera 'wrist' (it expects top, left_wrist"),
+    ('[cameras.top]\n[chunking]\nhorizon = 500\n', "chunking.horizon: 500 is longer than the policy's chunk (50)"),
+    ('[cameras.top]\n[chunking]\ndelay = 60\n', "chunking.delay: 60 slots is not below the horizon (50)"),
+    ('[cameras.top]\n[model]\npreset = "huge"\n', "model: unknown PI0.5 preset 'huge'"),
+    ('[cameras.top]\n[model]\ncheckpoint = "{tmp}/none"\n', "model: checkpoint folder not found: {tmp}/none"),
+    ('[cameras.top]\n[model.adapter_options]\nprompt_stat = "x"\n', "model: adapter 'pi05' has no option 'prompt_stat'"),
+])
+def test_check_config_reads_the_policy_s_shape_without_its_weights(tmp_path, capsys, sections, message):
+    """What only the policy can say (its cameras, its chunk, its adapter's names) is checked by
+    `--check-config` too, from the adapter built without weights, instead of after a model load and
+    warm-up at start-up (minutes for a full-size model on an Orin)."""
+    from phyai_edge.cli import main as cli
+
+    cfg = tmp_path / "robot.toml"
+    cfg.write_text(sections.format(tmp=tmp_path))
+    assert cli(["run", "--check-config", str(cfg)]) == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
 def test_shipped_daemon_configs_are_valid():
     from pathlib import Path
 

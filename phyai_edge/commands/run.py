@@ -26,7 +26,9 @@ Examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="daemon configuration (TOML); default: the embedded one")
     p.add_argument("--print-default-config", action="store_true", help="print the embedded default configuration and exit")
-    p.add_argument("--check-config", metavar="FILE", help="validate a configuration file and exit (0: valid, 2: not)")
+    p.add_argument("--check-config", metavar="FILE",
+                   help="validate a configuration file, also against the policy's cameras, chunk and dims (read "
+                        "without its weights), and exit (0: valid, 2: not)")
     p.add_argument("--preflight", metavar="FILE",
                    help="open what a configuration names (cameras, state stream, sockets, real-time limits, model "
                         "files, GPU) for --duration seconds (default 3) without loading the policy, print a check "
@@ -73,6 +75,33 @@ def _preflight(args: argparse.Namespace) -> int:
     return code
 
 
+def model_problem(cfg: Any) -> str | None:
+    """What the policy's shape says of `cfg`, read without its weights (the adapter built on torch's
+    meta device, in well under a second, where the daemon's start would load and warm it up first):
+    an unknown adapter, preset or option, a checkpoint or tokenizer that is not there, a camera view
+    the policy lacks, a horizon longer than its chunk, dims that differ. None where it fits, and for
+    a model not built from the config (a factory; a bundle, whose manifest `load_config` checks)."""
+    import copy
+
+    from phyai_edge.adapters import load_adapter
+    from phyai_edge.commands.common import LOAD_ERRORS
+    from phyai_edge.control.config import ConfigError, check_against_policy
+
+    m = cfg.model
+    if m.factory or m.bundle:
+        return None
+    try:
+        ad = load_adapter(m.adapter, dict(m.adapter_options) or None, checkpoint=m.checkpoint or None,
+                          preset_name=m.preset, device="meta", tokenizer=m.tokenizer or None)
+    except LOAD_ERRORS as exc:
+        return f"model: {exc}"
+    try:
+        check_against_policy(copy.deepcopy(cfg), ad.chunk_size, ad.action_dim, ad.state_dim, list(ad.camera_names))
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     from phyai_edge.control.config import DEFAULT_CONFIG_TOML, ConfigError, load_config
 
@@ -84,6 +113,10 @@ def main(args: argparse.Namespace) -> int:
             cfg = load_config(args.check_config)
         except ConfigError as exc:
             print(f"{args.check_config}: invalid: {exc}", file=sys.stderr)
+            return 2
+        problem = model_problem(cfg)
+        if problem is not None:
+            print(f"{args.check_config}: invalid: {problem}", file=sys.stderr)
             return 2
         cams = ", ".join(f"{c.name} ({c.source})" for c in cfg.cameras.values()) or "none"
         print(f"{args.check_config}: valid. {cfg.robot.control_hz:g} Hz, cameras: {cams}, state: {cfg.state.source}, "

@@ -742,6 +742,9 @@ def check_against_policy(cfg: DaemonConfig, chunk_size: int, action_dim: int, st
     ch.horizon = ch.horizon or chunk_size
     if ch.execution_horizon >= ch.horizon:
         raise ConfigError(f"chunking.execution_horizon: must be below the horizon ({ch.execution_horizon} >= {ch.horizon})")
+    if ch.delay >= ch.horizon:
+        raise ConfigError(f"chunking.delay: {ch.delay} slots is not below the horizon ({ch.horizon}): every chunk "
+                          "would be over before it arrived")
 
 
 # The default: the tiny PI0.5 (random seeded weights), one synthetic camera, synthetic state and a
