@@ -74,3 +74,22 @@ def test_ray_native_callers_are_batched(ray_executor, tiny_policy, make_obs, noi
     for it, r in zip(items, results):
         want = tiny_policy.infer(it.observations, noise=it.noise).actions
         np.testing.assert_allclose(r.actions, want, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize(("flags", "gpus"), [(["--device", "cuda"], 1.0), (["--device", "cpu"], 0.0),
+                                             (["--device", "cuda", "--gpus-per-replica", "0.5"], 0.5)])
+def test_serve_ray_gives_each_replica_a_gpu_when_the_engine_runs_on_one(monkeypatch, flags, gpus):
+    """Ray hides the GPUs from a replica given none: `--device cuda` alone must ask for one each."""
+    from phyai_edge.cli import main as cli
+    from phyai_edge.serve import ray_deployment
+
+    asked = {}
+
+    def deploy(load_kwargs, **kw):
+        asked.update(kw)
+        raise SystemExit(0)  # stop here: what was asked for is the test
+
+    monkeypatch.setattr(ray_deployment.RayExecutor, "deploy", staticmethod(deploy))
+    with pytest.raises(SystemExit):
+        cli(["serve", "--ray", "--replicas", "2", *flags])
+    assert asked["gpus_per_replica"] == gpus and asked["replicas"] == 2

@@ -76,7 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--ray", action="store_true", help="run the engine as a Ray Serve deployment")
     p.add_argument("--replicas", type=int, default=1, help="--ray: deployment replicas")
-    p.add_argument("--gpus-per-replica", type=float, default=0.0, help="--ray: GPUs per replica (1 on a GPU host)")
+    p.add_argument("--gpus-per-replica", type=float, default=None,
+                   help="--ray: GPUs per replica (default: 1 with --device cuda, else 0; Ray hides the GPUs from "
+                        "a replica given none)")
     p.add_argument("--ray-address", default=None, help="--ray: an existing cluster (default: start a local one)")
     p.add_argument("--json-report", action="store_true", help="print the final report as JSON")
 
@@ -107,7 +109,10 @@ def main(args: argparse.Namespace) -> int:
 
         sizes = batch_sizes_for(args.batch_sizes, args.backend if not args.engine else None, None, args.max_batch)
         max_batch = min(args.max_batch, max(sizes)) if sizes else args.max_batch
-        executor: Any = RayExecutor.deploy(load_kwargs, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
+        gpus = args.gpus_per_replica
+        if gpus is None:
+            gpus = 1.0 if str(args.device).startswith("cuda") else 0.0
+        executor: Any = RayExecutor.deploy(load_kwargs, replicas=args.replicas, gpus_per_replica=gpus,
                                            batch_sizes=sizes, max_batch=max_batch, address=args.ray_address,
                                            threads=args.threads)
         workers = max(workers, args.replicas)  # one batch in flight per replica
