@@ -55,6 +55,10 @@ def test_wire_rejects_malformed_messages_naming_the_field():
     with pytest.raises(wire.WireError, match=r"obs\[0\].state: buffer has 3 bytes"):
         wire.decode_request([bad_buf, b"abc"])
     assert wire.decode_request(good).kind == "hello"
+    huge = (b'{"v": 1, "type": "infer", "id": 1, "robot": "r", "obs": [{"images": {}, "prompt": "'
+            + b"x" * (wire.MAX_CHECK_PROMPT_CHARS + 1) + b'"}]}')
+    with pytest.raises(wire.WireError, match=r"obs\[0\].prompt: 4097 characters; at most 4096"):
+        wire.decode_request([huge])
 
 
 def test_wire_rejects_wrongly_typed_fields_naming_them():
@@ -370,7 +374,40 @@ def test_bad_request_fails_alone(server, tiny_policy, make_obs):
         t.start()
         assert g.infer([good]).actions.shape == (1, 50, 14)
         t.join(10)
-    assert errors and errors[0].code == wire.ERR_INFERENCE and "state has 5 values" in str(errors[0])
+    assert errors and errors[0].code == wire.ERR_BAD_REQUEST and "state has 5 values" in str(errors[0])
+
+
+def test_a_wrong_request_is_refused_before_batching_and_costs_its_neighbours_nothing(tiny_policy, make_obs,
+                                                                                      monkeypatch):
+    """A state of the wrong width, an unknown camera, an empty image or a prompt the model would
+    truncate (cutting the robot's state off the prompt) is answered as a bad request before any
+    batch: its neighbours run in one engine call, with no failed call and no reruns."""
+    from phyai_edge.serve.batching import BatchItem, run_items
+
+    ad = tiny_policy.adapter
+    calls = []
+    real = tiny_policy.infer
+    monkeypatch.setattr(tiny_policy, "infer", lambda obs, **kw: calls.append(len(obs)) or real(obs, **kw))
+    long_prompt = " ".join(["pick up the red cube and put it in the bowl"] * 40)
+    empty = make_obs(ad, seed=5)
+    empty.images[ad.camera_names[0]] = np.zeros((0, 0, 3), np.uint8)
+    obs = [make_obs(ad, seed=1), make_obs(ad, seed=2, state=np.zeros(5, np.float32)),
+           make_obs(ad, seed=3, prompt=long_prompt), make_obs(ad, seed=4, cameras=["side"]), empty, make_obs(ad, seed=6)]
+    noise = [torch.randn(1, ad.chunk_size, ad.model_action_dim, generator=torch.Generator().manual_seed(i))
+             for i in range(len(obs))]
+    items = [BatchItem([o], None, n) for o, n in zip(obs, noise)]
+    got = run_items(tiny_policy, items)
+    assert calls == [2], "the good requests share one engine call, and nothing else ran"
+    assert [r.actions is not None for r in got] == [True, False, False, False, False, True]
+    assert not any(r.rerun for r in got)
+    bad = [r for r in got if r.actions is None]
+    assert all(r.bad_request and r.error.startswith("obs[0]: ") for r in bad)
+    assert "state has 5 values" in bad[0].error
+    assert "would be truncated" in bad[1].error and f"takes {ad.cfg.max_token_len}" in bad[1].error
+    assert "unknown cameras ['side']" in bad[2].error and "an image of shape (0, 0, 3)" in bad[3].error
+    alone = run_items(tiny_policy, [items[0]])[0]
+    # the refusals changed nothing for it: batched with one neighbour, its chunk is its own up to rounding
+    np.testing.assert_allclose(got[0].actions, alone.actions, atol=1e-5)
 
 
 class _HeldExecutor:

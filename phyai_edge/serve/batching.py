@@ -59,6 +59,8 @@ class ItemResult:
     # Its group's engine call failed and it ran again alone: the batch cost one engine call per
     # request on top of the failed one (the server counts these; it is easy to miss otherwise).
     rerun: bool = False
+    # The request itself is wrong (`Policy.observation_problem`): refused before any batch, never run.
+    bad_request: bool = False
 
 
 def group_key(rtc: Any, per_sample: bool = True) -> GroupKey:
@@ -161,7 +163,26 @@ def run_group(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int
 
 def run_items(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int] | None = None,
               max_batch: int | None = None) -> list[ItemResult]:
-    """Run every item; an engine error fails only the items of the group it happened in."""
+    """Run every item; an engine error fails only the items of the group it happened in. An item
+    whose observations the policy refuses (`observation_problem`: a state of the wrong width, an
+    unknown camera, a prompt the model would truncate) is answered at once and joins no batch, so
+    it never costs its neighbours a failed call and a rerun each."""
+    results: list[ItemResult | None] = [None] * len(items)
+    problem = getattr(policy, "observation_problem", None)
+    if problem is not None:
+        for i, it in enumerate(items):
+            why = next((f"obs[{j}]: {p}" for j, o in enumerate(it.observations) if (p := problem(o))), None)
+            if why is not None:
+                results[i] = ItemResult(None, error=why, bad_request=True)
+    todo = [i for i, r in enumerate(results) if r is None]
+    for i, r in zip(todo, _run_grouped(policy, [items[i] for i in todo], batch_sizes, max_batch)):
+        results[i] = r
+    return [r if r is not None else ItemResult(None, error="not run") for r in results]
+
+
+def _run_grouped(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int] | None,
+                 max_batch: int | None) -> list[ItemResult]:
+    """`run_items` for items that passed the policy's checks."""
     results: list[ItemResult | None] = [None] * len(items)
     # The largest call: max_batch, but never past the largest captured size, which is all an
     # engine with captured shapes runs (a larger group would fail and rerun one by one).

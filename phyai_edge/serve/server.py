@@ -469,7 +469,8 @@ class PolicyServer:
             missed = done > p.deadline
             self.stats.answered(p.robot, r.actions is not None, latency_ms, queue_ms, missed)
             if r.actions is None:
-                self._reply_error(ident, p.req_id, wire.ERR_INFERENCE, r.error)
+                self._reply_error(ident, p.req_id, wire.ERR_BAD_REQUEST if r.bad_request else wire.ERR_INFERENCE,
+                                  r.error)
                 continue
             info = {"stage_ms": r.stage_ms, "batch": r.batch, "queue_ms": queue_ms, "server_ms": latency_ms,
                     "late": missed}

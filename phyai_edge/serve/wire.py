@@ -250,12 +250,14 @@ def decode_request(frames: list[Any]) -> Request:
     for j, o in enumerate(raw_obs):
         if not isinstance(o, dict) or not isinstance(o.get("images"), dict):
             raise WireError(f"obs[{j}].images: expected an object of camera name -> array or null")
-        images = {str(k): (None if v is None else _unpack(v, frames, f"obs[{j}].images.{k}"))
-                  for k, v in o["images"].items()}
-        state = _unpack(o.get("state"), frames, f"obs[{j}].state")
         prompt = o.get("prompt", "")
         if not isinstance(prompt, str):
             raise WireError(f"obs[{j}].prompt: expected a string")
+        if len(prompt) > MAX_CHECK_PROMPT_CHARS:  # a model takes a few hundred tokens; this is text
+            raise WireError(f"obs[{j}].prompt: {len(prompt)} characters; at most {MAX_CHECK_PROMPT_CHARS}")
+        images = {str(k): (None if v is None else _unpack(v, frames, f"obs[{j}].images.{k}"))
+                  for k, v in o["images"].items()}
+        state = _unpack(o.get("state"), frames, f"obs[{j}].state")
         timestamp = _number(o.get("timestamp", 0.0), f"obs[{j}].timestamp")
         req.observations.append(WireObservation(images, state, prompt, timestamp))
     rtc = head.get("rtc")

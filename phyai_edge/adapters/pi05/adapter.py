@@ -103,6 +103,7 @@ class PI05Adapter:
         self.camera_names = list(io.camera_names)
         self.solver = SolverSpec(cfg.num_steps)
         self._warned_truncation = False
+        self._token_counts: dict[str, int] = {}  # text -> its tokens before truncation (`observation_problem`)
         self._token_cache: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._slot_indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}  # drop_cameras'
         self._token_owner: tuple[PromptTokenizer, int] | None = None
@@ -339,14 +340,44 @@ class PI05Adapter:
         }
         return ModelInputs(tensors, len(observations), {"states": self._checked_states(observations)})
 
-    def _prompt_tokens(self, obs: Observation, i: int) -> tuple[list[int], list[bool]]:
+    def _prompt_text(self, obs: Observation, i: int) -> str:
+        """The text one observation's prompt is tokenised from: its instruction and its state's bins."""
         norm = self.io.state_stats.normalize(self._checked_state(obs, i))
         if self.io.pad_state_in_prompt:
             norm = np.pad(norm, (0, self.cfg.max_action_dim - norm.shape[0]))
         prompt = obs.prompt or self.io.default_prompt
         if not prompt:
             raise ValueError(f"observation {i}: empty prompt and no default prompt configured")
-        tok = self.tokenizer(format_prompt(prompt, discretize_state(norm, self.cfg.state_bins)), self.cfg.max_token_len)
+        return format_prompt(prompt, discretize_state(norm, self.cfg.state_bins))
+
+    def observation_problem(self, obs: Observation) -> str | None:
+        """Why `obs` cannot run as it is, or None: what preprocess would refuse (an unknown camera,
+        an empty image, a state of the wrong width or not finite, no prompt), and a prompt longer
+        than the model takes, which preprocess truncates: with the state written last, the robot's
+        state is what it cuts off. A server checks each request with this before batching it."""
+        unknown = sorted(set(obs.images) - set(self.camera_names))
+        if unknown:
+            return f"unknown cameras {unknown}; the model expects {self.camera_names}"
+        for name, img in obs.images.items():
+            if img is not None and (np.ndim(img) != 3 or 0 in np.shape(img)):
+                return f"camera {name!r}: an image of shape {tuple(np.shape(img))}, expected HWC or CHW with pixels"
+        try:
+            text = self._prompt_text(obs, 0)
+        except ValueError as exc:
+            return str(exc).removeprefix("observation 0: ")
+        n = self._token_counts.get(text)
+        if n is None:
+            n = self._token_counts[text] = self.tokenizer.count(text)
+            while len(self._token_counts) > TOKEN_CACHE_SIZE:
+                with contextlib.suppress(KeyError, StopIteration):
+                    del self._token_counts[next(iter(self._token_counts))]
+        if n > self.cfg.max_token_len:
+            return (f"prompt: {n} tokens with this state (BOS included), the model takes {self.cfg.max_token_len}: "
+                    "it would be truncated, the state with it")
+        return None
+
+    def _prompt_tokens(self, obs: Observation, i: int) -> tuple[list[int], list[bool]]:
+        tok = self.tokenizer(self._prompt_text(obs, i), self.cfg.max_token_len)
         if tok.truncated and not self._warned_truncation:
             log.warning("prompt longer than %d tokens was truncated; raise max_token_len", self.cfg.max_token_len)
             self._warned_truncation = True
