@@ -253,6 +253,47 @@ def test_export_refuses_to_overwrite_without_the_flag(bundle, capsys):
     assert "--overwrite" in capsys.readouterr().err
 
 
+def test_a_bundle_that_failed_its_validation_is_refused(bundle, tmp_path):
+    """`phyai-edge export` writes a bundle that failed validation (exit 1) for inspection; loading it
+    for a robot is refused, naming the error and the tolerance."""
+    b = _copy(bundle, tmp_path)
+    m = json.loads((b / "manifest.json").read_text())
+    m["validation"].update(status="failed", max_abs_error=0.5, tolerance=1e-3)
+    (b / "manifest.json").write_text(json.dumps(seal(m)))
+    with pytest.raises(BundleError, match=r"failed its validation at export \(max \|error\| 0.5 over the tolerance 0.001\)"):
+        load_bundle_policy(b)
+
+
+def test_overwrite_leaves_a_folder_that_is_not_a_bundle(tmp_path, capsys):
+    mine = tmp_path / "notes"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "sub" / "data.txt").write_text("keep me")
+    assert cli(["export", "--preset", "tiny", "--out", str(mine), "--overwrite", "--no-progress"]) == 2
+    assert "is not an engine bundle (no manifest.json)" in capsys.readouterr().err
+    assert (mine / "sub" / "data.txt").read_text() == "keep me"
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert cli(["export", "--preset", "tiny", "--out", str(afile), "--no-progress"]) == 2
+    assert "a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_failing_export_never_replaces_the_bundle_in_place(bundle, tmp_path, checkpoint, monkeypatch, capsys):
+    """--overwrite over a good bundle with an export that fails validation: the good one stays, the
+    new one is written beside it for inspection (exit 1)."""
+    from phyai_edge.engines import exporter
+
+    b = _copy(bundle, tmp_path)
+    before = (b / "manifest.json").read_text()
+    monkeypatch.setitem(exporter.TOLERANCE, "fp32", 1e-12)
+    rc = cli(["export", "--checkpoint", str(checkpoint), "--out", str(b), "--backend", "onnx", "--batch", "1",
+              "--steps", "2", "--overwrite", "--no-progress"])
+    assert rc == 1
+    assert (b / "manifest.json").read_text() == before
+    beside = tmp_path / f"{b.name}.failed-validation"
+    assert read_manifest(beside)["validation"]["status"] == "failed"
+    assert f"the new bundle is in {beside}" in capsys.readouterr().out
+
+
 def test_export_help_lists_the_options(capsys):
     with pytest.raises(SystemExit):
         cli(["export", "--help"])

@@ -403,3 +403,26 @@ def test_implicit_int8_is_refused_before_export_where_tensorrt_has_no_calibrator
         build_for_adapter(builtin_adapter("tiny"), tmp_path / "trt", [1], 3, BuildOptions("int8"),
                           calibration={"x": []}, trt=trt)
     assert not any(c[0] == "parse" for c in trt.calls)
+
+
+def test_a_qdq_build_leaves_the_float32_linears_unquantised(tmp_path, monkeypatch):
+    """TensorRT's Q/DQ builds quantise what the onnxruntime bundles quantise and no more: the linears
+    the model keeps in float32 at every precision (PI0.5's time MLP, action projections, norm
+    modulation) are handed to the quantiser to leave alone, as the exporter's onnxruntime path does."""
+    pytest.importorskip("onnxruntime")
+    from phyai_edge.adapters.pi05 import builtin_adapter
+    from phyai_edge.calibration import ort_quant
+
+    kept: dict[str, int] = {}
+
+    def quantize(src, dst, samples, kind, keep_float=()):
+        kept[Path(src).stem] = len(keep_float)
+        return Path(src)
+
+    monkeypatch.setattr(ort_quant, "quantize_stage", quantize)
+    adapter = builtin_adapter("tiny")
+    want = len(ort_quant.float32_weights(adapter.module))
+    assert want > 0
+    build_for_adapter(adapter, tmp_path / "trt", [1], 3, BuildOptions("int8", int8_mode="qdq"),
+                      calibration={name: [] for name in adapter.stage_names()}, trt=FakeTRT(None))
+    assert kept and all(n == want for n in kept.values()), kept

@@ -74,6 +74,21 @@ def _quiet_root_logger() -> Iterator[None]:
         root.setLevel(level)
 
 
+def float32_weights(module: Any) -> list[np.ndarray]:
+    """The weights of the linears the model keeps in float32 at every reduced precision (its
+    `precision_dtypes` rule; PI0.5: the adaptive norms' modulation, the time MLP, the action
+    projections), which a quantised ONNX (`quantize_stage(keep_float=)`, for onnxruntime and for
+    TensorRT's Q/DQ builds alike) leaves in float as well. Empty without such a rule."""
+    import torch
+
+    rule = getattr(module, "precision_dtypes", None)
+    if rule is None:
+        return []
+    dtypes = rule(torch.float16)
+    return [m.weight.detach().float().cpu().numpy() for name, m in module.named_modules()
+            if isinstance(m, torch.nn.Linear) and dtypes.get(f"{name}.weight") == torch.float32]
+
+
 def quantize_stage(
     src: str | Path,
     dst: str | Path,

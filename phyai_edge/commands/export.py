@@ -124,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
     check_device("export", args.device)
     try:
         manifest = export_bundle(req)
-    except (BundleError, ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (BundleError, ValueError, OSError, RuntimeError) as exc:
         print(f"phyai-edge export: {exc}", file=sys.stderr)
         return 2
     return 1 if manifest["validation"].get("status") == "failed" else 0

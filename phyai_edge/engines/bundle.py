@@ -339,7 +339,31 @@ def verify_bundle(
     if checkpoint is not None:
         check_checkpoint(manifest, checkpoint)
     check_platform(manifest, here or Platform.current(device), device)
+    check_validation(bundle, manifest)
     return manifest
+
+
+def check_validation(bundle: Path, manifest: dict[str, Any]) -> None:
+    """Refuse a bundle whose export found its actions too far from float32 eager's (`phyai-edge
+    export` exits 1 and writes it for inspection, not for a robot); say so where it was never
+    validated (a cudagraph bundle exported without a GPU)."""
+    v = manifest.get("validation") or {}
+    status = v.get("status")
+    if status == "failed":
+        raise BundleError(f"{bundle} failed its validation at export ({_validation_summary(v)}): its actions are "
+                          "too far from the float32 model's to run on a robot; re-export (another precision, "
+                          "more calibration samples)")
+    if status not in (None, "passed"):
+        log.warning("%s: not validated at export (%s); its actions were never compared with float32 eager's",
+                    bundle, v.get("reason") or status)
+
+
+def _validation_summary(v: dict[str, Any]) -> str:
+    worst = v.get("max_abs_error")
+    tol = v.get("tolerance")
+    if isinstance(worst, (int, float)) and isinstance(tol, (int, float)):
+        return f"max |error| {worst:.3g} over the tolerance {tol:g}"
+    return "status failed"
 
 
 # -- loading ------------------------------------------------------------------------------

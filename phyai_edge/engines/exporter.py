@@ -207,8 +207,15 @@ def export_bundle(
         import_tensorrt()  # fail before any work when TensorRT is absent
         check_precision_on_gpu(req.precision)  # ... or has no kernels for the precision on this GPU
     out = Path(req.out)
-    if out.exists() and any(out.iterdir()) and not req.overwrite:
-        raise BundleError(f"{out} already exists; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise BundleError(f"--out {out}: a file, not a folder")
+    if not out.name or out.name in (".", ".."):
+        raise BundleError(f"--out {out}: name the bundle's own folder, e.g. engines/mytask")
+    if out.exists() and any(out.iterdir()):
+        if not req.overwrite:
+            raise BundleError(f"{out} already exists; pass --overwrite to replace it")
+        if not (out / "manifest.json").exists():
+            raise BundleError(f"--overwrite: {out} is not an engine bundle (no manifest.json); it is left as it is")
     if adapter is None:
         from phyai_edge.adapters import load_adapter
 
@@ -230,12 +237,25 @@ def export_bundle(
         manifest = _build(req, adapter, views, work, progress, echo)
         manifest["export_seconds"] = round(time.perf_counter() - t_start, 2)
         write_manifest(work, manifest)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(work, out)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+    failed = manifest["validation"].get("status") == "failed"
+    if failed and out.exists() and any(out.iterdir()):
+        # A bundle that fails never replaces one in place (which may be the robot's): it goes beside it.
+        beside = out.with_name(f"{out.name}.failed-validation")
+        shutil.rmtree(beside, ignore_errors=True)
+        os.replace(work, beside)
+        echo(f"validation failed: the new bundle is in {beside}; {out} is unchanged")
+        out = beside
+    elif out.exists():
+        # Swapped by renames, the old bundle removed last: a kill in between leaves one of the two.
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(work, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(work, out)
     echo(summary_table(manifest, out))
     return manifest
 
@@ -375,11 +395,11 @@ def _export_onnx(req: ExportRequest, adapter: Adapter, views: int, work: Path, c
                     t0 = time.perf_counter()
                     dst = stage_file(work / "onnx", b, spec.name)
                     if quantised:
-                        from phyai_edge.calibration.ort_quant import quantize_stage
+                        from phyai_edge.calibration.ort_quant import float32_weights, quantize_stage
 
                         src = export_stage(twin.module, spec, work / ".tmp" / f"b{b}" / f"{spec.name}.onnx")
                         quantize_stage(src, dst, samples[spec.name], kind=req.precision,
-                                       keep_float=_float32_weights(twin.module))
+                                       keep_float=float32_weights(twin.module))
                     else:
                         export_stage(twin.module, spec, dst)
                     timings[f"b{b}/{spec.name}"] = time.perf_counter() - t0
@@ -387,18 +407,6 @@ def _export_onnx(req: ExportRequest, adapter: Adapter, views: int, work: Path, c
                     done(spec.name)
     shutil.rmtree(work / ".tmp", ignore_errors=True)
     return {"files": files, "opset": 17}
-
-
-def _float32_weights(module: torch.nn.Module) -> list[Any]:
-    """The weights of the linears the model keeps in float32 at every reduced precision (its
-    `precision_dtypes` rule; PI0.5: the adaptive norms' modulation, the time MLP, the action
-    projections), which the quantised ONNX leaves in float as well. None without such a rule."""
-    rule = getattr(module, "precision_dtypes", None)
-    if rule is None:
-        return []
-    dtypes = rule(torch.float16)
-    return [m.weight.detach().float().cpu().numpy() for name, m in module.named_modules()
-            if isinstance(m, torch.nn.Linear) and dtypes.get(f"{name}.weight") == torch.float32]
 
 
 def _export_tensorrt(req: ExportRequest, adapter: Adapter, views: int, work: Path, calib: list[Observation],

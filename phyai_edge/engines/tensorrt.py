@@ -475,6 +475,9 @@ def build_for_adapter(
                              for s in twin.stage_specs(b, num_views)}
             for spec in twin.stage_specs(batch_sizes[0], num_views):
                 files[spec.name] = export_stage(twin.module, spec, onnx_dir / f"{spec.name}.onnx", dynamic_batch=True)
+            from phyai_edge.calibration.ort_quant import float32_weights
+
+            keep_float = float32_weights(twin.module)  # left unquantised by Q/DQ, as in the onnxruntime bundles
         calibrators = None
         explicit = options.precision == "fp8" or (options.precision == "int8" and options.int8_mode == "qdq")
         if (explicit or options.precision == "int8") and not calibration:
@@ -484,7 +487,7 @@ def build_for_adapter(
 
             for stage, src in list(files.items()):
                 files[stage] = quantize_stage(src, onnx_dir / f"{stage}.{options.precision}.onnx", calibration[stage],
-                                              kind=options.precision)
+                                              kind=options.precision, keep_float=keep_float)
         elif options.precision == "int8":
             from phyai_edge.calibration.trt_calibrator import entropy_calibrator
 
