@@ -70,3 +70,20 @@ def chunk_noise(adapter, batch: int = 1, seed: int = 0) -> torch.Tensor:
 @pytest.fixture
 def noise_for():
     return chunk_noise
+
+
+@pytest.fixture
+def restored_logging():
+    """`phyai-edge run` sets up the daemon's logging (a handler on this test's captured stdout,
+    no propagation): put it back for the tests after this one."""
+    import logging
+
+    from phyai_edge.control import log as log_mod
+
+    root = logging.getLogger("phyai_edge")
+    saved = list(root.handlers), root.level, root.propagate, list(log_mod._CONFIGURED)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    root.propagate = saved[2]
+    log_mod._CONFIGURED[:] = saved[3]

@@ -118,7 +118,8 @@ def test_a_bundle_from_another_checkpoint_is_refused(tmp_path: Path, capsys: pyt
     assert cli(["bench", "--engine", str(bundle), "--checkpoint", str(mine), "--iters", "1", "--warmup", "0"]) == 0
 
 
-def test_output_paths_are_checked_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_output_paths_are_checked_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      restored_logging: None) -> None:
     """A summary or recording that cannot be written is refused at once: after a run it would be
     the run's record lost (and for `run`, after the model's load and warm-up)."""
     missing = tmp_path / "no" / "such" / "s.json"
@@ -139,7 +140,8 @@ def test_bench_refuses_no_timed_calls(capsys: pytest.CaptureFixture[str]) -> Non
     assert rc == 2 and "--iters 0: expected an integer >= 1" in one_line(err, "bench")
 
 
-def test_listen_names_an_endpoint_zeromq_cannot_parse(capsys: pytest.CaptureFixture[str]) -> None:
+def test_listen_names_an_endpoint_zeromq_cannot_parse(capsys: pytest.CaptureFixture[str],
+                                                      restored_logging: None) -> None:
     rc, err = run(["listen", "--endpoint", "localhost:5555", "--duration", "1"], capsys)
     assert rc == 2 and "--endpoint 'localhost:5555'" in one_line(err, "listen")
 

@@ -142,23 +142,6 @@ def test_model_files_and_the_gpu_are_checked(tmp_path):
         assert got["model.device"].status == FAIL and "sees no CUDA device" in got["model.device"].detail
 
 
-@pytest.fixture
-def restored_logging():
-    """`phyai-edge run` sets up the daemon's logging (a handler on this test's captured stdout,
-    no propagation): put it back for the tests after this one."""
-    import logging
-
-    from phyai_edge.control import log as log_mod
-
-    root = logging.getLogger("phyai_edge")
-    saved = list(root.handlers), root.level, root.propagate, list(log_mod._CONFIGURED)
-    yield
-    root.handlers[:] = saved[0]
-    root.setLevel(saved[1])
-    root.propagate = saved[2]
-    log_mod._CONFIGURED[:] = saved[3]
-
-
 def test_the_command_prints_a_line_per_check_and_exits_by_the_worst(tmp_path, capsys, restored_logging):
     with Sender() as s:
         cfg_file = tmp_path / "robot.toml"
