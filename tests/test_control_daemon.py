@@ -394,6 +394,10 @@ def test_record_writes_observations_and_chunks(tmp_path):
     run.stop()
     files = sorted(tmp_path.glob("obs_*.npz"))
     assert (tmp_path / "meta.json").exists() and len(files) >= 3
+    import json
+
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["max_guidance_weight"] == cfg.chunking.max_guidance_weight  # what `eval` replays with
     z = np.load(files[1])
     assert z["image.top"].shape == (32, 32, 3) and z["state"].shape == (6,)
     assert z["actions"].shape == (50, 6) and str(z["error"]) == ""

@@ -183,3 +183,18 @@ def test_a_frames_noise_depends_on_its_own_episode_and_frame_numbers():
     alone = evaluate(NoisePolicy(), [episode()], seed=3)
     beside = evaluate(NoisePolicy(), [Episode("e1", [_frame([0.0] * 4)] * 3), episode()], seed=3)
     assert alone["episodes"][0]["recorded_max"] == beside["episodes"][1]["recorded_max"] == 0.0
+
+
+def test_a_recording_replays_with_the_guidance_weight_its_daemon_ran(tmp_path):
+    """The daemon records its RTC beta (`chunking.max_guidance_weight`); eval replays guided requests
+    with it unless told another, and with the daemon's default 5.0 for a recording that does not say."""
+    root = write_synthetic_recording(tmp_path / "rec", episodes=2, frames=3)
+    first, _ = sorted(root.glob("*/meta.json"))
+    meta = json.loads(first.read_text())
+    first.write_text(json.dumps({**meta, "max_guidance_weight": 2.0}))
+
+    def betas(**kw):
+        return [{f.rtc.max_guidance_weight for f in ep.frames if f.rtc is not None} for ep in read_recording(root, **kw)]
+
+    assert betas() == [{2.0}, {5.0}]
+    assert betas(max_guidance_weight=1.5) == [{1.5}, {1.5}]

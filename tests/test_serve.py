@@ -48,6 +48,8 @@ def test_wire_rejects_malformed_messages_naming_the_field():
         wire.decode_request([b'{"v": 99, "type": "hello", "id": 1, "robot": "r"}'])
     with pytest.raises(wire.WireError, match="robot"):
         wire.decode_request([b'{"v": 1, "type": "hello", "id": 1, "robot": ""}'])
+    with pytest.raises(wire.WireError, match="id: expected an integer, got True"):
+        wire.decode_request([b'{"v": 1, "type": "hello", "id": true, "robot": "r"}'])
     with pytest.raises(wire.WireError, match="obs"):
         wire.decode_request([b'{"v": 1, "type": "infer", "id": 1, "robot": "r", "obs": []}'])
     bad_buf = (b'{"v": 1, "type": "infer", "id": 1, "robot": "r", "obs": [{"images": {}, '

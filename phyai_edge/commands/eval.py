@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--engine / --reference-engine bundles were exported for, else any size)")
     p.add_argument("--seed", type=int, default=0, help="noise seed (frame noise depends on seed, episode, frame)")
     p.add_argument("--no-rtc", action="store_true", help="replay without the recorded RTC prefixes")
-    p.add_argument("--max-guidance-weight", type=float, default=5.0, help="RTC beta for recorded guided requests")
+    p.add_argument("--max-guidance-weight", type=float, default=None,
+                   help="RTC beta for recorded guided requests (default: the one the recording's daemon ran with)")
     p.add_argument("--camera-map", help="LeRobot: model camera=dataset column, comma separated")
     p.add_argument("--prompt", default="", help="LeRobot: prompt for every frame (default: the dataset's task)")
     p.add_argument("--episodes", help="LeRobot: episode indices, comma separated")

@@ -390,6 +390,7 @@ class Daemon:
                 "rtc_mode": ch.mode,
                 "horizon": ch.horizon,
                 "execution_horizon": ch.execution_horizon,
+                "max_guidance_weight": ch.max_guidance_weight,  # beta: what `phyai-edge eval` replays with
             }
             self.recorder = Recorder(self.record_dir, meta)
             log.info("recording observations to %s", self.record_dir)

@@ -63,8 +63,10 @@ def _scalar(z: Any, key: str, default: Any) -> Any:
     return v.item() if v.ndim == 0 else (default if v.size == 0 else v)
 
 
-def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: float = 5.0) -> list[Episode]:
-    """A `run --record` folder, or a folder of them, -> episodes (frames in inference order)."""
+def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: float | None = None) -> list[Episode]:
+    """A `run --record` folder, or a folder of them, -> episodes (frames in inference order).
+    `max_guidance_weight`: RTC's beta for the guided requests; None: the one each recording says
+    its daemon ran with (5.0, the daemon's default, for a recording that does not say)."""
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"recording folder {root} does not exist")
@@ -75,6 +77,7 @@ def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: 
     for d in dirs:
         meta = json.loads((d / "meta.json").read_text())
         s = int(meta.get("execution_horizon") or 0)
+        beta = max_guidance_weight if max_guidance_weight is not None else float(meta.get("max_guidance_weight", 5.0))
         ep = Episode(d.name)
         for number, f in enumerate(sorted(d.glob("obs_*.npz"))):
             with np.load(f, allow_pickle=False) as z:
@@ -90,7 +93,7 @@ def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: 
                     # The delay the daemon asked the solver for is its estimate at submit time.
                     d_req = int(_scalar(z, "delay_estimate", _scalar(z, "delay", 0)))
                     rtc = RTCRequest(mode, prefix.astype(np.float32), min(d_req, len(prefix)), s,  # type: ignore[arg-type]
-                                     max_guidance_weight)
+                                     beta)
                 target = z["actions"].astype(np.float32) if "actions" in z.files and z["actions"].size else None
                 ep.frames.append(Frame(obs, rtc, target, number))
         episodes.append(ep)

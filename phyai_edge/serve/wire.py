@@ -228,7 +228,7 @@ def decode_request(frames: list[Any]) -> Request:
     if kind not in ("infer", "hello", "stats", "prompt_fit"):
         raise WireError(f"type: unknown request type {kind!r}; expected infer, hello, stats or prompt_fit")
     req_id, robot = head.get("id"), head.get("robot")
-    if not isinstance(req_id, int):
+    if not isinstance(req_id, int) or isinstance(req_id, bool):
         raise WireError(f"id: expected an integer, got {req_id!r}")
     if not isinstance(robot, str) or not robot:
         raise WireError(f"robot: expected a non-empty name, got {robot!r}")
@@ -302,7 +302,7 @@ def encode_reply(rep: Reply) -> list[Any]:
 def decode_reply(frames: list[Any]) -> Reply:
     head = _header(frames)
     req_id = head.pop("id", None)
-    if not isinstance(req_id, int):
+    if not isinstance(req_id, int) or isinstance(req_id, bool):
         raise WireError(f"id: expected an integer, got {req_id!r}")
     ok = bool(head.pop("ok", False))
     head.pop("v", None)
