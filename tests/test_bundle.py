@@ -337,3 +337,24 @@ def test_tensorrt_version_read_from_a_module_without_pip_metadata(tmp_path, monk
         assert bundle_mod._tensorrt_version() == "10.3.0"
     finally:
         sys.modules.pop("tensorrt", None)
+
+
+def test_an_export_ended_by_sigterm_leaves_no_partial_folder(tmp_path, checkpoint):
+    """systemd's stop or a CI timeout sends SIGTERM: the export ends through its clean-up, as with
+    Ctrl-C, and no hidden half-written folder is left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "engines" / "tiny"
+    proc = subprocess.Popen([sys.executable, "-m", "phyai_edge", "export", "--checkpoint", str(checkpoint), "--out",
+                             str(out), "--backend", "onnx", "--batch", "1,2", "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    end = time.monotonic() + 120
+    while not any(out.parent.glob(".tiny.partial-*")) and proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the export ended before it could be stopped: " + proc.stdout.read()[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    assert not list(out.parent.glob(".tiny.partial-*")) and not out.exists()

@@ -162,3 +162,21 @@ def test_a_folder_of_pickles_says_why_it_is_not_loaded(tmp_path: Path, capsys: p
     rc, err = run(["bench", "--checkpoint", str(tmp_path), "--iters", "1", "--warmup", "0"], capsys)
     line = one_line(err, "bench")
     assert rc == 2 and "pytorch_model.bin: pickled weights are never loaded" in line and "safetensors" in line
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--seed", "99999999999"], "--seed 99999999999: expected 0 to 2147483647"),
+    (["--batch-sizes", "0"], "--batch-sizes '0': every size must be at least 1"),
+    (["--batch-sizes", "a,b"], "--batch-sizes 'a,b': expected sizes like 1,2,4,8"),
+])
+def test_eval_names_a_bad_flag_before_loading(args: list[str], expected: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = run(["eval", "--synthetic", str(tmp_path / "rec"), *args], capsys)
+    assert rc == 2 and expected in one_line(err, "eval")
+
+
+def test_eval_says_a_file_is_not_a_recording_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "afile"
+    f.write_text("")
+    rc, err = run(["eval", str(f)], capsys)
+    assert rc == 2 and "is a file; expected a `phyai-edge run --record` folder" in one_line(err, "eval")

@@ -44,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="frames per engine call")
     p.add_argument("--batch-sizes", help="captured batch sizes to pad to, e.g. 1,2,4,8 (default: the sizes the "
                    "--engine / --reference-engine bundles were exported for, else any size)")
-    p.add_argument("--seed", type=int, default=0, help="noise seed (frame noise depends on seed, episode, frame)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="noise seed (frame noise depends on seed, episode, frame); also the built-in preset's "
+                        "weight seed when no --checkpoint is given")
     p.add_argument("--no-rtc", action="store_true", help="replay without the recorded RTC prefixes")
     p.add_argument("--max-guidance-weight", type=float, default=None,
                    help="RTC beta for recorded guided requests (default: the one the recording's daemon ran with)")
@@ -80,7 +82,7 @@ def fixed_sizes(*policies: Any) -> list[int] | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from phyai_edge.commands.common import load_policy_or_fail
+    from phyai_edge.commands.common import fail, load_policy_or_fail
     from phyai_edge.serve.evaluate import (
         evaluate,
         format_eval,
@@ -89,6 +91,14 @@ def main(args: argparse.Namespace) -> int:
         write_synthetic_recording,
     )
 
+    if not 0 <= args.seed < 2**31:
+        fail("eval", f"--seed {args.seed}: expected 0 to {2**31 - 1}")
+    try:
+        sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else None
+    except ValueError:
+        fail("eval", f"--batch-sizes {args.batch_sizes!r}: expected sizes like 1,2,4,8")
+    if sizes is not None and (not sizes or min(sizes) < 1):
+        fail("eval", f"--batch-sizes {args.batch_sizes!r}: every size must be at least 1")
     common = {"adapter": args.adapter, "checkpoint": args.checkpoint, "preset": args.preset, "seed": args.seed,
               "adapter_options": adapter_options("eval", args)}
     policy = load_policy_or_fail("eval", backend=args.backend, device=args.device, dtype=args.dtype,
@@ -117,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"phyai-edge eval: no frames to evaluate in {args.data} (check --episodes, --max-frames, --stride)",
               file=sys.stderr)
         return 2
-    sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else fixed_sizes(policy, reference)
+    sizes = sizes or fixed_sizes(policy, reference)
     try:
         rep = evaluate(policy, episodes, reference, batch=args.batch, seed=args.seed, batch_sizes=sizes)
     except ValueError as exc:

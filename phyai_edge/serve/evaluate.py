@@ -68,6 +68,8 @@ def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: 
     `max_guidance_weight`: RTC's beta for the guided requests; None: the one each recording says
     its daemon ran with (5.0, the daemon's default, for a recording that does not say)."""
     root = Path(path)
+    if root.is_file():
+        raise ValueError(f"{root} is a file; expected a `phyai-edge run --record` folder (or a folder of them)")
     if not root.is_dir():
         raise FileNotFoundError(f"recording folder {root} does not exist")
     dirs = [root] if (root / "meta.json").exists() else sorted(p.parent for p in root.glob("*/meta.json"))
