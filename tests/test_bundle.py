@@ -358,3 +358,11 @@ def test_an_export_ended_by_sigterm_leaves_no_partial_folder(tmp_path, checkpoin
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 128 + signal.SIGTERM
     assert not list(out.parent.glob(".tiny.partial-*")) and not out.exists()
+
+
+def test_bench_on_a_bundle_reports_its_precision(bundle, capsys):
+    """`bench --engine --json` says which bundle ran and at which precision (the manifest's, not
+    --dtype's default), which `phyai-edge roofline --bench` reads."""
+    assert cli(["bench", "--engine", str(bundle), "--iters", "1", "--warmup", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bundle"] == str(bundle) and report["precision"] == "fp32"

@@ -215,9 +215,14 @@ def run_bench(args: argparse.Namespace) -> dict:
     loop_steps = steps - 1 if early and steps > 1 else steps
     floor_device, floors, floor_note = _floors(args, adapter, views, n_valid, gpu, getattr(policy.engine, "fp8", None),
                                                loop_steps)
+    # A bundle's precision is its manifest's, whatever --dtype says (the roofline reads "precision" first).
+    manifest = getattr(policy, "manifest", None) or {}
+    precisions = set((manifest.get("precision") or {}).values())
     return {
         "adapter": args.adapter, "preset": args.preset if not args.checkpoint else "checkpoint",
-        "backend": getattr(policy.engine, "backend", args.backend), "device": args.device, "dtype": args.dtype,
+        "backend": getattr(policy.engine, "backend", args.backend), "device": args.device,
+        "dtype": manifest.get("dtype", args.dtype), "bundle": args.engine,
+        "precision": precisions.pop() if len(precisions) == 1 else None,
         "fp8": getattr(policy.engine, "fp8", None), "fp8_linears": getattr(policy.engine, "fp8_linears", 0),
         "triton_ops": getattr(policy.engine, "triton_ops", None),
         "triton_gemm": getattr(policy.engine, "triton_gemm", None),
