@@ -198,10 +198,10 @@ def takes(rows: int, weight: torch.Tensor) -> bool:
 
 def module_takes(module: nn.Module | None, h: torch.Tensor) -> bool:
     """`module` is a plain `nn.Linear` (exactly: `layers.fp8.Fp8Linear` subclasses it and must keep
-    its own forward) with a constant weight that `takes` h's rows, in h's dtype. A call needing h's
-    gradient (exact RTC guidance's VJP) unless `set_fused_vjp_forward(False)`: then QKV + RoPE and
-    gate/up + GeGLU run forward on their fused kernels (`LinearQkvRopeFn`, `LinearGegluFn`), and
-    o_proj and down on cuBLAS (`linear` takes the reference under a gradient)."""
+    its own forward) whose weight `takes` h's rows, in h's dtype. A call needing h's gradient (exact
+    RTC guidance's VJP) is taken too, with a constant weight, unless `set_fused_vjp_forward(False)`:
+    QKV + RoPE and gate/up + GeGLU then run on their fused kernels (`LinearQkvRopeFn`,
+    `LinearGegluFn`), o_proj and down on cuBLAS (`linear` takes the reference under a gradient)."""
     if type(module) is not nn.Linear or h.dim() == 0 or h.shape[-1] == 0:
         return False
     if needs_grad(h) and (not _FUSED_VJP_FORWARD or module.weight.requires_grad):
@@ -827,7 +827,7 @@ def linear_geglu(h: torch.Tensor, weight: torch.Tensor, backend: str = "referenc
     = shift W^T: the input's adaptive norm finished on the sums (`triton_ops.FoldedNorm`). A tiling
     with `split_k` > 1 splits K: the last split of each tile adds the float32 partials in split order
     and runs the epilogue (`tickets`: as `triton_fold.linear_residual_fold`'s). A call needing h's
-    gradient: as `linear_qkv_rope`'s (`LinearGegluFn`, no norm)."""
+    gradient runs `LinearGegluFn` (no norm; see `set_fused_vjp_forward`)."""
     if weight.dim() == 2 and weight.shape[0] % 2:
         raise ValueError(f"linear_geglu: the fused gate/up weight has an odd row count {weight.shape[0]}")
     _check_norm("linear_geglu", h, norm, norm_bias, weight.shape[0])
@@ -852,7 +852,8 @@ def linear_qkv_rope(
     the contract of `qkv_rope_ref(F.linear(h, weight), cos, sin, H, Hkv, D)` (q (B, H, T, D); k, v
     (B, Hkv, T, D)); cos, sin (B or 1, 1, T, D) as `rope_cos_sin` makes them. The kernel's q, k
     and v are contiguous (the reference's v is a view). `norm` / `norm_bias`, split K and `tickets`:
-    as `linear_geglu`'s. A call needing h's gradient: as `linear`'s (`LinearQkvRopeFn`, no norm)."""
+    as `linear_geglu`'s. A call needing h's gradient runs `LinearQkvRopeFn` (no norm; see
+    `set_fused_vjp_forward`)."""
     if head_dim % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
     if h.dim() != 3:
@@ -874,13 +875,12 @@ def linear_qkv_rope(
 
 
 # -- exact RTC guidance: the forward's fused projections, differentiable ------------------------------
-# Exact guidance takes a vector-Jacobian product through every denoise step. At batch 1 that step is
-# ~400 kernels of a few microseconds each, so what costs is their number: QKV + RoPE and gate/up +
-# GeGLU on their fused kernels are two kernels a block fewer than the GEMM and the elementwise kernel
-# apart. Their backward: the elementwise gradient kernel, then the input gradient as one cuBLAS GEMM
-# (dh = dy W; the small-M kernel on the transposed weight was no faster, RESULTS.md).
-# On an H100 (2026-12-05, RESULTS.md), batch 1, engines alternated: a guided chunk 28.98 -> 28.54 ms,
-# the loop -2.0%.
+# Exact guidance takes a vector-Jacobian product through every denoise step: at batch 1 a step of ~400
+# short kernels. QKV + RoPE and gate/up + GeGLU on their fused kernels are two kernels a block fewer
+# than each GEMM and its elementwise kernel apart; their backward is the elementwise gradient kernel,
+# then the input gradient as one cuBLAS GEMM (dh = dy W: the small-M kernel on the transposed weight
+# was no faster, RESULTS.md). On an H100 (2026-12-05), batch 1, engines alternated: a guided chunk
+# 28.98 -> 28.54 ms, the loop -2.0% (about 1.2 us for each of the 360 kernels a chunk removed).
 _FUSED_VJP_FORWARD = True
 
 
