@@ -398,7 +398,7 @@ def test_a_wrong_request_is_refused_before_batching_and_costs_its_neighbours_not
     noise = [torch.randn(1, ad.chunk_size, ad.model_action_dim, generator=torch.Generator().manual_seed(i))
              for i in range(len(obs))]
     items = [BatchItem([o], None, n) for o, n in zip(obs, noise)]
-    got = run_items(tiny_policy, items)
+    got = run_items(tiny_policy, items, strict_prompts=True)  # as the server runs them
     assert calls == [2], "the good requests share one engine call, and nothing else ran"
     assert [r.actions is not None for r in got] == [True, False, False, False, False, True]
     assert not any(r.rerun for r in got)
@@ -407,6 +407,8 @@ def test_a_wrong_request_is_refused_before_batching_and_costs_its_neighbours_not
     assert "state has 5 values" in bad[0].error
     assert "would be truncated" in bad[1].error and f"takes {ad.cfg.max_token_len}" in bad[1].error
     assert "unknown cameras ['side']" in bad[2].error and "an image of shape (0, 0, 3)" in bad[3].error
+    # offline (eval, rollouts) the long prompt is truncated as preprocess does, not refused
+    assert run_items(tiny_policy, [items[2]])[0].actions is not None
     alone = run_items(tiny_policy, [items[0]])[0]
     # the refusals changed nothing for it: batched with one neighbour, its chunk is its own up to rounding
     np.testing.assert_allclose(got[0].actions, alone.actions, atol=1e-5)

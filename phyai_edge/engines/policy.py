@@ -236,11 +236,12 @@ class Policy:
         self.engine.min_prompt_positions = n
         return n
 
-    def observation_problem(self, obs: Observation) -> str | None:
-        """Why the adapter cannot run `obs` as it is (its `observation_problem`), or None; None too
-        for an adapter that does not say."""
+    def observation_problem(self, obs: Observation, allow_truncation: bool = False) -> str | None:
+        """Why the adapter cannot run `obs` as it is (its `observation_problem`; `allow_truncation`:
+        a prompt longer than the model takes is not a problem), or None; None too for an adapter
+        that does not say."""
         check = getattr(self.adapter, "observation_problem", None)
-        return check(obs) if check is not None else None
+        return check(obs, allow_truncation=allow_truncation) if check is not None else None
 
     def prompt_fit(self, prompt: str) -> tuple[int | None, int | None, int | None]:
         """(the most prompt tokens `prompt` takes with any robot state, the most this policy runs

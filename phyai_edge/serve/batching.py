@@ -162,16 +162,19 @@ def run_group(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int
 
 
 def run_items(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int] | None = None,
-              max_batch: int | None = None) -> list[ItemResult]:
+              max_batch: int | None = None, strict_prompts: bool = False) -> list[ItemResult]:
     """Run every item; an engine error fails only the items of the group it happened in. An item
     whose observations the policy refuses (`observation_problem`: a state of the wrong width, an
-    unknown camera, a prompt the model would truncate) is answered at once and joins no batch, so
-    it never costs its neighbours a failed call and a rerun each."""
+    unknown camera, an empty image; with `strict_prompts`, a prompt the model would truncate) is
+    answered at once and joins no batch, so it never costs its neighbours a failed call and a rerun
+    each. The server is strict (a robot must hear that its state was cut off its prompt); offline
+    evaluation and rollouts truncate as preprocess does, with its one warning."""
     results: list[ItemResult | None] = [None] * len(items)
     problem = getattr(policy, "observation_problem", None)
     if problem is not None:
         for i, it in enumerate(items):
-            why = next((f"obs[{j}]: {p}" for j, o in enumerate(it.observations) if (p := problem(o))), None)
+            why = next((f"obs[{j}]: {p}" for j, o in enumerate(it.observations)
+                        if (p := problem(o, allow_truncation=not strict_prompts))), None)
             if why is not None:
                 results[i] = ItemResult(None, error=why, bad_request=True)
     todo = [i for i, r in enumerate(results) if r is None]

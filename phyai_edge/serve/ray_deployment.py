@@ -49,11 +49,11 @@ class PolicyDeployment:
         return describe_policy(self.policy)
 
     def run(self, items: list[BatchItem]) -> list[ItemResult]:
-        return run_items(self.policy, items, self.batch_sizes, self.max_batch)
+        return run_items(self.policy, items, self.batch_sizes, self.max_batch, strict_prompts=True)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
     async def infer(self, items: list[BatchItem]) -> list[ItemResult]:
-        return run_items(self.policy, items, self.batch_sizes, self.max_batch)
+        return run_items(self.policy, items, self.batch_sizes, self.max_batch, strict_prompts=True)
 
 
 class RayExecutor:

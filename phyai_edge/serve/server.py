@@ -106,7 +106,7 @@ class LocalExecutor:
         with self._lock:
             before = getattr(self.policy, "graphs_built", None)
             t0 = time.perf_counter()
-            results = run_items(self.policy, items, self.batch_sizes, self.max_batch)
+            results = run_items(self.policy, items, self.batch_sizes, self.max_batch, strict_prompts=True)
             if self._warmed and before is not None and self.policy.graphs_built != before:
                 self.graphs_built_serving += 1
                 log.warning("a batch of %d met a shape, prompt length or RTC mode the warm-up did not run: the engine "

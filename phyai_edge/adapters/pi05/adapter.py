@@ -350,11 +350,12 @@ class PI05Adapter:
             raise ValueError(f"observation {i}: empty prompt and no default prompt configured")
         return format_prompt(prompt, discretize_state(norm, self.cfg.state_bins))
 
-    def observation_problem(self, obs: Observation) -> str | None:
+    def observation_problem(self, obs: Observation, allow_truncation: bool = False) -> str | None:
         """Why `obs` cannot run as it is, or None: what preprocess would refuse (an unknown camera,
-        an empty image, a state of the wrong width or not finite, no prompt), and a prompt longer
-        than the model takes, which preprocess truncates: with the state written last, the robot's
-        state is what it cuts off. A server checks each request with this before batching it."""
+        an empty image, a state of the wrong width or not finite, no prompt), and unless
+        `allow_truncation`, a prompt longer than the model takes, which preprocess truncates: with
+        the state written last, the robot's state is what it cuts off. A server checks each request
+        with this before batching it."""
         unknown = sorted(set(obs.images) - set(self.camera_names))
         if unknown:
             return f"unknown cameras {unknown}; the model expects {self.camera_names}"
@@ -365,6 +366,8 @@ class PI05Adapter:
             text = self._prompt_text(obs, 0)
         except ValueError as exc:
             return str(exc).removeprefix("observation 0: ")
+        if allow_truncation:
+            return None
         n = self._token_counts.get(text)
         if n is None:
             n = self._token_counts[text] = self.tokenizer.count(text)
