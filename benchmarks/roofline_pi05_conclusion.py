@@ -67,7 +67,8 @@ def main() -> None:
         print(row(find_device(d).name, predicted(d, eff, extra=extra), free))
     for s in (5, 10, 25):
         fixed = RobotParams.from_rates(RATE_HZ, HORIZON, exec_horizon=s)
-        print(f"\n2. fixed execution horizon s = {s} (replan every {s / RATE_HZ * 1e3:.0f} ms):")
+        print(f"\n2. fixed execution horizon s = {s} (replan every {s / RATE_HZ * 1e3:.0f} ms, or every d "
+              f"ticks where d > s: the next inference starts as the last one lands):")
         for d in DEVICES:
             print(row(find_device(d).name, predicted(d, eff), fixed))
     print("\n3. compute efficiency below which the device becomes inference-bound (bandwidth 0.7, s free):")

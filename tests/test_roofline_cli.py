@@ -102,7 +102,12 @@ def test_what_if_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     rc, out, _ = run(["--device", "orin", "--precision", "fp8", "--no-plot"], capsys)
     assert rc == 0 and "skipped, no fp8" in out
 
+    # s = 5 < d (13 on Orin): the daemon replans back to back every d ticks, and the rate holds
     rc, out, _ = run(["--device", "orin", "--exec-horizon", "5", "--no-plot", "--json", "-"], capsys)
+    r = json.loads(out)["points"][0]["result"]
+    assert not r["d_le_s"] and r["rtc_ok"] and r["binding"] == "physical"
+    # s = 45 > H - d: the chunk runs out before the next one lands
+    rc, out, _ = run(["--device", "orin", "--exec-horizon", "45", "--no-plot", "--json", "-"], capsys)
     r = json.loads(out)["points"][0]["result"]
     assert not r["rtc_ok"] and r["binding"] == "inference"
 

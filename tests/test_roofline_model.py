@@ -102,11 +102,17 @@ def test_hand_case_inference_bound_when_horizon_too_short() -> None:
 
 
 def test_fixed_exec_horizon_both_sides() -> None:
-    # s = 2 < d = 3: the next inference waits for this one, so the real chunk period is d ticks.
+    # s = 2 < d = 3: the next inference starts as this one lands, so the real chunk period is d
+    # ticks; the chunk lasts (3 + 3 <= 10) and the rate stays 50 Hz: the daemon never waits.
     r = analyze(hand_case(), RobotParams.from_rates(50, horizon=10, exec_horizon=2))
-    assert (r.d_le_s, r.s_le_h_minus_d, r.rtc_ok) == (False, True, False)
-    assert r.achievable_rate_hz == pytest.approx(2 / 0.060)  # s_cap = min(2, 8)
-    assert r.chunk_rate_hz == pytest.approx(50 / 3)
+    assert (r.d_le_s, r.s_le_h_minus_d, r.rtc_ok) == (False, True, True)
+    assert r.achievable_rate_hz == pytest.approx(50)  # s_cap = min(10 - 2, 5) = 5: 83 Hz, the loop's 50 binds
+    assert r.chunk_rate_hz == pytest.approx(50 / 3) and r.binding == "physical"
+    # s = 2 with d = 6 (L = 120 ms), H = 10: 6 + 6 > 10, the chunk runs out before the next lands.
+    slow = hand_case(prefix_s=80 * MS)
+    r = analyze(slow, RobotParams.from_rates(50, horizon=10, exec_horizon=2))
+    assert r.delay_ticks == 6 and not r.rtc_ok and not r.s_le_h_minus_d
+    assert r.achievable_rate_hz == pytest.approx(5 / slow.total_s)
     # s = 8 > H - d = 7: the old chunk runs out before the new one lands.
     r = analyze(hand_case(), RobotParams.from_rates(50, horizon=10, exec_horizon=8))
     assert (r.d_le_s, r.s_le_h_minus_d, r.rtc_ok) == (True, False, False)

@@ -13,7 +13,8 @@ from typing import Any
 HELP = "what bounds the control rate: model, processing, transport or robot"
 DESCRIPTION = """\
 Control-Time Roofline: given per-stage times (measured or predicted) and the robot's rate and
-horizons, report the RTC inference delay d = ceil(L / T), whether d <= s <= H - d holds, the
+horizons, report the RTC inference delay d = ceil(L / T), whether the executing chunk lasts until
+the next one lands (max(s, d) + d <= H; with d > s the daemon replans every d ticks), the
 achievable control and chunk rates, which term binds (inference, processing, transport or the
 physical loop) and the margin; draw the roofline chart.
 
@@ -354,8 +355,10 @@ def _verdict(p: Point) -> str:
             f"{r.binding} binds: L = {r.latency_s * 1e3:.0f} ms > L* = {r.ridge_latency_s * 1e3:.0f} ms, "
             f"so at most {r.achievable_rate_hz:.1f} Hz"
         )
+    slipped = (f" (the fixed s = {r.exec_horizon} is below d: the daemon replans every {r.delay_ticks} ticks)"
+               if not r.d_le_s else "")
     return (
-        f"- {p.label}: {why}; d = {r.delay_ticks} ticks, valid s {window}, inference is {share:.0%} of L, "
+        f"- {p.label}: {why}; d = {r.delay_ticks} ticks, valid s {window}{slipped}, inference is {share:.0%} of L, "
         f"replanning at most {r.max_chunk_rate_hz:.2f} chunks/s; {'feasible' if r.feasible else 'NOT feasible'} "
         f"at {r.rate_hz:g} Hz"
     )

@@ -16,14 +16,17 @@ actions can reach the motors:
 The inference delay in ticks is d = ceil(L / T): the number of actions of the old chunk that
 run while the new one is computed (the new chunk takes over at its index d).
 
-Real-Time Chunking (Black et al., 2025) needs d <= s <= H - d:
-  * d <= s      a new inference starts every s ticks and only one is in flight, so it must be
-                done before the next one starts (otherwise the effective s grows to d);
+Real-Time Chunking (Black et al., 2025) schedules d <= s <= H - d:
+  * d <= s      a new inference starts every s ticks and only one is in flight, so it is done
+                before the next one starts. Where d > s the next one starts as this one lands:
+                the effective s is d (the daemon replans back to back; the clock never waits);
   * s <= H - d  the executing chunk was planned at tick k and covers k .. k+H-1; the next chunk
-                starts at k+s and arrives at k+s+d, so the old chunk must last that long.
+                starts at k+max(s, d) and arrives d ticks later, so the old chunk must last that
+                long: max(s, d) + d <= H, or it runs out (the robot holds, STARVED).
 
 A window of valid s exists iff 2d <= H. Write s_cap for the largest delay the schedule can
-absorb: s_cap = min(s, H - s) for a fixed s, and s_cap = floor(H / 2) when s is free to choose.
+absorb: s_cap = min(H - s, floor(H / 2)) for a fixed s (d <= H - s while d <= s, 2d <= H after),
+and s_cap = floor(H / 2) when s is free to choose.
 Because d is an integer, ceil(L / T) <= s_cap  <=>  L <= s_cap * T, so the rate is feasible iff
 
     T >= T_phys   and   T >= L / s_cap,
@@ -158,10 +161,11 @@ class RobotParams:
 
     @property
     def s_cap(self) -> int:
-        """Largest delay d (ticks) the schedule absorbs: min(s, H - s), or floor(H/2) if s is free."""
+        """Largest delay d (ticks) the schedule absorbs: min(H - s, floor(H/2)) for a fixed s (a d
+        above s only replans every d ticks instead of s), floor(H/2) if s is free."""
         if self.exec_horizon is None:
             return self.horizon // 2
-        return min(self.exec_horizon, self.horizon - self.exec_horizon)
+        return min(self.horizon - self.exec_horizon, self.horizon // 2)
 
 
 @dataclass(frozen=True)
@@ -170,9 +174,9 @@ class RooflineResult:
     delay_ticks: int  # d
     exec_horizon: int  # s used: the fixed s, or d (replan as soon as RTC allows) when s is free
     s_window: tuple[int, int]  # valid s: [d, H - d]; empty when lo > hi
-    d_le_s: bool
-    s_le_h_minus_d: bool
-    rtc_ok: bool
+    d_le_s: bool  # RTC's schedule as configured; where False the effective s is d
+    s_le_h_minus_d: bool  # max(s, d) <= H - d: the executing chunk lasts until the next one lands
+    rtc_ok: bool  # the run never starves: s_le_h_minus_d (with s free, the window [d, H - d] exists)
     rate_hz: float  # requested control rate
     physical_rate_hz: float
     achievable_rate_hz: float  # f_max
@@ -228,11 +232,13 @@ def analyze(stages: StageTimes, robot: RobotParams) -> RooflineResult:
     L = stages.total_s
     d = delay_ticks(L, T)
     s_used = robot.exec_horizon if robot.exec_horizon is not None else max(d, 1)
-    d_le_s, s_le = rtc_constraints(d, s_used, H)
+    d_le_s, _ = rtc_constraints(d, s_used, H)
+    # Where d > s the next inference starts when this one lands: the chunk must last max(s, d) + d.
+    s_le = max(s_used, d) <= H - d
     if robot.exec_horizon is None:
         # s is ours to choose: the constraint holds iff the window [d, H - d] is non-empty.
         d_le_s, s_le = True, 2 * d <= H and s_used <= H - d
-    rtc_ok = d_le_s and s_le
+    rtc_ok = s_le  # d > s slips the next start to this one's landing; only running out is a failure
     rate = 1.0 / T
     f_phys = 1.0 / robot.t_phys
     f_max = max_control_rate(L, robot)
