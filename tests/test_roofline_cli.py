@@ -279,3 +279,8 @@ def test_metrics_give_the_rate_and_s_unless_the_flags_do(capsys: pytest.CaptureF
     assert rc == 0
     robot = json.loads(out)["robot"]
     assert (robot["rate_hz"], robot["exec_horizon"], robot["control_period_ms"]) == (50.0, 20, pytest.approx(20.0))
+
+
+def test_a_horizon_longer_than_the_model_s_chunk_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(["--device", "orin", "--horizon", "100", "--no-plot"], capsys)
+    assert rc == 2 and "--horizon 100: longer than the model's chunk (50 actions)" in err

@@ -442,6 +442,9 @@ def main(args: argparse.Namespace) -> int:
         cm = cost_model(margs["adapter"])
         rate = args.rate or (first.rate_hz if first and first.rate_hz else None) or 50.0
         horizon = args.horizon or (first.horizon if first and first.horizon else None) or margs["horizon"]
+        if horizon > margs["horizon"]:
+            # the daemon cuts a chunk to the policy's own length: a longer H is not one it can run
+            raise ValueError(f"--horizon {horizon}: longer than the model's chunk ({margs['horizon']} actions)")
         exec_h = args.exec_horizon or (first.exec_horizon if first else None)
         robot = RobotParams.from_rates(rate, horizon, exec_h, args.physical_rate)
     except ValueError as e:
