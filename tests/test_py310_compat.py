@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,8 @@ def _robot_files() -> list[Path]:
     return sorted(p for d in CHECKED_DIRS for p in (ROOT / d).rglob("*.py"))
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="its example is 3.11 syntax, which 3.10 cannot parse; "
+                    "there the interpreter itself is the check (the whole suite runs on it)")
 def test_checker_catches_each_construct():
     bad = """
 import tomllib
