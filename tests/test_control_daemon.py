@@ -234,7 +234,11 @@ def test_prometheus_counts_every_hold_the_summary_counts():
     counted = {m[1]: int(float(m[2])) for m in re.finditer(r'phyai_hold_ticks_total\{reason="(\w+)"\} (\S+)', text)}
     holds = run.daemon.summary()["holds"]
     assert holds.get("shutdown") == 1 and holds.get("warmup", 0) >= 1, holds
-    assert counted == holds
+    assert {k: v for k, v in counted.items() if v} == holds
+    # every reason is a series from the start (at 0 until it happens), so an alert on increase() sees the first
+    from phyai_edge.control.metrics import HOLD_REASONS
+
+    assert set(counted) == set(HOLD_REASONS)
 
 
 def test_inference_failure_runs_out_the_chunk_then_holds():
@@ -854,3 +858,48 @@ def test_model_info_views_count_the_cameras_the_model_runs():
     assert model_info_labels(cfg, replace(info, drops_cameras=True))["views"] == "1"
     two = test_config(model={"device": "cpu"}, cameras={"wrist": {"source": "synthetic", "view": "left_wrist"}})
     assert model_info_labels(two, replace(info, drops_cameras=True))["views"] == "2"
+
+
+def test_a_refused_real_time_setting_is_a_warning(monkeypatch):
+    """`journalctl -p warning` (systemd/INSTALL.md) must show a loop that is not real-time: a refused
+    SCHED_FIFO or mlockall is a warning, the settings that took are info."""
+    import os
+
+    from phyai_edge.control import clock
+
+    def refuse(*_):
+        raise PermissionError
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    notes = clock.setup_realtime(80, (), False)
+    assert any("not permitted" in n for n in notes)
+    assert all(clock.realtime_refused(n) for n in notes)
+    assert not clock.realtime_refused("memory: locked (mlockall)")
+    assert not clock.realtime_refused("clock thread: SCHED_FIFO priority 80")
+
+
+class FlappingState(SyntheticState):
+    """Fresh for `good_s`, then silent for `bad_s`, over and over: a stream just slower than its
+    age limit, as a loaded controller's can be."""
+
+    def __init__(self, dim: int, good_s: float = 0.25, bad_s: float = 0.12) -> None:
+        super().__init__(dim)
+        self.t0, self.good_s, self.bad_s = time.monotonic(), good_s, bad_s
+
+    def latest(self):
+        self.alive = (time.monotonic() - self.t0) % (self.good_s + self.bad_s) < self.good_s
+        return super().latest()
+
+
+def test_flapping_inputs_do_not_flood_the_log(caplog):
+    """A hold that drops a chunk is logged the 1st, 10th, 100th, ... time for its reason, with the
+    count; every one of them is still counted in the summary and Prometheus."""
+    cfg = test_config(safety={"state_max_age_ms": 60.0})
+    run = Running(Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), state=FlappingState(6),
+                         realtime=False))
+    with caplog.at_level("WARNING", logger="phyai_edge.control"):
+        run.wait_for(lambda: run.daemon._holds_logged.get("stale", 0) >= 5, timeout=20, what="five stale episodes")
+    run.stop()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("HOLD: stale")]
+    assert len(lines) == 1 and run.daemon._holds_logged["stale"] >= 5, lines
+    assert run.daemon.stats.holds["stale"] >= 5

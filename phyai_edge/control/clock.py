@@ -235,3 +235,8 @@ def setup_realtime(priority: int, cpus: tuple[int, ...], mlock: bool) -> list[st
         else:
             notes.append("memory: locked (mlockall)")
     return notes
+
+
+def realtime_refused(note: str) -> bool:
+    """Whether a `setup_realtime` note says a setting was refused (the loop then runs without it)."""
+    return "not permitted" in note or "failed" in note

@@ -35,9 +35,11 @@ from phyai_edge.control.clock import (
     PeriodicClock,
     fifo_permitted,
     promote_threads,
+    realtime_refused,
     setup_realtime,
 )
 from phyai_edge.control.config import ConfigError, DaemonConfig, check_against_policy
+from phyai_edge.control.log import worth_logging
 from phyai_edge.control.metrics import Metrics
 from phyai_edge.control.notify import Notifier
 from phyai_edge.control.protocol import Flag
@@ -277,6 +279,7 @@ class Daemon:
         self.geometry = {c.view_name: c.geometry for c in cfg.cameras.values() if c.geometry is not None}
         self._job_changes = 0  # the instruction count (`TaskChannel.changes`) of the last job started
         self._holds_seen = 0  # the operator holds (`TaskChannel.holds`) the clock has acted on
+        self._holds_logged: dict[str, int] = {}  # holds that dropped a chunk, by reason (`worth_logging`)
         self._status: Any = None
         self.late_ticks = LateTicks(round(cfg.clock.late_limit_s(cfg.robot.period_s) * 1e9))
 
@@ -450,7 +453,8 @@ class Daemon:
         sys.setswitchinterval(cfg.clock.switch_interval_us / 1e6)
         if self.realtime:
             for line in setup_realtime(cfg.clock.priority, cfg.clock.cpus, cfg.clock.mlock):
-                log.info(line)
+                # a loop that is not real-time is the operator's to fix: shown by `journalctl -p warning`
+                (log.warning if realtime_refused(line) else log.info)(line)
             if cfg.clock.priority > 1 and fifo_permitted(cfg.clock.priority):
                 helpers = promote_threads(("inference-client", "camera-"), max(1, cfg.clock.priority - 10))
                 if helpers:
@@ -581,8 +585,12 @@ class Daemon:
                 reason = "estop" if estop else "stale" if stale else "paused"
                 flags |= Flag.HOLD | (Flag.ESTOP if estop else Flag.STALE if stale else Flag.PAUSED)
                 if q.current is not None or inflight is not None:
-                    why = ", ".join(stale) or ("e-stop from the state stream" if estop else "the task channel")
-                    log.warning("HOLD: %s (%s)", reason, why)
+                    # Inputs that flap (a state stream just slower than its age limit) would log this
+                    # on every recovery: the 1st, 10th, 100th, ... such hold (the metrics count each).
+                    self._holds_logged[reason] = n = self._holds_logged.get(reason, 0) + 1
+                    if worth_logging(n):
+                        why = ", ".join(stale) or ("e-stop from the state stream" if estop else "the task channel")
+                        log.warning("HOLD: %s (%s)%s", reason, why, f"; {n} such holds so far" if n > 1 else "")
                 q.reset()
                 if inflight is not None:
                     inflight.valid = False

@@ -16,6 +16,9 @@ LATENESS_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-
 STAGE_BUCKETS = (1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+# Every `reason` label `phyai_hold_ticks` takes (the daemon's `_count_hold`).
+HOLD_REASONS = ("warmup", "starved", "stale", "estop", "paused", "worker_down", "nonfinite", "shutdown")
+
 class _Nop:
     def labels(self, *args: object, **kwargs: object) -> _Nop:
         return self
@@ -76,6 +79,8 @@ class Metrics:
         )
         self.rtc_delay = pc.Gauge("phyai_rtc_delay_ticks", "Measured delay d of the last adopted chunk", registry=registry)
         self.holds = pc.Counter("phyai_hold_ticks", "Ticks published with HOLD, by reason", ["reason"], registry=registry)
+        for reason in HOLD_REASONS:  # every series from the first scrape: increase() sees the first event
+            self.holds.labels(reason)
         self.clamped = pc.Counter("phyai_clamped_actions", "Actions changed by a limit", ["limit"], registry=registry)
         self.missed_ticks = pc.Counter("phyai_missed_ticks", "Clock slots skipped after an overrun", registry=registry)
         self.late_ticks = pc.Counter("phyai_late_ticks", "Ticks published later than clock.late_warning_ms after their "
