@@ -903,3 +903,21 @@ def test_flapping_inputs_do_not_flood_the_log(caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("HOLD: stale")]
     assert len(lines) == 1 and run.daemon._holds_logged["stale"] >= 5, lines
     assert run.daemon.stats.holds["stale"] >= 5
+
+
+def test_a_publish_endpoint_in_use_fails_before_the_model_loads():
+    """Another process on publish.endpoint is found in a second, not after minutes of loading and
+    warming a model; the key is named and shutdown returns."""
+    from phyai_edge.control.config import ConfigError
+
+    taken = zmq.Context.instance().socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        d = Daemon(test_config(publish={"endpoint": f"tcp://127.0.0.1:{port}"}),
+                   policy=FakePolicy(action_dim=6, state_dim=6), realtime=False)
+        with pytest.raises(ConfigError, match="publish.endpoint: "):
+            d.setup()
+        assert getattr(d, "worker", None) is None, "the policy was loaded before the endpoint was tried"
+        d.shutdown()
+    finally:
+        taken.close(0)

@@ -288,6 +288,12 @@ class Daemon:
     def setup(self) -> None:
         cfg = self.cfg
         t0 = time.monotonic()
+        p = cfg.publish
+        # Bound before the model loads: an endpoint already in use then fails in a second, not after
+        # minutes of loading and warming (nothing is published until the clock runs).
+        self.publisher = _zmq_opened(
+            "publish.endpoint", lambda: ActionPublisher(p.endpoint, p.topic, p.chunk_topic, p.bind, p.sndhwm, self.context)
+        )
         if self._policy is not None:
             self.worker = ThreadWorker(policy=self._policy)
         elif cfg.model.worker == "thread":
@@ -365,10 +371,6 @@ class Daemon:
         self.state = self._state_override or make_state(cfg.state, info.state_dim, self.context)
         _zmq_opened("state.endpoint", self.state.start)
         log.info("state: %s", self.state.describe())
-        p = cfg.publish
-        self.publisher = _zmq_opened(
-            "publish.endpoint", lambda: ActionPublisher(p.endpoint, p.topic, p.chunk_topic, p.bind, p.sndhwm, self.context)
-        )
         log.info(
             "publishing on %s (topic %r%s), %g Hz, RTC %s (H=%d, s=%d)",
             self.publisher.endpoint, p.topic, f", chunks on {p.chunk_topic!r}" if p.chunk_topic else "",
