@@ -915,7 +915,7 @@ def test_a_publish_endpoint_in_use_fails_before_the_model_loads():
     try:
         d = Daemon(test_config(publish={"endpoint": f"tcp://127.0.0.1:{port}"}),
                    policy=FakePolicy(action_dim=6, state_dim=6), realtime=False)
-        with pytest.raises(ConfigError, match="publish.endpoint: "):
+        with pytest.raises(ConfigError, match=r"publish\.endpoint: "):
             d.setup()
         assert getattr(d, "worker", None) is None, "the policy was loaded before the endpoint was tried"
         d.shutdown()
