@@ -458,6 +458,7 @@ def test_zmq_state_stream_estop_and_metrics():
         run.wait_for(lambda: count(run, lambda h, v: not h.flags & Flag.HOLD) >= 10, what="policy actions")
         estop.set()
         run.wait_for(lambda: count(run, lambda h, v: h.flags & Flag.ESTOP) >= 3, what="ESTOP holds")
+        seen = len(run.actions())
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         run.stop()
     finally:
@@ -467,6 +468,18 @@ def test_zmq_state_stream_estop_and_metrics():
     for name in ("phyai_tick_lateness_seconds_bucket", "phyai_inference_stage_seconds_bucket", "phyai_rtc_delay_ticks",
                  'phyai_hold_ticks_total{reason="estop"}', "phyai_missed_ticks_total", "phyai_late_ticks_total"):
         assert name in text, name
+
+    def value(name: str) -> float:
+        import re
+
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+    # an alert's signals: every action counted (all the listener had by the scrape, at least); while it
+    # holds (three ESTOP ticks seen: two periods at least since the last policy action) that time grows;
+    # the last policy action's observation was a fraction of a second old (a 10 ms fake policy)
+    assert value("phyai_published_actions_total") >= seen
+    assert value("phyai_seconds_since_policy_action") >= 2 * cfg.robot.period_s * 0.99
+    assert 0 < value("phyai_action_observation_age_seconds") < 1.0
     flags = [h.flags for h, _ in run.actions()]
     i = next(i for i, f in enumerate(flags) if f & Flag.ESTOP)
     assert all(f & Flag.HOLD for f in flags[i:])

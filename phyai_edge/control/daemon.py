@@ -506,6 +506,7 @@ class Daemon:
         worker = self.worker
         seen = _WorkerSeen()
         worker_hold_logged = False
+        last_policy_s: float | None = None  # when the last policy (not HOLD) action went out, monotonic s
         late_ticks = self.late_ticks
 
         while True:
@@ -655,6 +656,13 @@ class Daemon:
             st.wake_lateness.add(tick.lateness_ns)
             m.tick_lateness.observe(late / 1e9)
             m.seq.set(header.seq)
+            m.published.inc()
+            sent_s = header.publish_mono_ns / 1e9
+            if not header.flags & Flag.HOLD and obs_t > 0:
+                last_policy_s = sent_s
+                m.action_obs_age.set(sent_s - obs_t)
+            if last_policy_s is not None:
+                m.since_policy_action.set(sent_s - last_policy_s)
 
             # -- service duties, rate-limited so they cost nothing most ticks
             if wd_ns and tick.wake_ns - last_watchdog_ns >= wd_ns:

@@ -51,6 +51,9 @@ class Metrics:
         self.nonfinite = nop
         self.inference_failures = nop
         self.seq = nop
+        self.published = nop
+        self.action_obs_age = nop
+        self.since_policy_action = nop
         self.worker_restarts = nop
         self.worker_deaths = nop
         self.worker_up = nop
@@ -90,6 +93,16 @@ class Metrics:
             "phyai_inference_failures", "Inferences that failed: raised, or returned a chunk that was rejected", registry=registry
         )
         self.seq = pc.Gauge("phyai_published_seq", "Sequence number of the last published action", registry=registry)
+        self.published = pc.Counter("phyai_published_actions", "Action messages published, HOLD included",
+                                    registry=registry)
+        self.action_obs_age = pc.Gauge(
+            "phyai_action_observation_age_seconds",
+            "Age of the observation behind the last policy action, when it was published", registry=registry,
+        )
+        self.since_policy_action = pc.Gauge(
+            "phyai_seconds_since_policy_action", "Time since the last policy (not HOLD) action was published; "
+            "grows while the daemon holds", registry=registry,
+        )
         self.worker_restarts = pc.Counter(
             "phyai_worker_restarts", "Inference worker processes restarted, by outcome", ["result"], registry=registry
         )
