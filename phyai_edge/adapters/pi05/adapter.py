@@ -103,7 +103,6 @@ class PI05Adapter:
         self.camera_names = list(io.camera_names)
         self.solver = SolverSpec(cfg.num_steps)
         self._warned_truncation = False
-        self._token_counts: dict[str, int] = {}  # text -> its tokens before truncation (`observation_problem`)
         self._token_cache: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._slot_indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}  # drop_cameras'
         self._token_owner: tuple[PromptTokenizer, int] | None = None
@@ -267,7 +266,8 @@ class PI05Adapter:
         """The prompt tokens (BOS and state included) the model takes; a longer prompt is truncated."""
         return self.cfg.max_token_len
 
-    def _tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    def _tokenize(self, text: str, warn: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """`warn`: log (once) when a text is truncated; `observation_problem` refuses it instead."""
         n = self.cfg.max_token_len
         # Keyed by the exact text, for the tokenizer and length it was filled with: a tokenizer
         # maps a text to one id sequence, so a hit returns what tokenising again would.
@@ -283,7 +283,7 @@ class PI05Adapter:
                 cache.move_to_end(text)
             return hit
         tok = self.tokenizer(text, n)
-        if tok.truncated and not self._warned_truncation:
+        if tok.truncated and warn and not self._warned_truncation:
             log.warning("prompt longer than %d tokens was truncated; raise max_token_len", n)
             self._warned_truncation = True
         entry = (np.asarray(tok.ids, dtype=np.int64), np.asarray(tok.mask, dtype=bool))
@@ -368,13 +368,10 @@ class PI05Adapter:
             return str(exc).removeprefix("observation 0: ")
         if allow_truncation:
             return None
-        n = self._token_counts.get(text)
-        if n is None:
-            n = self._token_counts[text] = self.tokenizer.count(text)
-            while len(self._token_counts) > TOKEN_CACHE_SIZE:
-                with contextlib.suppress(KeyError, StopIteration):
-                    del self._token_counts[next(iter(self._token_counts))]
-        if n > self.cfg.max_token_len:
+        # Tokenised as preprocess will tokenise it (whose cache then hits); only a prompt that fills
+        # every position may have been cut: that one is counted whole.
+        _, mask = self._tokenize(text, warn=False)
+        if mask.all() and (n := self.tokenizer.count(text)) > self.cfg.max_token_len:
             return (f"prompt: {n} tokens with this state (BOS included), the model takes {self.cfg.max_token_len}: "
                     "it would be truncated, the state with it")
         return None
