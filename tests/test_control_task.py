@@ -461,43 +461,26 @@ def test_a_hold_released_within_one_tick_still_holds_at_least_one():
     """The operator was told `holding = true`: even when the release comes before the clock's next
     tick (a round trip takes well under a period), that hold reaches the robot: a HOLD | PAUSED tick
     at least, and the executing chunk dropped (the next chunk starts fresh)."""
-    from phyai_edge.control.listener import Listener
+    from test_control_daemon import Running
+
     from phyai_edge.control.protocol import Flag
 
     endpoint = free_tcp_endpoint()
     cfg = test_config(task={"endpoint": endpoint}, robot={"control_hz": 20.0})
-    d = Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), realtime=False, status_line=False)
-    d.setup()
-    listener = Listener(d.publisher.endpoint, cfg.publish.topic, keep=True)
-    time.sleep(0.2)
-    thread = threading.Thread(target=d.run, kwargs={"duration_s": 30}, daemon=True)
-    thread.start()
-
-    def actions():
-        listener.poll(0.05)
-        return [h for h, _ in listener.messages if h.kind == 1]
-
-    try:
-        assert d.wait_started(10)
-        end = time.monotonic() + 10
-        while d.stats.adopted < 2 and time.monotonic() < end:
-            time.sleep(0.01)
-        for _ in range(3):
-            n = len(actions())
-            assert request_instruction(endpoint, hold=True).holding
-            assert not request_instruction(endpoint, hold=False).holding
-            end = time.monotonic() + 10
-            while not any(h.flags & Flag.PAUSED for h in actions()[n:]) and time.monotonic() < end:
-                time.sleep(0.01)
-            assert any(h.flags & Flag.PAUSED and h.flags & Flag.HOLD for h in actions()[n:]), "the hold never showed"
-            time.sleep(0.3)
-        seqs = [h.seq for h in actions()]
-        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-    finally:
-        d.stop()
-        thread.join(10)
-        listener.close()
-    assert d.summary()["holds"].get("paused", 0) >= 3
+    run = Running(Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), realtime=False,
+                         status_line=False))
+    run.wait_for(lambda: run.daemon.stats.adopted >= 2, what="two chunks")
+    for _ in range(3):
+        n = len(run.actions())
+        assert request_instruction(endpoint, hold=True).holding
+        assert not request_instruction(endpoint, hold=False).holding
+        run.wait_for(lambda n=n: any(h.flags & Flag.PAUSED and h.flags & Flag.HOLD for h, _ in run.actions()[n:]),
+                     what="the hold on the wire")
+        time.sleep(0.3)
+    run.stop()
+    seqs = [h.seq for h, _ in run.actions()]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert run.daemon.summary()["holds"].get("paused", 0) >= 3
 
 
 def test_prometheus_shows_the_hold_and_the_instruction_as_states():
