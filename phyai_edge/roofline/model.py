@@ -205,8 +205,9 @@ def delay_ticks(latency_s: float, period_s: float) -> int:
 
 
 def rtc_constraints(d: int, s: int, horizon: int) -> tuple[bool, bool]:
-    """(d <= s, s <= H - d): the two halves of RTC's constraint."""
-    return d <= s, s <= horizon - d
+    """(d <= s, max(s, d) <= H - d): RTC's schedule as configured, and whether the executing chunk
+    lasts until the next lands (where d > s the next inference starts as this one lands)."""
+    return d <= s, max(s, d) <= horizon - d
 
 
 def max_control_rate(latency_s: float, robot: RobotParams) -> float:
@@ -232,9 +233,7 @@ def analyze(stages: StageTimes, robot: RobotParams) -> RooflineResult:
     L = stages.total_s
     d = delay_ticks(L, T)
     s_used = robot.exec_horizon if robot.exec_horizon is not None else max(d, 1)
-    d_le_s, _ = rtc_constraints(d, s_used, H)
-    # Where d > s the next inference starts when this one lands: the chunk must last max(s, d) + d.
-    s_le = max(s_used, d) <= H - d
+    d_le_s, s_le = rtc_constraints(d, s_used, H)
     if robot.exec_horizon is None:
         # s is ours to choose: the constraint holds iff the window [d, H - d] is non-empty.
         d_le_s, s_le = True, 2 * d <= H and s_used <= H - d
