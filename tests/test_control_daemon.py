@@ -216,6 +216,31 @@ def test_a_rejected_nan_chunk_counts_as_a_failed_inference_in_prometheus():
     assert f"phyai_inference_failures_total {float(run.daemon.stats.failures)}" in text
 
 
+def test_prometheus_counts_clamps_by_limit_and_exports_process_metrics():
+    """phyai_clamped_actions{limit} counts position and rate clamps apart, as the summary does (both
+    series from the first scrape), and the standard process_* series are exported."""
+    import re
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # The fake's actions are 0.5 sin(pi t + i): above 0.3 for part of each period, and moving up
+    # to 0.031 a tick, over the 0.02 a tick that 1.0 / s allows at 50 Hz.
+    cfg = test_config(metrics={"port": port}, robot={"limits": {"action_max": 0.3, "max_rate": 1.0}})
+    run = Running(Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), realtime=False))
+    run.wait_for(lambda: run.daemon.stats.adopted >= 3, what="3 chunks")
+    run.stop()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    counted = {m[1]: int(float(m[2])) for m in re.finditer(r'phyai_clamped_actions_total\{limit="(\w+)"\} (\S+)', text)}
+    clamped = run.daemon.summary()["clamped"]
+    assert clamped["limit"] > 0 and clamped["rate"] > 0, clamped
+    assert counted == {"position": clamped["limit"], "rate": clamped["rate"]}
+    assert re.search(r"^process_resident_memory_bytes [1-9]", text, re.M), text
+    assert "phyai_worker_process_" not in text  # a thread worker: the model's memory is this process's
+
+
 def test_prometheus_counts_every_hold_the_summary_counts():
     """phyai_hold_ticks{reason} and summary()["holds"] count the same ticks, the final SHUTDOWN
     hold included (the metrics endpoint outlives the loop, so it is read after the stop)."""

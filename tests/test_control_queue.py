@@ -66,12 +66,16 @@ def test_delay_estimator_takes_recent_maximum():
 def test_guard_clamps_rate_limits_and_never_passes_nan():
     g = ActionGuard(2, Limits(action_min=-1.0, action_max=(1.0, 0.5), max_rate=10.0), period_s=0.02, hold_mode="last")
     out, flags = g.finalize(np.array([0.1, 2.0], np.float32))
-    assert flags == Flag.CLAMPED and out.tolist() == [np.float32(0.1), 0.5]
+    assert flags == Flag.CLAMPED and out.tolist() == [np.float32(0.1), 0.5] and g.last_clamps == ("position",)
     out, flags = g.finalize(np.array([0.9, 0.5], np.float32))  # 0.8 in one 20 ms tick > 10/s
-    assert flags == Flag.CLAMPED and np.allclose(out, [0.3, 0.5])
+    assert flags == Flag.CLAMPED and np.allclose(out, [0.3, 0.5]) and g.last_clamps == ("rate",)
+    out, flags = g.finalize(np.array([0.4, 0.5], np.float32))
+    assert flags == 0 and g.last_clamps == ()
     out, flags = g.finalize(np.array([np.nan, 0.0], np.float32))
-    assert flags & Flag.NONFINITE and flags & Flag.HOLD and np.isfinite(out).all() and np.allclose(out, [0.3, 0.5])
-    assert (g.counters.clamped_limit, g.counters.clamped_rate, g.counters.nonfinite) == (1, 1, 1)
+    assert flags & Flag.NONFINITE and flags & Flag.HOLD and np.isfinite(out).all() and np.allclose(out, [0.4, 0.5])
+    _, flags = g.finalize(np.array([-3.0, 0.5], np.float32))  # below action_min, then too fast from 0.4
+    assert flags == Flag.CLAMPED and g.last_clamps == ("position", "rate")
+    assert (g.counters.clamped_limit, g.counters.clamped_rate, g.counters.nonfinite) == (2, 2, 1)
     assert np.allclose(ActionGuard(2, Limits(), 0.02, "zero").hold_target(np.ones(2)), 0)
     assert np.allclose(ActionGuard(2, Limits(), 0.02, "state").hold_target(np.ones(2)), 1)
 

@@ -101,6 +101,7 @@ def test_sigkilled_worker_runs_out_the_chunk_holds_restarts_and_resumes(daemon_l
         old_pid = d.worker.pid
         assert old_pid and old_pid != os.getpid()
         os.kill(old_pid, signal.SIGKILL)
+        killed_at = time.time()
         n_kill = len(run.actions())
 
         run.wait_for(lambda: any(h.flags & Flag.HOLD and h.flags & Flag.WORKER_DOWN for h, _ in run.actions()[n_kill:]),
@@ -170,6 +171,11 @@ def test_sigkilled_worker_runs_out_the_chunk_holds_restarts_and_resumes(daemon_l
     assert "phyai_worker_deaths_total 1.0" in metrics
     assert "phyai_worker_up 1.0" in metrics
     assert 'phyai_hold_ticks_total{reason="worker_down"}' in metrics
+    # The worker's process series follow the restarted process, not the killed one.
+    rss = re.search(r"^phyai_worker_process_resident_memory_bytes (\S+)", metrics, re.M)
+    started = re.search(r"^phyai_worker_process_start_time_seconds (\S+)", metrics, re.M)
+    assert rss and float(rss[1]) > 0 and started, metrics
+    assert float(started[1]) > killed_at - 0.05
 
 
 def test_restarts_that_keep_failing_keep_holding_then_recover(tmp_path, daemon_log):

@@ -377,7 +377,10 @@ class Daemon:
             cfg.robot.control_hz, ch.mode, ch.horizon, ch.execution_horizon,
         )
         if cfg.metrics.port:
-            self.metrics.serve(cfg.metrics.host, cfg.metrics.port, model_info_labels(cfg, info))
+            # A ThreadWorker's model lives in this process: its memory is in process_* already.
+            worker = self.worker
+            worker_pid = (lambda: worker.pid) if isinstance(worker, ProcessWorker) else None
+            self.metrics.serve(cfg.metrics.host, cfg.metrics.port, model_info_labels(cfg, info), worker_pid)
         if cfg.task.endpoint:
             worker = self.worker
             self.task = TaskChannel(cfg.task, cfg.model.prompt, lambda prompt: worker.check_prompt(prompt, TASK_CHECK_TIMEOUT_S),
@@ -637,8 +640,8 @@ class Daemon:
             if extra & Flag.NONFINITE:
                 self._count_hold("nonfinite")
                 m.nonfinite.inc()
-            if extra & Flag.CLAMPED:
-                m.clamped.labels("position_or_rate").inc()
+            for limit in guard.last_clamps:
+                m.clamped.labels(limit).inc()
             header = pub.publish(out, flags | extra, obs_t, chunk_id, index, instruction)
             if started is not None:
                 # Right after its CHUNK_START action (protocol.md): row 0 is the action just sent.

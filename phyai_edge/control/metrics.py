@@ -7,7 +7,7 @@ or with `metrics.port = 0`, every update is an empty method call.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("phyai_edge.control")
 
@@ -18,6 +18,8 @@ STAGE_BUCKETS = (1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 0.1, 0.2, 0.5, 1.0, 2.0,
 
 # Every `reason` label `phyai_hold_ticks` takes (the daemon's `_count_hold`).
 HOLD_REASONS = ("warmup", "starved", "stale", "estop", "paused", "worker_down", "nonfinite", "shutdown")
+# Every `limit` label `phyai_clamped_actions` takes (`ActionGuard.last_clamps`).
+CLAMP_LIMITS = ("position", "rate")
 
 class _Nop:
     def labels(self, *args: object, **kwargs: object) -> _Nop:
@@ -62,9 +64,14 @@ class Metrics:
         self.task_holding = nop
         self.task_instruction = nop
 
-    def serve(self, host: str, port: int, model: Mapping[str, str] | None = None) -> bool:
+    def serve(
+        self, host: str, port: int, model: Mapping[str, str] | None = None,
+        worker_pid: Callable[[], int | None] | None = None,
+    ) -> bool:
         """Start the HTTP endpoint. Returns False (after one log line) when that is not possible.
-        `model`: the labels of phyai_model_info (which model runs), set before the first scrape."""
+        `model`: the labels of phyai_model_info (which model runs), set before the first scrape.
+        `worker_pid`: the inference worker's process id (None while it is down), whose memory and
+        CPU are exported as phyai_worker_process_*; the model's memory lives there, not here."""
         try:
             import prometheus_client as pc
         except ImportError:
@@ -84,7 +91,10 @@ class Metrics:
         self.holds = pc.Counter("phyai_hold_ticks", "Ticks published with HOLD, by reason", ["reason"], registry=registry)
         for reason in HOLD_REASONS:  # every series from the first scrape: increase() sees the first event
             self.holds.labels(reason)
-        self.clamped = pc.Counter("phyai_clamped_actions", "Actions changed by a limit", ["limit"], registry=registry)
+        self.clamped = pc.Counter("phyai_clamped_actions", "Actions changed by a limit: position (action_min / "
+                                  "action_max) or rate (max_rate)", ["limit"], registry=registry)
+        for limit in CLAMP_LIMITS:
+            self.clamped.labels(limit)
         self.missed_ticks = pc.Counter("phyai_missed_ticks", "Clock slots skipped after an overrun", registry=registry)
         self.late_ticks = pc.Counter("phyai_late_ticks", "Ticks published later than clock.late_warning_ms after their "
                                      "deadline", registry=registry)
@@ -120,6 +130,12 @@ class Metrics:
             "phyai_task_instruction", "The instruction taken last: 0 is model.prompt, n the n-th over the task channel",
             registry=registry,
         )
+        # The standard process_* series (resident memory, CPU seconds, open files, start time) of the
+        # daemon, and the same of the worker process under phyai_worker_process_*: a leak or a
+        # runaway thread shows there first. A pid that is gone reads as no samples, not an error.
+        pc.ProcessCollector(registry=registry)
+        if worker_pid is not None:
+            pc.ProcessCollector(namespace="phyai_worker", pid=lambda: worker_pid() or -1, registry=registry)
         # An info gauge, phyai_model_info{adapter="pi05",preset="full",...} 1: which model runs,
         # for readers of these metrics (`phyai-edge roofline --metrics`, `phyai-edge sim --report`). The daemon
         # starts the endpoint once the policy is loaded; prometheus-client escapes the values.

@@ -41,6 +41,10 @@ class ActionGuard:
         self.max_step = _per_dim(limits.max_rate, dim, np.inf) * np.float32(period_s)
         self.hold_mode = hold_mode
         self.last: np.ndarray | None = None  # last published payload (always finite)
+        # Which limits changed the last finalized action ("position", "rate"): the metrics count
+        # each apart, since a rate clamp says the policy moves too fast and a position clamp that it
+        # aims outside the workspace.
+        self.last_clamps: tuple[str, ...] = ()
         self.counters = SafetyCounters()
 
     def hold_target(self, state: np.ndarray | None) -> np.ndarray:
@@ -64,6 +68,7 @@ class ActionGuard:
         A non-finite action is replaced by the hold target with HOLD | NONFINITE.
         """
         flags = 0
+        clamps: list[str] = []
         a = np.asarray(action, dtype=np.float32)
         if a.shape != (self.dim,) or not np.isfinite(a).all():
             self.counters.nonfinite += 1
@@ -75,12 +80,15 @@ class ActionGuard:
         if not np.array_equal(clamped, a):
             self.counters.clamped_limit += 1
             flags |= Flag.CLAMPED
+            clamps.append("position")
         if self.last is not None:
             limited = np.clip(clamped, self.last - self.max_step, self.last + self.max_step)
             if not np.array_equal(limited, clamped):
                 self.counters.clamped_rate += 1
                 flags |= Flag.CLAMPED
+                clamps.append("rate")
             clamped = limited
         out = np.ascontiguousarray(clamped, dtype=np.float32)
         self.last = out
+        self.last_clamps = tuple(clamps)
         return out, flags
