@@ -4,7 +4,11 @@ Prints the numbers behind the "published conclusion" section of docs/roofline.md
   1. the default prediction (bf16, 3 views, 10 steps, s free),
   2. the same with a fixed execution horizon s,
   3. the compute efficiency at which each device crosses the ridge L* (becomes inference-bound),
-  4. the synchronous (no RTC) average rate for comparison.
+  4. the synchronous (no RTC) average rate for comparison (s actions between waits for a fixed s,
+     H with s free).
+
+L is the latency the daemon's d counts (inference start -> chunk adopted); camera age is not in it
+and shows up only in the observation's age when the new chunk's first action runs.
 
 Run: PYTHONPATH=. python benchmarks/roofline_pi05_conclusion.py
 """
@@ -49,7 +53,8 @@ def row(name: str, t: StageTimes, robot: RobotParams) -> str:
     return (
         f"  {name:24} L = {r.latency_s * 1e3:7.1f} ms  d = {r.delay_ticks:3d}  s window {window:9}  "
         f"RTC {'ok  ' if r.rtc_ok else 'FAIL'}  f_max = {r.achievable_rate_hz:5.1f} Hz  binds: {r.binding:10}  "
-        f"headroom {r.latency_headroom_s * 1e3:7.1f} ms  no-RTC avg {r.sync_rate_hz:5.1f} Hz"
+        f"headroom {r.latency_headroom_s * 1e3:7.1f} ms  no-RTC avg {r.sync_rate_hz:5.1f} Hz  "
+        f"obs age {r.observation_age_s * 1e3:6.1f} ms"
     )
 
 
@@ -61,7 +66,8 @@ def main() -> None:
     print(f"\n1. default efficiency ({eff.compute} compute, {eff.bandwidth} bandwidth), s free:")
     for d in DEVICES:
         print(row(find_device(d).name, predicted(d, eff), free))
-    print("\n   + 33 ms camera age (30 fps, worst case), 10 ms preprocess, 1 ms postprocess, 1 ms transport:")
+    print("\n   + 33 ms camera age (30 fps, worst case; staleness, not in L), 10 ms preprocess, 1 ms postprocess, "
+          "1 ms transport:")
     extra = Overheads(camera_age_s=0.033, preprocess_s=0.010, postprocess_s=0.001, transport_s=0.001)
     for d in DEVICES:
         print(row(find_device(d).name, predicted(d, eff, extra=extra), free))

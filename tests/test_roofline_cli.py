@@ -62,7 +62,7 @@ def test_predict_two_devices_png_and_json(tmp_path: Path, capsys: pytest.Capture
     assert orin["device"] == "jetson-agx-orin-64gb" and pro["device"] == "rtx-pro-6000"
     assert report["robot"]["horizon"] == 50 and report["robot"]["s_cap"] == 25
     assert orin["result"]["delay_ticks"] > pro["result"]["delay_ticks"] >= 1
-    assert orin["stage_times_ms"]["total_ms"] > 5 * pro["stage_times_ms"]["total_ms"]
+    assert orin["stage_times_ms"]["latency_ms"] > 5 * pro["stage_times_ms"]["latency_ms"]
     assert set(orin["stages"]) == {"embed_images", "encode_prefix", "denoise_step"}
     assert orin["stages"]["denoise_step"]["bound"] == "memory"
     assert "Jetson AGX Orin" in out and "binds" in out and "per-stage prediction" in out
@@ -90,14 +90,14 @@ def test_what_if_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     def total(*flags: str) -> float:
         rc, out, _ = run(["--device", "thor", "--no-plot", "--json", "-", *flags], capsys)
         assert rc == 0
-        return json.loads(out)["points"][0]["stage_times_ms"]["total_ms"]
+        return json.loads(out)["points"][0]["stage_times_ms"]["latency_ms"]
 
     base = total()
     assert total("--steps", "5") < base
     assert total("--views", "1") < base
     assert total("--precision", "fp8") < base
     assert total("--batch", "4") > base
-    assert total("--camera-age-ms", "30") == pytest.approx(base + 30)
+    assert total("--transport-ms", "30") == pytest.approx(base + 30)
 
     rc, out, _ = run(["--device", "orin", "--precision", "fp8", "--no-plot"], capsys)
     assert rc == 0 and "skipped, no fp8" in out
@@ -228,6 +228,67 @@ def test_a_float32_bench_is_noted_once(tmp_path: Path, capsys: pytest.CaptureFix
     notes = out.split("notes:", 1)[1].splitlines()
     assert sum("calibrat" in n for n in notes) == 1, notes
     assert "efficiency compute 0.50, bandwidth 0.70, default (0.5 of peak FLOPs" in out and "((" not in out
+
+
+def test_camera_age_is_staleness_not_part_of_d(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/roofline.md section 4's example (33 ms camera age, 10 / 1 / 1 ms pre, post, transport):
+    the daemon's d counts from the inference's start tick, so the frame's age is not in L. Orin's
+    L is 268.2 ms and d = 14 (the 2026-12-05 model said 301.2 ms and 16); the camera age comes back
+    as the observation's age when the new chunk's first action runs, camera age + d x T."""
+    flags = ["--device", "orin", "--device", "rtx-pro-6000", "--rate", "50", "--horizon", "50", "--preprocess-ms",
+             "10", "--postprocess-ms", "1", "--transport-ms", "1", "--no-plot"]
+
+    def points(*extra: str) -> list[dict]:
+        rc, out, _ = run([*flags, "--json", "-", *extra], capsys)
+        assert rc == 0
+        return json.loads(out)["points"]
+
+    fresh = points()
+    orin, pro = points("--camera-age-ms", "33")
+    for p, f, latency, d in ((orin, fresh[0], 268.2, 14), (pro, fresh[1], 35.0, 2)):
+        r = p["result"]
+        assert p["stage_times_ms"]["latency_ms"] == pytest.approx(latency, abs=0.05)
+        assert r["latency_s"] * 1e3 == pytest.approx(latency, abs=0.05) and r["delay_ticks"] == d
+        for key in ("delay_ticks", "achievable_rate_hz", "latency_headroom_s", "binding", "sync_rate_hz"):
+            assert r[key] == pytest.approx(f["result"][key]), key
+        assert p["stage_times_ms"]["camera_age_ms"] == pytest.approx(33.0)
+        assert r["observation_age_s"] * 1e3 == pytest.approx(33.0 + d * 20.0)
+    assert orin["result"]["latency_headroom_s"] * 1e3 == pytest.approx(231.8, abs=0.05)
+    rc, out, _ = run([*flags, "--camera-age-ms", "33"], capsys)
+    assert rc == 0 and "obs age ms" in out
+    assert "the observation is 313 ms old when the new chunk's first action runs (camera age 33 ms" in out
+
+
+def test_a_float32_bench_is_labelled_fp32_not_bf16(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`phyai-edge bench --json` on a float32 engine (its default --dtype) fed to `roofline --bench`:
+    the point, the header and the JSON say fp32, never the bf16 default; the device table has no
+    fp32 peaks, so it neither calibrates the predictions (made at bf16, and the header says so) nor
+    gets rescaled by ratios of bf16 predictions under a what-if flag."""
+    bench = tmp_path / "h200_fp32.json"
+    bench.write_text(json.dumps({**BENCH, "dtype": "float32", "precision": None}))
+    rc, out, _ = run(["--bench", str(bench), "--device", "h200", "--stat", "p50", "--no-plot", "--json", "-"], capsys)
+    assert rc == 0
+    report = json.loads(out)
+    assert "fp32 measured, bf16 predicted" in report["title"]
+    measured, predicted = report["points"]
+    assert (measured["precision"], predicted["precision"]) == ("fp32", "bf16")
+    assert "fp32" in measured["label"] and report["model"]["precision"] == "fp32"
+    assert report["efficiency"]["source"].startswith("default") and report["calibration"] is None
+    assert any("predictions at bf16" in n for n in report["notes"])
+
+    rc, out, _ = run(["--bench", str(bench), "--stat", "p50", "--no-plot"], capsys)
+    assert rc == 0
+    header = out.splitlines()[0]
+    assert "fp32" in header and "bf16" not in header
+
+    rc, out, _ = run(["--bench", str(bench), "--precision", "fp8", "--stat", "p50", "--no-plot", "--json", "-"], capsys)
+    assert rc == 0
+    report = json.loads(out)
+    (point,) = report["points"]
+    assert point["precision"] == "fp32"
+    t = point["stage_times_ms"]
+    assert (t["vision_ms"], t["prefix_ms"], t["denoise_step_ms"]) == pytest.approx((2.0, 8.0, 0.9))
+    assert any("what-if not applied" in n and "fp32" in n for n in report["notes"])
 
 
 def _daemon_metrics(model: dict[str, str]) -> int:

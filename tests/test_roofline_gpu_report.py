@@ -63,7 +63,7 @@ def test_selected_entries_parse_to_the_measured_stage_times() -> None:
         assert (m.adapter, m.preset, m.precision, m.batch, m.views) == ("pi05", "full", "bf16", 1, views)
         t = m.stage_times()
         # L is the measured wall clock, whatever the split.
-        assert t.total_s == pytest.approx(e["p50"] / 1e3, rel=1e-9)
+        assert t.latency_s == pytest.approx(e["p50"] / 1e3, rel=1e-9)
         st = e.get("stages_p50")
         if st:  # our engines: per-stage medians, host-side remainder as preprocess
             assert m.prompt_tokens == prompt
@@ -131,7 +131,7 @@ def test_cli_places_the_h200_points_and_calibrates_on_the_first(
     # Calibrating on the H200 reproduces the H200 run's model stages.
     h200 = next(p for p in report["points"] if p["kind"] == "predicted" and p["device"] == "h200-sxm")
     model_ms = first["embed_images"] + first["encode_prefix"] + first["solver_loop"]
-    assert h200["stage_times_ms"]["total_ms"] == pytest.approx(model_ms, rel=1e-6)
+    assert h200["stage_times_ms"]["latency_ms"] == pytest.approx(model_ms, rel=1e-6)
     assert any("launch-overhead bound" in n for n in report["notes"])
 
 

@@ -20,7 +20,8 @@ MS = 1e-3
 
 
 def hand_case(**kw: float) -> StageTimes:
-    # camera 5 + pre 3 + vision 10 + prefix 20 + 10 x 2 denoise + post 1 + transport 1 = 60 ms
+    # L = pre 3 + vision 10 + prefix 20 + 10 x 2 denoise + post 1 + transport 6 = 60 ms; the
+    # frame is 5 ms old when the observation is assembled (staleness only, not in L)
     base = dict(
         camera_age_s=5 * MS,
         preprocess_s=3 * MS,
@@ -29,7 +30,7 @@ def hand_case(**kw: float) -> StageTimes:
         denoise_step_s=2 * MS,
         steps=10,
         postprocess_s=1 * MS,
-        transport_s=1 * MS,
+        transport_s=6 * MS,
     )
     base.update(kw)
     return StageTimes(**base)
@@ -41,8 +42,9 @@ def test_stage_time_groups_add_up() -> None:
     assert t.inference_s == pytest.approx(50 * MS)
     assert t.group_s("processing") == pytest.approx(4 * MS)
     assert t.group_s("transport") == pytest.approx(6 * MS)
-    assert t.total_s == pytest.approx(60 * MS)
-    assert t.to_ms_dict()["total_ms"] == pytest.approx(60.0)
+    assert t.latency_s == pytest.approx(60 * MS)
+    assert t.to_ms_dict()["latency_ms"] == pytest.approx(60.0)
+    assert t.to_ms_dict()["camera_age_ms"] == pytest.approx(5.0)
 
 
 @pytest.mark.parametrize(
@@ -87,6 +89,8 @@ def test_hand_case_physical_bound() -> None:
     assert r.sync_rate_hz == pytest.approx(10 / (10 * 0.02 + 0.06))  # 38.46 Hz
     assert r.gpu_duty == pytest.approx(50 / 60)  # 50 ms of inference every 3 x 20 ms
     assert r.shares["inference"] == pytest.approx(50 / 60)
+    assert sum(r.shares.values()) == pytest.approx(1.0)
+    assert r.observation_age_s == pytest.approx(65 * MS)  # 5 ms camera age + d = 3 ticks x 20 ms
 
 
 def test_hand_case_inference_bound_when_horizon_too_short() -> None:
@@ -112,7 +116,7 @@ def test_fixed_exec_horizon_both_sides() -> None:
     slow = hand_case(prefix_s=80 * MS)
     r = analyze(slow, RobotParams.from_rates(50, horizon=10, exec_horizon=2))
     assert r.delay_ticks == 6 and not r.rtc_ok and not r.s_le_h_minus_d
-    assert r.achievable_rate_hz == pytest.approx(5 / slow.total_s)
+    assert r.achievable_rate_hz == pytest.approx(5 / slow.latency_s)
     # s = 8 > H - d = 7: the old chunk runs out before the new one lands.
     r = analyze(hand_case(), RobotParams.from_rates(50, horizon=10, exec_horizon=8))
     assert (r.d_le_s, r.s_le_h_minus_d, r.rtc_ok) == (True, False, False)
@@ -126,15 +130,49 @@ def test_fixed_exec_horizon_both_sides() -> None:
     ("kw", "term"),
     [
         (dict(preprocess_s=80 * MS), "processing"),
-        (dict(camera_age_s=45 * MS, transport_s=45 * MS), "transport"),
+        (dict(transport_s=90 * MS), "transport"),
         (dict(prefix_s=200 * MS), "inference"),
     ],
 )
 def test_binding_term_is_largest_group_when_latency_bound(kw: dict[str, float], term: str) -> None:
     robot = RobotParams.from_rates(50, horizon=10)  # ridge at 100 ms; all cases exceed it
     stages = hand_case(**kw)
-    assert stages.total_s > 0.1
+    assert stages.latency_s > 0.1
     assert binding_term(stages, robot) == term
+
+
+def test_camera_age_is_staleness_not_delay() -> None:
+    """The daemon counts d from the tick the inference starts (the observation assembled, the new
+    chunk's row 0 aligned to it) to the tick its chunk is adopted: the frame's age at that start
+    makes the image older but shifts no row, so it leaves d, f_max, the headroom and the binding
+    term alone and shows up only as the observation's age when the new chunk's first action runs."""
+    robot = RobotParams.from_rates(50, horizon=10)  # T = 20 ms, ridge 100 ms
+    fresh = analyze(hand_case(camera_age_s=0.0), robot)
+    for age_ms in (5.0, 33.0, 500.0):  # 500 ms would put camera age + L far beyond the ridge
+        r = analyze(hand_case(camera_age_s=age_ms * MS), robot)
+        assert r.latency_s == pytest.approx(60 * MS) and r.delay_ticks == fresh.delay_ticks == 3
+        assert (r.s_window, r.rtc_ok, r.feasible) == (fresh.s_window, True, True)
+        assert r.achievable_rate_hz == pytest.approx(fresh.achievable_rate_hz)
+        assert r.latency_headroom_s == pytest.approx(fresh.latency_headroom_s)
+        assert r.sync_rate_hz == pytest.approx(fresh.sync_rate_hz)
+        assert r.binding == "physical"
+        assert r.observation_age_s == pytest.approx((age_ms + 3 * 20) * MS)
+    # Past the ridge the largest group binds, never the camera: here inference, not "transport".
+    slow = hand_case(camera_age_s=900 * MS, prefix_s=200 * MS, transport_s=1 * MS)
+    assert binding_term(slow, robot) == "inference"
+    assert slow.group_s("transport") == pytest.approx(1 * MS)
+
+
+def test_sync_rate_executes_the_fixed_exec_horizon() -> None:
+    """Without RTC a runner with a fixed s executes s actions, stops and waits L for the next chunk:
+    s / (s * T + L). With s free nothing makes it replan early, so it runs the whole chunk:
+    H / (H * T + L)."""
+    stages = hand_case()  # L = 60 ms
+    free = analyze(stages, RobotParams.from_rates(50, horizon=10))
+    assert free.sync_rate_hz == pytest.approx(10 / (10 * 0.02 + 0.06))  # 38.5 Hz
+    for s in (2, 5, 10):
+        r = analyze(stages, RobotParams.from_rates(50, horizon=10, exec_horizon=s))
+        assert r.sync_rate_hz == pytest.approx(s / (s * 0.02 + 0.06))  # s = 5: 31.25 Hz
 
 
 def test_physical_rate_below_requested_rate() -> None:
@@ -154,7 +192,7 @@ def test_max_rate_is_the_feasibility_boundary() -> None:
         for horizon, s in ((50, None), (50, 10), (50, 40), (16, None), (9, 3)):
             stages = StageTimes(vision_s=latency_ms * MS, steps=1)
             probe = RobotParams(1.0, horizon, s, physical_period_s=1e-4)  # physical loop far away
-            f_max = max_control_rate(stages.total_s, probe)
+            f_max = max_control_rate(stages.latency_s, probe)
             below = RobotParams(1 / (f_max * 0.999), horizon, s, physical_period_s=1e-4)
             above = RobotParams(1 / (f_max * 1.001), horizon, s, physical_period_s=1e-4)
             assert analyze(stages, below).rtc_ok, (latency_ms, horizon, s)

@@ -56,7 +56,7 @@ def test_bench_schema() -> None:
     assert any("h2d_copy" in n for n in m.notes)  # unknown stage is reported, not fatal
     t = m.stage_times()
     assert t.denoise_step_s == pytest.approx(1.0e-3)  # denoise_step wins over solver_loop / steps
-    assert t.total_s == pytest.approx((1.5 + 2.5 + 9.0 + 10 * 1.0 + 0.3) * 1e-3)
+    assert t.latency_s == pytest.approx((1.5 + 2.5 + 9.0 + 10 * 1.0 + 0.3) * 1e-3)
     assert m.stage_times(steps=5).denoise_total_s == pytest.approx(5e-3)  # what-if --steps
     assert not any("RTC" in n for n in m.notes)
     (guided,) = parse_bench({**BENCH, "rtc": "guided"})  # `phyai-edge bench --rtc guided`
@@ -81,14 +81,23 @@ def test_bench_tolerates_other_shapes() -> None:
     assert ta.vision_s == pytest.approx(3e-3) and ta.prefix_s == pytest.approx(12e-3)
     assert ta.denoise_step_s == pytest.approx(0.002)  # 10 ms over the run's 5 steps
     tb = b.stage_times()  # only a total: booked as inference minus the known pre-processing
-    assert tb.total_s == pytest.approx(40e-3)
+    assert tb.latency_s == pytest.approx(40e-3)
     assert tb.inference_s == pytest.approx(38e-3)
 
 
 def test_bench_float32_cpu_run_is_not_calibratable() -> None:
+    """A float32 run keeps its precision (fp32, not the bf16 default) and its label says so; the
+    device table has no fp32 peaks, so it is not calibrated on."""
     (m,) = parse_bench({"device": "cpu", "gpu": None, "dtype": "float32", "stages": {"embed_images": 5.0}})
-    assert m.device == "cpu" and m.precision is None and not m.calibratable
-    assert any("float32" in n for n in m.notes)
+    assert m.device == "cpu" and m.precision == "fp32" and not m.calibratable
+    assert m.modelled_precision is None and "fp32" in m.label
+    assert any("float32" in n and "not used to calibrate" in n for n in m.notes)
+    # a bundle's manifest names it fp32 already; torch's spelling is normalised the same way
+    for doc in ({"precision": "fp32"}, {"dtype": "torch.float32"}):
+        (m,) = parse_bench({**doc, "stages": {"embed_images": 5.0}})
+        assert (m.precision, m.calibratable) == ("fp32", False)
+    (m,) = parse_bench({"dtype": "bfloat16", "stages": {"embed_images": 5.0}})
+    assert (m.precision, m.modelled_precision, m.calibratable) == ("bf16", "bf16", True)
 
 
 def test_bench_errors(tmp_path) -> None:
@@ -284,7 +293,7 @@ def test_metrics_take_the_model_from_phyai_model_info() -> None:
     cpu = MODEL_METRICS.replace('gpu="NVIDIA H200",', "").replace('precision="fp8",', "")
     assert measurement_from_metrics(cpu).device == "cuda" and measurement_from_metrics(cpu).precision == "bf16"
     f32 = measurement_from_metrics(cpu.replace('device="cuda"', 'device="cpu"').replace("bfloat16", "float32"))
-    assert f32.device == "cpu" and f32.precision is None and not f32.calibratable
+    assert f32.device == "cpu" and f32.precision == "fp32" and not f32.calibratable
     # No model line (an older daemon): nothing assumed, the flags and defaults decide.
     old = measurement_from_metrics(MODEL_METRICS.split("# HELP phyai_model_info")[0])
     assert (old.preset, old.device, old.precision, old.views, old.steps, old.horizon) == (None,) * 6

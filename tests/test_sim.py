@@ -316,6 +316,25 @@ def test_roofline_bench_keeps_the_worker_time_outside_the_model_stages() -> None
         assert model + st.transport_s - transport / 1e3 == pytest.approx(whole / 1e3)
 
 
+def test_roofline_of_the_loop_reports_camera_age_as_staleness() -> None:
+    """The loop's camera age reaches the roofline as camera_age_s, which is staleness: the daemon's
+    d counts from the inference's start, so L and d are the worker's stages and transport alone,
+    and the frame's age comes back in the observation's age when the chunk's first action runs."""
+    from phyai_edge.roofline.model import RobotParams, analyze
+    from phyai_edge.roofline.sources import parse_bench
+    from phyai_edge.sim.report import roofline_bench
+
+    ms = lambda v: {"n": 20, "p50_ms": v, "p90_ms": v}  # noqa: E731
+    result = {"meta": {"control_hz": 50.0},
+              "timing": {"camera_age_at_inference": ms(52.0), "transport": ms(1.0), "chunk_delay": ms(40.0)}}
+    (m,) = parse_bench(roofline_bench(result))
+    st = m.stage_times()
+    assert st.camera_age_s == pytest.approx(0.052)
+    r = analyze(st, RobotParams.from_rates(50.0, 50))
+    assert r.latency_s == pytest.approx(0.041)  # the measured chunk delay + transport, no camera age
+    assert r.delay_ticks == 3 and r.observation_age_s == pytest.approx(0.052 + 3 * 0.020)
+
+
 def test_report_frame_rate_is_per_camera_and_leaves_out_outages() -> None:
     """Two cameras at 25 fps with a 1 s outage: the report's frame rate is 25 Hz, not the frames
     of both cameras over the whole span (outage included)."""

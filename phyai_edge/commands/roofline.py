@@ -13,10 +13,12 @@ from typing import Any
 HELP = "what bounds the control rate: model, processing, transport or robot"
 DESCRIPTION = """\
 Control-Time Roofline: given per-stage times (measured or predicted) and the robot's rate and
-horizons, report the RTC inference delay d = ceil(L / T), whether the executing chunk lasts until
-the next one lands (max(s, d) + d <= H; with d > s the daemon replans every d ticks), the
-achievable control and chunk rates, which term binds (inference, processing, transport or the
-physical loop) and the margin; draw the roofline chart.
+horizons, report the RTC inference delay d = ceil(L / T) (L: from the tick an inference starts to
+the tick its chunk is adopted, as the daemon counts it; camera age is not in it), whether the
+executing chunk lasts until the next one lands (max(s, d) + d <= H; with d > s the daemon replans
+every d ticks), the achievable control and chunk rates, which term binds (inference, processing,
+transport or the physical loop), the margin, and how old the observation is when the new chunk's
+first action runs (camera age + d x T); draw the roofline chart.
 
 Sources (any mix; with none, every device in the table is predicted):
   --bench FILE      a `phyai-edge bench --json` file (measured point; also calibrates predictions)
@@ -60,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--steps", type=int, default=None, help="flow-matching steps N (default: adapter's)")
     model.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp8", "int8"],
-                       help="weight and GEMM precision (default: the bench's, else bf16)")
+                       help="weight and GEMM precision (default: the bench's, else bf16; predictions "
+                            "of an fp32 bench stay bf16, the device table has no fp32 peaks)")
 
     robot = p.add_argument_group("robot")
     # The first measured source's robot side: a bench's rate_hz / horizon / exec_horizon keys, or
@@ -85,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     # Measured sources keep their own value unless the flag is given; predictions cannot see these.
     robot.add_argument("--camera-age-ms", type=float, default=None,
-                       help="age of the frame at assembly (default: measured, else 0)")
+                       help="age of the frame when the observation is assembled: only makes the "
+                            "observation older, not in L or d (default: measured, else 0)")
     robot.add_argument("--preprocess-ms", type=float, default=None,
                        help="override / supply preprocess time (default: measured, else 0)")
     robot.add_argument(
@@ -94,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     robot.add_argument(
         "--transport-ms", type=float, default=None,
-        help="observation in + action out transport (default: measured, else 0)"
+        help="observation to the worker and chunk back, counted in L (default: measured, else 0)"
     )
 
     cal = p.add_argument_group("calibration")
@@ -132,6 +136,7 @@ class Point:
     stages: dict[str, Any] = field(default_factory=dict)  # stage -> StagePrediction (predicted only)
     notes: list[str] = field(default_factory=list)
     result: Any = None
+    precision: str | None = None  # what the times are at (None: a run that did not say)
 
 
 def _ms(v: float | None) -> float | None:
@@ -157,6 +162,8 @@ def _model_args(args: argparse.Namespace, meas: Any = None) -> dict[str, Any]:
         if args.prompt_tokens is not None
         else (meas.prompt_tokens if meas and meas.prompt_tokens is not None else d["prompt_tokens"]),
         "steps": args.steps or (meas.steps if meas else None) or d["steps"],
+        # A run's own precision even where it is not modelled (fp32): the header names what ran,
+        # and `_prediction_precision` picks what devices are predicted at.
         "precision": args.precision or (meas.precision if meas else None) or "bf16",
         "horizon": d["horizon"],
     }
@@ -216,16 +223,31 @@ def _calibration_from(meas: Any, args: argparse.Namespace, notes: list[str]) -> 
         return None
 
 
-def _what_if(meas: Any, args: argparse.Namespace, notes: list[str]) -> Any:
+def _prediction_precision(margs: dict[str, Any]) -> str:
+    """What devices are predicted at: the requested / measured precision where the cost model has
+    it, else bf16 (an fp32 run's shape predicted at bf16, and the header says so)."""
+    from phyai_edge.roofline.costs import PRECISIONS
+
+    return margs["precision"] if margs["precision"] in PRECISIONS else "bf16"
+
+
+def _what_if(meas: Any, args: argparse.Namespace, notes: list[str]) -> tuple[Any, str | None]:
     """Measured StageTimes, with model stages rescaled when a what-if flag changes the shape:
-    measured x predicted(new) / predicted(as measured), on the measured device."""
+    measured x predicted(new) / predicted(as measured), on the measured device; and the precision
+    the times are then at."""
     from phyai_edge.roofline.devices import find_device
     from phyai_edge.roofline.predict import predict_stages
 
     times = meas.stage_times(steps=args.steps)
     changed = any(getattr(args, k) is not None for k in ("batch", "views", "prompt_tokens", "precision"))
     if not changed:
-        return times
+        return times, meas.precision
+    if meas.precision is not None and meas.modelled_precision is None:
+        # Ratios of predicted times need the run's own precision counted; taken at bf16 they
+        # would treat an fp32 run as a bf16 one.
+        notes.append(f"{meas.label}: what-if not applied (the run is {meas.precision}, which the cost model "
+                     "does not count)")
+        return times, meas.precision
     try:
         base = _model_args(_as_measured(args), meas)
         new = _model_args(args, meas)
@@ -238,18 +260,19 @@ def _what_if(meas: Any, args: argparse.Namespace, notes: list[str]) -> Any:
         p1 = predict_stages(_costs(new, eager), dev, new["precision"])
     except ValueError as e:
         notes.append(f"{meas.label}: what-if not applied ({e})")
-        return times
+        return times, meas.precision
 
     def k(stage: str) -> float:
         return p1[stage].time_s / p0[stage].time_s if p0[stage].time_s else 1.0
 
     notes.append(f"{meas.label}: model stages rescaled for the what-if shape (ratios of predicted times)")
-    return replace(
+    rescaled = replace(
         times,
         vision_s=times.vision_s * k("embed_images"),
         prefix_s=times.prefix_s * k("encode_prefix"),
         denoise_step_s=times.denoise_step_s * k("denoise_step"),
     )
+    return rescaled, new["precision"]
 
 
 def _apply_overheads(times: Any, args: argparse.Namespace) -> Any:
@@ -308,10 +331,23 @@ def list_devices() -> str:
     return "\n".join(lines)
 
 
+def _precision_text(points: list[Point], default: str) -> str:
+    """The header's precision: one name when every point is at it, else per kind (an fp32 bench
+    beside bf16 predictions reads "fp32 measured, bf16 predicted")."""
+    by_kind = {
+        kind: list(dict.fromkeys(p.precision or default for p in points if p.kind == kind))
+        for kind in ("measured", "predicted")
+    }
+    every = {*by_kind["measured"], *by_kind["predicted"]}
+    if len(every) <= 1:
+        return next(iter(every), default)
+    return ", ".join(f"{'/'.join(v)} {kind}" for kind, v in by_kind.items() if v)
+
+
 def _fmt_table(points: list[Point]) -> str:
     head = (
         f"{'source':42} {'L ms':>7} {'infer':>7} {'proc':>6} {'xport':>6} {'d':>3} {'s':>3} {'RTC':>4} "
-        f"{'f_max Hz':>9} {'chunk Hz':>9} {'binds':>10} {'headroom ms':>11} {'GPU duty':>8}"
+        f"{'f_max Hz':>9} {'chunk Hz':>9} {'binds':>10} {'headroom ms':>11} {'GPU duty':>8} {'obs age ms':>10}"
     )
     rows = [head, "-" * len(head)]
     for p in points:
@@ -320,7 +356,8 @@ def _fmt_table(points: list[Point]) -> str:
             f"{p.label[:42]:42} {r.latency_s * 1e3:7.1f} {t.inference_s * 1e3:7.1f} "
             f"{t.group_s('processing') * 1e3:6.1f} {t.group_s('transport') * 1e3:6.1f} {r.delay_ticks:3d} "
             f"{r.exec_horizon:3d} {'ok' if r.rtc_ok else 'FAIL':>4} {r.achievable_rate_hz:9.1f} "
-            f"{r.chunk_rate_hz:9.2f} {r.binding:>10} {r.latency_headroom_s * 1e3:11.1f} {r.gpu_duty:8.0%}"
+            f"{r.chunk_rate_hz:9.2f} {r.binding:>10} {r.latency_headroom_s * 1e3:11.1f} {r.gpu_duty:8.0%} "
+            f"{r.observation_age_s * 1e3:10.1f}"
         )
     return "\n".join(rows)
 
@@ -357,10 +394,14 @@ def _verdict(p: Point) -> str:
         )
     slipped = (f" (the fixed s = {r.exec_horizon} is below d: the daemon replans every {r.delay_ticks} ticks)"
                if not r.d_le_s else "")
+    age = (
+        f"the observation is {r.observation_age_s * 1e3:.0f} ms old when the new chunk's first action runs "
+        f"(camera age {p.times.camera_age_s * 1e3:.0f} ms + d x T)"
+    )
     return (
         f"- {p.label}: {why}; d = {r.delay_ticks} ticks, valid s {window}{slipped}, inference is {share:.0%} of L, "
-        f"replanning at most {r.max_chunk_rate_hz:.2f} chunks/s; {'feasible' if r.feasible else 'NOT feasible'} "
-        f"at {r.rate_hz:g} Hz"
+        f"replanning at most {r.max_chunk_rate_hz:.2f} chunks/s; {age}; "
+        f"{'feasible' if r.feasible else 'NOT feasible'} at {r.rate_hz:g} Hz"
     )
 
 
@@ -454,8 +495,9 @@ def main(args: argparse.Namespace) -> int:
     points: list[Point] = []
     for meas in measurements:
         pnotes: list[str] = []
-        times = _apply_overheads(_what_if(meas, args, pnotes), args)
-        points.append(Point(meas.label, "measured", times, device=meas.device, notes=pnotes))
+        times, precision = _what_if(meas, args, pnotes)
+        points.append(Point(meas.label, "measured", _apply_overheads(times, args), device=meas.device,
+                            notes=pnotes, precision=precision))
         notes.extend(pnotes)
 
     overheads = Overheads(
@@ -464,22 +506,27 @@ def main(args: argparse.Namespace) -> int:
         postprocess_s=_ms(args.postprocess_ms) or 0.0,
         transport_s=_ms(args.transport_ms) or 0.0,
     )
-    costs = _costs(margs) if device_keys else {}
-    weights = cm.weights_bytes(margs["config"], margs["precision"]) if device_keys else 0.0
+    pred_margs = {**margs, "precision": _prediction_precision(margs)}
+    if device_keys and pred_margs["precision"] != margs["precision"]:
+        notes.append(f"predictions at {pred_margs['precision']}: the device table has no {margs['precision']} "
+                     "peaks (the measured run's precision)")
+    costs = _costs(pred_margs) if device_keys else {}
+    weights = cm.weights_bytes(margs["config"], pred_margs["precision"]) if device_keys else 0.0
     for key in device_keys:
         dev = DEVICES[key]
-        if not dev.supports(margs["precision"]):
+        if not dev.supports(pred_margs["precision"]):
             notes.append(
-                f"{dev.name}: skipped, no {margs['precision']} tensor cores ({', '.join(dev.precisions())})"
+                f"{dev.name}: skipped, no {pred_margs['precision']} tensor cores ({', '.join(dev.precisions())})"
             )
             continue
-        preds = predict_stages(costs, dev, margs["precision"], eff)
+        preds = predict_stages(costs, dev, pred_margs["precision"], eff)
         times = stage_times(preds, margs["steps"], overheads)
         pnotes = []
         if weights > dev.memory_gb * 1e9:
             pnotes.append(f"{dev.name}: weights ({weights / 1e9:.1f} GB) do not fit in {dev.memory_gb:g} GB")
         points.append(
-            Point(f"{dev.name} (pred)", "predicted", times, device=dev.key, stages=preds, notes=pnotes)
+            Point(f"{dev.name} (pred)", "predicted", times, device=dev.key, stages=preds, notes=pnotes,
+                  precision=pred_margs["precision"])
         )
         notes.extend(pnotes)
 
@@ -495,7 +542,7 @@ def main(args: argparse.Namespace) -> int:
     s_txt = "free" if robot.exec_horizon is None else str(robot.exec_horizon)
     title = (
         f"{margs['adapter']}/{margs['preset']}  batch {margs['batch']}  views {margs['views']}  steps {margs['steps']}  "
-        f"{margs['precision']}  |  {rate:g} Hz  H = {robot.horizon}  s = {s_txt}"
+        f"{_precision_text(points, pred_margs['precision'])}  |  {rate:g} Hz  H = {robot.horizon}  s = {s_txt}"
     )
     report = {
         "title": title,
@@ -517,6 +564,7 @@ def main(args: argparse.Namespace) -> int:
                 "label": p.label,
                 "kind": p.kind,
                 "device": p.device,
+                "precision": p.precision,
                 "stage_times_ms": p.times.to_ms_dict(),
                 "result": p.result.to_dict(),
                 "stages": {k: v.to_dict() for k, v in p.stages.items()},

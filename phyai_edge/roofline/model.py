@@ -8,13 +8,20 @@ H       prediction horizon: actions per chunk
 s       execution horizon: ticks between the starts of two consecutive inferences
 N       flow-matching steps
 
-End-to-end latency from the instant the observation was taken to the instant the new chunk's
-actions can reach the motors:
+The latency RTC sees is the one the daemon counts: from the tick an inference starts (the
+observation is assembled, the state sampled, and the new chunk's row 0 is aligned to that tick)
+to the tick its chunk is adopted:
 
-    L = camera_age + preprocess + vision + prefix + N * denoise_step + postprocess + transport
+    L = preprocess + vision + prefix + N * denoise_step + postprocess + transport
 
-The inference delay in ticks is d = ceil(L / T): the number of actions of the old chunk that
-run while the new one is computed (the new chunk takes over at its index d).
+(transport: the observation and the chunk crossing the worker pipe, which the daemon's clock
+runs through). The inference delay in ticks is d = ceil(L / T): the number of actions of the old
+chunk that run while the new one is computed (the new chunk takes over at its index d).
+
+The camera frame's age at the start tick is not in L. It makes the image older, but it does not
+shift which rows of the chunk execute, so it does not enter d and cannot bound the control rate.
+It is reported as staleness: the observation is camera_age + d * T old when the new chunk's
+first action (its row d, on the adoption tick) runs.
 
 Real-Time Chunking (Black et al., 2025) schedules d <= s <= H - d:
   * d <= s      a new inference starts every s ticks and only one is in flight, so it is done
@@ -42,10 +49,14 @@ often the policy can replan (at most f / d chunks per second).
 
 Which term binds: "physical" when T_phys >= L / s_cap; otherwise the largest latency group:
 "inference" (vision + prefix + denoise), "processing" (preprocess + postprocess) or
-"transport" (camera age + transport: the time data spends moving rather than being computed).
+"transport" (the worker pipe's and the publish's time: data moving rather than being computed).
 
 Margins at the requested rate: latency headroom s_cap * T - L (how much slower the pipeline may
 get before the rate is infeasible) and rate margin f_max / f - 1.
+
+For comparison, without RTC (synchronous chunks) the robot executes a stretch of the chunk, stops,
+and waits L for the next one: s actions per stretch when s is fixed, all H when it is free, so
+the average rate is s / (s * T + L) (resp. H / (H * T + L)).
 
 Assumptions
 -----------
@@ -63,12 +74,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# Latency groups that can bind the control rate (besides the physical loop). Camera age is
-# grouped with transport: it is time the data spends in flight, not time spent computing on it.
+# Latency groups that make up L and can bind the control rate (besides the physical loop).
+# Camera age is in none of them: the daemon's d starts at the tick the observation is assembled,
+# however old its frame already is, so that age only adds staleness.
 GROUPS: dict[str, tuple[str, ...]] = {
     "inference": ("vision_s", "prefix_s", "denoise_total_s"),
     "processing": ("preprocess_s", "postprocess_s"),
-    "transport": ("camera_age_s", "transport_s"),
+    "transport": ("transport_s",),
 }
 BINDING_TERMS = ("physical", "inference", "processing", "transport")
 
@@ -78,7 +90,9 @@ _TICK_EPS = 1e-9
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Per-stage times of one control cycle, in seconds. `denoise_step_s` is one flow step."""
+    """Per-stage times of one control cycle, in seconds. `denoise_step_s` is one flow step;
+    `camera_age_s` is the frame's age when the daemon assembles the observation (staleness only,
+    not part of L)."""
 
     camera_age_s: float = 0.0
     preprocess_s: float = 0.0
@@ -103,7 +117,8 @@ class StageTimes:
         return self.group_s("inference")
 
     @property
-    def total_s(self) -> float:
+    def latency_s(self) -> float:
+        """L: from the tick the inference starts to the tick its chunk is adopted (what d counts)."""
         return sum(self.group_s(g) for g in GROUPS)
 
     def group_s(self, group: str) -> float:
@@ -113,7 +128,7 @@ class StageTimes:
         d = {k[:-2] + "_ms": v * 1e3 for k, v in asdict(self).items() if k.endswith("_s")}
         d["steps"] = self.steps
         d["denoise_total_ms"] = self.denoise_total_s * 1e3
-        d["total_ms"] = self.total_s * 1e3
+        d["latency_ms"] = self.latency_s * 1e3
         return d
 
 
@@ -170,7 +185,7 @@ class RobotParams:
 
 @dataclass(frozen=True)
 class RooflineResult:
-    latency_s: float
+    latency_s: float  # L, camera age excluded: what the daemon's d counts
     delay_ticks: int  # d
     exec_horizon: int  # s used: the fixed s, or d (replan as soon as RTC allows) when s is free
     s_window: tuple[int, int]  # valid s: [d, H - d]; empty when lo > hi
@@ -183,7 +198,8 @@ class RooflineResult:
     feasible: bool  # requested rate reachable (RTC holds and not above the physical loop)
     chunk_rate_hz: float  # inferences per second at the requested rate with s used
     max_chunk_rate_hz: float  # f / d: the fastest replanning RTC allows at this rate
-    sync_rate_hz: float  # without RTC: execute H actions, stop, wait L
+    sync_rate_hz: float  # without RTC: execute s actions (H with s free), stop, wait L
+    observation_age_s: float  # camera age + d * T: the observation's age when the new chunk's first action runs
     binding: str
     ridge_latency_s: float  # L* = s_cap * T_phys
     latency_headroom_s: float  # s_cap * T - L
@@ -219,7 +235,7 @@ def max_control_rate(latency_s: float, robot: RobotParams) -> float:
 
 
 def binding_term(stages: StageTimes, robot: RobotParams) -> str:
-    latency = stages.total_s
+    latency = stages.latency_s
     if latency <= 0 or robot.t_phys * robot.s_cap >= latency:
         return "physical"
     # Ties resolve in GROUPS order (inference first): the most expensive term to fix comes first.
@@ -230,7 +246,7 @@ def analyze(stages: StageTimes, robot: RobotParams) -> RooflineResult:
     """Evaluate the roofline for one set of stage times at the requested robot parameters."""
     T = robot.control_period_s
     H = robot.horizon
-    L = stages.total_s
+    L = stages.latency_s
     d = delay_ticks(L, T)
     s_used = robot.exec_horizon if robot.exec_horizon is not None else max(d, 1)
     d_le_s, s_le = rtc_constraints(d, s_used, H)
@@ -246,6 +262,10 @@ def analyze(stages: StageTimes, robot: RobotParams) -> RooflineResult:
     # If d > s the next inference cannot start until this one ends: the real period is d ticks.
     s_eff = max(s_used, d)
     shares = {g: (stages.group_s(g) / L if L > 0 else 0.0) for g in GROUPS}
+    # A synchronous runner executes the stretch it would replan after, then waits L: s actions
+    # when s is fixed (the rest of the chunk is thrown away, as RTC's schedule does), all H when
+    # nothing asks it to replan sooner.
+    sync_stretch = robot.exec_horizon if robot.exec_horizon is not None else H
     return RooflineResult(
         latency_s=L,
         delay_ticks=d,
@@ -260,7 +280,10 @@ def analyze(stages: StageTimes, robot: RobotParams) -> RooflineResult:
         feasible=feasible,
         chunk_rate_hz=rate / s_eff,
         max_chunk_rate_hz=rate / max(d, 1),
-        sync_rate_hz=H / (H * T + L),
+        sync_rate_hz=sync_stretch / (sync_stretch * T + L),
+        # The new chunk's row 0 is the start tick, so its first executed row d runs d ticks after
+        # the observation was assembled; the frame was camera_age old already then.
+        observation_age_s=stages.camera_age_s + d * T,
         binding=binding_term(stages, robot),
         ridge_latency_s=robot.s_cap * robot.t_phys,
         latency_headroom_s=robot.s_cap * T - L,

@@ -1,4 +1,4 @@
-"""The roofline chart: achievable control rate against end-to-end latency (log-log).
+"""The roofline chart: achievable control rate against the latency RTC's delay counts (log-log).
 
 matplotlib is imported here only, with the Agg backend, so nothing else in the package (and
 nothing on a robot) needs it.
@@ -48,14 +48,16 @@ def plot_roofline(points: Sequence[PlotPoint], robot: RobotParams, path: str | P
         label=f"RTC roof: min(f_phys, s_cap / L), H = {robot.horizon}, {s_txt}",
     )
     ax.axhline(f_phys, color=_COLORS["physical"], ls=":", lw=1)
-    sync = robot.horizon / (robot.horizon * robot.t_phys + x / 1e3)
+    # As RooflineResult.sync_rate_hz: a fixed s is the stretch executed between two waits.
+    stretch = robot.horizon if robot.exec_horizon is None else robot.exec_horizon
+    sync = stretch / (stretch * robot.t_phys + x / 1e3)
     ax.plot(
         x,
         sync,
         color="grey",
         ls="--",
         lw=1.2,
-        label="no RTC: average rate, robot stops for L every H actions",
+        label=f"no RTC: average rate, robot stops for L every {'H' if robot.exec_horizon is None else 's'} actions",
     )
     if s_cap > 0:
         ax.axvline(ridge_ms, color="grey", ls=":", lw=1)
@@ -118,7 +120,7 @@ def plot_roofline(points: Sequence[PlotPoint], robot: RobotParams, path: str | P
         )
         listing.append(
             f"{rank + 1:>2}  {p.label}: L {r.latency_s * 1e3:.1f} ms, d {r.delay_ticks}, "
-            f"max {r.achievable_rate_hz:.3g} Hz, {r.binding}"
+            f"max {r.achievable_rate_hz:.3g} Hz, {r.binding}, obs. age {r.observation_age_s * 1e3:.0f} ms"
         )
     if listing:
         ax.text(
@@ -140,7 +142,8 @@ def plot_roofline(points: Sequence[PlotPoint], robot: RobotParams, path: str | P
     )
     ax.set_ylim(ymin / 4, f_phys * 4)  # room below for the listing, above for the legend
     ax.set_xlabel(
-        "end-to-end latency L = camera age + pre + vision + prefix + N·denoise + post + transport (ms)"
+        "latency L = pre + vision + prefix + N·denoise + post + transport (ms): inference start -> "
+        "chunk adopted; camera age is not in it"
     )
     ax.set_ylabel("achievable control rate (Hz)")
     ax.set_title(title or "Control-Time Roofline")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from phyai_edge.roofline.costs import PRECISIONS
 from phyai_edge.roofline.model import StageTimes
 
 # Our stage key -> names a bench file or metric may use for it (compared after normalising).
@@ -49,7 +50,7 @@ class Measurement:
     views: int | None = None
     steps: int | None = None
     prompt_tokens: int | None = None  # prompt length the run processed (None: the padded length)
-    precision: str | None = None
+    precision: str | None = None  # as it ran, e.g. "bf16", or "fp32", which `modelled` is not
     horizon: int | None = None
     exec_horizon: int | None = None
     rate_hz: float | None = None
@@ -58,6 +59,11 @@ class Measurement:
     delay_ticks: float | None = None  # d as the daemon measured it (phyai_rtc_delay_ticks)
     stat: str = "p50"
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def modelled_precision(self) -> str | None:
+        """The run's precision where the cost model and the device table have it, else None."""
+        return self.precision if self.precision in PRECISIONS else None
 
     @property
     def first_step_beside_prefix(self) -> bool:
@@ -209,6 +215,11 @@ def _int_or_none(v: Any) -> int | None:
 _GENERIC_DEVICES = ("cpu", "cuda", "meta", "gpu", "mps")
 # torch dtype names as the roofline's precisions (bench JSON, `phyai-edge bench` floors)
 DTYPE_PRECISIONS = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float8_e4m3fn": "fp8", "int8": "int8"}
+# Precisions a run may have that the cost model and the device table do not (no peaks for them):
+# named in the roofline's short form so that the run is labelled as what it was, never as bf16.
+# Kept apart from DTYPE_PRECISIONS, whose every entry `phyai-edge bench` looks peaks up for.
+UNMODELLED_PRECISIONS = {"float32": "fp32", "float": "fp32", "fp32": "fp32", "tf32": "tf32",
+                         "float64": "fp64", "double": "fp64", "fp64": "fp64"}
 
 
 def _fill_run_info(m: Measurement, run: Mapping[str, Any]) -> None:
@@ -226,15 +237,19 @@ def _fill_run_info(m: Measurement, run: Mapping[str, Any]) -> None:
     m.views = _int_or_none(run.get("views", run.get("num_views")))
     m.steps = _int_or_none(run.get("steps", run.get("num_steps")))
     m.prompt_tokens = _int_or_none(run.get("prompt_tokens"))
-    prec = run.get("precision") or run.get("dtype")
-    if isinstance(prec, str):
-        prec = DTYPE_PRECISIONS.get(prec.lower().removeprefix("torch."), prec.lower())
-        if prec not in ("bf16", "fp16", "fp8", "int8"):
+    raw = run.get("precision") or run.get("dtype")
+    prec = None
+    if isinstance(raw, str):
+        name = raw.lower().removeprefix("torch.")
+        prec = DTYPE_PRECISIONS.get(name) or UNMODELLED_PRECISIONS.get(name, name)
+        if prec not in PRECISIONS:
+            # Its times are real and stay a measured point at its own precision; what it cannot
+            # do is stand in for a modelled precision (calibration, what-if ratios).
             m.notes.append(
-                f"precision {prec!r} is not modelled (bf16, fp16, fp8, int8): not used to calibrate"
+                f"precision {raw!r} ({prec}) is not modelled (the device table has {', '.join(PRECISIONS)} "
+                f"peaks only): shown as measured at {prec}, not used to calibrate"
             )
             m.calibratable = False
-            prec = None
     m.precision = prec
     m.horizon = _int_or_none(run.get("horizon", run.get("chunk_size")))
     # The robot side a run was measured under (the daemon's phyai_model_info, the sim's document);
@@ -261,7 +276,7 @@ def positive_count(v: Any) -> int | None:
 
 
 def _default_label(m: Measurement, i: int, n: int) -> str:
-    parts = [p for p in (m.device, m.adapter and f"{m.adapter}/{m.preset or '?'}") if p]
+    parts = [p for p in (m.device, m.adapter and f"{m.adapter}/{m.preset or '?'}", m.precision) if p]
     base = " ".join(parts) or "bench"
     return f"{base} (measured)" if n == 1 else f"{base} #{i} (measured)"
 
