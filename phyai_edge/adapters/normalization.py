@@ -32,6 +32,20 @@ class NormStats:
             raise ValueError("quantile normalisation needs q01 and q99 statistics")
         if self.mode == "mean_std" and (self.mean is None or self.std is None):
             raise ValueError("mean/std normalisation needs mean and std statistics")
+        # Checked here, not at the first observation: arrays of unequal length would broadcast (or
+        # fail mid-run), and a NaN would only show as NaN actions.
+        used = {n: getattr(self, n) for n in self.used_fields()}
+        lengths = {n: v.shape[0] for n, v in used.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"{self.mode} statistics of unequal length: "
+                             + ", ".join(f"{n} has {k}" for n, k in lengths.items()))
+        bad = [n for n, v in used.items() if not np.isfinite(v).all()]
+        if bad:
+            raise ValueError(f"{self.mode} statistics hold NaN or Inf values in {', '.join(bad)}")
+
+    def used_fields(self) -> tuple[str, ...]:
+        """The statistics this mode reads."""
+        return {"quantile": ("q01", "q99"), "mean_std": ("mean", "std")}.get(self.mode, ())
 
     @property
     def dim(self) -> int | None:

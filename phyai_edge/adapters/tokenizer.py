@@ -42,7 +42,12 @@ class PromptTokenizer:
             self._kind = "hf"
             self.bos_id = self._special_id(["<bos>", "<s>", "[BOS]"])
             self.pad_id = self._special_id(["<pad>", "[PAD]"], default=0)
-            self.vocab_size = self._tok.get_vocab_size()
+            # The text vocabulary only: Hugging Face's PaliGemma tokenizer.json adds `<image>` at
+            # 257152, one past the 257152 rows PI0.5 embeds. Counting it would refuse the very
+            # tokenizer LeRobot trains with; a prompt that spells it out is refused in `encode_plain`.
+            self.vocab_size = self._tok.get_vocab_size(with_added_tokens=False)
+            self._beyond = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()
+                            if i >= self.vocab_size}
         else:
             try:
                 import sentencepiece as spm
@@ -55,6 +60,7 @@ class PromptTokenizer:
             self.bos_id = self._tok.bos_id()
             self.pad_id = max(self._tok.pad_id(), 0)
             self.vocab_size = self._tok.get_piece_size()
+            self._beyond = {}
 
     def _special_id(self, names: list[str], default: int | None = None) -> int:
         for n in names:
@@ -65,17 +71,32 @@ class PromptTokenizer:
             return default
         raise ValueError(f"tokenizer {self.path} has none of the tokens {names}")
 
-    def encode_plain(self, text: str) -> list[int]:
+    def encode_plain(self, text: str | tuple[str, ...]) -> list[int]:
+        """`text`'s ids without BOS. A tuple is encoded piece by piece and joined (openpi tokenises
+        the answer marker on its own: `encode(task) + encode("\\n")`, which need not equal
+        `encode(task + "\\n")`). ValueError where the text spells out an added token past the text
+        vocabulary (`vocab_size`): its id has no row in the model's embedding, and an index past it
+        fails on the device, or on a GPU leaves the CUDA context unusable."""
+        if isinstance(text, tuple):
+            return [i for piece in text for i in self.encode_plain(piece)]
         if self._kind == "hf":
-            return list(self._tok.encode(text, add_special_tokens=False).ids)
-        return list(self._tok.encode(text))
+            ids = list(self._tok.encode(text, add_special_tokens=False).ids)
+        else:
+            ids = list(self._tok.encode(text))
+        if self._beyond and ids and max(ids) >= self.vocab_size:
+            bad = sorted({self._beyond.get(i, str(i)) for i in ids if i >= self.vocab_size})
+            raise ValueError(f"the prompt holds {', '.join(map(repr, bad))}: a special token of {self.path.name} "
+                             f"outside its {self.vocab_size}-token text vocabulary, which the model has no "
+                             "embedding for")
+        return ids
 
-    def count(self, text: str) -> int:
+    def count(self, text: str | tuple[str, ...]) -> int:
         """The tokens `__call__` gives `text` before any truncation (BOS included)."""
         return 1 + len(self.encode_plain(text))
 
-    def __call__(self, text: str, max_len: int) -> Tokenized:
-        """BOS + text, right-padded to max_len; truncated (and flagged) if longer."""
+    def __call__(self, text: str | tuple[str, ...], max_len: int) -> Tokenized:
+        """BOS + text (a tuple: its pieces, each encoded on its own), right-padded to max_len;
+        truncated (and flagged) if longer."""
         ids = [self.bos_id, *self.encode_plain(text)]
         truncated = len(ids) > max_len
         ids = ids[:max_len]

@@ -6,11 +6,13 @@ from phyai_edge.adapters.pi05.config import PI05Config, full, preset, tiny
 from phyai_edge.adapters.pi05.loaders import detect_format, load_pi05, save_native
 from phyai_edge.adapters.pi05.model import PI05Model
 
-PROMPT_STATES = ("robot", "padded")
+PROMPT_STATES = ("robot", "padded", "none")
 OPTIONS = {
-    "prompt_state": "robot | padded: the state values the prompt carries, the robot's own (LeRobot "
-                    "v0.5.0 and later, openpi) or zero-padded to 32 (policies fine-tuned with LeRobot "
-                    "v0.4.x, whose folders do not say so); default: the checkpoint's own convention",
+    "prompt_state": "robot | padded | none: the state values the prompt carries, the robot's own (LeRobot "
+                    "v0.5.0 and later, openpi), zero-padded to 32 (policies fine-tuned with LeRobot "
+                    "v0.4.x, whose folders do not say so), or none (openpi configs with "
+                    "discrete_state_input=False, e.g. pi05_libero: the bare instruction); default: the "
+                    "checkpoint's own convention",
     "relative_actions": "none | openpi's make_bool_mask notation, e.g. 6,-1,6,-1 (n > 0: n dims relative to "
                         "the state, n < 0: |n| dims absolute; dims past the end absolute): which action dims "
                         "the policy predicts as offsets from the observed state (openpi's DeltaActions, which "
@@ -54,6 +56,7 @@ def load_adapter(checkpoint=None, preset_name: str = "tiny", device="cpu", token
         adapter = builtin_adapter(preset_name, seed=seed, camera_names=camera_names, device=device)
     if prompt_state is not None:
         adapter.io.pad_state_in_prompt = prompt_state == "padded"
+        adapter.io.state_in_prompt = prompt_state != "none"
     if relative_mask is not None:
         try:
             adapter.io.relative_action_mask = fit_relative_mask(relative_mask, adapter.action_dim, adapter.state_dim)

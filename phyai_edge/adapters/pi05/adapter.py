@@ -25,6 +25,7 @@ from phyai_edge.adapters.pi05.preprocess import (
     images_to_model,
     resize_with_pad,
     stage_images,
+    stateless_prompt,
 )
 from phyai_edge.adapters.tokenizer import PromptTokenizer
 
@@ -53,6 +54,10 @@ class RobotIO:
     # robot's own values; a LeRobot folder does not record which version wrote it, and the loader
     # assumes the current one (False).
     pad_state_in_prompt: bool = False
+    # Whether the prompt carries the state at all. openpi's PI0.5 configs may turn it off
+    # (`discrete_state_input=False`: pi05_libero), and then tokenise the bare instruction and "\n"
+    # (`preprocess.stateless_prompt`); the model never sees the state. Its folders do not record it.
+    state_in_prompt: bool = True
     # Resize camera frames with antialiasing (PIL's BILINEAR: openpi resizes so, on its client and
     # in its training transforms) or without (torch's plain bilinear: LeRobot's resize_with_pad).
     # A downscaled 640 x 480 frame differs by up to ~27 of 255 levels between the two, so each
@@ -94,6 +99,11 @@ class PI05Adapter:
             raise ValueError(f"state_dim {io.state_dim} exceeds the model's padded width {cfg.max_state_dim}")
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but the model embeds {cfg.vocab_size}")
+        for what, stats, dim in (("state", io.state_stats, io.state_dim), ("action", io.action_stats, io.action_dim)):
+            # Here rather than at the first observation, which would fail (the daemon: at warm-up)
+            # with a bare shape error.
+            if stats.dim is not None and stats.dim != dim:
+                raise ValueError(f"the {what} statistics have {stats.dim} values, the robot's {what} {dim}")
         io.relative_action_mask = fit_relative_mask(io.relative_action_mask, io.action_dim, io.state_dim)
         self.cfg, self.module, self.tokenizer, self.io = cfg, model, tokenizer, io
         self.chunk_size = cfg.chunk_size
@@ -103,7 +113,7 @@ class PI05Adapter:
         self.camera_names = list(io.camera_names)
         self.solver = SolverSpec(cfg.num_steps)
         self._warned_truncation = False
-        self._token_cache: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._token_cache: OrderedDict[str | tuple[str, ...], tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._slot_indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}  # drop_cameras'
         self._token_owner: tuple[PromptTokenizer, int] | None = None
 
@@ -229,10 +239,7 @@ class PI05Adapter:
         return self._batch_prompt_tokens(observations, self._checked_states(observations))
 
     def _batch_prompt_tokens(self, observations: list[Observation], states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        norm = self.io.state_stats.normalize(states)
-        if self.io.pad_state_in_prompt:
-            norm = np.pad(norm, ((0, 0), (0, self.cfg.max_action_dim - norm.shape[1])))
-        bins = discretize_state(norm, self.cfg.state_bins)
+        bins = self._state_bins(states)
         n = self.cfg.max_token_len
         ids = np.empty((len(observations), n), dtype=np.int64)
         mask = np.empty((len(observations), n), dtype=bool)
@@ -240,8 +247,24 @@ class PI05Adapter:
             prompt = obs.prompt or self.io.default_prompt
             if not prompt:
                 raise ValueError(f"observation {i}: empty prompt and no default prompt configured")
-            ids[i], mask[i] = self._tokenize(format_prompt(prompt, bins[i]))
+            ids[i], mask[i] = self._tokenize(self._prompt_input(prompt, bins[i]))
         return ids, mask
+
+    def _state_bins(self, states: np.ndarray) -> np.ndarray:
+        """(..., state_dim) raw states -> the bins the prompt writes: normalised, zero-padded to the
+        model's state width where `pad_state_in_prompt` (LeRobot v0.4.x padded to max_state_dim,
+        older openpi to its one width, which its loader makes max_state_dim too)."""
+        norm = self.io.state_stats.normalize(states)
+        if self.io.pad_state_in_prompt:
+            norm = np.pad(norm, [(0, 0)] * (norm.ndim - 1) + [(0, self.cfg.max_state_dim - norm.shape[-1])])
+        return discretize_state(norm, self.cfg.state_bins)
+
+    def _prompt_input(self, prompt: str, bins: np.ndarray) -> str | tuple[str, ...]:
+        """What the tokenizer reads for one observation: the text with the state's bins, or for a
+        policy without the state in its prompt the pieces `stateless_prompt` gives."""
+        if not self.io.state_in_prompt:
+            return stateless_prompt(prompt)
+        return format_prompt(prompt, bins)
 
     def longest_prompt_tokens(self, prompt: str = "") -> int:
         """The most valid prompt tokens (BOS included) `prompt` (empty: the default prompt) takes with
@@ -252,7 +275,9 @@ class PI05Adapter:
         prompt = prompt or self.io.default_prompt
         if not prompt:
             raise ValueError("empty prompt and no default prompt configured")
-        written = self.cfg.max_action_dim if self.io.pad_state_in_prompt else self.state_dim
+        if not self.io.state_in_prompt:
+            return self.tokenizer.count(stateless_prompt(prompt))
+        written = self.cfg.max_state_dim if self.io.pad_state_in_prompt else self.state_dim
         pad_bin = int(discretize_state(np.zeros(1), self.cfg.state_bins)[0])
         longest = 0
         for b in range(-1, self.cfg.state_bins):
@@ -266,7 +291,7 @@ class PI05Adapter:
         """The prompt tokens (BOS and state included) the model takes; a longer prompt is truncated."""
         return self.cfg.max_token_len
 
-    def _tokenize(self, text: str, warn: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    def _tokenize(self, text: str | tuple[str, ...], warn: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """`warn`: log (once) when a text is truncated; `observation_problem` refuses it instead."""
         n = self.cfg.max_token_len
         # Keyed by the exact text, for the tokenizer and length it was filled with: a tokenizer
@@ -340,15 +365,13 @@ class PI05Adapter:
         }
         return ModelInputs(tensors, len(observations), {"states": self._checked_states(observations)})
 
-    def _prompt_text(self, obs: Observation, i: int) -> str:
+    def _prompt_text(self, obs: Observation, i: int) -> str | tuple[str, ...]:
         """The text one observation's prompt is tokenised from: its instruction and its state's bins."""
-        norm = self.io.state_stats.normalize(self._checked_state(obs, i))
-        if self.io.pad_state_in_prompt:
-            norm = np.pad(norm, (0, self.cfg.max_action_dim - norm.shape[0]))
+        bins = self._state_bins(self._checked_state(obs, i))
         prompt = obs.prompt or self.io.default_prompt
         if not prompt:
             raise ValueError(f"observation {i}: empty prompt and no default prompt configured")
-        return format_prompt(prompt, discretize_state(norm, self.cfg.state_bins))
+        return self._prompt_input(prompt, bins)
 
     def observation_problem(self, obs: Observation, allow_truncation: bool = False) -> str | None:
         """Why `obs` cannot run as it is, or None: what preprocess would refuse (an unknown camera,

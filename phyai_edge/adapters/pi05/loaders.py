@@ -80,7 +80,26 @@ def detect_format(folder: Path) -> str:
     raise CheckpointError(
         f"{folder} is not a PI0.5 checkpoint folder I know: expected {NATIVE_MANIFEST} (native), "
         "config.json with type 'pi05' (LeRobot), or model.safetensors + assets/*/norm_stats.json (openpi)"
+        + _folder_hint(folder)
     )
+
+
+def _folder_hint(folder: Path) -> str:
+    """Where the checkpoint probably is, for the folders people point at instead of it."""
+    if (folder / "pretrained_model" / "config.json").exists():
+        # LeRobot's training output: checkpoints/<step>/ holds pretrained_model/ and training_state/.
+        return f"; LeRobot keeps the policy in {folder / 'pretrained_model'}"
+    if (folder / "config.json").exists():
+        try:
+            kind = json.loads((folder / "config.json").read_text()).get("type")
+        except (json.JSONDecodeError, AttributeError):
+            kind = None
+        if kind is not None:
+            return f"; its config.json is a LeRobot {kind!r} policy, not 'pi05'"
+    if (folder / "params").is_dir() or (folder / "_CHECKPOINT_METADATA").exists():
+        return ("; it looks like an openpi JAX checkpoint: convert it with openpi's "
+                "examples/convert_jax_model_to_pytorch.py first")
+    return ""
 
 
 def load_pi05(
@@ -155,7 +174,30 @@ def load_pi05(
         raise
     if skipped:
         log.info("skipped %d unused tensors without reading them: %s", len(skipped), ", ".join(sorted(skipped)))
-    return PI05Adapter(cfg, model, tok, io)
+    _check_tokenizer_fits(tok, cfg)
+    try:
+        return PI05Adapter(cfg, model, tok, io)
+    except ValueError as exc:
+        raise CheckpointError(f"{folder}: {exc}") from None
+
+
+# PaliGemma's vocabulary, which every PI0.5 of the published size embeds: Gemma's 256000 text
+# tokens, then 1024 <loc> and 128 <seg> tokens; BOS is 2.
+_PALIGEMMA_VOCAB, _GEMMA_TEXT_VOCAB, _GEMMA_BOS = 257152, 256000, 2
+
+
+def _check_tokenizer_fits(tok: PromptTokenizer, cfg: PI05Config) -> None:
+    """A tokenizer that is not PaliGemma's (Gemma's text part will do) for a model with its
+    embedding: its ids would index rows trained for other tokens, and the prompt would read as
+    noise to the policy, with no error anywhere."""
+    if cfg.vocab_size != _PALIGEMMA_VOCAB:
+        return  # a test-sized model with its own tokenizer
+    if tok.bos_id != _GEMMA_BOS or tok.vocab_size < _GEMMA_TEXT_VOCAB:
+        raise CheckpointError(
+            f"{tok.path} is not the PaliGemma tokenizer (it has {tok.vocab_size} tokens and BOS id {tok.bos_id}; "
+            f"PaliGemma's has {_PALIGEMMA_VOCAB} and BOS {_GEMMA_BOS}): PI0.5 reads its prompt with PaliGemma's "
+            "tokenizer.json or tokenizer.model (openpi's paligemma_tokenizer.model)"
+        )
 
 
 def _find_tokenizer(folder: Path) -> Path:
@@ -163,8 +205,9 @@ def _find_tokenizer(folder: Path) -> Path:
         if any((cand / f).exists() for f in TOKENIZER_FILES):
             return cand
     raise FileNotFoundError(
-        f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {folder}; PI0.5 uses the PaliGemma "
-        "tokenizer: copy its tokenizer.json or tokenizer.model into the checkpoint folder, or pass tokenizer="
+        f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {folder} (nor its tokenizer/ or assets/*/); "
+        "PI0.5 uses the PaliGemma tokenizer: copy its tokenizer.json or tokenizer.model into the checkpoint "
+        "folder, or name it (--tokenizer; the daemon's model.tokenizer; tokenizer= in Python)"
     )
 
 
@@ -175,10 +218,15 @@ def _load_native(folder: Path) -> tuple[PI05Config, RobotIO, list]:
         raise CheckpointError(f"{folder / NATIVE_MANIFEST}: format {meta.get('format')!r}, expected {NATIVE_FORMAT!r}")
     stats = json.loads((folder / "norm_stats.json").read_text())
     io = meta["io"]
+    try:
+        state_stats, action_stats = NormStats.from_json(stats["state"]), NormStats.from_json(stats["action"])
+    except ValueError as exc:
+        raise CheckpointError(f"{folder / 'norm_stats.json'}: {exc}") from None
     robot = RobotIO(
         camera_names=io["camera_names"], state_dim=io["state_dim"], action_dim=io["action_dim"],
-        state_stats=NormStats.from_json(stats["state"]), action_stats=NormStats.from_json(stats["action"]),
+        state_stats=state_stats, action_stats=action_stats,
         pad_state_in_prompt=io.get("pad_state_in_prompt", False), default_prompt=io.get("default_prompt", ""),
+        state_in_prompt=io.get("state_in_prompt", True),
         resize_antialias=io.get("resize_antialias", False),
         relative_action_mask=_native_relative_mask(folder / NATIVE_MANIFEST, io),
     )
@@ -230,6 +278,8 @@ def save_native(adapter: PI05Adapter, folder: str | Path, dtype: torch.dtype | N
     }
     if io.relative_action_mask:  # only then: an absolute policy's folder stays byte-identical to older ones
         meta["io"]["relative_action_mask"] = list(io.relative_action_mask)
+    if not io.state_in_prompt:  # likewise
+        meta["io"]["state_in_prompt"] = False
     if dtype is not None:
         meta["weight_dtype"] = str(dtype).removeprefix("torch.")
     (folder / NATIVE_MANIFEST).write_text(json.dumps(meta, indent=2))
@@ -289,13 +339,13 @@ def _load_lerobot(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, 
     except KeyError as exc:
         raise CheckpointError(f"config.json lacks the feature {exc} (need observation.state and action shapes)") from exc
     modes = c.get("normalization_mapping", {"STATE": "QUANTILES", "ACTION": "QUANTILES"})
-    pre = _read_stats(folder, "policy_preprocessor*normalizer_processor.safetensors")
-    post = _read_stats(folder, "policy_postprocessor*unnormalizer_processor.safetensors")
+    pre = _read_stats(folder, _PRE_STATS)
+    post = _read_stats(folder, _POST_STATS)
     io = RobotIO(
         camera_names=cams, state_dim=state_dim, action_dim=action_dim,
-        state_stats=_stats_for(pre, "observation.state", modes.get("STATE", "QUANTILES")),
+        state_stats=_stats_for(pre, "observation.state", modes.get("STATE", "QUANTILES"), state_dim),
         # A relative policy's statistics are the offsets' own (LeRobot computes them so): as they are.
-        action_stats=_stats_for(post or pre, "action", modes.get("ACTION", "QUANTILES")),
+        action_stats=_stats_for(post or pre, "action", modes.get("ACTION", "QUANTILES"), action_dim),
         pad_state_in_prompt=False,
         relative_action_mask=_lerobot_relative_mask(folder, c, action_dim, state_dim),
     )
@@ -427,16 +477,24 @@ def _read_joint_tokens(raw: Any) -> list[str]:
     return _read_names(raw) or []  # LeRobot excludes nothing for null, as for []
 
 
-def _read_stats(folder: Path, pattern: str) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
+_PRE_STATS = "policy_preprocessor*normalizer_processor.safetensors"
+_POST_STATS = "policy_postprocessor*unnormalizer_processor.safetensors"
+
+
+def _read_stats(folder: Path, pattern: str) -> dict[str, tuple[np.ndarray, Path]]:
+    """Every tensor of the files matching `pattern`, with the file it came from (for messages)."""
+    out: dict[str, tuple[np.ndarray, Path]] = {}
     for f in sorted(folder.glob(pattern)):
         with open_safetensors(f, framework="np") as sf:
             for k in sf.keys():  # noqa: SIM118
-                out[k] = sf.get_tensor(k)
+                out[k] = (sf.get_tensor(k), f)
     return out
 
 
-def _stats_for(stats: dict[str, np.ndarray], feature: str, mode: str) -> NormStats:
+def _stats_for(stats: dict[str, tuple[np.ndarray, Path]], feature: str, mode: str, dim: int) -> NormStats:
+    """`feature`'s statistics for `mode`, each checked to hold `dim` values (config.json's shape of
+    the feature): otherwise the load would pass and the first observation fail, naming neither
+    the file nor the feature."""
     m = _LEROBOT_MODES.get(mode)
     if m is None:
         raise CheckpointError(f"normalisation mode {mode!r} for {feature} is not supported (use one of {sorted(_LEROBOT_MODES)})")
@@ -445,8 +503,17 @@ def _stats_for(stats: dict[str, np.ndarray], feature: str, mode: str) -> NormSta
     need = ("q01", "q99") if m == "quantile" else ("mean", "std")
     missing = [f"{feature}.{n}" for n in need if f"{feature}.{n}" not in stats]
     if missing:
-        raise CheckpointError(f"normaliser statistics missing from the processor files: {', '.join(missing)}")
-    return NormStats(m, **{n: stats[f"{feature}.{n}"] for n in need})
+        raise CheckpointError(f"normaliser statistics missing from the processor files ({_PRE_STATS}, "
+                              f"{_POST_STATS}): {', '.join(missing)}")
+    for n in need:
+        arr, f = stats[f"{feature}.{n}"]
+        if arr.size != dim:
+            raise CheckpointError(f"{f}: {feature}.{n} has {arr.size} values, but config.json gives {feature} "
+                                  f"the shape [{dim}]")
+    try:
+        return NormStats(m, **{n: stats[f"{feature}.{n}"][0] for n in need})
+    except ValueError as exc:
+        raise CheckpointError(f"{stats[f'{feature}.{need[0]}'][1]}: {feature}: {exc}") from None
 
 
 # -- openpi ------------------------------------------------------------------------------
@@ -463,19 +530,41 @@ def _load_openpi(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, l
     meta_path = folder / "config.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
+        width = int(meta.get("action_dim", cfg.max_action_dim))
+        # openpi has one width for both: PadStatesAndActions pads the state to action_dim too.
         cfg = cfg.with_overrides(chunk_size=int(meta.get("action_horizon", cfg.chunk_size)),
-                                 max_action_dim=int(meta.get("action_dim", cfg.max_action_dim)))
+                                 max_action_dim=width, max_state_dim=width)
+    else:
+        # openpi's converter writes config.json; its PyTorch trainer keeps the config only in
+        # metadata.pt, a pickle never opened here. The horizon is not in the weights' shapes, and a
+        # policy run at another one than it was trained with still runs, with other actions.
+        log.warning("%s has no config.json: the action horizon (openpi's action_horizon) is assumed to be %d and "
+                    "the padded width %d; if the policy was trained with others (pi05_libero: 10, pi05_droid: "
+                    "15), write them there: {\"action_horizon\": N, \"action_dim\": 32}",
+                    folder, cfg.chunk_size, cfg.max_action_dim)
     try:
         s, a = raw["state"], raw["actions"]
     except KeyError as exc:
         raise CheckpointError(f"{stats_files[0]} has no {exc} statistics") from exc
-    mode = "quantile" if "q01" in s and "q01" in a else "mean_std"
+    # openpi normalises PI0.5's state and actions with quantiles (its data config's use_quantile_norm
+    # is on for every model but PI0), whatever else the file holds: without them, reading its
+    # mean/std instead would give the model inputs and actions on another scale, without an error.
+    missing = [f"{part}.{q}" for part, block in (("state", s), ("actions", a)) for q in ("q01", "q99")
+               if q not in block]
+    if missing:
+        raise CheckpointError(f"{stats_files[0]}: no {', '.join(missing)}: openpi normalises PI0.5's state and "
+                              "actions with the q01/q99 quantiles (compute_norm_stats.py writes them)")
+    try:
+        state_stats = NormStats("quantile", s.get("mean"), s.get("std"), s["q01"], s["q99"])
+        action_stats = NormStats("quantile", a.get("mean"), a.get("std"), a["q01"], a["q99"])
+    except ValueError as exc:
+        raise CheckpointError(f"{stats_files[0]}: {exc}") from None
     io = RobotIO(
         camera_names=list(OPENPI_CAMERAS),
-        state_dim=len(s["q01" if mode == "quantile" else "mean"]),
-        action_dim=len(a["q01" if mode == "quantile" else "mean"]),
-        state_stats=NormStats(mode, s.get("mean"), s.get("std"), s.get("q01"), s.get("q99")),
-        action_stats=NormStats(mode, a.get("mean"), a.get("std"), a.get("q01"), a.get("q99")),
+        state_dim=int(state_stats.dim or 0),
+        action_dim=int(action_stats.dim or 0),
+        state_stats=state_stats,
+        action_stats=action_stats,
         # openpi's PI0.5 model transforms tokenise the prompt (TokenizePrompt) before padding
         # (PadStatesAndActions), and its robot input transforms no longer pad the state, so the
         # prompt carries the robot's own state dims, as in LeRobot.

@@ -260,6 +260,18 @@ def discretize_state(state_norm: np.ndarray, bins: int = 256) -> np.ndarray:
     return np.digitize(state_norm, bins=edges) - 1
 
 
+def clean_task(task: str) -> str:
+    """The instruction as the references write it into the prompt: stripped, `_` and newlines as spaces."""
+    return task.strip().replace("_", " ").replace("\n", " ")
+
+
 def format_prompt(task: str, state_bins: np.ndarray) -> str:
-    cleaned = task.strip().replace("_", " ").replace("\n", " ")
-    return f"Task: {cleaned}, State: {' '.join(str(int(b)) for b in state_bins)};\nAction: "
+    return f"Task: {clean_task(task)}, State: {' '.join(str(int(b)) for b in state_bins)};\nAction: "
+
+
+def stateless_prompt(task: str) -> tuple[str, str]:
+    """The prompt of a policy trained without its state in the prompt (openpi's
+    `discrete_state_input=False`, e.g. pi05_libero): the bare instruction, then the answer marker
+    "\\n" as pieces to tokenise apart, as openpi's PaligemmaTokenizer does (`encode(task) +
+    encode("\\n")`)."""
+    return clean_task(task), "\n"
