@@ -5,9 +5,11 @@
  * Run:    ./subscriber_c [endpoint] [count]      default tcp://127.0.0.1:5555, 500 messages
  *
  * Prints one line per action and a summary: messages, sequence gaps, publish-to-receive
- * latency (same host: both sides use CLOCK_MONOTONIC), HOLD count. Exits 0 after `count`
+ * latency (same host: both sides use CLOCK_MONOTONIC), HOLD count. A stream silent for
+ * SILENT_MS counts as HOLD (one line each time it falls silent). Exits 0 after `count`
  * actions or a SHUTDOWN message, 1 on a protocol error.
  */
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +20,9 @@
 #define HEADER_SIZE 64
 #define FLAG_HOLD 0x001u
 #define FLAG_SHUTDOWN 0x080u
+/* A silent stream means HOLD too (protocol.md section 1): a daemon killed without its SHUTDOWN
+ * message, or a cable pulled, sends nothing at all. A few control periods (5 at 50 Hz). */
+#define SILENT_MS 100
 
 /* Little-endian field readers: independent of the host's byte order and alignment. */
 static uint16_t rd16(const unsigned char *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
@@ -63,7 +68,8 @@ static int64_t mono_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* Receive one frame into `buf`; returns its size, or -1. Sets *more if another frame follows. */
+/* Receive one frame into `buf`; returns its size, -1 when ZeroMQ fails (errno EAGAIN: nothing
+ * within SILENT_MS), or -2 for a frame larger than `cap`. Sets *more if another frame follows. */
 static int recv_frame(void *sock, unsigned char *buf, size_t cap, int *more) {
     int n = zmq_recv(sock, buf, cap, 0);
     if (n < 0) return -1;
@@ -71,7 +77,7 @@ static int recv_frame(void *sock, unsigned char *buf, size_t cap, int *more) {
     size_t ms = sizeof m;
     zmq_getsockopt(sock, ZMQ_RCVMORE, &m, &ms);
     *more = m;
-    return n > (int)cap ? -1 : n; /* truncated frames are errors */
+    return n > (int)cap ? -2 : n; /* truncated frames are errors */
 }
 
 int main(int argc, char **argv) {
@@ -79,7 +85,9 @@ int main(int argc, char **argv) {
     long count = argc > 2 ? strtol(argv[2], NULL, 10) : 500;
     void *ctx = zmq_ctx_new();
     void *sock = zmq_socket(ctx, ZMQ_SUB);
-    if (zmq_connect(sock, endpoint) != 0 || zmq_setsockopt(sock, ZMQ_SUBSCRIBE, "action", 6) != 0) {
+    int silent_ms = SILENT_MS;
+    if (zmq_setsockopt(sock, ZMQ_RCVTIMEO, &silent_ms, sizeof silent_ms) != 0 || zmq_connect(sock, endpoint) != 0 ||
+        zmq_setsockopt(sock, ZMQ_SUBSCRIBE, "action", 6) != 0) {
         fprintf(stderr, "cannot connect to %s: %s\n", endpoint, zmq_strerror(zmq_errno()));
         return 1;
     }
@@ -89,10 +97,20 @@ int main(int argc, char **argv) {
     uint64_t last_seq = 0;
     uint32_t session = 0;
     double lat_sum_us = 0, lat_max_us = 0;
-    int status = 0;
+    int status = 0, silent = 0;
     while (received < count) {
         int more = 0;
         int nt = recv_frame(sock, topic, sizeof topic, &more);
+        if (nt == -1 && zmq_errno() == EAGAIN) {
+            if (!silent && have_last) {
+                printf("no message for %d ms: HOLD (the daemon stopped or the link is down)\n", SILENT_MS);
+                fflush(stdout);
+                silent = 1;
+            }
+            /* A real controller holds the motors here until messages come again. */
+            continue;
+        }
+        silent = 0;
         if (nt < 0 || !more) { status = 1; fprintf(stderr, "bad topic frame\n"); break; }
         int nh = recv_frame(sock, head, sizeof head, &more);
         struct action_header h;
@@ -106,7 +124,8 @@ int main(int argc, char **argv) {
         }
         if (!have_last || h.session != session) {
             session = h.session;
-        } else if (h.seq != last_seq + 1) {
+        } else if (h.seq > last_seq + 1) {
+            /* Only forward: an unsigned difference of a repeat would subtract from the count. */
             gaps += (long)(h.seq - last_seq - 1);
         }
         have_last = 1;

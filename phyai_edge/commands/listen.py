@@ -34,7 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print", dest="print_each", action="store_true", help="print every action")
     p.add_argument("--wall", action="store_true", help="latency from CLOCK_REALTIME (other host, PTP-synced)")
     p.add_argument("--json", dest="json_path", help="write the final summary as JSON to this file ('-': stdout)")
-    p.add_argument("--record", help="save every received header and payload to this .npz file")
+    p.add_argument("--record", help="save every received header and payload to this .npz file: one entry per "
+                   "message in the header arrays (session, seq, kind, ...); actions holds the kind-1 payloads in "
+                   "order, chunk_rows the kind-2 rows one message after another (rows says how many each)")
     p.add_argument("--quiet", action="store_true", help="no per-second lines")
     p.add_argument("--priority", type=int, default=0,
                    help="SCHED_FIFO priority for this process, as a real-time controller would run (0: off)")
@@ -44,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
     import numpy as np
 
     from phyai_edge.control.listener import Listener
-    from phyai_edge.control.protocol import Flag
+    from phyai_edge.control.protocol import KIND_ACTION, Flag
 
     if args.priority:
         from phyai_edge.control.clock import setup_realtime
@@ -84,9 +86,17 @@ def main(args: argparse.Namespace) -> int:
             for h, v in lis.messages[printed:]:
                 names = [f.name for f in Flag if h.flags & f]
                 instr = f" instruction {h.instruction}" if h.instruction else ""
+                if h.kind != KIND_ACTION:
+                    # Its seq is the CHUNK_START action's: printed as an action it read as a repeat.
+                    print(f"chunk {h.chunk_id}@{h.index}: {h.rows} rows from seq {h.seq}{instr}")
+                    continue
                 print(f"seq {h.seq} chunk {h.chunk_id}@{h.index}{instr} flags {'|'.join(names) or '-'} "
                       f"{np.array2string(v[0], precision=3)}")
             printed = len(lis.messages)
+            if not args.record:
+                # Kept only to be printed: a listener left running for hours grew without bound.
+                lis.messages.clear()
+                printed = 0
         now = time.monotonic()
         if not st.received and not said_silent and now - started >= SILENT_HINT_S:
             print(f"no message from {args.endpoint} in {SILENT_HINT_S:g} s (topic {args.topic!r}): is the daemon "
@@ -109,8 +119,13 @@ def main(args: argparse.Namespace) -> int:
     lis.close()
     if args.record:
         msgs = lis.messages
+        actions = [v[0] for h, v in msgs if h.kind == KIND_ACTION]
+        chunk_rows = [v for h, v in msgs if h.kind != KIND_ACTION]
+        dim = msgs[0][1].shape[1] if msgs else 0
         np.savez(
             args.record,
+            # A restarted daemon's seq starts again at 0: without its session a restart read as repeats.
+            session=np.array([h.session for h, _ in msgs], dtype=np.uint32),
             seq=np.array([h.seq for h, _ in msgs], dtype=np.uint64),
             kind=np.array([h.kind for h, _ in msgs], dtype=np.uint16),
             flags=np.array([h.flags for h, _ in msgs], dtype=np.uint32),
@@ -119,7 +134,9 @@ def main(args: argparse.Namespace) -> int:
             instruction=np.array([h.instruction for h, _ in msgs], dtype=np.uint32),
             publish_mono_ns=np.array([h.publish_mono_ns for h, _ in msgs], dtype=np.int64),
             obs_mono_ns=np.array([h.obs_mono_ns for h, _ in msgs], dtype=np.int64),
-            actions=np.array([v[0] for h, v in msgs if h.kind == 1], dtype=np.float32),
+            rows=np.array([h.rows for h, _ in msgs], dtype=np.uint16),
+            actions=np.array(actions, dtype=np.float32) if actions else np.zeros((0, dim), np.float32),
+            chunk_rows=np.concatenate(chunk_rows).astype(np.float32) if chunk_rows else np.zeros((0, dim), np.float32),
         )
     text = json_text(summary)
     if args.json_path == "-":

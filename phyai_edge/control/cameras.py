@@ -19,8 +19,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from phyai_edge.control.config import CameraConfig
+from phyai_edge.control.config import CameraConfig, ConfigError
 from phyai_edge.control.log import worth_logging
+from phyai_edge.control.state import ARRIVAL_AGE_WARN_S, arrival_age_hint
 
 log = logging.getLogger("phyai_edge.control")
 
@@ -129,11 +130,17 @@ def _as_bgr(image: np.ndarray) -> np.ndarray:
     takes neither, so every inference on them failed."""
     import cv2
 
+    if image.dtype != np.uint8:
+        # Checked first: cvtColor keeps the depth, so a 16-bit gray or BGRA frame (GRAY16_LE, a Y16
+        # depth or thermal camera) came out as 16-bit BGR, the camera counted as connected, and the
+        # policy refused every frame at inference instead of the camera saying why here.
+        raise OSError(f"unsupported frame: shape {image.shape}, {image.dtype} (expected 8-bit gray, BGR or BGRA; "
+                      "convert a 16-bit stream to 8 bits in the pipeline)")
     if image.ndim == 2 or (image.ndim == 3 and image.shape[2] == 1):
         return cv2.cvtColor(image, cv2.COLOR_GRAY2BGR)
     if image.ndim == 3 and image.shape[2] == 4:
         return cv2.cvtColor(image, cv2.COLOR_BGRA2BGR)
-    if image.ndim == 3 and image.shape[2] == 3 and image.dtype == np.uint8:
+    if image.ndim == 3 and image.shape[2] == 3:
         return image
     raise OSError(f"unsupported frame: shape {image.shape}, {image.dtype} (expected 8-bit gray, BGR or BGRA)")
 
@@ -163,6 +170,13 @@ class OpenCVCamera:
         self.connected = False
 
     def start(self) -> None:
+        if self._open is _open_opencv:
+            try:
+                import cv2  # noqa: F401  # only whether it imports
+            except ImportError as exc:
+                # The capture thread would retry the import forever while the daemon held STALE.
+                raise ConfigError(f"cameras.{self.name}: source = {self.cfg.source!r} needs OpenCV, which does not "
+                                  f"import ({exc}): pip install 'phyai-edge[camera]'") from None
         self._thread = threading.Thread(target=self._run, name=f"camera-{self.name}", daemon=True)
         self._thread.start()
 
@@ -323,6 +337,7 @@ class ZmqCamera:
         self._sock: Any = None
         self._latest: Frame | None = None
         self.bad_messages = 0
+        self.old_on_arrival = 0  # frames already older than ARRIVAL_AGE_WARN_S when they arrived
 
     def start(self) -> None:
         zmq = self._zmq
@@ -345,6 +360,10 @@ class ZmqCamera:
             recv_s = time.monotonic()
             try:
                 fm = FrameMessage.decode(msg.buffer)
+                if fm.image.size == 0:
+                    # A sender whose camera failed may still send: taken, the empty frame counted as
+                    # fresh and the policy ran on nothing, instead of the camera going stale.
+                    raise ValueError(f"frame {fm.seq} is empty ({fm.image.shape[1]}x{fm.image.shape[0]} pixels)")
             except ValueError as exc:
                 self.bad_messages += 1
                 if self.bad_messages in (1, 10, 100) or self.bad_messages % 1000 == 0:
@@ -359,6 +378,13 @@ class ZmqCamera:
             # Never later than its arrival: a sender whose clock runs ahead would otherwise keep
             # its last frame fresh long after it stopped sending.
             cap_s = min(cap_s, recv_s)
+            if recv_s - cap_s > ARRIVAL_AGE_WARN_S:
+                self.old_on_arrival += 1
+                if worth_logging(self.old_on_arrival):
+                    log.warning("camera %s: frame %d was %.1f s old on arrival (%d so far): %s", self.name, fm.seq,
+                                recv_s - cap_s, self.old_on_arrival,
+                                arrival_age_hint(f"cameras.{self.name}.clock", self.cfg.clock, "capture_mono_ns",
+                                                 fm.capture_mono_ns, "capture_wall_ns", fm.capture_wall_ns))
             image = fm.image
             if fm.pixel_format == PIXEL_GRAY8:
                 image = np.repeat(image, 3, axis=-1)

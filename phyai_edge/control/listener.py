@@ -24,6 +24,10 @@ class ListenStats:
     gaps: int = 0  # messages missing between consecutive sequence numbers
     repeats: int = 0  # sequence numbers seen again (or going backwards) within a session
     sessions: int = 0
+    # Messages a restarted daemon sent before this subscriber heard it: seq starts at 0, and a SUB
+    # rejoins a new PUB only on its next reconnect. Not gaps (no session was seen to skip them), but
+    # lost to a controller all the same; a subscriber that joins a running daemon counts none.
+    restart_missed: int = 0
     bad: int = 0
     first_seq: int = -1
     last_seq: int = -1
@@ -47,6 +51,7 @@ class ListenStats:
             "gaps": self.gaps,
             "repeats": self.repeats,
             "sessions": self.sessions,
+            "restart_missed": self.restart_missed,
             "bad_messages": self.bad,
             "nonfinite_payloads": self.nonfinite,
             "rate_hz": (1e3 / float(np.mean(iv))) if iv.size else float("nan"),
@@ -118,6 +123,8 @@ class Listener:
         if not np.isfinite(values).all():
             st.nonfinite += 1
         if self._session != h.session:
+            if self._session is not None:
+                st.restart_missed += h.seq
             self._session = h.session
             st.sessions += 1
             st.first_seq = h.seq if st.first_seq < 0 else st.first_seq

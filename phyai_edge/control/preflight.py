@@ -25,6 +25,9 @@ from phyai_edge.control.config import CameraConfig, DaemonConfig
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 POLL_S = 0.002  # faster than any camera or state stream the daemon reads, so no sample is missed
+# Stale at this share of the polls or more is a failure: the daemon holds, and drops its chunk, on
+# as many ticks (a robot that stops every few ticks); fewer is a warning.
+STALE_SHARE_FAIL = 0.05
 
 
 @dataclass
@@ -45,6 +48,20 @@ class _Stream:
     shape: tuple[int, ...] = ()
     estop: bool = False
     error: str = ""
+    polls: int = 0  # polls that found a sample
+    stale_polls: int = 0  # of them, those whose newest sample was older than the limit
+    oldest_ms: float = 0.0  # the oldest the newest sample got at a poll
+
+    def poll(self, age_ms: float, limit_ms: float) -> None:
+        """The newest sample's age at one poll, as the daemon checks it on every tick: between
+        samples too, not only when one arrives."""
+        self.polls += 1
+        self.stale_polls += age_ms > limit_ms
+        self.oldest_ms = max(self.oldest_ms, age_ms)
+
+    @property
+    def stale_share(self) -> float:
+        return self.stale_polls / self.polls if self.polls else 0.0
 
     def see(self, t: float, now: float, shape: tuple[int, ...]) -> None:
         if self.samples == 0:
@@ -269,6 +286,9 @@ def _socket_checks(cfg: DaemonConfig, ctx: Any) -> list[Check]:
         if not bind:
             out.append(Check(key, OK, f"{endpoint}: connects (a peer binds it; not checked)"))
             continue
+        if ipc_listening(endpoint):
+            out.append(Check(key, FAIL, f"{endpoint}: a process is listening on it (is a daemon already running?)"))
+            continue
         sock = ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -281,14 +301,43 @@ def _socket_checks(cfg: DaemonConfig, ctx: Any) -> list[Check]:
         finally:
             sock.close()
     if cfg.metrics.port:
-        with socket.socket() as s:
-            try:
-                s.bind((cfg.metrics.host, cfg.metrics.port))
-            except OSError as exc:
-                out.append(Check("metrics.port", FAIL, f"{cfg.metrics.host}:{cfg.metrics.port}: {exc.strerror}"))
-            else:
-                out.append(Check("metrics.port", OK, f"{cfg.metrics.host}:{cfg.metrics.port}: free"))
+        out.append(_metrics_port_check(cfg.metrics.host, cfg.metrics.port))
     return out
+
+
+def ipc_listening(endpoint: str) -> bool:
+    """Whether a process listens on an ipc:// endpoint's path. Asked before the bind test, which
+    must not run then: libzmq's bind unlinks the path first (a file a crashed process left), so
+    the test bound a running daemon's endpoint, reported it free, and took it over: controllers
+    that connected afterwards reached the test's closed socket, never the daemon. An abstract
+    name (@...) has no file, and its bind fails as a TCP port's does."""
+    path = endpoint.removeprefix("ipc://") if endpoint.startswith("ipc://") else ""
+    if not path or path == "*" or path.startswith("@") or not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False  # refused: a file left behind, which the daemon's bind replaces
+    return True
+
+
+def _metrics_port_check(host: str, port: int) -> Check:
+    """Binds as the metrics server does: the address family `host` resolves to, and SO_REUSEADDR
+    (http.server's allow_reuse_address). Without it, connections a daemon stopped a moment ago
+    left in TIME_WAIT (a Prometheus scrape) failed this check though the daemon starts fine."""
+    where = f"{host}:{port}"
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return Check("metrics.port", FAIL, f"{where}: {exc.strerror}")
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return Check("metrics.port", FAIL, f"{where}: {exc.strerror}")
+    return Check("metrics.port", OK, f"{where}: free")
 
 
 # ---------------------------------------------------------------- cameras and state
@@ -321,17 +370,22 @@ def _stream_checks(cfg: DaemonConfig, seconds: float, ctx: Any) -> list[Check]:
         state_seen.error = f"{type(exc).__name__}: {exc}"
         state = None
     last: dict[str, float] = {}
+    cam_limits_ms = {name: cfg.camera_max_age_s(c) * 1e3 for name, c in cfg.cameras.items()}
     end = time.monotonic() + seconds
     try:
         while time.monotonic() < end:
             now = time.monotonic()
             for name, cam in cams.items():
                 fr = cam.latest()
+                if fr is not None:
+                    seen[name].poll((now - fr.capture_s) * 1e3, cam_limits_ms[name])
                 if fr is not None and last.get(name) != fr.capture_s:
                     last[name] = fr.capture_s
                     seen[name].see(fr.capture_s, now, fr.image.shape)
             if state is not None:
                 sample = state.latest()
+                if sample is not None:
+                    state_seen.poll((now - sample.time_s) * 1e3, cfg.safety.state_max_age_ms)
                 if sample is not None and last.get("\0state") != sample.time_s:
                     last["\0state"] = sample.time_s
                     state_seen.see(sample.time_s, now, sample.values.shape)
@@ -370,8 +424,13 @@ def _judge_camera(cfg: DaemonConfig, c: CameraConfig, s: _Stream, cam: Any, seco
     problems = []
     if age_p50 > limit_ms:
         problems.append((FAIL, "frames are older than the limit when they arrive: the daemon holds (STALE)"))
+    elif s.stale_share >= STALE_SHARE_FAIL:
+        # An optional camera gone stale is masked, not held for: the policy runs without it.
+        problems.append((FAIL if c.required else WARN, _stale_between(s, "frame", "a frame", c.required)))
     elif age_max > limit_ms:
         problems.append((WARN, "some frames arrive older than the limit: expect STALE holds"))
+    elif s.stale_polls:
+        problems.append((WARN, _stale_between(s, "frame", "a frame", c.required)))
     if s.samples > 1 and s.rate_hz < 0.8 * c.fps:
         problems.append((WARN, f"below the configured {c.fps:g} fps"))
     if (height, width) != (c.height, c.width):
@@ -410,17 +469,37 @@ def _judge_state(cfg: DaemonConfig, s: _Stream, state: Any, seconds: float) -> C
     assert s.ages_ms is not None
     limit_ms = cfg.safety.state_max_age_ms
     age_p50, age_max = statistics.median(s.ages_ms), max(s.ages_ms)
-    text = (f"{s.rate_hz:.0f} Hz, {s.shape[0]} values, age p50 {age_p50:.1f} ms, max {age_max:.1f} ms "
+    # 0: the policy's width, which only the daemon learns; any width was taken here.
+    width = "" if cfg.robot.state_dim else " (robot.state_dim is unset: not checked against the policy)"
+    text = (f"{s.rate_hz:.0f} Hz, {s.shape[0]} values{width}, age p50 {age_p50:.1f} ms, max {age_max:.1f} ms "
             f"(limit {limit_ms:g} ms)")
     if s.estop:
         return Check(what, FAIL, text + "; the e-stop bit is set: the daemon holds (ESTOP)")
     if age_p50 > limit_ms:
         return Check(what, FAIL, text + "; samples are older than the limit when they arrive: the daemon holds (STALE)")
+    if s.stale_share >= STALE_SHARE_FAIL:
+        return Check(what, FAIL, text + "; " + _stale_between(s, "sample", "a sample", True))
+    if s.stale_polls:
+        return Check(what, WARN, text + "; " + _stale_between(s, "sample", "a sample", True))
     if s.samples > 1 and s.rate_hz < cfg.robot.control_hz:
         return Check(what, WARN, text + f"; slower than the {cfg.robot.control_hz:g} Hz control rate: ticks reuse samples")
     if bad:
         return Check(what, WARN, text + f"; {bad} message(s) refused")
     return Check(what, OK, text)
+
+
+def _stale_between(s: _Stream, noun: str, one: str, required: bool) -> str:
+    """A stream whose readings arrive fresh but too far apart: the daemon checks the newest one's
+    age on every tick, so it holds between them (this passed as ok or as a rate warning)."""
+    every = f" ({one} every {1e3 / s.rate_hz:.0f} ms)" if s.rate_hz > 0 else ""
+    if not required:
+        consequence = "the policy runs without it (masked) on as many ticks"
+    elif s.stale_share >= STALE_SHARE_FAIL:
+        consequence = "the daemon holds (STALE) on as many ticks, dropping its chunk each time"
+    else:
+        consequence = "expect STALE holds"
+    return (f"between {noun}s the newest one grows older than the limit{every}, up to {s.oldest_ms:.0f} ms, "
+            f"at {s.stale_share:.0%} of the polls: {consequence}")
 
 
 LABEL_WIDTH = 28  # a longer label (a GStreamer pipeline names its camera) gets a line of its own

@@ -15,8 +15,27 @@ from typing import Any, Protocol
 import numpy as np
 
 from phyai_edge.control.config import StateConfig
+from phyai_edge.control.log import worth_logging
 
 log = logging.getLogger("phyai_edge.control")
+
+# A reading this old on arrival is past any sane age limit: its time is almost surely on another
+# clock than the one `clock` names, and every reading will count as stale.
+ARRIVAL_AGE_WARN_S = 1.0
+
+
+def arrival_age_hint(key: str, clock: str, mono_field: str, mono_ns: int, wall_field: str, wall_ns: int) -> str:
+    """The likely cause of readings that are old on arrival, and the setting (`key`) that fixes it.
+    Without it the daemon held STALE on every tick and said only which input was stale."""
+    field, stamp = (mono_field, mono_ns) if clock == "monotonic" else (wall_field, wall_ns)
+    if stamp == 0:
+        cause = f"the sender leaves {field} at 0"
+    elif clock == "monotonic":
+        cause = "the sender is on another host, whose CLOCK_MONOTONIC is not this one's"
+    else:
+        cause = "the hosts' CLOCK_REALTIME disagree (PTP or NTP not synchronised)"
+    other = 'set it to "realtime" (hosts synchronised by PTP/NTP) or "receive"' if clock == "monotonic" else 'set it to "receive"'
+    return f"{cause}? Fix the sender, or {other} ({key} = {clock!r} now)"
 
 
 @dataclass(frozen=True)
@@ -78,6 +97,7 @@ class ZmqState:
         self._sock: Any = None
         self._last: StateSample | None = None
         self.bad_messages = 0
+        self.old_on_arrival = 0  # samples already older than ARRIVAL_AGE_WARN_S when they arrived
 
     def start(self) -> None:
         from phyai_edge.control.protocol import STATE_MAGIC
@@ -125,6 +145,12 @@ class ZmqState:
             # Never later than its arrival: a sender whose clock runs ahead (another host, not
             # synchronised) would otherwise keep its last sample fresh long after its stream stopped.
             t = min(t, recv_s)
+            if recv_s - t > ARRIVAL_AGE_WARN_S:
+                self.old_on_arrival += 1
+                if worth_logging(self.old_on_arrival):
+                    log.warning("state: sample %d was %.1f s old on arrival (%d so far): %s", msg.seq, recv_s - t,
+                                self.old_on_arrival, arrival_age_hint("state.clock", self.cfg.clock, "mono_ns",
+                                                                      msg.mono_ns, "wall_ns", msg.wall_ns))
             self._last = StateSample(msg.values, t, msg.seq, bool(msg.flags & STATE_FLAG_ESTOP))
         return self._last
 

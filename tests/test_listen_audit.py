@@ -1,0 +1,125 @@
+"""`phyai-edge listen` as a robot engineer leaves it running: across a daemon restart, with the
+chunk topic, printing every action for hours."""
+
+from __future__ import annotations
+
+import gc
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from phyai_edge.cli import main as cli
+from phyai_edge.control import listener as listener_module
+from phyai_edge.control.daemon import Daemon
+from phyai_edge.control.fakes import FakePolicy, free_tcp_endpoint, test_config
+
+
+@pytest.fixture
+def restored_process() -> Iterator[None]:
+    """`listen` installs SIGINT / SIGTERM handlers and freezes the collector: put both back."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, h in handlers.items():
+        signal.signal(s, h)
+    gc.unfreeze()
+
+
+def _daemons(endpoint: str, runs: int, seconds: float, gap_s: float = 0.3) -> threading.Thread:
+    """`runs` daemons one after another on `endpoint` (a restarted service), `seconds` each."""
+
+    def serve() -> None:
+        time.sleep(0.5)  # the listener subscribes first
+        for _ in range(runs):
+            d = Daemon(test_config(publish={"endpoint": endpoint}),
+                       policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), realtime=False)
+            d.setup()
+            t = threading.Thread(target=d.run, daemon=True)
+            t.start()
+            d.wait_started(10)
+            time.sleep(seconds)
+            d.stop()
+            t.join(5)
+            time.sleep(gap_s)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_recording_across_a_daemon_restart_tells_the_sessions_apart_and_keeps_the_chunks(tmp_path, restored_process):
+    """A restarted daemon's seq starts again at 0; the recording had no session, so the restart
+    read as repeated sequence numbers. The chunk messages' rows were dropped (the help promised
+    every payload)."""
+    endpoint = free_tcp_endpoint()
+    served = _daemons(endpoint, runs=2, seconds=1.0)
+    record, summary = tmp_path / "actions.npz", tmp_path / "summary.json"
+    rc = cli(["listen", "--endpoint", endpoint, "--chunk-topic", "chunk", "--duration", "3.5", "--quiet",
+              "--record", str(record), "--json", str(summary)])
+    served.join(10)
+    assert rc == 0
+    stats = json.loads(summary.read_text())
+    assert stats["sessions"] == 2 and stats["repeats"] == 0 and stats["gaps"] == 0, stats
+    rec = np.load(record)
+    sessions = list(dict.fromkeys(rec["session"].tolist()))
+    assert len(sessions) == 2
+    firsts = []
+    for session in sessions:
+        seq = rec["seq"][(rec["session"] == session) & (rec["kind"] == 1)].astype(np.int64)
+        assert (np.diff(seq) == 1).all()
+        firsts.append(int(seq[0]))
+    # The restarted daemon's first messages went out before the SUB had rejoined: said, not hidden.
+    assert stats["restart_missed"] == firsts[1], (stats, firsts)
+    kind = rec["kind"]
+    assert rec["actions"].shape == ((kind == 1).sum(), 6)
+    assert (kind == 2).any() and rec["chunk_rows"].shape == (rec["rows"][kind == 2].sum(), 6)
+    # Row 0 of each chunk message is the CHUNK_START action that went out with the same seq.
+    first_chunk = int(np.flatnonzero(kind == 2)[0])
+    same = np.flatnonzero((kind == 1) & (rec["seq"] == rec["seq"][first_chunk])
+                          & (rec["session"] == rec["session"][first_chunk]))[0]
+    np.testing.assert_allclose(rec["chunk_rows"][0], rec["actions"][int((kind[:same] == 1).sum())], atol=1e-6)
+
+
+def test_printing_every_action_keeps_no_backlog_and_labels_chunk_messages(monkeypatch, capsys, restored_process):
+    """`--print` kept every message for the whole run (a listener left open for hours grew
+    without bound), and printed chunk messages as actions with the CHUNK_START action's seq."""
+    made: list[Any] = []
+
+    class Kept(listener_module.Listener):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(listener_module, "Listener", Kept)
+    endpoint = free_tcp_endpoint()
+    served = _daemons(endpoint, runs=1, seconds=3.0)
+    rc = cli(["listen", "--endpoint", endpoint, "--chunk-topic", "chunk", "--print", "--count", "80", "--quiet"])
+    served.join(10)
+    assert rc == 0
+    out = capsys.readouterr().out.splitlines()
+    actions = [line for line in out if line.startswith("seq ")]
+    chunks = [line for line in out if line.startswith("chunk ")]
+    assert len(actions) >= 80 and chunks and all(" rows from seq " in line for line in chunks), out[:20]
+    seqs = [int(line.split()[1]) for line in actions]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "an action printed twice"
+    assert len(made) == 1 and len(made[0].messages) < 20, "printed messages are still held"
+
+
+def test_a_late_join_misses_nothing_and_a_restart_counts_what_it_sent_before_the_rejoin():
+    from phyai_edge.control.listener import Listener
+    from phyai_edge.control.protocol import ActionHeader, encode_actions
+
+    lis = Listener(free_tcp_endpoint())
+    try:
+        for k, (session, seq) in enumerate([(7, 40), (7, 41), (9, 3), (9, 4), (9, 6), (9, 6)]):
+            header = ActionHeader(seq, 1, 1, 0, 0, 0, 1, 2, session=session)
+            lis.handle(encode_actions(b"action", header, np.zeros((1, 2), np.float32)), 10 + k, 10 + k)
+    finally:
+        lis.close()
+    st = lis.stats.summary()
+    assert (st["sessions"], st["restart_missed"], st["gaps"], st["repeats"]) == (2, 3, 1, 1), st
