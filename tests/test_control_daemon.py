@@ -943,6 +943,52 @@ def test_flapping_inputs_do_not_flood_the_log(caplog):
     assert run.daemon.stats.holds["stale"] >= 5
 
 
+def test_an_ipc_endpoint_another_daemon_listens_on_is_refused_not_taken_over(tmp_path):
+    """libzmq's ipc bind unlinks the path first: a second daemon on the first one's ipc://
+    endpoints took its controllers over without an error. Now the key is named and the first
+    daemon's subscribers still hear it; a path a crashed process left behind is bound as before."""
+    from phyai_edge.control.config import ConfigError
+
+    path = tmp_path / "actions.sock"
+    ctx = zmq.Context.instance()
+    first = ctx.socket(zmq.PUB)
+    first.bind(f"ipc://{path}")
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 2000)
+    sub.connect(f"ipc://{path}")
+    try:
+        d = Daemon(test_config(publish={"endpoint": f"ipc://{path}"}),
+                   policy=FakePolicy(action_dim=6, state_dim=6), realtime=False)
+        with pytest.raises(ConfigError, match=r"publish\.endpoint: .*is a daemon already running"):
+            d.setup()
+        d.shutdown()
+        late = ctx.socket(zmq.SUB)  # a controller connecting now still reaches the first daemon
+        late.setsockopt(zmq.SUBSCRIBE, b"")
+        late.setsockopt(zmq.RCVTIMEO, 200)
+        late.connect(f"ipc://{path}")
+        got = None
+        for _ in range(25):
+            first.send(b"still here")
+            try:
+                got = late.recv()
+                break
+            except zmq.Again:
+                continue
+        late.close(0)
+        assert got == b"still here"
+    finally:
+        sub.close(0)
+        first.close(0)
+    assert path.exists()  # left behind, nobody listening: the next daemon binds it
+    d = Daemon(test_config(publish={"endpoint": f"ipc://{path}"}), policy=FakePolicy(action_dim=6, state_dim=6),
+               realtime=False)
+    try:
+        d.setup()
+    finally:
+        d.shutdown()
+
+
 def test_a_publish_endpoint_in_use_fails_before_the_model_loads():
     """Another process on publish.endpoint is found in a second, not after minutes of loading and
     warming a model; the key is named and shutdown returns."""

@@ -292,7 +292,8 @@ class Daemon:
         # Bound before the model loads: an endpoint already in use then fails in a second, not after
         # minutes of loading and warming (nothing is published until the clock runs).
         self.publisher = _zmq_opened(
-            "publish.endpoint", lambda: ActionPublisher(p.endpoint, p.topic, p.chunk_topic, p.bind, p.sndhwm, self.context)
+            "publish.endpoint", lambda: ActionPublisher(p.endpoint, p.topic, p.chunk_topic, p.bind, p.sndhwm, self.context),
+            p.endpoint if p.bind else None,
         )
         if self._policy is not None:
             self.worker = ThreadWorker(policy=self._policy)
@@ -385,7 +386,7 @@ class Daemon:
             worker = self.worker
             self.task = TaskChannel(cfg.task, cfg.model.prompt, lambda prompt: worker.check_prompt(prompt, TASK_CHECK_TIMEOUT_S),
                                     self.context, self.metrics)
-            _zmq_opened("task.endpoint", self.task.start)
+            _zmq_opened("task.endpoint", self.task.start, cfg.task.endpoint if cfg.task.bind else None)
             log.info("task: instructions taken at run time, %s", self.task.describe())
         if self.record_dir:
             from phyai_edge.control.recorder import Recorder
@@ -915,11 +916,18 @@ class _WorkerSeen:
     failures: int = 0
 
 
-def _zmq_opened(key: str, open_socket: Callable[[], Any]) -> Any:
+def _zmq_opened(key: str, open_socket: Callable[[], Any], binds: str | None = None) -> Any:
     """Run a ZeroMQ bind or connect; ZeroMQ's refusal ("Invalid argument (addr=...)") becomes a
-    configuration error that names the key holding the endpoint."""
+    configuration error that names the key holding the endpoint. `binds`: the endpoint the call
+    binds, refused where another process listens on it as an ipc:// path: libzmq's bind unlinks
+    the path first, so a second daemon took the first one's controllers over without an error
+    (a TCP port in use fails the bind itself)."""
     import zmq
 
+    from phyai_edge.control.preflight import ipc_listening
+
+    if binds and ipc_listening(binds):
+        raise ConfigError(f"{key}: {binds}: a process is listening on it (is a daemon already running?)")
     try:
         return open_socket()
     except zmq.ZMQError as exc:

@@ -38,7 +38,7 @@ class Flag(IntFlag):
     STALE = 1 << 1  # a camera or the robot state was older than its age limit
     ESTOP = 1 << 2  # the robot state stream reported an emergency stop
     CLAMPED = 1 << 3  # the action was clamped by a position or rate limit
-    LATE = 1 << 4  # this tick was published after its deadline by more than one period
+    LATE = 1 << 4  # the clock missed one or more slots before this tick (their actions were skipped)
     NONFINITE = 1 << 5  # the policy produced NaN/Inf; a hold action was published instead
     INFER_FAIL = 1 << 6  # the last inference failed; running out the current chunk or holding
     SHUTDOWN = 1 << 7  # the last message before the daemon exits (always with HOLD)
