@@ -97,6 +97,9 @@ BAD = [
     ({"model": {"engine_options": {"early_step": False}}},
      'model.engine_options: only for model.backend = "cudagraph"'),
     ({"rbot": {}}, "rbot: unknown key"),
+    ({"cameras": {"top": {"fps": 30, "max_age_ms": 20}}},
+     "cameras.top.max_age_ms: 20 ms is shorter than cameras.top's frame period (30 fps: 33.3 ms)"),
+    ({"cameras": {"top": {"fps": 4}}}, "safety.camera_max_age_ms: 200 ms is shorter than cameras.top's frame period"),
 ]
 
 

@@ -582,6 +582,18 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         hold=s.string("hold", d4.hold, HOLD_MODES),
     )
     s.finish()
+    for cam in cfg.cameras.values():
+        # Frames 1 / fps apart with a shorter age limit: the newest frame goes stale before the next
+        # one comes, on every frame, and the daemon holds STALE on those ticks (a required camera)
+        # or runs without the view. Refused here rather than found on the robot.
+        limit_s, period_s = cfg.camera_max_age_s(cam), 1.0 / cam.fps
+        if limit_s < period_s:
+            key = f"cameras.{cam.name}.max_age_ms" if cam.max_age_ms else "safety.camera_max_age_ms"
+            raise ConfigError(
+                f"{key}: {limit_s * 1e3:g} ms is shorter than cameras.{cam.name}'s frame period "
+                f"({cam.fps:g} fps: {period_s * 1e3:.1f} ms), so every frame goes stale before the next arrives; "
+                "allow the period plus the capture latency"
+            )
 
     cfg.task = _parse_task(root.table("task"), cfg)
 
@@ -819,7 +831,8 @@ inference_timeout_s = 10.0   # an inference still running after this: the worker
 # engine_options = { early_step = false }   # backend = "cudagraph": its switches (triton_ops, triton_gemm,
                              # dense_prefix, dense_expert, early_step; docs/gpu.md), each true / false
 # adapter_options = { prompt_state = "padded" }   # the adapter's options (PI0.5: prompt_state = robot |
-                             # padded; padded for a policy fine-tuned with LeRobot v0.4.x; relative_actions =
+                             # padded | none; padded for a policy fine-tuned with LeRobot v0.4.x, none for
+                             # openpi's discrete_state_input = False (pi05_libero); relative_actions =
                              # "6,-1,6,-1" for an openpi ALOHA policy trained on delta joints, "none" for absolute)
 
 [chunking]
