@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.ckpt import write_lerobot, write_openpi
+from helpers.ckpt import with_moving_stats, write_lerobot, write_openpi
 from safetensors.numpy import load_file, save_file
 
 from phyai_edge.adapters import load_adapter
@@ -37,13 +37,7 @@ PALIGEMMA_VOCAB = 257152
 @pytest.fixture
 def adapter(tiny_adapter: PI05Adapter) -> PI05Adapter:
     """The tiny adapter with statistics that move values, so a wrong scale would show."""
-    io = tiny_adapter.io
-    rng = np.random.default_rng(3)
-    q01 = rng.uniform(-2, -0.5, io.state_dim).astype(np.float32)
-    io.state_stats = NormStats("quantile", q01=q01, q99=q01 + rng.uniform(1, 3, io.state_dim).astype(np.float32))
-    a01 = rng.uniform(-2, 0, io.action_dim).astype(np.float32)
-    io.action_stats = NormStats("quantile", q01=a01, q99=a01 + rng.uniform(0.5, 2, io.action_dim).astype(np.float32))
-    return tiny_adapter
+    return with_moving_stats(tiny_adapter, seed=3)
 
 
 def _obs(adapter: PI05Adapter, prompt: str = "pick up the cube", state: np.ndarray | None = None) -> Observation:

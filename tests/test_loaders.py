@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.ckpt import EX, PG, published_state, write_lerobot, write_openpi
+from helpers.ckpt import EX, PG, published_state, with_moving_stats, write_lerobot, write_openpi
 
 from phyai_edge.adapters import checkpoint as ckpt_mod
 from phyai_edge.adapters.base import Observation
@@ -30,13 +30,7 @@ EMBED = "model." + PG + "model.language_model.embed_tokens.weight"
 @pytest.fixture
 def adapter(tiny_adapter):
     """The tiny adapter with non-trivial statistics, so normalisation is exercised."""
-    io = tiny_adapter.io
-    rng = np.random.default_rng(0)
-    q01 = rng.uniform(-3, -0.5, io.state_dim).astype(np.float32)
-    io.state_stats = NormStats("quantile", q01=q01, q99=q01 + rng.uniform(1, 4, io.state_dim).astype(np.float32))
-    a01 = rng.uniform(-2, 0, io.action_dim).astype(np.float32)
-    io.action_stats = NormStats("quantile", q01=a01, q99=a01 + rng.uniform(0.5, 3, io.action_dim).astype(np.float32))
-    return tiny_adapter
+    return with_moving_stats(tiny_adapter)
 
 
 def _run(adapter, obs, noise):

@@ -15,6 +15,21 @@ import torch
 from safetensors.numpy import save_file as save_np
 from safetensors.torch import save_file
 
+
+def with_moving_stats(adapter, seed: int = 0):
+    """`adapter` with quantile statistics that move values (a wrong scale or a skipped
+    normalisation then shows in the actions); returned for use as a fixture's value."""
+    from phyai_edge.adapters.normalization import NormStats
+
+    io = adapter.io
+    rng = np.random.default_rng(seed)
+    q01 = rng.uniform(-3, -0.5, io.state_dim).astype(np.float32)
+    io.state_stats = NormStats("quantile", q01=q01, q99=q01 + rng.uniform(1, 4, io.state_dim).astype(np.float32))
+    a01 = rng.uniform(-2, 0, io.action_dim).astype(np.float32)
+    io.action_stats = NormStats("quantile", q01=a01, q99=a01 + rng.uniform(0.5, 3, io.action_dim).astype(np.float32))
+    return adapter
+
+
 PG = "paligemma_with_expert.paligemma."
 EX = "paligemma_with_expert.gemma_expert."
 
