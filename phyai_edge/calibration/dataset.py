@@ -58,7 +58,7 @@ def load_calibration_set(source: str | Path, adapter: Adapter, limit: int = 64, 
     if not folder.is_dir():
         raise FileNotFoundError(f"calibration source not found: {folder} (give a folder or 'synthetic')")
     if is_recording(folder):
-        obs = read_records(folder, list(adapter.camera_names))
+        obs = read_records(folder, list(adapter.camera_names), spread=limit)
         kind = "recording"
     elif is_lerobot_dataset(folder):
         obs = read_lerobot(folder, list(adapter.camera_names), limit=limit, camera_map=camera_map)

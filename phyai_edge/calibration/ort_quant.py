@@ -13,6 +13,13 @@ MLP and the action projections, `PI05Model.precision_dtypes`) stay float too: th
 and in int8 they cost most of the accuracy (the action output projection writes the velocity).
 They are found by value (the stored weight or its transpose), because the exported node names
 keep only the last module name ("/dense_3/Gemm", "/action_out_proj/MatMul").
+
+Biases stay float (`QuantizeBias` off): the quantiser would otherwise store a Conv / Gemm bias as
+int32 behind a DequantizeLinear, which TensorRT's ONNX parser refuses ("only activation types
+allowed as input to this layer"), and the file must build there as it runs here. A source whose
+weights live in an external-data file (export_stage's choice above 2 GB: the full model's prefix)
+is quantised with external data too, for the quantiser's own augmented float copy and for the
+output: either is past protobuf's 2 GB limit at full size.
 """
 
 from __future__ import annotations
@@ -44,6 +51,15 @@ def weight_nodes(path: str | Path, keep_float: Sequence[np.ndarray] = ()) -> lis
             weights[n.output[0]] = value
     nodes = [n for n in model.graph.node if n.op_type in QUANT_OPS and n.input[1:2] and n.input[1] in weights]
     return [n.name for n in nodes if not _is_kept(weights[n.input[1]], keep_float, Path(path).parent)]
+
+
+def uses_external_data(path: str | Path) -> bool:
+    """Whether the ONNX file at `path` keeps any initializer in an external-data file."""
+    import onnx
+    from onnx import external_data_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    return any(external_data_helper.uses_external_data(t) for t in model.graph.initializer)
 
 
 def _is_kept(tensor: Any, keep_float: Sequence[np.ndarray], base_dir: Path) -> bool:
@@ -126,6 +142,10 @@ def quantize_stage(
                 if n.op_type in QUANT_OPS and n.name not in chosen]
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    external = uses_external_data(src)
+    stale = dst.with_name(dst.name + ".data")
+    if external and stale.exists():
+        stale.unlink()  # onnx appends to an existing data file: a leftover would grow, not be replaced
     # The float8 path prints its histogram progress to stdout: keep the CLI's table readable.
     with _quiet_root_logger(), contextlib.redirect_stdout(io.StringIO()):
         quantize_static(
@@ -134,6 +154,7 @@ def quantize_stage(
             op_types_to_quantize=list(QUANT_OPS),
             # Float8 ranges come from the activation distribution (the only method ORT allows).
             calibrate_method=CalibrationMethod.MinMax if kind == "int8" else CalibrationMethod.Distribution,
-            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+            use_external_data_format=external,
         )
     return dst

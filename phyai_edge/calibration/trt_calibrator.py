@@ -4,7 +4,8 @@
 class is built inside `entropy_calibrator` because its base class lives in `tensorrt`.
 
 The cache file holds TensorRT's per-tensor scales: a rebuild with the same cache skips
-calibration entirely (TensorRT ignores a cache whose header does not match its version).
+calibration entirely. TensorRT checks only the cache's version header, not that it belongs to this
+network or these weights, so `tensorrt.build_for_adapter` deletes a cache it finds before calibrating.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -95,13 +96,22 @@ class ExportRequest:
 
 
 # -- progress -----------------------------------------------------------------------------
+def say(line: str) -> None:
+    """Print one line of the export's output and flush it. Off a terminal (systemd's journal, a CI
+    log, a pipe) Python block-buffers stdout, so without the flush every step line of a long export
+    arrived at its very end, together, and a killed export lost them."""
+    print(line, flush=True)
+
+
 class Progress:
-    """A tqdm bar per phase when tqdm is installed and wanted, else one log line per step."""
+    """A tqdm bar per phase when tqdm is installed, wanted and stderr (where tqdm draws) is a
+    terminal, else one line per step: a bar redraws itself with carriage returns, which a log file
+    or the journal keeps as one unreadable line per redraw."""
 
     def __init__(self, enabled: bool, echo: Callable[[str], None]) -> None:
         self.echo = echo
         self.tqdm = None
-        if enabled:
+        if enabled and _is_terminal(sys.stderr):
             try:
                 from tqdm.auto import tqdm
 
@@ -125,6 +135,13 @@ class Progress:
         else:
             self.echo(f"{title}: {len(steps)} step(s)")
             yield lambda name: self.echo(f"  {title}: {name} done")
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -196,7 +213,7 @@ def _typed(precision: str) -> str:
 def export_bundle(
     req: ExportRequest,
     adapter: Adapter | None = None,
-    echo: Callable[[str], None] = print,
+    echo: Callable[[str], None] = say,
 ) -> dict[str, Any]:
     """Build the bundle described by `req`; returns its manifest."""
     req.normalised()
@@ -322,7 +339,8 @@ def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progres
         "target": {**here.describe(), "device": req.device},
         "versions": here.versions,
         "build_seconds": {k: round(v, 3) for k, v in timings.items()},
-        "calibration": calibration_info if calibration_info is not None else (
+        # The fp8 report carries the source too: a bundle calibrated on synthetic samples must say so.
+        "calibration": {**calibration_info, "source": calib_source} if calibration_info is not None else (
             {"source": calib_source, "samples": len(calib_obs), "held_out": len(held_out)} if calib_source else None),
     }
     if req.precision == "fp8" and req.backend == "cudagraph":
@@ -351,9 +369,15 @@ def _calibration(req: ExportRequest, adapter: Adapter,
     needs = req.precision in ("int8", "fp8")
     source = req.calibration
     if needs and source is None:
-        echo(f"note: {req.precision} needs calibration data; using synthetic observations "
-             "(pass --calibration DIR with recorded observations for real accuracy)")
+        echo(f"note: {req.precision} needs calibration data; using synthetic observations")
         source = "synthetic"
+    if needs and str(source) == "synthetic":
+        # Asked for or defaulted to, the scales then fit random images, uniform states and stock
+        # prompts, not the robot's inputs, and the accuracy report is measured on the same kind of
+        # samples, so a good number there says nothing about the robot.
+        echo(f"WARNING: {req.precision} scales from synthetic observations are not the robot's activation "
+             "ranges, and the accuracy report below is measured on synthetic samples too: calibrate with "
+             "--calibration DIR (a `phyai-edge run --record` folder or a LeRobot dataset) before deploying")
     n_val = max(req.holdout, max(req.batch_sizes))
     if source is None:
         return [], synthetic_observations(adapter, n_val, seed=req.seed + 1000), None
@@ -406,7 +430,16 @@ def _export_onnx(req: ExportRequest, adapter: Adapter, views: int, work: Path, c
                     files.setdefault(str(b), {})[spec.name] = dst.relative_to(work).as_posix()
                     done(spec.name)
     shutil.rmtree(work / ".tmp", ignore_errors=True)
-    return {"files": files, "opset": 17}
+    # What the files declare, not the export's own opset: the float8 quantiser raises it to 19, which
+    # needs a newer onnxruntime than the 17 that was recorded for every bundle.
+    return {"files": files, "opset": max(_onnx_opset(work / rel) for per_b in files.values() for rel in per_b.values())}
+
+
+def _onnx_opset(path: Path) -> int:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
 
 
 def _export_tensorrt(req: ExportRequest, adapter: Adapter, views: int, work: Path, calib: list[Observation],
@@ -562,6 +595,9 @@ def summary_table(manifest: dict[str, Any], out: Path) -> str:
     else:
         lines.append(f"  validation: {v.get('status')} ({v.get('reason', '')})")
     c = manifest.get("calibration") or {}
+    if c.get("source") == "synthetic" and set(manifest["precision"].values()) & {"int8", "fp8"}:
+        lines.append("  calibration: synthetic observations, not the robot's: re-export with --calibration DIR "
+                     "before deploying")
     if "fake_fp8_vs_fp32" in c:
         f = c["fake_fp8_vs_fp32"]
         lines.append(f"  fp8 scales ({c['linears']} linears, {c['samples']} samples): fake-fp8 eager vs fp32 "

@@ -53,6 +53,12 @@ PLANS_META = "plans.json"
 _PRECISION_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+# The API written against: strongly typed networks and BuilderFlag.BF16 (neither is in 8.6), an
+# explicit-batch network from create_network(0) (8.6 makes an implicit-batch one, which the ONNX
+# parser refuses), named-tensor I/O. JetPack 6.0 ships TensorRT 8.6; 6.1 and later ship 10.
+MIN_TENSORRT_MAJOR = 10
+
+
 def import_tensorrt() -> Any:
     try:
         import tensorrt
@@ -61,6 +67,13 @@ def import_tensorrt() -> Any:
             "TensorRT is not installed: on a Jetson it comes with JetPack (python3-libnvinfer), on a "
             "workstation `pip install tensorrt`; or export with --backend onnx / cudagraph"
         ) from exc
+    version = str(getattr(tensorrt, "__version__", ""))
+    major = version.split(".")[0]
+    if major.isdigit() and int(major) < MIN_TENSORRT_MAJOR:
+        raise RuntimeError(
+            f"TensorRT {version} is installed; the tensorrt backend needs TensorRT {MIN_TENSORRT_MAJOR} or newer "
+            "(on a Jetson: JetPack 6.1 or newer); or export with --backend onnx / cudagraph"
+        )
     return tensorrt
 
 
@@ -492,8 +505,14 @@ def build_for_adapter(
             from phyai_edge.calibration.trt_calibrator import entropy_calibrator
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            calibrators = {stage: entropy_calibrator(calibration[stage], plan_dir / f"{stage}.int8.cache", device, trt=trt)
-                           for stage in files}
+            calibrators = {}
+            for stage in files:
+                cache = Path(plan_dir) / f"{stage}.int8.cache"
+                # TensorRT checks only a cache's version header, and another checkpoint of the same
+                # architecture has the same tensor names: a cache left in plan_dir by an earlier build
+                # would be taken as this model's scales. These samples are at hand: calibrate afresh.
+                cache.unlink(missing_ok=True)
+                calibrators[stage] = entropy_calibrator(calibration[stage], cache, device, trt=trt)
         return build_plans(files, plan_dir, shapes, options, calibrators, on_stage, trt=trt)
     finally:
         if work is not None:
