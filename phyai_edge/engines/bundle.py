@@ -7,8 +7,8 @@ Layout (paths are relative to the bundle folder and listed, with hashes, in the 
                                 tokenizer.json; plus model.safetensors for backends that need
                                 the weights at load time (cudagraph), stored in the dtypes the
                                 engine runs them in (manifest checkpoint.weight_dtype)
-    onnx/b<B>/<stage>.onnx      static-shape ONNX per batch size (onnxruntime backend; also the
-                                TensorRT sources, with `onnx/dynamic/` for the batch profiles)
+    onnx/b<B>/<stage>.onnx      static-shape ONNX per batch size (onnxruntime backend; a TensorRT
+                                bundle is built from batch-dynamic ONNX it does not keep)
     trt/<stage>.plan            serialised TensorRT engines, one profile per batch size
     trt/timing.cache            the TensorRT timing cache the build used and extended
     calibration/                int8 cache, fp8 scales, the calibration report
