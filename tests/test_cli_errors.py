@@ -180,3 +180,21 @@ def test_eval_says_a_file_is_not_a_recording_folder(tmp_path: Path, capsys: pyte
     f.write_text("")
     rc, err = run(["eval", str(f)], capsys)
     assert rc == 2 and "is a file; expected a `phyai-edge run --record` folder" in one_line(err, "eval")
+
+
+def test_an_unknown_log_level_in_the_environment_is_named(monkeypatch, capsys):
+    """PHYAI_EDGE_LOG_LEVEL is --log-level's default, which argparse never checks against its
+    choices: "verbose" crashed the start with a traceback (exit 1, restarted by systemd)."""
+    monkeypatch.setenv("PHYAI_EDGE_LOG_LEVEL", "verbose")
+    rc, err = run(["run", "--duration", "0.1", "--no-realtime"], capsys)
+    assert rc == 2
+    assert one_line(err, "run") == "phyai-edge run: PHYAI_EDGE_LOG_LEVEL='verbose': expected one of debug, info, warning, error"
+
+
+def test_eval_refuses_lerobot_frame_selection_on_a_recording(tmp_path, capsys):
+    """--episodes, --max-frames and --stride select frames of a LeRobot dataset; on a recording they
+    were accepted and ignored, and the whole recording ran."""
+    rc, err = run(["eval", str(tmp_path / "rec"), "--max-frames", "3", "--stride", "2"], capsys)
+    assert rc == 2
+    assert one_line(err, "eval").endswith("--max-frames, --stride: select frames of a LeRobot dataset (--lerobot) "
+                                          "only; a recording is evaluated whole")

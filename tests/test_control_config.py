@@ -74,6 +74,7 @@ BAD = [
     ({"chunking": {"execution_horizon": 0}}, "chunking.execution_horizon: expected an integer >= 1, got 0"),
     ({"chunking": {"max_guidance_weight": "big"}}, 'chunking.max_guidance_weight: expected a positive number, got "big"'),
     ({"publish": {"endpoint": ""}}, "publish.endpoint: required"),
+    ({"publish": {"endpoint": "tcp://127.0.0.1:99999"}}, "publish.endpoint: port 99999 is outside 1..65535"),
     ({"publish": {"topic": "act", "chunk_topic": "action"}}, "publish.chunk_topic:"),
     ({"safety": {"hold": "freeze"}}, "safety.hold: expected one of last, state, zero"),
     ({"safety": {"state_max_age_ms": 0}}, "safety.state_max_age_ms: expected a positive number, got 0"),
@@ -215,3 +216,31 @@ def test_model_tokenizer_reaches_load_policy(tmp_path):
     spec = policy_spec_from_config(cfg)
     assert spec.factory == "phyai_edge.engines.policy:load_policy"
     assert spec.kwargs["tokenizer"] == tok and spec.kwargs["checkpoint"] == str(tmp_path)
+
+
+def test_what_a_bundle_or_factory_needs_is_checked_with_the_config(tmp_path, monkeypatch):
+    """A cudagraph bundle on the CPU, an onnxruntime bundle without onnxruntime, and a factory whose
+    package is not installed passed `--check-config` and `--preflight`, then failed the start-up
+    with exit 1 (restarted by systemd, each time after loading): now the config names the key."""
+    import json
+
+    from phyai_edge.control import config
+
+    def bundle(backend: str):
+        folder = tmp_path / backend
+        folder.mkdir()
+        (folder / "manifest.json").write_text(json.dumps({"format": "phyai-edge/bundle/1", "backend": backend}))
+        return str(folder)
+
+    with pytest.raises(ConfigError, match=r'^model\.device: a cudagraph bundle runs on a CUDA device; set model\.device = "cuda"'):
+        parse_config({"cameras": {"top": {}}, "model": {"bundle": bundle("cudagraph"), "device": "cpu"}})
+    onnx = bundle("onnxruntime")
+    parse_config({"cameras": {"top": {}}, "model": {"bundle": onnx}})  # installed here (the test extra)
+    monkeypatch.setattr(config, "_importable", lambda module: module != "onnxruntime")
+    with pytest.raises(ConfigError, match=r"^model\.bundle: .* is an onnxruntime bundle, and onnxruntime is not "
+                                          r"installed here \(pip install 'phyai-edge\[onnx\]'\)"):
+        parse_config({"cameras": {"top": {}}, "model": {"bundle": onnx}})
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"^model\.factory: no module 'nosuch' can be imported here"):
+        parse_config({"cameras": {"top": {}}, "model": {"factory": "nosuch.policies:make"}})
+    parse_config({"cameras": {"top": {}}, "model": {"factory": "phyai_edge.control.fakes:make_fake_policy"}})

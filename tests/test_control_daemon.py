@@ -822,7 +822,7 @@ def _manifest(precision: str, backend: str, dtype: str) -> dict:
     return manifest
 
 
-def test_model_info_says_a_bundle_is_fp8_where_its_dtype_says_bfloat16(tmp_path):
+def test_model_info_says_a_bundle_is_fp8_where_its_dtype_says_bfloat16(tmp_path, monkeypatch):
     """An fp8 bundle's manifest has dtype bfloat16 (its activations) and fp8 per stage: the label
     precision="fp8" says it, as the roofline reads it; int8 likewise; a bf16 bundle has no
     precision label (its dtype says it)."""
@@ -845,7 +845,11 @@ def test_model_info_says_a_bundle_is_fp8_where_its_dtype_says_bfloat16(tmp_path)
     # A TensorRT fp8 bundle records no `fp8` section: its stages' precision still says it.
     (tmp_path / "trt").mkdir()
     (tmp_path / "trt" / "manifest.json").write_text(json.dumps(_manifest("fp8", "tensorrt", "bfloat16")))
-    assert model_info_labels(test_config(model={"bundle": str(tmp_path / "trt")}), info)["precision"] == "fp8"
+    from phyai_edge.control import config
+
+    monkeypatch.setattr(config, "_importable", lambda module: True)  # as on a machine with TensorRT
+    trt = test_config(model={"bundle": str(tmp_path / "trt"), "device": "cuda"})
+    assert model_info_labels(trt, info)["precision"] == "fp8"
 
 
 def test_roofline_reads_the_running_daemon_s_model(tmp_path, monkeypatch):
@@ -927,6 +931,21 @@ class FlappingState(SyntheticState):
     def latest(self):
         self.alive = (time.monotonic() - self.t0) % (self.good_s + self.bad_s) < self.good_s
         return super().latest()
+
+
+def test_a_state_stream_that_never_arrives_is_logged_once(caplog):
+    """A state endpoint nobody publishes on (the usual first-robot mistake) held HOLD | STALE on
+    every tick from the start without a WARNING: no chunk had run, and only holds that stop one
+    were logged. Now the hold's start is logged, once, saying nothing has come."""
+    state = SyntheticState(6)
+    state.alive = False  # never a sample
+    run = Running(Daemon(test_config(), policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), state=state,
+                         realtime=False))
+    with caplog.at_level("WARNING", logger="phyai_edge.control"):
+        run.wait_for(lambda: run.daemon.stats.holds.get("stale", 0) >= 20, what="20 stale holds")
+    run.stop()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("HOLD: stale")]
+    assert lines == ["HOLD: stale (state: nothing received yet)"], lines
 
 
 def test_flapping_inputs_do_not_flood_the_log(caplog):

@@ -30,14 +30,14 @@ def restored_process() -> Iterator[None]:
     gc.unfreeze()
 
 
-def _daemons(endpoint: str, runs: int, seconds: float, gap_s: float = 0.3) -> threading.Thread:
+def _daemons(endpoint: str, runs: int, seconds: float, gap_s: float = 0.3, dim: int = 6) -> threading.Thread:
     """`runs` daemons one after another on `endpoint` (a restarted service), `seconds` each."""
 
     def serve() -> None:
         time.sleep(0.5)  # the listener subscribes first
         for _ in range(runs):
             d = Daemon(test_config(publish={"endpoint": endpoint}),
-                       policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), realtime=False)
+                       policy=FakePolicy(action_dim=dim, state_dim=dim, latency_s=0.01), realtime=False)
             d.setup()
             t = threading.Thread(target=d.run, daemon=True)
             t.start()
@@ -97,11 +97,12 @@ def test_printing_every_action_keeps_no_backlog_and_labels_chunk_messages(monkey
 
     monkeypatch.setattr(listener_module, "Listener", Kept)
     endpoint = free_tcp_endpoint()
-    served = _daemons(endpoint, runs=1, seconds=3.0)
+    served = _daemons(endpoint, runs=1, seconds=3.0, dim=14)  # ALOHA's 14 values: numpy wrapped them over two lines
     rc = cli(["listen", "--endpoint", endpoint, "--chunk-topic", "chunk", "--print", "--count", "80", "--quiet"])
     served.join(10)
     assert rc == 0
     out = capsys.readouterr().out.splitlines()
+    assert all(line.startswith(("seq ", "chunk ")) for line in out), [ln for ln in out if not ln.startswith("seq ")][:3]
     actions = [line for line in out if line.startswith("seq ")]
     chunks = [line for line in out if line.startswith("chunk ")]
     assert len(actions) >= 80 and chunks and all(" rows from seq " in line for line in chunks), out[:20]

@@ -139,3 +139,16 @@ def test_free_tcp_endpoints_still_bind():
         assert got["publish.endpoint"].status == OK
     finally:
         ctx.destroy(linger=0)
+
+
+def test_mlock_is_judged_by_the_capability_not_by_being_root(tmp_path):
+    """Root without CAP_IPC_LOCK (a container's default set, a unit's bounding set) cannot lock past
+    RLIMIT_MEMLOCK, and the daemon's mlockall then failed where preflight had said ok."""
+    from phyai_edge.control.preflight import CAP_IPC_LOCK, _has_capability
+
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nCapEff:\t00000000a80425fb\n")  # Docker's default: no bit 14
+    assert not _has_capability(CAP_IPC_LOCK, str(status))
+    status.write_text("Name:\tpython\nCapEff:\t000001ffffffffff\n")  # all of them
+    assert _has_capability(CAP_IPC_LOCK, str(status))
+    assert not _has_capability(CAP_IPC_LOCK, str(tmp_path / "missing"))

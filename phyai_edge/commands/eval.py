@@ -93,6 +93,14 @@ def main(args: argparse.Namespace) -> int:
 
     if not 0 <= args.seed < 2**31:
         fail("eval", f"--seed {args.seed}: expected 0 to {2**31 - 1}")
+    if not args.lerobot:
+        # Frame selection is the LeRobot reader's; a recording is evaluated whole, and these were
+        # accepted and ignored there (the whole recording ran where 3 frames were asked for).
+        given = [flag for flag, on in (("--episodes", args.episodes), ("--max-frames", args.max_frames is not None),
+                                       ("--stride", args.stride != 1)) if on]
+        if given:
+            fail("eval", f"{', '.join(given)}: select frames of a LeRobot dataset (--lerobot) only; a recording "
+                 "is evaluated whole")
     try:
         sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else None
     except ValueError:

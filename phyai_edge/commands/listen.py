@@ -91,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
                     print(f"chunk {h.chunk_id}@{h.index}: {h.rows} rows from seq {h.seq}{instr}")
                     continue
                 print(f"seq {h.seq} chunk {h.chunk_id}@{h.index}{instr} flags {'|'.join(names) or '-'} "
-                      f"{np.array2string(v[0], precision=3)}")
+                      f"{np.array2string(v[0], precision=3, max_line_width=1 << 20)}")
             printed = len(lis.messages)
             if not args.record:
                 # Kept only to be printed: a listener left running for hours grew without bound.

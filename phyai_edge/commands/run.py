@@ -39,8 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-realtime", action="store_true", help="skip SCHED_FIFO, CPU affinity and mlockall")
     p.add_argument("--summary", metavar="FILE", help="write the run's timing summary as JSON ('-': stdout)")
     p.add_argument("--log-level", default=os.environ.get("PHYAI_EDGE_LOG_LEVEL", "info"),
-                   choices=["debug", "info", "warning", "error"],
+                   choices=LOG_LEVELS,
                    help="lowest level logged (default: $PHYAI_EDGE_LOG_LEVEL, else info)")
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def startup_budget_s(cfg: Any) -> float:
@@ -127,6 +130,12 @@ def main(args: argparse.Namespace) -> int:
 
     from phyai_edge.control.log import setup_logging
 
+    # argparse checks a given --log-level against its choices, never the default taken from the
+    # environment: an unknown one crashed the start with a traceback (exit 1, restarted by systemd).
+    if args.log_level.lower() not in LOG_LEVELS:
+        print(f"phyai-edge run: PHYAI_EDGE_LOG_LEVEL={args.log_level!r}: expected one of {', '.join(LOG_LEVELS)}",
+              file=sys.stderr)
+        return 2
     setup_logging(getattr(logging, args.log_level.upper()))
     if args.preflight:
         return _preflight(args)

@@ -11,6 +11,7 @@ so `load_config` / `parse_config` and the section dataclasses are the public sur
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
@@ -440,6 +441,10 @@ def _endpoint(sec: _Section, name: str, default: str, *, required: bool = False)
         raise ConfigError(f"{sec.key(name)}: required (e.g. \"tcp://127.0.0.1:5556\" or \"ipc:///run/phyai/x\")")
     if value and "://" not in value:
         raise ConfigError(f"{sec.key(name)}: expected a ZeroMQ endpoint like tcp://host:port or ipc://path, got {_show(value)}")
+    port = value.rsplit(":", 1)[-1] if value.startswith("tcp://") else ""
+    if port.isdigit() and not 1 <= int(port) <= 65535:
+        # libzmq takes the number modulo 65536: tcp://...:99999 bound port 34463, without an error
+        raise ConfigError(f"{sec.key(name)}: port {port} is outside 1..65535, got {_show(value)}")
     return value
 
 
@@ -526,6 +531,13 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         cfg.model.engine_options = dict(eopts)
     if cfg.model.factory and ":" not in cfg.model.factory:
         raise ConfigError(f"model.factory: expected \"module:function\", got {_show(cfg.model.factory)}")
+    if cfg.model.factory:
+        # The top-level package only: finding it runs nothing, where a dotted module's parents would
+        # be imported here, in the clock's process. A deeper typo still fails at start-up.
+        top = cfg.model.factory.partition(":")[0].split(".")[0]
+        if top and not _importable(top):
+            raise ConfigError(f"model.factory: no module {top!r} can be imported here (is its package installed "
+                              f"in this environment?), got {_show(cfg.model.factory)}")
     if cfg.model.restart_backoff_max_s < cfg.model.restart_backoff_s:
         raise ConfigError(
             f"model.restart_backoff_max_s: expected a number >= model.restart_backoff_s "
@@ -680,6 +692,11 @@ MAX_CONTROL_HZ = 1000.0  # above this a period is shorter than the clock's own t
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")  # what the worker can load onto; whether it exists is its check
 
 
+def _importable(module: str) -> bool:
+    """Whether a top-level module can be imported here, found without running it."""
+    return importlib.util.find_spec(module) is not None
+
+
 def _check_tokenizer(m: ModelConfig) -> None:
     if not m.checkpoint:
         raise ConfigError("model.tokenizer: only used with model.checkpoint (the built-in presets ship their own)")
@@ -708,6 +725,19 @@ def _check_bundle(m: ModelConfig) -> None:
         raise ConfigError(f"model.bundle: {manifest} cannot be read as JSON ({exc}); re-export the bundle") from None
     if not isinstance(data, dict) or not str(data.get("format", "")).startswith("phyai-edge/bundle/"):
         raise ConfigError(f"model.bundle: {manifest} is not a phyai-edge bundle manifest (no \"format\": \"phyai-edge/bundle/N\")")
+    # What the bundle's backend needs, checked here (exit 2, no restart under systemd) rather than
+    # when the worker loads it (exit 1, five restarts each loading the model).
+    backend = data.get("backend")
+    if backend in ("cudagraph", "tensorrt") and not m.device.startswith("cuda"):
+        raise ConfigError(f"model.device: a {backend} bundle runs on a CUDA device; set model.device = \"cuda\" "
+                          f"(got {_show(m.device)})")
+    needs = {"onnxruntime": ("onnxruntime", "pip install 'phyai-edge[onnx]'"),
+             "tensorrt": ("tensorrt", "JetPack's python3-libnvinfer, or pip install 'phyai-edge[tensorrt]'")}
+    if backend in needs and not _importable(needs[backend][0]):
+        module, how = needs[backend]
+        article = "an" if backend[0] in "aeiou" else "a"
+        raise ConfigError(f"model.bundle: {m.bundle!r} is {article} {backend} bundle, and {module} is not installed "
+                          f"here ({how})")
 
 
 def load_config(path: str | Path | None = None) -> DaemonConfig:

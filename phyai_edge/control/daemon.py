@@ -510,6 +510,7 @@ class Daemon:
         worker = self.worker
         seen = _WorkerSeen()
         worker_hold_logged = False
+        blocked_before = False  # the last tick held for stale inputs, an e-stop or an operator
         last_policy_s: float | None = None  # when the last policy (not HOLD) action went out, monotonic s
         late_ticks = self.late_ticks
 
@@ -591,12 +592,15 @@ class Daemon:
                 # flight. Recovery starts a fresh chunk.
                 reason = "estop" if estop else "stale" if stale else "paused"
                 flags |= Flag.HOLD | (Flag.ESTOP if estop else Flag.STALE if stale else Flag.PAUSED)
-                if q.current is not None or inflight is not None:
+                # Logged where it stops the policy, and where a hold begins before any chunk ran (a
+                # state or camera stream that never arrives at start-up held silently).
+                if q.current is not None or inflight is not None or not blocked_before:
                     # Inputs that flap (a state stream just slower than its age limit) would log this
                     # on every recovery: the 1st, 10th, 100th, ... such hold (the metrics count each).
                     self._holds_logged[reason] = n = self._holds_logged.get(reason, 0) + 1
                     if worth_logging(n):
-                        why = ", ".join(stale) or ("e-stop from the state stream" if estop else "the task channel")
+                        why = (", ".join(self._staleness(stale, sample, now_s))
+                               or ("e-stop from the state stream" if estop else "the task channel"))
                         log.warning("HOLD: %s (%s)%s", reason, why, f"; {n} such holds so far" if n > 1 else "")
                 q.reset()
                 if inflight is not None:
@@ -605,7 +609,9 @@ class Daemon:
                 payload = guard.hold_target(None if "state" in stale else state_values)
                 obs_t, chunk_id, index = 0.0, 0, 0
                 self._count_hold(reason)
+                blocked_before = True
             else:
+                blocked_before = False
                 # A new instruction starts a chunk at once rather than after s actions: RTC joins it
                 # to the executing chunk's remaining actions as it joins any other.
                 new_task = self.task is not None and self.task.changes != self._job_changes
@@ -774,6 +780,21 @@ class Daemon:
         if infer_failed:
             log.info("inference recovered")
         return False
+
+    def _staleness(self, stale: list[str], sample: Any, now_s: float) -> list[str]:
+        """Each stale input with its age, or that nothing has come yet (the usual first-robot
+        mistake: an endpoint no sender publishes on), for the HOLD log line."""
+        out = []
+        for item in stale:
+            if item == "state":
+                out.append("state: nothing received yet" if sample is None
+                           else f"state: last sample {now_s - sample.time_s:.2f} s old")
+            elif item.startswith("camera ") and item[7:] in self.cameras:
+                fr = self.cameras[item[7:]].latest()
+                out.append(f"{item}: no frame yet" if fr is None else f"{item}: last frame {now_s - fr.capture_s:.2f} s old")
+            else:
+                out.append(item)
+        return out
 
     def _count_hold(self, reason: str) -> None:
         """One HOLD tick, in the summary and in Prometheus alike."""

@@ -264,12 +264,27 @@ def _realtime_checks(cfg: DaemonConfig) -> list[Check]:
         import resource
 
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
+        if soft == resource.RLIM_INFINITY or _has_capability(CAP_IPC_LOCK):
             out.append(Check("clock.mlock", OK, "memory can be locked"))
         else:
             out.append(Check("clock.mlock", WARN, f"RLIMIT_MEMLOCK is {soft // 1024} KiB: mlockall will fail and pages may "
                              "be swapped out under load (the unit's LimitMEMLOCK=infinity)"))
     return out
+
+
+CAP_IPC_LOCK = 14  # linux/capability.h: lock memory past RLIMIT_MEMLOCK
+
+
+def _has_capability(bit: int, status: str = "/proc/self/status") -> bool:
+    """Whether this process holds a capability, from CapEff. Being root is not enough: a container
+    (Docker's default set) or a unit's CapabilityBoundingSet= drops CAP_IPC_LOCK, and mlockall
+    then fails for root too."""
+    try:
+        with open(status) as f:
+            line = next((ln for ln in f if ln.startswith("CapEff:")), "")
+    except OSError:
+        return False
+    return bool(line) and bool(int(line.split()[1], 16) >> bit & 1)
 
 
 # ---------------------------------------------------------------- sockets
