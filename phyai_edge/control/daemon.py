@@ -897,7 +897,7 @@ class Daemon:
                             "mean": float(np.mean(st.delays)) if st.delays else float("nan")},
             "infer_ms_p50": float(np.percentile(st.infer_ms, 50)) if st.infer_ms else float("nan"),
             "holds": dict(st.holds),
-            "clamped": {"limit": self.guard.counters.clamped_limit, "rate": self.guard.counters.clamped_rate},
+            "clamped": {"position": self.guard.counters.clamped_limit, "rate": self.guard.counters.clamped_rate},
             "nonfinite_actions": self.guard.counters.nonfinite,
             "stop_to_final_ms": st.stop_to_final_ms,
             # Ticks published later than clock.late_warning_ms: how many, and the worst of them.
