@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 
 # name -> (module, one-line help). Order is the order `--help` lists them in.
@@ -82,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         module.add_arguments(sub)
         args = sub.parse_args(argv[1:])
-        return int(module.main(args) or 0)
+        try:
+            return int(module.main(args) or 0)
+        except BrokenPipeError:
+            # The reader stopped early (`phyai-edge roofline ... | head`): not a failure of the
+            # command. stdout goes to /dev/null so the interpreter's last flush cannot raise again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

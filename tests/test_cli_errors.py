@@ -198,3 +198,25 @@ def test_eval_refuses_lerobot_frame_selection_on_a_recording(tmp_path, capsys):
     assert rc == 2
     assert one_line(err, "eval").endswith("--max-frames, --stride: select frames of a LeRobot dataset (--lerobot) "
                                           "only; a recording is evaluated whole")
+
+
+def test_a_negative_duration_is_refused_before_loading(capsys):
+    rc, err = run(["run", "--duration", "-1", "--no-realtime"], capsys)
+    assert rc == 2
+    assert one_line(err, "run") == "phyai-edge run: --duration -1: expected seconds >= 0 (0: until stopped)"
+
+
+def test_a_reader_that_stops_early_is_not_a_traceback(tmp_path):
+    """`phyai-edge roofline ... | head` printed a BrokenPipeError traceback and exited 1."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "phyai_edge", "roofline", "--device", "all", "--rate", "50",
+                             "--horizon", "50", "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            cwd=tmp_path)
+    assert proc.stdout is not None and proc.stdout.readline()  # the first line, then the reader goes away
+    proc.stdout.close()
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    assert proc.wait(60) == 0 and "Traceback" not in err, err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,10 @@ from phyai_edge.control.log import worth_logging
 from phyai_edge.control.state import ARRIVAL_AGE_WARN_S, arrival_age_hint
 
 log = logging.getLogger("phyai_edge.control")
+# OpenCV logs its own warnings to stderr ("[ WARN:0@0.013] global cap_v4l.cpp ..."), outside the
+# daemon's format and without a journald priority; the camera threads say what failed themselves.
+# Read when cv2 is first imported; a value the user set wins.
+os.environ.setdefault("OPENCV_LOG_LEVEL", "ERROR")
 
 
 @dataclass(frozen=True)
