@@ -999,6 +999,11 @@ def test_an_ipc_endpoint_another_daemon_listens_on_is_refused_not_taken_over(tmp
     finally:
         sub.close(0)
         first.close(0)
+    from phyai_edge.control.preflight import ipc_listening
+
+    deadline = time.monotonic() + 5  # ZeroMQ's I/O thread closes the listener a moment after close()
+    while ipc_listening(f"ipc://{path}") and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert path.exists()  # left behind, nobody listening: the next daemon binds it
     d = Daemon(test_config(publish={"endpoint": f"ipc://{path}"}), policy=FakePolicy(action_dim=6, state_dim=6),
                realtime=False)
