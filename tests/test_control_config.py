@@ -157,9 +157,11 @@ def test_cli_print_and_check_config(tmp_path):
     ('[cameras.a]\nview = "wrist"\n', "cameras.a.view: the policy has no camera 'wrist' (it expects top, left_wrist"),
     ('[cameras.top]\n[chunking]\nhorizon = 500\n', "chunking.horizon: 500 is longer than the policy's chunk (50)"),
     ('[cameras.top]\n[chunking]\ndelay = 60\n', "chunking.delay: 60 slots is not below the horizon (50)"),
-    ('[cameras.top]\n[model]\npreset = "huge"\n', "model: unknown PI0.5 preset 'huge'"),
-    ('[cameras.top]\n[model]\ncheckpoint = "{tmp}/none"\n', "model: checkpoint folder not found: {tmp}/none"),
-    ('[cameras.top]\n[model.adapter_options]\nprompt_stat = "x"\n', "model: adapter 'pi05' has no option 'prompt_stat'"),
+    ('[cameras.top]\n[model]\npreset = "huge"\n', "model.preset: unknown PI0.5 preset 'huge'"),
+    ('[cameras.top]\n[model]\ncheckpoint = "{tmp}/none"\n', "model.checkpoint: '{tmp}/none' is not a folder"),
+    ('[cameras.top]\n[model.adapter_options]\nprompt_stat = "x"\n',
+     "model.adapter_options: adapter 'pi05' has no option 'prompt_stat'"),
+    ('[cameras.top]\n[model.adapter_options]\nprompt_state = "sideways"\n', "model.adapter_options: "),
 ])
 def test_check_config_reads_the_policy_s_shape_without_its_weights(tmp_path, capsys, sections, message):
     """What only the policy can say (its cameras, its chunk, its adapter's names) is checked by

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 HELP = "the real-time control daemon (fixed-period loop, RTC, ZeroMQ actions)"
@@ -86,23 +87,47 @@ def model_problem(cfg: Any) -> str | None:
     a model not built from the config (a factory; a bundle, whose manifest `load_config` checks)."""
     import copy
 
-    from phyai_edge.adapters import load_adapter
+    from phyai_edge.adapters import ADAPTERS, load_adapter
     from phyai_edge.commands.common import LOAD_ERRORS
     from phyai_edge.control.config import ConfigError, check_against_policy
 
     m = cfg.model
     if m.factory or m.bundle:
         return None
+    # The keys a load error is most likely about, checked first so the message names the key.
+    if m.adapter not in ADAPTERS:
+        return f"model.adapter: unknown adapter {m.adapter!r}; available: {', '.join(sorted(ADAPTERS))}"
+    if m.checkpoint and not Path(m.checkpoint).is_dir():
+        return f"model.checkpoint: {m.checkpoint!r} is not a folder (the policy's checkpoint folder)"
     try:
         ad = load_adapter(m.adapter, dict(m.adapter_options) or None, checkpoint=m.checkpoint or None,
                           preset_name=m.preset, device="meta", tokenizer=m.tokenizer or None)
     except LOAD_ERRORS as exc:
-        return f"model: {exc}"
+        return f"{_load_error_key(m, exc, load_adapter)}: {exc}"
     try:
         check_against_policy(copy.deepcopy(cfg), ad.chunk_size, ad.action_dim, ad.state_dim, list(ad.camera_names))
     except ConfigError as exc:
         return str(exc)
     return None
+
+
+def _load_error_key(m: Any, exc: BaseException, load_adapter: Any) -> str:
+    """The config key a failed adapter build is about: the options where the same build without
+    them works (one more build on the meta device, on this failure path only), else the tokenizer
+    or checkpoint the error names, else the preset."""
+    from phyai_edge.commands.common import LOAD_ERRORS
+
+    if m.adapter_options:
+        try:
+            load_adapter(m.adapter, None, checkpoint=m.checkpoint or None, preset_name=m.preset, device="meta",
+                         tokenizer=m.tokenizer or None)
+        except LOAD_ERRORS:
+            pass
+        else:
+            return "model.adapter_options"
+    if m.tokenizer and "tokenizer" in str(exc):
+        return "model.tokenizer"
+    return "model.checkpoint" if m.checkpoint else "model.preset"
 
 
 def main(args: argparse.Namespace) -> int:
