@@ -304,3 +304,46 @@ def test_a_multi_line_status_stays_one_status_field():
     assert got == "STATUS=HOLDING, WORKER DOWN: RuntimeError: CUDA error: out of memory | CUDA kernel errors might be " \
                   "reported later | | seq 12", got
     assert got_ready == "READY=1\nSTATUS=up | READY=0", got_ready
+
+
+def test_summary_on_stdout_is_json_alone(tmp_path):
+    """`run --summary -` writes the summary's JSON on stdout, where the log lines also went (the
+    daemon's and its worker process's): piped to jq it did not parse. The log now goes to stderr."""
+    import json
+
+    cfg = tmp_path / "robot.toml"
+    cfg.write_text(DEFAULT_CONFIG_TOML.replace('endpoint = "tcp://127.0.0.1:5555"', f'endpoint = "ipc://{tmp_path}/a"'))
+    env = {k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "NOTIFY_SOCKET")}
+    res = subprocess.run([sys.executable, "-m", "phyai_edge", "run", "--config", str(cfg), "--duration", "1",
+                          "--no-realtime", "--summary", "-"], env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads(res.stdout)
+    assert summary["ticks"] > 0
+    assert "stopped:" in res.stderr
+
+
+def test_the_worker_process_logs_where_the_daemon_does(restored_logging):
+    """A process worker repeats the daemon's logging set-up, stream included (with `--summary -`
+    its lines would otherwise land in the JSON on stdout)."""
+    import logging
+
+    from phyai_edge.control import log as log_mod
+    from phyai_edge.control import worker
+
+    handler = log_mod.setup_logging(logging.INFO, to_stderr=True)
+    assert handler.stream is sys.stderr and log_mod.configured_to_stderr()
+    seen: list[tuple] = []
+
+    class Ctx:
+        def Pipe(self, duplex):  # noqa: N802  (multiprocessing's names)
+            return None, None
+
+        def Process(self, target, args, **kwargs):  # noqa: N802
+            seen.append(args)
+            raise RuntimeError("not started in this test")
+
+    w = worker.ProcessWorker.__new__(worker.ProcessWorker)
+    w._ctx, w._spec = Ctx(), None
+    with pytest.raises(RuntimeError, match="not started"):
+        w._spawn()
+    assert seen and seen[0][2:] == (logging.INFO, True)

@@ -71,7 +71,7 @@ def _preflight(args: argparse.Namespace) -> int:
     seconds = args.duration if args.duration else 3.0
     print(f"{args.preflight}: opening cameras and state for {seconds:g} s ...", file=sys.stderr)
     checks = run_preflight(cfg, seconds)
-    print(format_checks(checks))
+    print(format_checks(checks), file=sys.stderr if args.summary == "-" else sys.stdout)
     code = exit_code(checks)
     print({0: "ready", 1: "ready, with warnings", 2: "not ready"}[code], file=sys.stderr)
     if args.summary:
@@ -164,7 +164,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"phyai-edge run: PHYAI_EDGE_LOG_LEVEL={args.log_level!r}: expected one of {', '.join(LOG_LEVELS)}",
               file=sys.stderr)
         return 2
-    setup_logging(getattr(logging, args.log_level.upper()))
+    # `--summary -` writes its JSON on stdout: the log then goes to stderr, so the JSON can be piped.
+    setup_logging(getattr(logging, args.log_level.upper()), to_stderr=args.summary == "-")
     if args.preflight:
         return _preflight(args)
     log = logging.getLogger("phyai_edge.control")

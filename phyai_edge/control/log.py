@@ -87,18 +87,25 @@ def worth_logging(count: int) -> bool:
     return count == 1
 
 
-_CONFIGURED: list[int] = []  # the level `setup_logging` was last called with, for child processes
+_CONFIGURED: list[tuple[int, bool]] = []  # `setup_logging`'s last (level, to_stderr), for child processes
 
 
 def configured_level() -> int | None:
     """The level `setup_logging` set in this process (None: it was not called, e.g. a library
     user or a test): what a worker process repeats so that its lines reach the journal alike."""
-    return _CONFIGURED[-1] if _CONFIGURED else None
+    return _CONFIGURED[-1][0] if _CONFIGURED else None
 
 
-def setup_logging(level: int = logging.INFO) -> logging.Handler:
-    _CONFIGURED[:] = [level]
-    handler = _StatusAwareHandler(sys.stdout)
+def configured_to_stderr() -> bool:
+    """Whether `setup_logging` sent the lines to stderr (stdout then carries a JSON summary)."""
+    return bool(_CONFIGURED) and _CONFIGURED[-1][1]
+
+
+def setup_logging(level: int = logging.INFO, to_stderr: bool = False) -> logging.Handler:
+    """The daemon's log lines on stdout (the journal's stream), or on stderr where stdout carries
+    something else (`run --summary -`, whose JSON would be mixed with them)."""
+    _CONFIGURED[:] = [(level, to_stderr)]
+    handler = _StatusAwareHandler(sys.stderr if to_stderr else sys.stdout)
     journal = under_journald()
     handler.setFormatter(JournalFormatter() if journal else LineFormatter())
     if journal:

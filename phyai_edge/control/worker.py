@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from phyai_edge.control.geometry import FrameGeometry
-from phyai_edge.control.log import configured_level, setup_logging
+from phyai_edge.control.log import configured_level, configured_to_stderr, setup_logging
 from phyai_edge.control.rtc import SOLVER_MODES
 
 log = logging.getLogger("phyai_edge.control")
@@ -400,13 +400,13 @@ def _read_job(conn: Any, head: dict[str, Any]) -> Job:
     return Job(images=images, **head)
 
 
-def _child_main(conn: Any, spec: PolicySpec, log_level: int | None = None) -> None:
+def _child_main(conn: Any, spec: PolicySpec, log_level: int | None = None, log_to_stderr: bool = False) -> None:
     """Worker process: build the policy, report its shape, then serve jobs until told to stop.
     `log_level`: the daemon's logging, set up here alike (a spawned process starts with none, so
     the engine's lines, captured graphs and bundle load times, were lost, and its warnings reached
     journald without a priority)."""
     if log_level is not None:
-        setup_logging(log_level)
+        setup_logging(log_level, log_to_stderr)
     try:
         policy = spec.build()
         conn.send(("ready", policy_info(policy)))
@@ -503,7 +503,7 @@ class ProcessWorker(_JobSlot):
 
     def _spawn(self) -> PolicyInfo:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_child_main, args=(child, self._spec, configured_level()),
+        proc = self._ctx.Process(target=_child_main, args=(child, self._spec, configured_level(), configured_to_stderr()),
                                  name="phyai-edge-worker", daemon=True)
         proc.start()
         child.close()
