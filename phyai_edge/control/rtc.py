@@ -4,9 +4,12 @@ Time is counted in clock slots. A chunk computed from the observation taken at s
 action i meant for slot t0 + i. Inference for the next chunk starts when `s` actions of the
 executing chunk have run (its index reaches s); the worker returns at slot t0 + d, and the new
 chunk takes over at index d, the delay that really happened. For `inpaint`, `guided` and
-`guided-approx` the engine's solver made actions [0, d) agree with the executing chunk (we pass
-it the executing chunk's remaining actions, aligned to the new chunk's indices, and the
-estimated d); `crossfade` blends the two over a few slots here; `none` switches.
+`guided-approx` the engine's solver joined actions [0, d) to the executing chunk (we pass it the
+executing chunk's remaining actions, aligned to the new chunk's indices, and the estimated d):
+`inpaint` holds them on it exactly, the guided modes pull them towards it with full weight and
+the following ones with a decaying one, which brings them close but not onto it. A real delay
+above the estimate takes over at a row that was only softly guided, hence the estimate is a
+maximum. `crossfade` blends the two over a few slots here; `none` switches.
 """
 
 from __future__ import annotations

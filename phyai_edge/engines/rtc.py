@@ -4,11 +4,23 @@ Action Chunking Flow Policies").
 Conventions are the model's: x = t * noise + (1 - t) * actions, integrated from t = 1 to t = 0,
 velocity v = noise - actions, so the predicted clean chunk at time t is x - t * v.
 
+The paper runs tau = 1 - t from 0 (noise) to 1 (data) with v_paper = -v. Its guided velocity
+is v_paper + w J^T W (Y - A1_hat), A1_hat = x + (1 - tau) v_paper (the same point as x - t v)
+and J = dA1_hat/dx; negated into this convention it is v - w J^T W (Y - A1_hat), and an Euler
+step x + dt * v with dt = -1/n is the paper's x + (1/n) v_paper. W is the soft mask
+(`prefix_weights`) times the real-action-dim mask, w is `guidance_weight`.
+
 Modes:
-- `inpaint`: the first d actions are forced onto the executing chunk at every step (hard prefix).
-- `guided-approx`: soft-masked guidance with the Jacobian of the denoiser taken as identity, so
-  it works with any engine, including ones without autograd (ONNX, TensorRT).
-- `guided`: the paper's exact vector-Jacobian product through the denoiser.
+- `inpaint`: no guidance and no soft mask: after every Euler step the first d rows are replaced
+  by t_next * noise + (1 - t_next) * Y, where the straight path from this chunk's own noise to
+  the executing chunk is at the time the step reached (replacement inpainting, without
+  RePaint's resampling), so they end on Y exactly. The rows after d see the prefix only
+  through the model's attention.
+- `guided-approx`: the guided velocity with J taken as the identity, i.e. the velocity
+  network's own Jacobian dropped (J = I - t dv/dx): the correction is W (Y - A1_hat) itself.
+  No backward pass, so it works with any engine, including ones without autograd (ONNX,
+  TensorRT); it is not the paper's method, and how far it lands from it depends on the model.
+- `guided`: the paper's exact vector-Jacobian product through the velocity network.
 """
 
 from __future__ import annotations
@@ -46,12 +58,19 @@ def prefix_weights(horizon: int, delay: int, execution_horizon: int) -> torch.Te
 
 
 def guidance_weight(t: float, max_weight: float) -> float:
-    """min(beta, (1 - tau) / tau / r_tau^2) with tau = 1 - t the paper's flow time."""
+    """min(beta, (1 - tau) / (tau r_tau^2)), r_tau^2 = (1 - tau)^2 / (tau^2 + (1 - tau)^2), with
+    tau = 1 - t the paper's flow time (0: noise, 1: data).
+
+    The unclipped weight equals (tau^2 + (1 - tau)^2) / (tau (1 - tau)). It is symmetric under
+    tau <-> 1 - tau, so the weight cannot tell the two time conventions apart (A1_hat = x - t v
+    is where they must be mapped right), and grows without bound at both ends, so the clip
+    gives beta there. Both ends are taken as that limit
+    rather than evaluated: tau = 0 and tau = 1 divide by zero. (At tau = 1 LeRobot's code gives
+    0, from nan_to_num(0 * inf), and the Kinetix code NaN; neither loop, nor `integrate`, takes
+    a step at t = 0, so no chunk depends on that end.)"""
     tau = 1.0 - t
-    if tau <= 0.0:
+    if tau <= 0.0 or tau >= 1.0:
         return max_weight
-    if tau >= 1.0:
-        return 0.0
     inv_r2 = ((1 - tau) ** 2 + tau**2) / (1 - tau) ** 2
     return min(max_weight, (1 - tau) / tau * inv_r2)
 
