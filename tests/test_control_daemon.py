@@ -241,6 +241,20 @@ def test_prometheus_counts_clamps_by_limit_and_exports_process_metrics():
     assert "phyai_worker_process_" not in text  # a thread worker: the model's memory is this process's
 
 
+def test_rtc_prefix_is_what_the_limits_publish():
+    """The prefix sent with an inference is the executing chunk's actions as the guard will publish
+    them: the fake policy's 0.5-amplitude actions cut at 0.3, not the raw values the robot never
+    gets."""
+    cfg = test_config(robot={"limits": {"action_max": 0.3}}, chunking={"mode": "inpaint", "execution_horizon": 10})
+    pol = FakePolicy(action_dim=6, state_dim=6, latency_s=0.01)
+    run = Running(Daemon(cfg, policy=pol, realtime=False))
+    run.wait_for(lambda: sum(r is not None and r.prefix is not None for r in pol.requests) >= 3, what="3 prefixes")
+    run.stop()
+    prefixes = [np.asarray(r.prefix) for r in pol.requests if r is not None and r.prefix is not None]
+    assert all(float(p.max()) <= 0.3 + 1e-6 for p in prefixes), max(float(p.max()) for p in prefixes)
+    assert run.daemon.summary()["clamped"]["position"] > 0  # the raw chunks did reach above the limit
+
+
 def test_prometheus_counts_every_hold_the_summary_counts():
     """phyai_hold_ticks{reason} and summary()["holds"] count the same ticks, the final SHUTDOWN
     hold included (the metrics endpoint outlives the loop, so it is read after the stop)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -109,3 +110,22 @@ def test_sd_notify_datagrams(tmp_path):
     assert not Notifier({}).enabled and not Notifier({}).ready()
     assert Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "5", "WATCHDOG_PID": "1"}).watchdog_interval_s == 0.0
     srv.close()
+
+
+def test_guard_preview_is_what_finalize_will_publish():
+    """RTC's prefix goes through `preview`: the rows the robot will really be commanded, position
+    clip then rate limit from the last published action, and the guard itself untouched."""
+    g = ActionGuard(2, Limits(action_min=-1.0, action_max=(1.0, 0.5), max_rate=10.0), period_s=0.02, hold_mode="last")
+    g.finalize(np.array([0.0, 0.0], np.float32))
+    rows = np.array([[0.5, 2.0], [0.9, 0.4], [np.nan, 0.0], [-3.0, -0.1]], np.float32)
+    last, counters = g.last.copy(), dataclasses.replace(g.counters)
+    seen = g.preview(rows)
+    assert np.array_equal(g.last, last) and g.counters == counters
+    published = [g.finalize(r)[0] for r in rows[[0, 1, 3]]]  # the NaN row would be a HOLD
+    g2 = ActionGuard(2, Limits(action_min=-1.0, action_max=(1.0, 0.5), max_rate=10.0), period_s=0.02, hold_mode="last")
+    g2.finalize(np.array([0.0, 0.0], np.float32))
+    clean = g2.preview(rows[[0, 1, 3]])
+    assert np.allclose(clean, published)
+    assert np.isnan(seen[2, 0]) and np.allclose(seen[:2], clean[:2])
+    unlimited = ActionGuard(2, Limits(), 0.02, "last")
+    assert np.array_equal(unlimited.preview(rows), rows, equal_nan=True)  # no limits: the same values

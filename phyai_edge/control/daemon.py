@@ -722,7 +722,8 @@ class Daemon:
             prompt=prompt,
             timestamp=obs_time,
             rtc_mode=mode,
-            prefix=plan.prefix if mode in SOLVER_MODES else None,
+            # as the limits will publish them: RTC continues what the robot is really commanded
+            prefix=self.guard.preview(plan.prefix) if mode in SOLVER_MODES and plan.prefix is not None else None,
             delay=plan.delay,
             execution_horizon=cfg.chunking.execution_horizon,
             max_guidance_weight=cfg.chunking.max_guidance_weight,

@@ -62,6 +62,23 @@ class ActionGuard:
             return np.asarray(state, dtype=np.float32)
         return np.zeros(self.dim, dtype=np.float32)
 
+    def preview(self, actions: np.ndarray) -> np.ndarray:
+        """What `finalize` would publish for these actions, one per tick from now, without touching
+        the guard: the position clip, then the rate limit from the last published action on. RTC's
+        prefix is then what the robot is really commanded while the next chunk is computed, not
+        the policy's raw values the limits cut. A non-finite row is left as it is (finalize would
+        hold there)."""
+        out = np.array(actions, dtype=np.float32, copy=True)
+        prev = self.last
+        for i in range(out.shape[0]):
+            if not np.isfinite(out[i]).all():
+                continue
+            row = np.clip(out[i], self.lo, self.hi)
+            if prev is not None:
+                row = np.clip(row, prev - self.max_step, prev + self.max_step)
+            out[i] = prev = row
+        return out
+
     def finalize(self, action: np.ndarray) -> tuple[np.ndarray, int]:
         """Clamp, rate-limit and check one action. Returns (payload, flags to add).
 
