@@ -127,5 +127,9 @@ def test_guard_preview_is_what_finalize_will_publish():
     clean = g2.preview(rows[[0, 1, 3]])
     assert np.allclose(clean, published)
     assert np.isnan(seen[2, 0]) and np.allclose(seen[:2], clean[:2])
+    slow = np.array([[0.05, 0.05], [0.1, 0.1]], np.float32)  # within the rate limit from the last action
+    g3 = ActionGuard(2, Limits(action_min=-1.0, action_max=(1.0, 0.5), max_rate=10.0), period_s=0.02, hold_mode="last")
+    g3.finalize(np.array([0.0, 0.0], np.float32))
+    assert np.array_equal(g3.preview(slow), slow) and np.array_equal(g3.finalize(slow[0])[0], slow[0])
     unlimited = ActionGuard(2, Limits(), 0.02, "last")
     assert np.array_equal(unlimited.preview(rows), rows, equal_nan=True)  # no limits: the same values
