@@ -255,6 +255,18 @@ def test_rtc_prefix_is_what_the_limits_publish():
     assert run.daemon.summary()["clamped"]["position"] > 0  # the raw chunks did reach above the limit
 
 
+def test_status_line_before_the_first_chunk_says_nothing_yet():
+    """systemd's STATUS= (and the terminal's status line) read "d -1 infer nan ms" until the first
+    chunk; now "-" for what has not happened, then the numbers."""
+    d = Daemon(test_config(), policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), realtime=False)
+    assert " d - infer - ms " in d.render_status()
+    run = Running(d)
+    run.wait_for(lambda: d.stats.adopted >= 1, what="a chunk")
+    text = d.render_status()
+    run.stop()
+    assert " d - " not in text and "nan" not in text and " infer - " not in text, text
+
+
 def test_prometheus_counts_every_hold_the_summary_counts():
     """phyai_hold_ticks{reason} and summary()["holds"] count the same ticks, the final SHUTDOWN
     hold included (the metrics endpoint outlives the loop, so it is read after the stop)."""

@@ -836,12 +836,14 @@ class Daemon:
         cur = q.current if q is not None else None
         lat = st.lateness.samples()[-500:]
         p99 = float(np.percentile(lat, 99)) / 1e6 if lat.size else float("nan")
-        infer = st.infer_ms[-1] if st.infer_ms else float("nan")
+        # "-" until there is one (systemd's STATUS= showed "d -1 infer nan ms" before the first chunk)
+        infer = f"{st.infer_ms[-1]:.1f}" if st.infer_ms else "-"
         holds = sum(st.holds.values())
         seq = self.publisher.seq if self.publisher is not None else 0
         chunk = f"{cur.chunk_id}@{cur.index}" if cur is not None else "-"
+        delay = q.last_delay if q is not None and q.last_delay >= 0 else "-"
         text = (
-            f"seq {seq} chunk {chunk} d {q.last_delay if q else -1} infer {infer:.1f} ms "
+            f"seq {seq} chunk {chunk} d {delay} infer {infer} ms "
             f"late p99 {p99:.2f} ms missed {st.missed_slots} holds {holds} fails {st.failures}"
         )
         w = self.worker
