@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from phyai_edge.control.log import LOG_LEVELS
+
 HELP = "the real-time control daemon (fixed-period loop, RTC, ZeroMQ actions)"
 DESCRIPTION = """Run a policy on a robot: a fixed-period loop publishes one action per tick over
 ZeroMQ (docs/protocol.md) while inference runs asynchronously with Real-Time Chunking.
@@ -42,9 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=os.environ.get("PHYAI_EDGE_LOG_LEVEL", "info"),
                    choices=LOG_LEVELS,
                    help="lowest level logged (default: $PHYAI_EDGE_LOG_LEVEL, else info)")
-
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def startup_budget_s(cfg: Any) -> float:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from phyai_edge.commands.common import write_json
+from phyai_edge.control.log import LOG_LEVELS
 
 HELP = "a simulated ALOHA robot process that talks to the daemon over ZeroMQ"
 DESCRIPTION = """Run gym-aloha's MuJoCo ALOHA arm pair as a robot with its own 50 Hz clock: it
@@ -60,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rep.add_argument("--plot", metavar="PNG", help="joint trajectories and timing as a chart")
     rep.add_argument("--roofline-json", metavar="FILE", help="stage times for `phyai-edge roofline --bench`")
     rep.add_argument("--metrics-file", metavar="TXT", help="the daemon's /metrics text, for inference times")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="lowest level logged")
 
 

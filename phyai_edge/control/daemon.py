@@ -377,13 +377,12 @@ class Daemon:
             self.publisher.endpoint, p.topic, f", chunks on {p.chunk_topic!r}" if p.chunk_topic else "",
             cfg.robot.control_hz, ch.mode, ch.horizon, ch.execution_horizon,
         )
+        worker = self.worker
         if cfg.metrics.port:
             # A ThreadWorker's model lives in this process: its memory is in process_* already.
-            worker = self.worker
             worker_pid = (lambda: worker.pid) if isinstance(worker, ProcessWorker) else None
             self.metrics.serve(cfg.metrics.host, cfg.metrics.port, model_info_labels(cfg, info), worker_pid)
         if cfg.task.endpoint:
-            worker = self.worker
             self.task = TaskChannel(cfg.task, cfg.model.prompt, lambda prompt: worker.check_prompt(prompt, TASK_CHECK_TIMEOUT_S),
                                     self.context, self.metrics)
             _zmq_opened("task.endpoint", self.task.start, cfg.task.endpoint if cfg.task.bind else None)

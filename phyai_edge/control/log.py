@@ -87,6 +87,8 @@ def worth_logging(count: int) -> bool:
     return count == 1
 
 
+# The levels the commands' --log-level takes (their logging module names, lower case).
+LOG_LEVELS = ("debug", "info", "warning", "error")
 _CONFIGURED: list[tuple[int, bool]] = []  # `setup_logging`'s last (level, to_stderr), for child processes
 
 
