@@ -90,6 +90,7 @@ def test_daemon_worker_path_equals_direct_load_policy_on_the_bundle(bundle):
     """Same observation, same noise, same RTC request: the worker process's chunk == the direct call."""
     from phyai_edge.adapters.base import Observation
     from phyai_edge.engines.base import RTCRequest
+    from phyai_edge.engines.noise import frame_noise
     from phyai_edge.engines.policy import load_policy
 
     direct = load_policy(bundle=str(bundle))
@@ -101,9 +102,10 @@ def test_daemon_worker_path_equals_direct_load_policy_on_the_bundle(bundle):
     noise = rng.standard_normal((1, h, adim)).astype(np.float32)
     prompt = "pick up the cube"
 
-    # threads = 0: the worker keeps torch's default thread count, as this process does; a different
-    # count changes float summation order in torch's pre/post-processing (differences ~1e-7).
-    worker = ProcessWorker(policy_spec_from_config(bundle_config(bundle, threads=0)))
+    # The worker runs this process's thread count (an earlier test may have set it: a thread
+    # worker's spec does); a different count changes float summation order in torch's
+    # pre/post-processing (differences ~1e-7).
+    worker = ProcessWorker(policy_spec_from_config(bundle_config(bundle, threads=torch.get_num_threads())))
     worker.start(120)
     try:
         free = worker.run_sync(Job(1, dict(images), {}, state, prompt, time.monotonic(), noise=noise))
@@ -112,6 +114,9 @@ def test_daemon_worker_path_equals_direct_load_policy_on_the_bundle(bundle):
         joined = worker.run_sync(Job(2, dict(images), {}, state * 0.5, prompt, time.monotonic(), rtc_mode="inpaint",
                                      prefix=prefix, delay=4, execution_horizon=10, noise=noise))
         assert joined.error is None, joined.error
+        # as the daemon sends its jobs: the worker draws the noise from (seed, 0, job number)
+        keyed = worker.run_sync(Job(9, dict(images), {}, state, prompt, time.monotonic(), noise_seed=5))
+        assert keyed.error is None and keyed.noise_seed == 5 and free.noise_seed is None
     finally:
         worker.close()
 
@@ -123,6 +128,9 @@ def test_daemon_worker_path_equals_direct_load_policy_on_the_bundle(bundle):
     np.testing.assert_array_equal(free.actions, np.asarray(want_free, np.float32))
     np.testing.assert_array_equal(joined.actions, np.asarray(want_joined, np.float32))
     np.testing.assert_allclose(joined.actions[:4], prefix[:4], atol=1e-5)  # inpaint held the prefix
+    want_keyed = direct.infer([obs], noise=frame_noise(5, 0, 9, h, adim)).actions[0]
+    np.testing.assert_array_equal(keyed.actions, np.asarray(want_keyed, np.float32))
+    assert np.abs(keyed.actions - free.actions).max() > 1e-3  # the noise it drew is not the test's
     # The noise really is what decides the chunk (so equality above is not vacuous).
     other = direct.infer([obs], noise=torch.from_numpy(noise + 1.0)).actions[0]
     assert np.abs(np.asarray(other) - free.actions).max() > 1e-3

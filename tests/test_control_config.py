@@ -69,6 +69,8 @@ BAD = [
     ({"model": {"checkpoint": "/ckpt", "tokenizer": "/nonexistent/tok.json"}},
      "model.tokenizer: '/nonexistent/tok.json' is neither a tokenizer file nor a folder"),
     ({"model": {"inference_timeout_s": -1}}, "model.inference_timeout_s: expected a positive number, got -1"),
+    ({"model": {"noise_seed": -1}}, "model.noise_seed: expected an integer >= 0, got -1"),
+    ({"model": {"noise_seed": 2**31}}, "model.noise_seed: expected an integer <= 2147483647"),
     ({"chunking": {"mode": "magic"}}, "chunking.mode: expected one of none, crossfade, inpaint"),
     ({"chunking": {"horizon": 20, "execution_horizon": 20}}, "chunking.execution_horizon: must be below chunking.horizon"),
     ({"chunking": {"execution_horizon": 0}}, "chunking.execution_horizon: expected an integer >= 1, got 0"),

@@ -34,16 +34,17 @@ from phyai_edge.adapters.base import Observation
 from phyai_edge.control.daemon import Daemon
 from phyai_edge.control.fakes import run_ticks, test_config
 from phyai_edge.engines.base import InferenceResult, RTCRequest
+from phyai_edge.engines.noise import frame_noise
 from phyai_edge.engines.policy import Policy, load_policy
-from phyai_edge.serve import evaluate as evaluate_mod
 from phyai_edge.serve.batching import BatchItem, ItemResult, run_items
 from phyai_edge.serve.client import RemotePolicy, RemoteResult
-from phyai_edge.serve.evaluate import Episode, evaluate, read_recording
+from phyai_edge.serve.evaluate import Episode, evaluate, format_eval, read_recording
 from phyai_edge.serve.rollout import RolloutPolicy
 from phyai_edge.serve.scheduler import SchedulerConfig
 from phyai_edge.serve.server import LocalExecutor, PolicyServer
 
 TOL = 1e-5
+SEED = 11  # the daemon's model.noise_seed in the recordings below
 SENSITIVE = 1e-3
 SIZES = [1, 2, 4, 8]
 # Instructions whose prompts (instruction plus the state's bins) take from about 55 to 85 tokens.
@@ -71,9 +72,9 @@ def _prompt_tokens(policy: Policy, obs: Observation) -> int:
 
 # -- the daemon's recording ------------------------------------------------------------------
 class NoiseKeeping:
-    """The daemon's policy, keeping the noise of every chunk it makes. The daemon sends none, so
-    the engine would draw it from its own stream; it is drawn here from that same stream (the
-    same values the engine would take) so the test can hand it to the direct call."""
+    """The daemon's policy, keeping the noise every chunk is made with (the worker's keyed draw;
+    a job without it would take the engine's stream, drawn here alike), so that the tests can
+    compare it with what the recording says and hand it to the direct call."""
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
@@ -96,6 +97,7 @@ class DaemonRun:
     policy: Policy
     episodes: list[Episode]
     noise: dict[int, torch.Tensor]  # the recording's frame number -> the noise its chunk was made with
+    root: Path  # the recording's folder
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +111,12 @@ def daemon_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Daem
             keeping = NoiseKeeping(load_policy(preset="tiny"))
             # A camera with a crop, a rotation and a mirror, one of another size, and the third
             # with no source (left out of the model): the recording must hold each frame as the
-            # policy saw it. One warm-up round draws noise from the stream before the clock runs.
+            # policy saw it. One warm-up round runs before the clock (job 0).
             cfg = test_config(
                 cameras={"top": {"source": "synthetic", "width": 64, "height": 48, "crop": [4, 2, 40, 36],
                                  "rotate": 90, "flip": "horizontal"},
                          "left_wrist": {"source": "synthetic", "width": 32, "height": 24}},
-                model={"worker": "thread", "warmup": 1},
+                model={"worker": "thread", "warmup": 1, "noise_seed": SEED},
                 chunking={"mode": mode, "execution_horizon": 25, "delay_initial": 3},
             )
             run_ticks(Daemon(cfg, policy=keeping, record_dir=str(root), realtime=False, status_line=False), 200)
@@ -128,7 +130,7 @@ def daemon_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Daem
                 same = [n for t, n in keeping.drawn if t == f.obs.timestamp]
                 assert len(same) == 1 and f.index is not None, f"{len(same)} inferences at one observation time"
                 noise[f.index] = same[0]
-            runs[mode] = DaemonRun(keeping.policy, episodes, noise)
+            runs[mode] = DaemonRun(keeping.policy, episodes, noise, root)
         return runs[mode]
 
     return run
@@ -137,7 +139,7 @@ def daemon_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Daem
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["none", "guided-approx", "inpaint"])
 def test_a_daemon_recording_replays_to_its_chunks_with_the_noise_they_were_made_with(
-        daemon_run: Callable[[str], DaemonRun], mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        daemon_run: Callable[[str], DaemonRun], mode: str) -> None:
     run = daemon_run(mode)
     frames = run.episodes[0].frames
     guided = [f for f in frames if f.rtc is not None]
@@ -151,27 +153,53 @@ def test_a_daemon_recording_replays_to_its_chunks_with_the_noise_they_were_made_
         assert f.target is not None and f.index is not None
         got = run.policy.infer([f.obs], rtc=f.rtc, noise=run.noise[f.index]).actions[0]
         np.testing.assert_array_equal(got, f.target)
-    # `evaluate` replays the recording the same way once it has that noise: exact one frame a
-    # call, within rounding batched and padded to a captured size.
-    monkeypatch.setattr(evaluate_mod, "frame_noise", lambda seed, episode, frame, h, d: run.noise[frame])
-    rep = evaluate(run.policy, run.episodes, batch=1)
-    assert rep["overall"]["failures"] == 0 and rep["overall"]["recorded_max"] == 0.0
-    rep = evaluate(run.policy, run.episodes, batch=4, batch_sizes=[8])
-    assert rep["overall"]["failures"] == 0 and rep["overall"]["recorded_max"] < TOL
-    # and a frame given other noise lands far off: what `eval` itself does (next test)
+    # and a frame given other noise lands far off: what a replay with noise of its own would do
     other = run.policy.infer([frames[0].obs], rtc=frames[0].rtc, noise=run.noise[frames[0].index] + 1.0).actions[0]
     assert np.abs(other - frames[0].target).max() > SENSITIVE
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the daemon records no noise, nor where in the engine's stream it "
-                   "was drawn: `phyai-edge eval` replays a recording with noise of its own (frame_noise), "
-                   "so its error against the recorded actions is the policy's sampling spread, not zero")
+@pytest.mark.parametrize("mode", ["none", "guided-approx"])
 def test_eval_reproduces_a_daemon_recording_from_the_recording_alone(
-        daemon_run: Callable[[str], DaemonRun]) -> None:
+        daemon_run: Callable[[str], DaemonRun], mode: str) -> None:
+    run = daemon_run(mode)
+    frames = run.episodes[0].frames
+    # Each file says where its chunk's noise came from, and that is the noise the policy got.
+    assert {f.noise_seed for f in frames} == {SEED}
+    for f in frames:
+        assert f.index is not None
+        a = run.policy.adapter
+        torch.testing.assert_close(frame_noise(SEED, 0, f.index, a.chunk_size, a.model_action_dim),
+                                   run.noise[f.index], rtol=0, atol=0)
+    rep = evaluate(run.policy, run.episodes, batch=1, seed=SEED + 1)  # eval's own seed plays no part
+    o = rep["overall"]
+    assert o["failures"] == 0 and o["recorded_noise"] == len(frames) and o["recorded_max"] == 0.0
+    rep = evaluate(run.policy, run.episodes, batch=4, batch_sizes=[8])
+    assert rep["overall"]["failures"] == 0 and rep["overall"]["recorded_max"] < TOL
+    assert "every frame's as its recorded chunk drew it" in format_eval(rep)
+
+
+@pytest.mark.slow
+def test_a_recording_without_its_noise_replays_with_evals_own(
+        daemon_run: Callable[[str], DaemonRun], tmp_path: Path) -> None:
+    """A recording made before the daemon kept its noise (no `noise_seed` in its files) replays
+    with --seed's, and says that its rec columns are sampling spread."""
+    import json
+    import shutil
+
     run = daemon_run("guided-approx")
-    rep = evaluate(run.policy, run.episodes, batch=1)
-    assert rep["overall"]["recorded_max"] < TOL
+    src = Path(run.root)
+    shutil.copy(src / "meta.json", tmp_path / "meta.json")
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["noise_seed"] == SEED
+    for f in sorted(src.glob("obs_*.npz")):
+        with np.load(f, allow_pickle=False) as z:
+            np.savez(tmp_path / f.name, **{k: z[k] for k in z.files if k != "noise_seed"})
+    old = read_recording(tmp_path)[0].frames
+    assert all(f.noise_seed is None for f in old) and len(old) == len(run.episodes[0].frames)
+    rep = evaluate(run.policy, read_recording(tmp_path), batch=1)
+    assert rep["overall"]["recorded_noise"] == 0 and rep["overall"]["recorded_max"] > SENSITIVE
+    assert "include the policy's sampling spread" in format_eval(rep)
 
 
 # -- the multi-robot server ------------------------------------------------------------------

@@ -138,6 +138,9 @@ class ModelConfig:
     restart_backoff_s: float = 0.5  # first wait before restarting a dead worker process; doubles per failure
     restart_backoff_max_s: float = 30.0  # the longest wait between restart attempts (they never stop)
     inference_timeout_s: float = 10.0  # a process worker's inference taking longer: killed and restarted
+    # Each chunk's noise comes from (noise_seed, its inference number) (`engines.noise`), so a
+    # `--record` replays to the same actions in `phyai-edge eval`, and a restart repeats them.
+    noise_seed: int = 0
 
 
 @dataclass
@@ -497,6 +500,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         restart_backoff_s=m.number("restart_backoff_s", d.restart_backoff_s, positive=True),
         restart_backoff_max_s=m.number("restart_backoff_max_s", d.restart_backoff_max_s, positive=True),
         inference_timeout_s=m.number("inference_timeout_s", d.inference_timeout_s, positive=True),
+        noise_seed=m.integer("noise_seed", d.noise_seed, minimum=0, maximum=2**31 - 1),
     )
     present, fargs = m._take("factory_args")
     if present:
@@ -858,6 +862,8 @@ warmup = 1                   # warm-up rounds before the clock starts: a chunk w
 restart_backoff_s = 0.5      # a dead worker process is restarted after this, doubling per failed attempt
 restart_backoff_max_s = 30.0 # up to this; attempts never stop (the daemon holds meanwhile)
 inference_timeout_s = 10.0   # an inference still running after this: the worker is hung, killed and restarted
+noise_seed = 0               # each chunk's noise is drawn from (this, its inference number): a --record
+                             # replays to the same actions in `phyai-edge eval`
 # engine_options = { early_step = false }   # backend = "cudagraph": its switches (triton_ops, triton_gemm,
                              # dense_prefix, dense_expert, early_step; docs/gpu.md), each true / false
 # adapter_options = { prompt_state = "padded" }   # the adapter's options (PI0.5: prompt_state = robot |

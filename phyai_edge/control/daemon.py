@@ -332,6 +332,8 @@ class Daemon:
             rounds.append(make_warmup_job(info, cfg.model.prompt, rtc_mode=ch.mode,
                                           execution_horizon=ch.execution_horizon, delay=ch.delay or ch.delay_initial,
                                           max_guidance_weight=ch.max_guidance_weight, frames=frames))
+        # Keyed noise as every live job draws it (a host tensor copied in, not the engine's draw).
+        rounds = [replace(job, noise_seed=cfg.model.noise_seed) for job in rounds]
         if cfg.task.endpoint:
             # Room for the instructions that may come at run time: the graphs captured now serve them.
             rounds = [replace(job, room_prompts=cfg.task.prompts, room_tokens=cfg.task.prompt_tokens) for job in rounds]
@@ -399,6 +401,8 @@ class Daemon:
                 "horizon": ch.horizon,
                 "execution_horizon": ch.execution_horizon,
                 "max_guidance_weight": ch.max_guidance_weight,  # beta: what `phyai-edge eval` replays with
+                # each obs file says the seed its chunk's noise came from (null: the engine's stream)
+                "noise_seed": cfg.model.noise_seed,
             }
             self.recorder = Recorder(self.record_dir, meta)
             log.info("recording observations to %s", self.record_dir)
@@ -727,6 +731,7 @@ class Daemon:
             execution_horizon=cfg.chunking.execution_horizon,
             max_guidance_weight=cfg.chunking.max_guidance_weight,
             geometry=self.geometry,
+            noise_seed=cfg.model.noise_seed,
         )
         self.worker.submit(job)
         self.stats.inferences += 1
@@ -745,7 +750,7 @@ class Daemon:
                 "job_id": job.job_id, "images": job.images, "bgr": job.bgr, "geometry": job.geometry, "state": job.state,
                 "timestamp": job.timestamp, "prompt": job.prompt, "rtc_mode": job.rtc_mode,
                 "prefix": job.prefix, "delay_estimate": job.delay, "start_slot": inflight.start_slot,
-                "actions": res.actions, "delay": delay, "error": error or "",
+                "actions": res.actions, "delay": delay, "error": error or "", "noise_seed": res.noise_seed,
             })
         if error is not None:
             st.failures += 1

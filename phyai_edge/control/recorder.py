@@ -7,7 +7,9 @@ queue is full the record is dropped and counted, never waited for). Layout in do
                                  as the policy saw it), state, timestamp, prompt,
                                  rtc_mode, prefix (or empty), delay_estimate, start_slot,
                                  actions (H x action_dim, empty on failure), delay (measured),
-                                 error (string, "" on success)
+                                 error (string, "" on success), job_id, noise_seed (the chunk's
+                                 noise came from (noise_seed, 0, job_id): engines/noise.py;
+                                 empty: the engine's own stream)
 """
 
 from __future__ import annotations

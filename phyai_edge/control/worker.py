@@ -91,7 +91,11 @@ class Job:
     delay: int = 0
     execution_horizon: int = 0
     max_guidance_weight: float = 5.0
-    noise: np.ndarray | None = None  # (1, H, model_action_dim) float32; None: the engine's own stream
+    noise: np.ndarray | None = None  # (1, H, model_action_dim) float32; None: keyed noise, or the engine's stream
+    # The chunk's noise is drawn in the worker from (noise_seed, 0, job_id) (`engines.noise`), so a
+    # recording replays to the same actions; None (or a policy that does not say its noise width):
+    # the engine's own stream.
+    noise_seed: int | None = None
     warmup: bool = False  # warm-up jobs may take as long as loading (first-call compilation, graph capture)
     # Warm-up only: other instructions the engine keeps prompt room for (`task.prompts`), and room
     # in tokens for ones not listed (`task.prompt_tokens`), so an instruction set at run time runs
@@ -110,6 +114,7 @@ class JobResult:
     stage_ms: dict[str, float]
     infer_ms: float
     error: str | None = None
+    noise_seed: int | None = None  # the chunk's noise came from (noise_seed, 0, job_id); None: not keyed
 
 
 @dataclass(frozen=True)
@@ -217,12 +222,8 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
         # A live job that makes the engine build graphs (a capture on a GPU, ~1 s at full size) met a
         # shape or RTC mode the warm-up did not run: the control loop holds meanwhile, so say so.
         built = getattr(policy, "graphs_built", None)
-        if job.noise is not None:
-            import torch  # only here: the daemon never sends noise, so its clock process never imports torch
-
-            res = policy.infer([obs], rtc=rtc, noise=torch.from_numpy(np.ascontiguousarray(job.noise, dtype=np.float32)))
-        else:
-            res = policy.infer([obs], rtc=rtc)
+        noise, keyed = _job_noise(policy, job)
+        res = policy.infer([obs], rtc=rtc) if noise is None else policy.infer([obs], rtc=rtc, noise=noise)
         actions = np.asarray(res.actions, dtype=np.float32)
         if actions.ndim != 3 or actions.shape[0] != 1:
             raise ValueError(f"policy returned actions of shape {actions.shape}, expected (1, H, action_dim)")
@@ -231,10 +232,27 @@ def run_job(policy: PolicyLike, job: Job) -> JobResult:
         if not job.warmup and built is not None and policy.graphs_built != built:
             log.warning("inference %d met a shape or RTC mode the warm-up did not run: the engine built graphs "
                         "for it inside the control loop (%.0f ms)", job.job_id, took_ms)
-        return JobResult(job.job_id, np.ascontiguousarray(actions[0]), stage_ms, took_ms)
+        return JobResult(job.job_id, np.ascontiguousarray(actions[0]), stage_ms, took_ms,
+                         noise_seed=job.noise_seed if keyed else None)
     except Exception as exc:
         detail = _one_line(exc)
         return JobResult(job.job_id, None, {}, (time.perf_counter() - t0) * 1e3, detail)
+
+
+def _job_noise(policy: PolicyLike, job: Job) -> tuple[Any, bool]:
+    """The job's noise for `policy.infer` (None: the engine's stream) and whether it is keyed."""
+    width = getattr(policy, "model_action_dim", None)
+    if job.noise is None and (job.noise_seed is None or not isinstance(width, int)):
+        return None, False  # not asked for, or a policy of the caller's that does not say its noise's shape
+    # Only here: a policy that takes noise imported torch already (and the process worker's clock
+    # process never runs a job).
+    import torch
+
+    if job.noise is not None:
+        return torch.from_numpy(np.ascontiguousarray(job.noise, dtype=np.float32)), False
+    from phyai_edge.engines.noise import frame_noise
+
+    return frame_noise(int(job.noise_seed or 0), 0, job.job_id, policy.chunk_size, int(width)), True
 
 
 def _prepare_warmup(policy: PolicyLike, job: Job) -> None:

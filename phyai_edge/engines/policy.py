@@ -30,6 +30,7 @@ class Policy:
         self.adapter, self.engine = adapter, engine
         self.chunk_size = adapter.chunk_size
         self.action_dim = adapter.action_dim
+        self.model_action_dim = adapter.model_action_dim  # the noise's width (`infer(noise=)`)
         self.state_dim = adapter.state_dim
         self.camera_names = list(adapter.camera_names)
         self.device = engine.device

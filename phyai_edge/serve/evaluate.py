@@ -11,11 +11,14 @@ Inputs:
   videos); the target of frame t is the recorded actions t .. t+H-1. Needs pyarrow, and
   OpenCV for images.
 
-Noise: every frame gets its own noise from (seed, episode, frame) (the dataset's own episode and
-frame numbers: `Episode.index`, `Frame.index`), and the evaluated and the
-reference engine get the same noise, so their difference is the engines' alone. The recorded
-actions were sampled with noise that was not recorded, so the error against them includes
-the policy's sampling spread (zero only for a deterministic policy).
+Noise: every frame gets its own noise from (seed, episode, frame) (`engines.noise`; the
+dataset's own episode and frame numbers: `Episode.index`, `Frame.index`), and the evaluated and
+the reference engine get the same noise, so their difference is the engines' alone. A daemon
+recording says the seed its chunks' noise came from (`noise_seed`, with the inference number):
+its frames replay with that noise, so the error against the recorded actions is the engines'
+difference too (zero for the same engine at batch one). A dataset's actions, and a recording
+without it, were sampled with noise nobody kept: their error includes the policy's sampling
+spread.
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from phyai_edge.adapters.base import Observation
 from phyai_edge.engines.base import SOLVER_RTC_MODES, RTCRequest
+from phyai_edge.engines.noise import frame_noise
 from phyai_edge.serve.batching import BatchItem, run_items
 
 
@@ -44,6 +47,9 @@ class Frame:
     # ones included; a dataset's frame_index), so that skipped frames, --stride and
     # --max-frames do not change another frame's noise; None: its position in the episode.
     index: int | None = None
+    # The seed the daemon drew this chunk's noise from, with episode 0 and `index` its inference
+    # number (`engines.noise`): replayed with that noise, not eval's --seed; None: eval's own.
+    noise_seed: int | None = None
 
 
 @dataclass
@@ -97,7 +103,11 @@ def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: 
                     rtc = RTCRequest(mode, prefix.astype(np.float32), min(d_req, len(prefix)), s,  # type: ignore[arg-type]
                                      beta)
                 target = z["actions"].astype(np.float32) if "actions" in z.files and z["actions"].size else None
-                ep.frames.append(Frame(obs, rtc, target, number))
+                seed = _scalar(z, "noise_seed", None)
+                if seed is not None and "job_id" in z.files:
+                    ep.frames.append(Frame(obs, rtc, target, int(_scalar(z, "job_id", 0)), int(seed)))
+                else:  # recorded before the daemon drew keyed noise, or by a policy without it
+                    ep.frames.append(Frame(obs, rtc, target, number))
         episodes.append(ep)
     return episodes
 
@@ -237,12 +247,6 @@ class _VideoFrames:
 
 
 # -- evaluation ----------------------------------------------------------------------------
-def frame_noise(seed: int, episode: int, frame: int, horizon: int, model_dim: int) -> torch.Tensor:
-    """(1, H, D) noise that depends only on (seed, episode, frame)."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + episode) * 1_000_003 + frame)
-    return torch.randn(1, horizon, model_dim, generator=g)
-
-
 @dataclass
 class EpisodeReport:
     name: str
@@ -254,7 +258,7 @@ class EpisodeReport:
     failures: int = 0
 
 
-_Flat = tuple[int, tuple[int, int], Frame]
+_Flat = tuple[int, tuple[int, int, int], Frame]  # (episode position, noise key, frame)
 
 
 def _batches(frames: list[_Flat], size: int) -> Iterator[list[_Flat]]:
@@ -262,10 +266,17 @@ def _batches(frames: list[_Flat], size: int) -> Iterator[list[_Flat]]:
         yield frames[i:i + size]
 
 
-def _predict(policy: Any, batch: list[_Flat], seed: int, batch_sizes: Sequence[int] | None) -> list[Any]:
+def _noise_key(f: Frame, position: int, episode: int, seed: int) -> tuple[int, int, int]:
+    """(seed, episode, frame) of the frame's noise: the daemon's own where it recorded it."""
+    if f.noise_seed is not None and f.index is not None:
+        return f.noise_seed, 0, f.index
+    return seed, episode, f.index if f.index is not None else position
+
+
+def _predict(policy: Any, batch: list[_Flat], batch_sizes: Sequence[int] | None) -> list[Any]:
     a = policy.adapter
     items = [BatchItem([f.obs], f.rtc, frame_noise(seed, e, i, a.chunk_size, a.model_action_dim))
-             for _, (e, i), f in batch]
+             for _, (seed, e, i), f in batch]
     return run_items(policy, items, batch_sizes)
 
 
@@ -312,15 +323,14 @@ def evaluate(policy: Any, episodes: list[Episode], reference: Any = None, batch:
             raise ValueError(f"episode {ep.name}: its recorded actions are {tuple(bad)} per frame, the policy "
                              f"outputs {width} values an action: a dataset for another robot, or a camera/state map "
                              "that does not fit this policy")
-    # (position, noise key of the episode and of the frame, frame)
-    flat = [(e, (ep.index if ep.index is not None else e, f.index if f.index is not None else i), f)
+    flat = [(e, _noise_key(f, i, ep.index if ep.index is not None else e, seed), f)
             for e, ep in enumerate(episodes) for i, f in enumerate(ep.frames)]
     rec = [_Error() for _ in episodes]
     ref = [_Error() for _ in episodes]
     failures = [0] * len(episodes)
     for chunk in _batches(flat, max(1, batch)):
-        got = _predict(policy, chunk, seed, batch_sizes)
-        other = _predict(reference, chunk, seed, batch_sizes) if reference is not None else [None] * len(chunk)
+        got = _predict(policy, chunk, batch_sizes)
+        other = _predict(reference, chunk, batch_sizes) if reference is not None else [None] * len(chunk)
         for (e, _, f), r, rr in zip(chunk, got, other):
             if not _finite(r) or (reference is not None and not _finite(rr)):
                 failures[e] += 1
@@ -340,7 +350,9 @@ def evaluate(policy: Any, episodes: list[Episode], reference: Any = None, batch:
     return {
         "episodes": [r.__dict__ for r in reports],
         "overall": {"frames": len(flat), "recorded_mae": rec_all.mean, "recorded_max": rec_all.maximum,
-                    "reference_mae": ref_all.mean, "reference_max": ref_all.maximum, "failures": sum(failures)},
+                    "reference_mae": ref_all.mean, "reference_max": ref_all.maximum, "failures": sum(failures),
+                    # frames replayed with the noise their recorded chunk was made with
+                    "recorded_noise": sum(f.noise_seed is not None and f.index is not None for _, _, f in flat)},
     }
 
 
@@ -355,4 +367,10 @@ def format_eval(rep: dict[str, Any]) -> str:
     o = rep["overall"]
     lines.append(f"{'all':<24}{o['frames']:>7}{f(o['recorded_mae']):>10}{f(o['recorded_max']):>10}"
                  f"{f(o['reference_mae']):>10}{f(o['reference_max']):>10}{o['failures']:>6}")
+    kept, frames = o.get("recorded_noise", 0), o["frames"]
+    if kept and kept == frames:
+        lines.append("noise: every frame's as its recorded chunk drew it (rec columns: the engines' difference)")
+    elif not math.isnan(o["recorded_mae"]):
+        lines.append(f"noise: {kept} of {frames} frames' as their recorded chunk drew it; the rest drew --seed's, so "
+                     "their rec columns include the policy's sampling spread")
     return "\n".join(lines)
