@@ -111,7 +111,7 @@ def host_breakdown(eng: Any, gs: Any, loop_graph: Any, x: Any, noise: torch.Tens
 def rtc_host_breakdown(eng: Any, gs: Any, x: Any, noise: torch.Tensor, modes: list[str], reps: int = 30) -> dict[str, Any]:
     """Per RTC solver mode (GPU only, medians over `reps` synchronised calls): `run` with the mode's
     guidance against `run` without; the mode's loop graph replayed alone against the unguided
-    loop's (GPU time, CUDA events); and the host time `_load_rtc` takes to return (no sync: the
+    loop's (GPU time, CUDA events); and the host time `_load_host_values` (the RTC values) takes to return (no sync: the
     host work and the queueing of the copies)."""
     from pi05_gpu import rtc_guidance
 
@@ -135,7 +135,7 @@ def rtc_host_breakdown(eng: Any, gs: Any, x: Any, noise: torch.Tensor, modes: li
         for _ in range(reps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            eng._load_rtc(gs, g, adapter.solver, b)
+            eng._load_host_values(gs, None, g, adapter.solver, b)
             ts.append((time.perf_counter() - t0) * 1e3)
         out[f"load_rtc_{mode}_host_ms"] = statistics.median(ts)
     return out
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--triton-ops", action="store_true", help="the engine's fused Triton stages (default: the model's own)")
     ap.add_argument("--rtc-modes", default="",
                     help="comma-separated RTC solver modes (inpaint, guided-approx, guided) whose run / loop / "
-                         "_load_rtc times join the host breakdown (GPU only)")
+                         "_load_host_values times join the host breakdown (GPU only)")
     ap.add_argument("--vjp", action="store_true",
                     help="also profile the denoise step with its vector-Jacobian product (exact RTC guidance)")
     ap.add_argument("--host-only", action="store_true",

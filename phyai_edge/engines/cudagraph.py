@@ -232,7 +232,7 @@ class _GraphSet:
     prefix_steps: dict[tuple[bool, bool, bool], torch.cuda.CUDAGraph | None] = field(default_factory=dict)
     side: Any = None
     eager: bool = False
-    rtc_staging: _HostStaging = field(default_factory=_HostStaging)
+    staging: _HostStaging = field(default_factory=_HostStaging)  # the call's host-made noise and RTC values
 
 
 @dataclass
@@ -249,7 +249,7 @@ class _StageSet:
     loop_bufs: dict[str, torch.Tensor] = field(default_factory=dict)
     loops: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(default_factory=dict)
     eager: bool = False
-    rtc_staging: _HostStaging = field(default_factory=_HostStaging)
+    staging: _HostStaging = field(default_factory=_HostStaging)  # the call's host-made noise and RTC values
 
 
 def static_euler(velocity: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor], bufs: dict[str, torch.Tensor],
@@ -509,16 +509,17 @@ class CudaGraphEngine(EngineBase):
             ins["image_mask"].copy_(x["image_mask"])
             ins["tokens"].copy_(x["tokens"][:, :length])
             ins["token_mask"].copy_(token_mask[:, :length])
-            bufs["noise"].copy_(self.sample_noise(b) if noise is None else noise)
-            if rtc is not None:
-                self._load_rtc(gs, rtc, solver, b)
+            if noise is None:
+                bufs["noise"].copy_(self.sample_noise(b))
+            if noise is not None or rtc is not None:
+                self._load_host_values(gs, noise, rtc, solver, b)
 
         # Inputs already on the device are copied while the vision graph runs (stream order keeps
         # them before the graphs that read them). A copy from pageable host memory would block the
         # host until the stream reaches it, i.e. until vision ends, and delay the next launch: those
-        # go first. RTC's values, made on the host, pass through pinned buffers (`_load_rtc`): late.
-        late = all(t.device.type == self.device.type for t in
-                   (x["image_mask"], x["tokens"], token_mask, *(() if noise is None else (noise,))))
+        # go first. Noise and RTC values given from the host pass through pinned buffers
+        # (`_load_host_values`): late.
+        late = all(t.device.type == self.device.type for t in (x["image_mask"], x["tokens"], token_mask))
         if not late:
             copy_rest()
         ins["images"].copy_(images)
@@ -904,32 +905,36 @@ class CudaGraphEngine(EngineBase):
             return step(xin, tt, k, v, pmask, modulation=table[i], **kw)
         return static_euler(velocity, gs.loop_bufs, mode, solver, first)
 
-    def _load_rtc(self, sets: _GraphSet | _StageSet, rtc: RTCGuidance, solver: SolverSpec, batch: int) -> None:
-        """Copy the call's RTC into the static buffers (in place: a captured loop reads them).
-        Shared (H,) weights or one d broadcast over the batch; (B, H) weights and (B,) delays
-        fill one row per sample. Values made on the host (the policy builds RTC there) go through
-        pinned staging buffers, so the copies never block the host and `run` can issue them while
-        the vision graph runs."""
+    def _load_host_values(self, sets: _GraphSet | _StageSet, noise: torch.Tensor | None, rtc: RTCGuidance | None,
+                          solver: SolverSpec, batch: int) -> None:
+        """Copy the call's given noise and its RTC into the static buffers (in place: a captured
+        loop reads them). Shared (H,) weights or one d broadcast over the batch; (B, H) weights
+        and (B,) delays fill one row per sample. Values made on the host (the policy builds RTC
+        there; the daemon's worker draws keyed noise there) go through pinned staging buffers, so
+        the copies never block the host and `run` can issue them while the vision graph runs."""
         h, d = self.adapter.chunk_size, self.adapter.model_action_dim
         bufs = sets.loop_bufs
-        key = (solver, rtc.max_guidance_weight)
-        weights = self._rtc_weights.get(key)
-        if weights is None:
-            weights = torch.tensor([guidance_weight(t, rtc.max_guidance_weight) for t in solver.times()],
-                                   dtype=torch.float32)
-            self._rtc_weights[key] = weights
-        values = {
-            "target": (bufs["target"], rtc.target.to(torch.float32).expand(batch, h, d)),
-            "mask": (bufs["mask"], rtc.mask.to(torch.float32).expand(batch, h, d)),
-            "fixed": (bufs["fixed"], rtc.fixed_mask(h).expand(batch, h, 1)),
-            "weight": (bufs["weight"][: weights.numel()], weights),
-        }
-        staging = sets.rtc_staging
+        values: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if noise is not None:
+            values["noise"] = (bufs["noise"], noise)
+        if rtc is not None:
+            key = (solver, rtc.max_guidance_weight)
+            weights = self._rtc_weights.get(key)
+            if weights is None:
+                weights = torch.tensor([guidance_weight(t, rtc.max_guidance_weight) for t in solver.times()],
+                                       dtype=torch.float32)
+                self._rtc_weights[key] = weights
+            values.update({
+                "target": (bufs["target"], rtc.target.to(torch.float32).expand(batch, h, d)),
+                "mask": (bufs["mask"], rtc.mask.to(torch.float32).expand(batch, h, d)),
+                "fixed": (bufs["fixed"], rtc.fixed_mask(h).expand(batch, h, 1)),
+                "weight": (bufs["weight"][: weights.numel()], weights),
+            })
+        staging = sets.staging
         staging.wait()
         for name, (dst, src) in values.items():
             staging.copy(dst, src, name, stage=dst.is_cuda and not src.is_cuda)
         staging.queued(self.device)
-
 
     # -- the generic path: any adapter's stage graph, laid out from its stage_specs -------
     def _run_generic(self, inputs: ModelInputs, noise: torch.Tensor | None, rtc: RTCGuidance | None) -> torch.Tensor:
@@ -944,14 +949,15 @@ class CudaGraphEngine(EngineBase):
                 raise ValueError(f"{name}: got shape {tuple(given.shape)}, the adapter's stage_specs({b}, "
                                  f"{self._views}) declare {tuple(buf.shape)}")
             buf.copy_(given)
-        noise = self.sample_noise(b) if noise is None else noise
+        drawn = self.sample_noise(b) if noise is None else None
         mode = rtc.mode if rtc is not None else "none"
         if mode not in LOOP_MODES:
             raise ValueError(f"RTC mode {mode!r} is not a solver mode; solver modes are {LOOP_MODES[1:]}")
         graph, out = self._stage_loop_graph(ss, mode, a.solver)
-        ss.loop_bufs["noise"].copy_(noise)
-        if rtc is not None:
-            self._load_rtc(ss, rtc, a.solver, b)
+        if drawn is not None:
+            ss.loop_bufs["noise"].copy_(drawn)
+        if noise is not None or rtc is not None:
+            self._load_host_values(ss, noise, rtc, a.solver, b)
 
         marks: list[Any] = [self._mark()]
         if ss.eager:
