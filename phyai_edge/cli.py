@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 0
+        # No command is a usage error (exit 2, like a wrong one): a unit file or script that lost
+        # its `run` must not read as a daemon that ran and finished.
+        parser.print_help(sys.stderr)
+        return 2
     return 0  # unreachable: a known command is handled above
 
 

@@ -87,3 +87,10 @@ def test_info_says_a_cpu_only_torch_is_one(monkeypatch: pytest.MonkeyPatch, caps
     assert cli(["info"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("cuda "))
     assert line.split(None, 1)[1] == "none: this torch is a CPU-only build"  # not "not installed"
+
+
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A unit file or script that lost its `run` must not exit 0 as if the daemon had run."""
+    assert cli([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "COMMAND" in err and "run" in err
