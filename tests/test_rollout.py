@@ -114,3 +114,31 @@ def test_gymnasium_example_runs():
     # 70 steps over 60-step episodes: periodic inference, RTC with a delay, and resets.
     res = mod.rollout(num_envs=3, steps=70, execution_horizon=25, delay=3)
     assert res["envs"] == 3 and res["inferences"] >= 4 and np.isfinite(res["mean_return"])
+
+
+@pytest.mark.parametrize("s,d", [(2, 3), (1, 4), (3, 3), (4, 2)])
+def test_rollout_chunks_run_what_each_request_promised(s: int, d: int) -> None:
+    """Every request's prefix is what runs in the d steps after it, and the new chunk takes over
+    at its own index d, also when the next request comes before the last chunk took over (s < d):
+    the prefix then runs through the chunk still waiting, and the new chunk replaces it."""
+    h, a = 10, 1
+    ch = RolloutChunks(1, execution_horizon=s)
+    rng = np.random.default_rng(s * 10 + d)
+    ch.update(rng.standard_normal((1, h, a)).astype(np.float32))
+    for _ in range(s):
+        ch.next_actions()
+    promises: list[tuple[int, np.ndarray, np.ndarray]] = []  # (step asked at, prefix, the chunk it asked for)
+    ran: list[np.ndarray] = []
+    for _ in range(6):
+        (req,) = ch.requests(d)
+        assert req is not None and len(req.prefix) >= d
+        new = rng.standard_normal((1, h, a)).astype(np.float32)
+        ch.update(new, delay=d)
+        promises.append((len(ran), req.prefix, new[0]))
+        ran.extend(ch.next_actions()[0] for _ in range(s))
+    for at, prefix, new in promises:
+        for i in range(d):  # committed while the chunk was computed: the prefix
+            if at + i < len(ran):
+                np.testing.assert_array_equal(ran[at + i], prefix[i])
+        if at + d < len(ran):  # then the new chunk from its index d (a later one takes over later still)
+            np.testing.assert_array_equal(ran[at + d], new[d])

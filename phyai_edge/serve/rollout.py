@@ -118,6 +118,10 @@ class RolloutChunks:
     (they were already committed on the robot while the new chunk was computed) and switches
     to the new chunk at its index d, exactly as the daemon does. An environment without an
     executing chunk (first call, or after `reset`) starts the new chunk at index 0.
+
+    A chunk can be asked for before the last one took over (an execution horizon s below d): the
+    request's prefix then runs on through the chunk still waiting, and the new chunk replaces it
+    from its own index d, so the actions that run are always the ones the requests promised.
     """
 
     def __init__(self, num_envs: int, mode: RTCMode = "guided-approx", execution_horizon: int = 25,
@@ -148,7 +152,7 @@ class RolloutChunks:
             if chunk is None or self.mode not in SOLVER_RTC_MODES:
                 out.append(None)
                 continue
-            rest = chunk[self.cursor[e]:]
+            rest = self._ahead(e)
             if len(rest) < d:
                 raise ValueError(f"environment {e}: delay {d} exceeds the {len(rest)} actions left in its chunk")
             out.append(RTCRequest(self.mode, rest, int(d), self.execution_horizon, self.max_guidance_weight))
@@ -164,7 +168,22 @@ class RolloutChunks:
             if self.chunks[e] is None or d[e] == 0:
                 self.chunks[e], self.cursor[e], self._pending[e] = new, 0 if self.chunks[e] is None else d[e], None
             else:
+                if self._pending[e] is not None:
+                    # the chunk still waiting never runs past the new one's start: what runs until
+                    # then (`_ahead`, as the request's prefix had it) becomes the executing chunk
+                    self.chunks[e], self.cursor[e], self._pending[e] = self._ahead(e), 0, None
                 self._pending[e], self._countdown[e] = (new, int(d[e])), int(d[e])
+
+    def _ahead(self, e: int) -> np.ndarray:
+        """The actions environment `e` runs from its next step on, as one array: the executing
+        chunk's (its last held past its end) until a waiting chunk takes over, then that one's."""
+        chunk = self.chunks[e]
+        assert chunk is not None
+        pending = self._pending[e]
+        if pending is None:
+            return chunk[self.cursor[e]:]
+        steps = np.minimum(self.cursor[e] + np.arange(self._countdown[e]), len(chunk) - 1)
+        return np.concatenate([chunk[steps], pending[0][pending[1]:]])
 
     def next_actions(self) -> np.ndarray:
         """(N, A): each environment's next action; advances every cursor by one."""
