@@ -3,6 +3,7 @@ ZeroMQ server with `RemotePolicy` clients on the tiny model."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -638,3 +639,16 @@ def test_remote_policy_refuses_a_timeout_that_is_not_positive(timeout):
     robot hears it at construction, naming the argument, not as a TimeoutError per request."""
     with pytest.raises(ValueError, match="timeout_s must be a positive number"):
         RemotePolicy("tcp://127.0.0.1:1", robot="r", timeout_s=timeout)
+
+
+@pytest.mark.slow
+def test_serve_json_report_is_alone_on_stdout():
+    """--json-report's stdout is the report and nothing else (the log and the endpoint line go to
+    stderr), so it can be piped into a JSON reader."""
+    proc = subprocess.run([sys.executable, "-m", "phyai_edge", "serve", "--bind", "tcp://127.0.0.1:*", "--threads", "1",
+                           "--report-s", "0", "--duration", "1", "--json-report"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert isinstance(report, dict) and report
+    assert "serving on tcp://127.0.0.1:" in proc.stderr

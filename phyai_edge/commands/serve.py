@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from phyai_edge.commands.common import adapter_options, add_adapter_option_argument
+from phyai_edge.control.log import LOG_LEVELS, setup_logging
 
 HELP = "one engine on one GPU serving many robot daemons over ZeroMQ"
 DESCRIPTION = """Serve one policy to many robots. Robot daemons connect with a ZeroMQ DEALER
@@ -80,11 +81,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--ray: GPUs per replica (default: 1 with --device cuda, else 0; Ray hides the GPUs from "
                         "a replica given none)")
     p.add_argument("--ray-address", default=None, help="--ray: an existing cluster (default: start a local one)")
-    p.add_argument("--json-report", action="store_true", help="print the final report as JSON")
+    p.add_argument("--json-report", action="store_true", help="print the final report as JSON (the log then goes to stderr)")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="lowest level logged")
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The daemon's log lines (journald priorities under systemd, where a server runs for good);
+    # stdout carries the JSON report where one is asked for.
+    setup_logging(getattr(logging, args.log_level.upper()), to_stderr=args.json_report)
     from phyai_edge.serve.scheduler import SchedulerConfig
     from phyai_edge.serve.server import LocalExecutor, PolicyServer
     from phyai_edge.serve.stats import format_report
@@ -150,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"phyai-edge serve: {exc}", file=sys.stderr)
         return 2
-    print(f"serving on {server.endpoint}", flush=True)
+    print(f"serving on {server.endpoint}", flush=True, file=sys.stderr if args.json_report else sys.stdout)
     done.wait(args.duration if args.duration > 0 else None)
     server.stop()
     if hasattr(executor, "shutdown"):

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from phyai_edge.commands.common import write_json
-from phyai_edge.control.log import LOG_LEVELS
+from phyai_edge.control.log import LOG_LEVELS, setup_logging
 
 HELP = "a simulated ALOHA robot process that talks to the daemon over ZeroMQ"
 DESCRIPTION = """Run gym-aloha's MuJoCo ALOHA arm pair as a robot with its own 50 Hz clock: it
@@ -66,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s.%(msecs)03d %(levelname)-7s %(message)s", datefmt="%H:%M:%S")
+    # As the daemon logs, on stderr: stdout carries `--summary -`'s JSON.
+    setup_logging(getattr(logging, args.log_level.upper()), to_stderr=True)
     log = logging.getLogger("phyai_edge.sim")
     if args.report:
         from phyai_edge.sim.report import analyse, load_log, plot_run, roofline_bench
