@@ -356,7 +356,8 @@ def test_the_task_command_sets_and_shows_the_instruction(tmp_path):
         assert shown.returncode == 0 and "running: 'pick up the cube'" in shown.stdout
         taken = cli("fold the towel", "--json", str(tmp_path / "r.json"))
         assert taken.returncode == 0 and "taken: 'fold the towel' (40 of 64 prompt tokens)" in taken.stdout
-        assert json.loads((tmp_path / "r.json").read_text())["changes"] == 1
+        written = json.loads((tmp_path / "r.json").read_text())
+        assert written["changes"] == 1 and written["version"] == 1  # the reply as sent, its version too
         refused = cli("")
         assert refused.returncode == 1 and "refused: the instruction is empty" in refused.stderr
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any
@@ -97,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, reply: Any) -> None:
     if args.json_path:
-        write_json(reply.__dict__, args.json_path)
+        write_json(json.loads(reply.encode()), args.json_path)  # the reply as the daemon sent it, version included
     if not reply.ok:
         print(f"refused: {reply.error}\nstill running: {reply.prompt!r}", file=sys.stderr)
     elif args.json_path != "-":
