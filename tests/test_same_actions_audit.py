@@ -180,6 +180,39 @@ def test_eval_reproduces_a_daemon_recording_from_the_recording_alone(
 
 
 @pytest.mark.slow
+def test_eval_runs_the_policy_as_the_recordings_daemon_ran_it(daemon_run: Callable[[str], DaemonRun]) -> None:
+    """The recording says which policy cameras no source fed and the prompt room the daemon kept;
+    `evaluate` runs the policy so for the replay (another backend here: the cudagraph engine's
+    CPU path, which keeps prompt room), then gives it back as it was."""
+    import json
+
+    run = daemon_run("guided-approx")
+    meta = json.loads((run.root / "meta.json").read_text())
+    names = run.policy.camera_names
+    assert meta["absent_cameras"] == [names[2]]  # the fixture's third camera has no source
+    assert meta["prompt_room"]["prompts"][0] == run.episodes[0].frames[0].obs.prompt
+    ep = run.episodes[0]
+    assert ep.absent_cameras == (names[2],) and ep.prompt_room is not None
+
+    policy = load_policy(preset="tiny", backend="cudagraph")
+    seen: list[tuple[frozenset[str], int]] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(policy, name)
+
+        def infer(self, *args: Any, **kwargs: Any) -> InferenceResult:
+            seen.append((policy.absent_cameras, policy.engine.min_prompt_positions))
+            return policy.infer(*args, **kwargs)
+
+    longest = policy.adapter.longest_prompt_tokens(meta["prompt_room"]["prompts"][0])
+    rep = evaluate(Spy(), run.episodes, batch=1)
+    assert seen and set(seen) == {(frozenset({names[2]}), longest)}
+    assert policy.absent_cameras == frozenset() and policy.engine.min_prompt_positions == 0
+    assert rep["overall"]["failures"] == 0 and rep["overall"]["recorded_max"] < TOL
+
+
+@pytest.mark.slow
 def test_a_recording_without_its_noise_replays_with_evals_own(
         daemon_run: Callable[[str], DaemonRun], tmp_path: Path) -> None:
     """A recording made before the daemon kept its noise (no `noise_seed` in its files) replays

@@ -403,6 +403,11 @@ class Daemon:
                 "max_guidance_weight": ch.max_guidance_weight,  # beta: what `phyai-edge eval` replays with
                 # each obs file says the seed its chunk's noise came from (null: the engine's stream)
                 "noise_seed": cfg.model.noise_seed,
+                # How the policy ran them, for a replay to run them alike (`phyai-edge eval`): the
+                # cameras no source feeds (left out where the policy can) and the prompt room kept
+                # at warm-up (the prompt length every chunk ran; bf16 results depend on it).
+                "absent_cameras": [n for n, hw in (warmup_frames(cfg, info.camera_names) or {}).items() if hw is None],
+                "prompt_room": {"prompts": [cfg.model.prompt, *cfg.task.prompts], "tokens": cfg.task.prompt_tokens},
             }
             self.recorder = Recorder(self.record_dir, meta)
             log.info("recording observations to %s", self.record_dir)

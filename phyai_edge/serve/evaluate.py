@@ -23,6 +23,7 @@ spread.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -59,6 +60,11 @@ class Episode:
     # The dataset's episode_index, for its frames' noise (so --episodes does not change it);
     # None: its position in the list evaluated (a folder of recordings: sorted by name).
     index: int | None = None
+    # How a daemon ran the recording's chunks (its meta.json), replayed alike: the policy cameras no
+    # source fed (`Policy.set_absent_cameras`), and the instructions and tokens of prompt room it
+    # kept (`Policy.fix_prompt_positions`); None: not recorded.
+    absent_cameras: tuple[str, ...] | None = None
+    prompt_room: tuple[tuple[str, ...], int] | None = None
 
 
 # -- readers -------------------------------------------------------------------------------
@@ -87,6 +93,11 @@ def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: 
         s = int(meta.get("execution_horizon") or 0)
         beta = max_guidance_weight if max_guidance_weight is not None else float(meta.get("max_guidance_weight", 5.0))
         ep = Episode(d.name)
+        if isinstance(meta.get("absent_cameras"), list):
+            ep.absent_cameras = tuple(str(n) for n in meta["absent_cameras"])
+        room = meta.get("prompt_room")
+        if isinstance(room, dict) and isinstance(room.get("prompts"), list):
+            ep.prompt_room = (tuple(str(p) for p in room["prompts"]), int(room.get("tokens") or 0))
         for number, f in enumerate(sorted(d.glob("obs_*.npz"))):
             with np.load(f, allow_pickle=False) as z:
                 if str(_scalar(z, "error", "")):
@@ -309,6 +320,33 @@ def _finite(r: Any) -> bool:
     return r is not None and r.actions is not None and bool(np.isfinite(r.actions).all())
 
 
+@contextlib.contextmanager
+def _as_recorded(policies: Sequence[Any], episodes: list[Episode]) -> Iterator[None]:
+    """Run the policies as the recordings' daemon ran them, for as long as the replay lasts: its
+    absent cameras left out (where every episode names the same ones) and its prompt room kept.
+    A policy without these switches, or episodes that do not say, run as they are."""
+    absent = {ep.absent_cameras for ep in episodes}
+    rooms = [ep.prompt_room for ep in episodes if ep.prompt_room is not None]
+    saved = []
+    try:
+        for p in policies:
+            engine = getattr(p, "engine", None)
+            saved.append((p, getattr(p, "absent_cameras", None), getattr(engine, "min_prompt_positions", None)))
+            if len(absent) == 1 and None not in absent and hasattr(p, "set_absent_cameras"):
+                names = next(iter(absent))
+                assert names is not None
+                p.set_absent_cameras([n for n in names if n in p.camera_names])
+            if rooms and hasattr(p, "fix_prompt_positions"):
+                p.fix_prompt_positions([q for prompts, _ in rooms for q in prompts], at_least=max(t for _, t in rooms))
+        yield
+    finally:
+        for p, cams, floor in saved:
+            if cams is not None:
+                p.set_absent_cameras(sorted(cams))
+            if floor is not None:
+                p.engine.min_prompt_positions = floor
+
+
 def evaluate(policy: Any, episodes: list[Episode], reference: Any = None, batch: int = 8, seed: int = 0,
              batch_sizes: Sequence[int] | None = None) -> dict[str, Any]:
     """Replay every frame through `policy` (and `reference`, with the same noise), in batches
@@ -328,19 +366,20 @@ def evaluate(policy: Any, episodes: list[Episode], reference: Any = None, batch:
     rec = [_Error() for _ in episodes]
     ref = [_Error() for _ in episodes]
     failures = [0] * len(episodes)
-    for chunk in _batches(flat, max(1, batch)):
-        got = _predict(policy, chunk, batch_sizes)
-        other = _predict(reference, chunk, batch_sizes) if reference is not None else [None] * len(chunk)
-        for (e, _, f), r, rr in zip(chunk, got, other):
-            if not _finite(r) or (reference is not None and not _finite(rr)):
-                failures[e] += 1
-                continue
-            pred = r.actions[0]
-            if f.target is not None and f.target.size:
-                n = min(len(f.target), len(pred))
-                rec[e].add(np.abs(pred[:n] - f.target[:n]))
-            if rr is not None:
-                ref[e].add(np.abs(pred - rr.actions[0]))
+    with _as_recorded([policy] if reference is None else [policy, reference], episodes):
+        for chunk in _batches(flat, max(1, batch)):
+            got = _predict(policy, chunk, batch_sizes)
+            other = _predict(reference, chunk, batch_sizes) if reference is not None else [None] * len(chunk)
+            for (e, _, f), r, rr in zip(chunk, got, other):
+                if not _finite(r) or (reference is not None and not _finite(rr)):
+                    failures[e] += 1
+                    continue
+                pred = r.actions[0]
+                if f.target is not None and f.target.size:
+                    n = min(len(f.target), len(pred))
+                    rec[e].add(np.abs(pred[:n] - f.target[:n]))
+                if rr is not None:
+                    ref[e].add(np.abs(pred - rr.actions[0]))
     reports = [EpisodeReport(ep.name, len(ep.frames), rec[e].mean, rec[e].maximum, ref[e].mean, ref[e].maximum,
                              failures[e]) for e, ep in enumerate(episodes)]
     rec_all, ref_all = _Error(), _Error()
