@@ -110,7 +110,8 @@ def add_adapter_option_argument(p: argparse.ArgumentParser) -> None:
                    help="an option of the model adapter, repeatable (PI0.5: prompt_state=padded for a policy "
                    "fine-tuned with LeRobot v0.4.x, which wrote the state zero-padded to 32 values into the "
                    "prompt; prompt_state=none for openpi's discrete_state_input=False, e.g. pi05_libero; "
-                   "relative_actions=6,-1,6,-1 for delta actions; a wrong name lists the adapter's options)")
+                   "relative_actions=6,-1,6,-1 for delta actions; robot_space=aloha for an openpi ALOHA policy on "
+                   "a robot in standard ALOHA space; a wrong name lists the adapter's options)")
 
 
 def adapter_options(command: str, args: argparse.Namespace) -> dict[str, str]:

@@ -869,7 +869,8 @@ noise_seed = 0               # each chunk's noise is drawn from (this, its infer
 # adapter_options = { prompt_state = "padded" }   # the adapter's options (PI0.5: prompt_state = robot |
                              # padded | none; padded for a policy fine-tuned with LeRobot v0.4.x, none for
                              # openpi's discrete_state_input = False (pi05_libero); relative_actions =
-                             # "6,-1,6,-1" for an openpi ALOHA policy trained on delta joints, "none" for absolute)
+                             # "6,-1,6,-1" for an openpi ALOHA policy trained on delta joints, "none" for absolute;
+                             # robot_space = "aloha" for an openpi ALOHA policy on a robot in standard ALOHA space)
 
 [chunking]
 mode = "guided-approx"       # none | crossfade | inpaint | guided-approx | guided

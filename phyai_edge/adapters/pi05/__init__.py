@@ -5,6 +5,7 @@ from phyai_edge.adapters.pi05.builtin import builtin_adapter
 from phyai_edge.adapters.pi05.config import PI05Config, full, preset, tiny
 from phyai_edge.adapters.pi05.loaders import detect_format, load_pi05, save_native
 from phyai_edge.adapters.pi05.model import PI05Model
+from phyai_edge.adapters.pi05.robot_space import ROBOT_SPACES, check_robot_space
 
 PROMPT_STATES = ("robot", "padded", "none")
 OPTIONS = {
@@ -18,6 +19,10 @@ OPTIONS = {
                         "the policy predicts as offsets from the observed state (openpi's DeltaActions, which "
                         "its folders do not record); default: the checkpoint's own (LeRobot: "
                         "use_relative_actions)",
+    "robot_space": "model | aloha: the convention the robot's state and actions are in, where the policy was "
+                   "trained in another that its folder does not record: aloha for openpi's ALOHA policies "
+                   "(adapt_to_pi: shoulder and elbow flipped, grippers rescaled) on a robot or gym-aloha in "
+                   "standard ALOHA space; default: the checkpoint's own (model: the policy's space)",
 }
 
 
@@ -40,13 +45,15 @@ def parse_relative_actions(value: str) -> tuple[bool, ...]:
 
 def load_adapter(checkpoint=None, preset_name: str = "tiny", device="cpu", tokenizer=None, camera_names=None,
                  seed: int = 0, structure=None, prompt_state: str | None = None,
-                 relative_actions: str | None = None) -> PI05Adapter:
+                 relative_actions: str | None = None, robot_space: str | None = None) -> PI05Adapter:
     """A checkpoint folder if given, else the built-in seeded preset (the full one with random
     weights drawn on `device`, or on the meta device for `device="meta"`: `builtin_adapter`).
     `structure` (a preset name or PI05Config) sizes LeRobot/openpi checkpoints, which do not
-    record it (default: full). `prompt_state`, `relative_actions`: see OPTIONS."""
+    record it (default: full). `prompt_state`, `relative_actions`, `robot_space`: see OPTIONS."""
     if prompt_state is not None and prompt_state not in PROMPT_STATES:
         raise ValueError(f"prompt_state {prompt_state!r}: choose one of {', '.join(PROMPT_STATES)}")
+    if robot_space is not None and robot_space not in ROBOT_SPACES:
+        raise ValueError(f"robot_space {robot_space!r}: choose one of {', '.join(ROBOT_SPACES)}")
     # Parsed before the weights load, so a typo fails at once.
     relative_mask = parse_relative_actions(relative_actions) if relative_actions is not None else None
     if checkpoint is not None:
@@ -62,6 +69,9 @@ def load_adapter(checkpoint=None, preset_name: str = "tiny", device="cpu", token
             adapter.io.relative_action_mask = fit_relative_mask(relative_mask, adapter.action_dim, adapter.state_dim)
         except ValueError as exc:
             raise ValueError(f"relative_actions {relative_actions!r}: {exc}") from None
+    if robot_space is not None:
+        check_robot_space(robot_space, adapter.state_dim, adapter.action_dim)
+        adapter.io.robot_space = robot_space
     return adapter
 
 

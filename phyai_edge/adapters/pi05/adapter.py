@@ -27,6 +27,7 @@ from phyai_edge.adapters.pi05.preprocess import (
     stage_images,
     stateless_prompt,
 )
+from phyai_edge.adapters.pi05.robot_space import check_robot_space, robot_space
 from phyai_edge.adapters.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class RobotIO:
     # action dim, each True dim i anchored to state value i; () for absolute actions. Kept in the
     # form `fit_relative_mask` gives.
     relative_action_mask: tuple[bool, ...] = ()
+    # The robot's own convention where the policy was trained in another (`robot_space.py`: "aloha"
+    # for openpi's ALOHA policies); "model": the robot speaks the policy's space.
+    robot_space: str = "model"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -105,6 +109,7 @@ class PI05Adapter:
             if stats.dim is not None and stats.dim != dim:
                 raise ValueError(f"the {what} statistics have {stats.dim} values, the robot's {what} {dim}")
         io.relative_action_mask = fit_relative_mask(io.relative_action_mask, io.action_dim, io.state_dim)
+        check_robot_space(io.robot_space, io.state_dim, io.action_dim)
         self.cfg, self.module, self.tokenizer, self.io = cfg, model, tokenizer, io
         self.chunk_size = cfg.chunk_size
         self.model_action_dim = cfg.max_action_dim
@@ -254,7 +259,7 @@ class PI05Adapter:
         """(..., state_dim) raw states -> the bins the prompt writes: normalised, zero-padded to the
         model's state width where `pad_state_in_prompt` (LeRobot v0.4.x padded to max_state_dim,
         older openpi to its one width, which its loader makes max_state_dim too)."""
-        norm = self.io.state_stats.normalize(states)
+        norm = self.io.state_stats.normalize(self._model_states(states))
         if self.io.pad_state_in_prompt:
             norm = np.pad(norm, [(0, 0)] * (norm.ndim - 1) + [(0, self.cfg.max_state_dim - norm.shape[-1])])
         return discretize_state(norm, self.cfg.state_bins)
@@ -418,15 +423,16 @@ class PI05Adapter:
         (AbsoluteActionsProcessorStep) and openpi's AbsoluteActions do."""
         arr = chunk[..., : self.action_dim].detach().float().cpu().numpy()
         actions = self.io.action_stats.unnormalize(arr).astype(np.float32)
-        if not self.relative_actions:
-            return actions
-        states = None if inputs is None else inputs.extras.get("states")
-        if states is None:
-            raise ValueError("this policy predicts actions relative to the robot state (relative_action_mask): "
-                             "postprocess needs `inputs`, the ModelInputs preprocess made for the chunk")
-        if len(states) != actions.shape[0]:
-            raise ValueError(f"postprocess: {len(states)} states in `inputs` for a chunk of {actions.shape[0]}")
-        return actions + self._state_offsets(states)[:, None, :]
+        if self.relative_actions:
+            states = None if inputs is None else inputs.extras.get("states")
+            if states is None:
+                raise ValueError("this policy predicts actions relative to the robot state (relative_action_mask): "
+                                 "postprocess needs `inputs`, the ModelInputs preprocess made for the chunk")
+            if len(states) != actions.shape[0]:
+                raise ValueError(f"postprocess: {len(states)} states in `inputs` for a chunk of {actions.shape[0]}")
+            actions = actions + self._state_offsets(states)[:, None, :]
+        space = robot_space(self.io.robot_space)
+        return actions if space is None else space.actions_from_model(actions)
 
     def normalize_actions(self, actions: np.ndarray | torch.Tensor, states: np.ndarray | None = None) -> torch.Tensor:
         """Robot-unit actions (..., action_dim) -> model space (..., D), zero-padded. A relative
@@ -435,6 +441,9 @@ class PI05Adapter:
         dims: (B, 1, state_dim) for (B, n, action_dim) actions)."""
         arr = actions.detach().cpu().numpy() if isinstance(actions, torch.Tensor) else np.asarray(actions)
         arr = arr.astype(np.float32)
+        space = robot_space(self.io.robot_space)
+        if space is not None:
+            arr = space.actions_to_model(arr)
         if self.relative_actions:
             if states is None:
                 raise ValueError("this policy predicts actions relative to the robot state (relative_action_mask): "
@@ -444,11 +453,18 @@ class PI05Adapter:
         pad = [(0, 0)] * (norm.ndim - 1) + [(0, self.model_action_dim - norm.shape[-1])]
         return torch.from_numpy(np.pad(norm, pad))
 
+    def _model_states(self, states: np.ndarray) -> np.ndarray:
+        """Raw robot states -> the space the policy was trained in (`io.robot_space`)."""
+        space = robot_space(self.io.robot_space)
+        return states if space is None else space.state_to_model(states)
+
     def _state_offsets(self, states: np.ndarray) -> np.ndarray:
-        """(..., state_dim) raw states -> (..., action_dim): the state on the relative dims, 0 elsewhere."""
+        """(..., state_dim) raw states -> (..., action_dim): the state (in the policy's space) on
+        the relative dims, 0 elsewhere."""
         states = np.asarray(states, dtype=np.float32)
         if states.shape[-1] != self.state_dim:
             raise ValueError(f"states have {states.shape[-1]} values, the robot config says {self.state_dim}")
+        states = self._model_states(states)
         mask = np.asarray(self.io.relative_action_mask, dtype=bool)
         k = min(self.action_dim, self.state_dim)  # `fit_relative_mask`: no relative dim lies past the state
         offsets = np.zeros((*states.shape[:-1], self.action_dim), dtype=np.float32)

@@ -28,6 +28,7 @@ from phyai_edge.adapters.normalization import NormStats
 from phyai_edge.adapters.pi05.adapter import PI05Adapter, RobotIO, fit_relative_mask
 from phyai_edge.adapters.pi05.config import PI05Config, full, preset
 from phyai_edge.adapters.pi05.model import PI05Model
+from phyai_edge.adapters.pi05.robot_space import AlohaSpace, check_robot_space
 from phyai_edge.adapters.tokenizer import TOKENIZER_FILES, PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,12 @@ def _load_native(folder: Path) -> tuple[PI05Config, RobotIO, list]:
         state_in_prompt=io.get("state_in_prompt", True),
         resize_antialias=io.get("resize_antialias", False),
         relative_action_mask=_native_relative_mask(folder / NATIVE_MANIFEST, io),
+        robot_space=io.get("robot_space", "model"),
     )
+    try:
+        check_robot_space(robot.robot_space, robot.state_dim, robot.action_dim)
+    except ValueError as exc:
+        raise CheckpointError(f"{folder / NATIVE_MANIFEST}: io.{exc}") from None
     return PI05Config.from_dict(meta["config"]), robot, []
 
 
@@ -280,6 +286,8 @@ def save_native(adapter: PI05Adapter, folder: str | Path, dtype: torch.dtype | N
         meta["io"]["relative_action_mask"] = list(io.relative_action_mask)
     if not io.state_in_prompt:  # likewise
         meta["io"]["state_in_prompt"] = False
+    if io.robot_space != "model":  # likewise
+        meta["io"]["robot_space"] = io.robot_space
     if dtype is not None:
         meta["weight_dtype"] = str(dtype).removeprefix("torch.")
     (folder / NATIVE_MANIFEST).write_text(json.dumps(meta, indent=2))
@@ -573,4 +581,12 @@ def _load_openpi(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, l
         # data pipeline's ResizeImages), which antialiases a downscale.
         resize_antialias=True,
     )
+    asset = stats_files[0].parent.name
+    if io.state_dim == io.action_dim == AlohaSpace.width and ("trossen" in asset or "aloha" in asset):
+        # openpi's ALOHA configs convert to their own joint space (adapt_to_pi) and train the joints
+        # as offsets (pi05_aloha): neither is in the folder, and a wrong guess moves the arms wrongly.
+        log.warning("%s looks like an openpi ALOHA policy (assets/%s, 14 values): those are trained in openpi's "
+                    "joint space; a robot or gym-aloha in standard ALOHA space needs the adapter option "
+                    "robot_space=aloha, and relative_actions=6,-1,6,-1 where it was trained on delta joints "
+                    "(openpi's pi05_aloha)", folder, asset)
     return cfg, io, PI_KEY_RULES
