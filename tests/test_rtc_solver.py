@@ -72,13 +72,15 @@ def _field(seed=0, d=4):
 
 def test_plain_euler_matches_hand_loop():
     v = _field()
-    x0 = torch.randn(2, 6, 4, dtype=torch.float64)
+    x0 = torch.randn(2, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     got = integrate(v, x0, SolverSpec(5))
     x = x0.clone()
     for i in range(5):
+        # the solver hands the time over in float32, as every engine's stages take it (it read
+        # float64 here, ~1e-8 off, which failed only for an unseeded draw with a value near 0)
         t = 1.0 - i * 0.2
-        x = x + (-0.2) * v(x, torch.full((2,), t, dtype=torch.float64))
-    assert torch.allclose(got, x, atol=1e-12)
+        x = x + (-0.2) * v(x, torch.full((2,), t, dtype=torch.float32))
+    torch.testing.assert_close(got, x, rtol=0, atol=1e-12)
     assert SolverSpec(10).times() == pytest.approx([1.0 - 0.1 * i for i in range(10)])
 
 
