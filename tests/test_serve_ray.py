@@ -63,6 +63,22 @@ def test_ray_deployment_behind_the_zeromq_front(ray_executor, tiny_policy, make_
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
 
 
+def test_a_ray_server_checks_instructions(ray_executor, tiny_policy):
+    """The daemon asks its server whether an instruction fits before taking it; a server whose
+    engine runs as Ray replicas answered that it could not check (the front holds no policy).
+    A replica answers now: no warm-up there, so the room is what the model takes."""
+    from phyai_edge.serve.client import RemotePolicy
+    from phyai_edge.serve.scheduler import SchedulerConfig
+    from phyai_edge.serve.server import PolicyServer
+
+    with PolicyServer(ray_executor, "tcp://127.0.0.1:*", SchedulerConfig(window_s=0.0), workers=1) as srv, \
+            RemotePolicy(srv.endpoint, robot="arm", timeout_s=60) as remote:
+        short = remote.prompt_fit("go")
+        long = remote.prompt_fit(" ".join(["pick up the red cube and put it in the bowl"] * 40))
+    assert short == tiny_policy.prompt_fit("go") and short[0] is not None and short[0] < short[1]
+    assert long[0] is not None and long[2] is not None and long[0] > long[2]  # too long for the model: refused
+
+
 def test_ray_native_callers_are_batched(ray_executor, tiny_policy, make_obs, noise_for):
     from phyai_edge.serve.batching import BatchItem
 

@@ -141,8 +141,8 @@ class RemotePolicy:
         """`Policy.prompt_fit` of the server's policy: (the most prompt tokens `prompt` takes with
         any robot state, the most the server's engine runs as its warm-up left it, the most the
         model takes at all), each None where the server cannot say. A server that cannot check
-        instructions (an older one, or one whose engine runs as Ray replicas) gives all None
-        and a log line; any other failure raises, as `infer` does."""
+        instructions (an older one, or one whose executor holds no policy) gives all None and a
+        log line; any other failure raises, as `infer` does."""
         try:
             rep = self._call(wire.Request("prompt_fit", next(self._ids), self.robot, prompt=prompt), self.timeout_s)
         except ServeError as exc:

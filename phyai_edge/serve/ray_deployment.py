@@ -51,6 +51,11 @@ class PolicyDeployment:
     def run(self, items: list[BatchItem]) -> list[ItemResult]:
         return run_items(self.policy, items, self.batch_sizes, self.max_batch, strict_prompts=True)
 
+    def prompt_fit(self, prompt: str) -> tuple[int | None, int | None, int | None]:
+        """`Policy.prompt_fit` in the replica: every replica loads the same policy and none keeps
+        prompt room (no warm-up), so any one answers for all."""
+        return self.policy.prompt_fit(prompt)
+
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
     async def infer(self, items: list[BatchItem]) -> list[ItemResult]:
         return run_items(self.policy, items, self.batch_sizes, self.max_batch, strict_prompts=True)
@@ -86,5 +91,19 @@ class RayExecutor:
     def run(self, items: list[BatchItem]) -> list[ItemResult]:
         return self.handle.run.remote(items).result()
 
+    @property
+    def policy(self) -> _ReplicaPromptFit:
+        """What the server asks of its executor's policy (`prompt_fit`), answered by a replica."""
+        return _ReplicaPromptFit(self.handle)
+
     def shutdown(self) -> None:
         serve.delete(self.app_name)
+
+
+class _ReplicaPromptFit:
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def prompt_fit(self, prompt: str) -> tuple[int | None, int | None, int | None]:
+        tokens, room, most = self.handle.prompt_fit.remote(prompt).result()
+        return tokens, room, most
