@@ -410,7 +410,8 @@ class Daemon:
                 "prompt_room": {"prompts": [cfg.model.prompt, *cfg.task.prompts], "tokens": cfg.task.prompt_tokens},
             }
             self.recorder = Recorder(self.record_dir, meta)
-            log.info("recording observations to %s", self.record_dir)
+            log.info("recording observations to %s (each chunk's noise from model.noise_seed %d and its inference "
+                     "number: `phyai-edge eval %s` replays them)", self.record_dir, cfg.model.noise_seed, self.record_dir)
 
     def _check_instructions(self) -> None:
         """Every instruction the config names must run as the policy was warmed up: one the model
