@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from phyai_edge.commands.common import adapter_options, add_adapter_option_argument
@@ -16,8 +17,14 @@ such recordings, one per episode) or a LeRobot dataset folder through an engine,
 episode the action error against the recorded actions and against a reference engine (another
 backend, precision or bundle) given the same noise.
 
+The model: a daemon recording names the one that made its chunks (checkpoint, engine bundle or
+built-in preset, adapter options), and it is replayed through that one unless --checkpoint,
+--preset, --engine, --adapter or --adapter-option choose another; how it runs (--backend,
+--device, --dtype) is this command's (default eager, CPU, float32). A LeRobot dataset, and a
+recording from before daemons said, take the tiny built-in model unless told otherwise.
+
 Examples:
-  phyai-edge eval runs/rec1                                    # tiny built-in model, eager, CPU
+  phyai-edge eval runs/rec1                                    # the recording's model, eager, CPU
   phyai-edge eval runs/ --checkpoint ~/ckpt/pi05 --device cuda --engine engines/pi05-trt \\
       --reference-backend eager --reference-dtype float32       # optimised vs official path
   phyai-edge eval ~/datasets/aloha_sim --lerobot --checkpoint ~/ckpt/pi05_aloha --max-frames 100
@@ -29,10 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("data", help="recording folder (run --record), a folder of them, or a LeRobot dataset folder")
     p.add_argument("--lerobot", action="store_true", help="DATA is a LeRobot dataset folder")
     p.add_argument("--synthetic", action="store_true", help="first write a synthetic recording into DATA (2 episodes)")
-    p.add_argument("--adapter", default="pi05", help="model adapter")
+    p.add_argument("--adapter", help="model adapter (default: the recording's, else pi05)")
     add_adapter_option_argument(p)
-    p.add_argument("--checkpoint", help="checkpoint folder (LeRobot, openpi or native)")
-    p.add_argument("--preset", default="tiny", help="built-in size without a checkpoint")
+    p.add_argument("--checkpoint", help="checkpoint folder (LeRobot, openpi or native; default: the recording's)")
+    p.add_argument("--preset", help="built-in size without a checkpoint (default: the recording's, else tiny)")
     p.add_argument("--engine", help="engine bundle folder to evaluate (overrides --backend)")
     p.add_argument("--backend", default="eager", help="eager | cudagraph | onnxruntime | tensorrt")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -81,6 +88,41 @@ def fixed_sizes(*policies: Any) -> list[int] | None:
     return sorted(common) if common else None
 
 
+def _the_recordings_model(args: argparse.Namespace, common: dict[str, Any]) -> None:
+    """Point `common` (and `args.engine`) at the model the recording's daemon ran, saying so."""
+    from phyai_edge.commands.common import fail
+    from phyai_edge.serve.evaluate import ModelsDifferError, recorded_model
+
+    try:
+        m = recorded_model(args.data)
+    except ModelsDifferError as exc:
+        fail("eval", str(exc))
+    except (OSError, ValueError):
+        return  # not a recording: reading it below says what is wrong, after the flags are checked
+    if m is None:
+        return
+    if m.get("factory"):
+        fail("eval", f"the recording's daemon built its policy with model.factory {m['factory']!r}, which eval cannot "
+             "rebuild; choose the model with --checkpoint, --preset or --engine")
+    for key, flag in (("checkpoint", "--checkpoint"), ("bundle", "--engine"), ("tokenizer", "--checkpoint")):
+        if m.get(key) and not Path(m[key]).exists():
+            fail("eval", f"the recording's model.{key} {m[key]} is not on this machine; give its copy with {flag}")
+    common.update(adapter=m.get("adapter") or "pi05", checkpoint=m.get("checkpoint") or None,
+                  preset=m.get("preset") or "tiny", adapter_options=dict(m.get("adapter_options") or {}))
+    if m.get("tokenizer"):
+        common["tokenizer"] = m["tokenizer"]
+    # The daemon draws a built-in preset's weights from seed 0 (--seed picks eval's own noise).
+    common["seed"] = 0
+    if m.get("bundle"):
+        args.engine = m["bundle"]
+    what = (f"engine bundle {m['bundle']}" if m.get("bundle") else f"checkpoint {m['checkpoint']}"
+            if m.get("checkpoint") else f"built-in preset {common['preset']} (weights from seed 0, as the daemon's)")
+    options = ", ".join(f"{k}={v}" for k, v in common["adapter_options"].items())
+    print(f"phyai-edge eval: the model the recording's daemon ran: {what}" + (f", adapter options {options}" if options
+          else "") + f" (it ran {m.get('backend')} {m.get('dtype')} on {m.get('device')}; this replay: "
+          f"{'the bundle' if args.engine else args.backend} {args.dtype} on {args.device})", file=sys.stderr)
+
+
 def main(args: argparse.Namespace) -> int:
     from phyai_edge.commands.common import fail, load_policy_or_fail
     from phyai_edge.serve.evaluate import (
@@ -107,8 +149,11 @@ def main(args: argparse.Namespace) -> int:
         fail("eval", f"--batch-sizes {args.batch_sizes!r}: expected sizes like 1,2,4,8")
     if sizes is not None and (not sizes or min(sizes) < 1):
         fail("eval", f"--batch-sizes {args.batch_sizes!r}: every size must be at least 1")
-    common = {"adapter": args.adapter, "checkpoint": args.checkpoint, "preset": args.preset, "seed": args.seed,
-              "adapter_options": adapter_options("eval", args)}
+    common = {"adapter": args.adapter or "pi05", "checkpoint": args.checkpoint, "preset": args.preset or "tiny",
+              "seed": args.seed, "adapter_options": adapter_options("eval", args)}
+    chosen = args.checkpoint or args.preset or args.engine or args.adapter or args.adapter_option
+    if not (args.lerobot or args.synthetic or chosen):
+        _the_recordings_model(args, common)
     policy = load_policy_or_fail("eval", backend=args.backend, device=args.device, dtype=args.dtype,
                                  bundle=args.engine, **common)
     reference = None

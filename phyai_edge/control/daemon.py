@@ -120,6 +120,18 @@ def policy_spec_from_config(cfg: DaemonConfig) -> PolicySpec:
     return PolicySpec("phyai_edge.engines.policy:load_policy", kwargs, m.threads)
 
 
+def recorded_model(cfg: DaemonConfig) -> dict[str, Any]:
+    """What a recording says of the model that made its chunks (meta.json's `model`)."""
+    m = cfg.model
+
+    def path(p: str) -> str:
+        return str(Path(p).expanduser().resolve()) if p else ""
+
+    return {"adapter": m.adapter, "checkpoint": path(m.checkpoint), "tokenizer": path(m.tokenizer),
+            "bundle": path(m.bundle), "preset": m.preset, "adapter_options": dict(m.adapter_options),
+            "factory": m.factory, "backend": m.backend, "device": m.device, "dtype": m.dtype}
+
+
 def warmup_inferences_per_round(mode: str) -> int:
     """A warm-up round (`Daemon.setup`): a chunk without RTC and, in a solver RTC mode, one with it."""
     return 2 if mode in SOLVER_MODES else 1
@@ -408,6 +420,9 @@ class Daemon:
                 # at warm-up (the prompt length every chunk ran; bf16 results depend on it).
                 "absent_cameras": [n for n, hw in (warmup_frames(cfg, info.camera_names) or {}).items() if hw is None],
                 "prompt_room": {"prompts": [cfg.model.prompt, *cfg.task.prompts], "tokens": cfg.task.prompt_tokens},
+                # Which model made the chunks (`phyai-edge eval` replays through it unless told
+                # otherwise), its paths made absolute: the daemon's working directory is not eval's.
+                "model": recorded_model(cfg),
             }
             self.recorder = Recorder(self.record_dir, meta)
             log.info("recording observations to %s (each chunk's noise from model.noise_seed %d and its inference "

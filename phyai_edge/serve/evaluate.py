@@ -75,10 +75,8 @@ def _scalar(z: Any, key: str, default: Any) -> Any:
     return v.item() if v.ndim == 0 else (default if v.size == 0 else v)
 
 
-def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: float | None = None) -> list[Episode]:
-    """A `run --record` folder, or a folder of them, -> episodes (frames in inference order).
-    `max_guidance_weight`: RTC's beta for the guided requests; None: the one each recording says
-    its daemon ran with (5.0, the daemon's default, for a recording that does not say)."""
+def _recording_dirs(path: str | Path) -> list[Path]:
+    """A `run --record` folder, or the recordings in a folder of them (sorted by name)."""
     root = Path(path)
     if root.is_file():
         raise ValueError(f"{root} is a file; expected a `phyai-edge run --record` folder (or a folder of them)")
@@ -87,8 +85,41 @@ def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: 
     dirs = [root] if (root / "meta.json").exists() else sorted(p.parent for p in root.glob("*/meta.json"))
     if not dirs:
         raise ValueError(f"{root}: no meta.json here or in its subfolders; is it a `phyai-edge run --record` folder?")
+    return dirs
+
+
+class ModelsDifferError(ValueError):
+    """Recordings evaluated together were made by different models."""
+
+
+def recorded_model(path: str | Path) -> dict[str, Any] | None:
+    """The model the recordings' daemon ran (meta.json's `model`: adapter, checkpoint, tokenizer,
+    bundle, preset, adapter_options, factory, and how it ran), or None where a recording does not
+    say (recorded before it did). ModelsDifferError where recordings evaluated together name different
+    models (one replay runs one policy); what `read_recording` raises where `path` is none."""
+    models = []
+    for d in _recording_dirs(path):
+        m = json.loads((d / "meta.json").read_text()).get("model")
+        if not isinstance(m, dict):
+            return None
+        models.append((d, m))
+    ident = ("adapter", "checkpoint", "tokenizer", "bundle", "preset", "adapter_options", "factory")
+    first_dir, first = models[0]
+    for d, m in models[1:]:
+        other = [k for k in ident if m.get(k) != first.get(k)]
+        if other:
+            raise ModelsDifferError(f"{first_dir.name} and {d.name} were recorded with different models (model.{other[0]}: "
+                             f"{first.get(other[0])!r} and {m.get(other[0])!r}); evaluate them apart, or choose "
+                             "the model with --checkpoint / --preset / --engine")
+    return first
+
+
+def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: float | None = None) -> list[Episode]:
+    """A `run --record` folder, or a folder of them, -> episodes (frames in inference order).
+    `max_guidance_weight`: RTC's beta for the guided requests; None: the one each recording says
+    its daemon ran with (5.0, the daemon's default, for a recording that does not say)."""
     episodes = []
-    for d in dirs:
+    for d in _recording_dirs(path):
         meta = json.loads((d / "meta.json").read_text())
         s = int(meta.get("execution_horizon") or 0)
         beta = max_guidance_weight if max_guidance_weight is not None else float(meta.get("max_guidance_weight", 5.0))
