@@ -12,11 +12,12 @@ timeout 200 python3 -m phyai_edge run --config /tmp/gpu.toml --duration 8 --reco
     > $OUT/daemon.txt 2>&1; echo "rc $?"
 grep -E "captured|warm-up|stopped|rror|did not run|after its deadline|delay|record" $OUT/daemon.txt | cut -c1-200 | tail -12
 echo "recorded: $(ls /tmp/rec | grep -c npz) chunks"
-echo "=== eval: the daemon's engine at batch 1, eager fp32 as the reference"
-timeout 240 python3 -m phyai_edge eval /tmp/rec --preset full --backend cudagraph --device cuda --dtype bfloat16 \
+echo "=== eval: the recording's model (named in its meta.json) on the daemon's engine at batch 1, eager fp32 as the reference"
+timeout 240 python3 -m phyai_edge eval /tmp/rec --backend cudagraph --device cuda --dtype bfloat16 \
     --batch 1 --reference-backend eager --reference-dtype float32 --json > $OUT/eval.json 2> $OUT/eval.err; echo "rc $?"
 python3 -c "import json; o=json.load(open('$OUT/eval.json'))['overall']; print({k: o[k] for k in sorted(o)})" \
     || tail -5 $OUT/eval.err
+grep "recording's daemon ran" $OUT/eval.err | cut -c1-240
 echo "=== policy.infer with engine-drawn vs host-given noise"
 timeout 150 python3 benchmarks/policy_overhead_gpu.py --layouts "1+2 masked" --host-noise --no-absent --reps 40 \
     --json $OUT/policy_overhead.json 2>&1 | tail -6
