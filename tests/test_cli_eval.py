@@ -31,3 +31,24 @@ def test_eval_runs_a_bundle_at_its_exported_batch_sizes(tmp_path: Path, capsys: 
             assert rep["overall"]["frames"] == 8 and rep["overall"]["failures"] == 0
             assert rep["overall"]["reference_max"] < 1e-3  # the same model and noise on both sides
     assert not [r for r in caplog.records if "running them one by one" in r.getMessage()]
+
+
+def test_the_engine_compared_with_a_bundle_runs_the_bundles_weights(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`--engine B --reference-backend eager` without --checkpoint: the reference loaded the
+    built-in preset with eval's own seed, not the weights B was exported from, and the
+    reference column was the difference of two models. It now loads what B's manifest names."""
+    bundle = tmp_path / "tiny-seed3"
+    assert cli(["export", "--preset", "tiny", "--seed", "3", "--out", str(bundle), "--batch", "1,2", "--no-validate",
+                "--no-progress"]) == 0
+    data = tmp_path / "rec"
+    assert cli(["eval", str(data), "--synthetic"]) == 0
+    capsys.readouterr()
+    for args in (["--engine", str(bundle), "--reference-backend", "eager"], ["--reference-engine", str(bundle)]):
+        assert cli(["eval", str(data), *args, "--json"]) == 0
+        rep = json.loads(capsys.readouterr().out)
+        assert rep["overall"]["failures"] == 0 and rep["overall"]["reference_max"] < 1e-3, args
+    # a model named on the command line is still the one used (here: another seed's weights, far off)
+    assert cli(["eval", str(data), "--engine", str(bundle), "--reference-backend", "eager", "--preset", "tiny",
+                "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["overall"]["reference_max"] > 1e-2

@@ -123,6 +123,30 @@ def _the_recordings_model(args: argparse.Namespace, common: dict[str, Any]) -> N
           f"{'the bundle' if args.engine else args.backend} {args.dtype} on {args.device})", file=sys.stderr)
 
 
+def _wants_reference(args: argparse.Namespace) -> bool:
+    return bool(args.reference_backend or args.reference_engine or args.reference_dtype or args.reference_device)
+
+
+def _the_bundles_model(bundle: str, common: dict[str, Any]) -> None:
+    """Point `common` at the weights `bundle` was exported from (its manifest's checkpoint source:
+    a folder, or a built-in preset and seed), so an engine compared with it runs the same model."""
+    from phyai_edge.commands.common import fail
+    from phyai_edge.engines.bundle import BundleError, read_manifest
+
+    try:
+        source = str(read_manifest(bundle)["checkpoint"].get("source", ""))
+    except (BundleError, KeyError, TypeError):
+        return  # loading the bundle says what is wrong with it
+    if source.startswith("builtin:"):
+        _, preset, seed = source.split(":", 2)
+        common.update(preset=preset, seed=int(seed.removeprefix("seed=")))
+    elif Path(source).is_dir():
+        common["checkpoint"] = source
+    else:
+        fail("eval", f"the engine bundle {bundle} was exported from {source or 'a checkpoint it does not name'}, "
+             "which is not on this machine; give its copy with --checkpoint, so the other engine runs the same weights")
+
+
 def main(args: argparse.Namespace) -> int:
     from phyai_edge.commands.common import fail, load_policy_or_fail
     from phyai_edge.serve.evaluate import (
@@ -154,10 +178,15 @@ def main(args: argparse.Namespace) -> int:
     chosen = args.checkpoint or args.preset or args.engine or args.adapter or args.adapter_option
     if not (args.lerobot or args.synthetic or chosen):
         _the_recordings_model(args, common)
+    bundle = args.engine or args.reference_engine
+    one_side_loads_weights = not args.engine or (_wants_reference(args) and not args.reference_engine)
+    if bundle and one_side_loads_weights and not (args.checkpoint or args.preset or common["checkpoint"]):
+        # The side that is no bundle loads the weights the bundle was exported from, not the preset.
+        _the_bundles_model(bundle, common)
     policy = load_policy_or_fail("eval", backend=args.backend, device=args.device, dtype=args.dtype,
                                  bundle=args.engine, **common)
     reference = None
-    if args.reference_backend or args.reference_engine or args.reference_dtype or args.reference_device:
+    if _wants_reference(args):
         device_flag = "--reference-device" if args.reference_device else "--device"
         reference = load_policy_or_fail("eval", device_flag, backend=args.reference_backend or "eager",
                                         device=args.reference_device or args.device,
