@@ -418,7 +418,7 @@ class Daemon:
                 # How the policy ran them, for a replay to run them alike (`phyai-edge eval`): the
                 # cameras no source feeds (left out where the policy can) and the prompt room kept
                 # at warm-up (the prompt length every chunk ran; bf16 results depend on it).
-                "absent_cameras": [n for n, hw in (warmup_frames(cfg, info.camera_names) or {}).items() if hw is None],
+                "absent_cameras": missing,
                 "prompt_room": {"prompts": [cfg.model.prompt, *cfg.task.prompts], "tokens": cfg.task.prompt_tokens},
                 # Which model made the chunks (`phyai-edge eval` replays through it unless told
                 # otherwise), its paths made absolute: the daemon's working directory is not eval's.

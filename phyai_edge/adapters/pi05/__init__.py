@@ -5,7 +5,8 @@ from phyai_edge.adapters.pi05.builtin import builtin_adapter
 from phyai_edge.adapters.pi05.config import PI05Config, full, preset, tiny
 from phyai_edge.adapters.pi05.loaders import detect_format, load_pi05, save_native
 from phyai_edge.adapters.pi05.model import PI05Model
-from phyai_edge.adapters.pi05.robot_space import ROBOT_SPACES, check_robot_space
+from phyai_edge.adapters.pi05.robot_space import check_robot_space
+from phyai_edge.adapters.pi05.robot_space import robot_space as space_named
 
 PROMPT_STATES = ("robot", "padded", "none")
 OPTIONS = {
@@ -52,8 +53,8 @@ def load_adapter(checkpoint=None, preset_name: str = "tiny", device="cpu", token
     record it (default: full). `prompt_state`, `relative_actions`, `robot_space`: see OPTIONS."""
     if prompt_state is not None and prompt_state not in PROMPT_STATES:
         raise ValueError(f"prompt_state {prompt_state!r}: choose one of {', '.join(PROMPT_STATES)}")
-    if robot_space is not None and robot_space not in ROBOT_SPACES:
-        raise ValueError(f"robot_space {robot_space!r}: choose one of {', '.join(ROBOT_SPACES)}")
+    if robot_space is not None:
+        space_named(robot_space)  # an unknown name fails here, before the weights load
     # Parsed before the weights load, so a typo fails at once.
     relative_mask = parse_relative_actions(relative_actions) if relative_actions is not None else None
     if checkpoint is not None:

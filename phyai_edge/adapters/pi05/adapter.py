@@ -27,7 +27,7 @@ from phyai_edge.adapters.pi05.preprocess import (
     stage_images,
     stateless_prompt,
 )
-from phyai_edge.adapters.pi05.robot_space import check_robot_space, robot_space
+from phyai_edge.adapters.pi05.robot_space import AlohaSpace, check_robot_space, robot_space
 from phyai_edge.adapters.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -431,7 +431,7 @@ class PI05Adapter:
             if len(states) != actions.shape[0]:
                 raise ValueError(f"postprocess: {len(states)} states in `inputs` for a chunk of {actions.shape[0]}")
             actions = actions + self._state_offsets(states)[:, None, :]
-        space = robot_space(self.io.robot_space)
+        space = self._robot_space
         return actions if space is None else space.actions_from_model(actions)
 
     def normalize_actions(self, actions: np.ndarray | torch.Tensor, states: np.ndarray | None = None) -> torch.Tensor:
@@ -441,7 +441,7 @@ class PI05Adapter:
         dims: (B, 1, state_dim) for (B, n, action_dim) actions)."""
         arr = actions.detach().cpu().numpy() if isinstance(actions, torch.Tensor) else np.asarray(actions)
         arr = arr.astype(np.float32)
-        space = robot_space(self.io.robot_space)
+        space = self._robot_space
         if space is not None:
             arr = space.actions_to_model(arr)
         if self.relative_actions:
@@ -453,9 +453,15 @@ class PI05Adapter:
         pad = [(0, 0)] * (norm.ndim - 1) + [(0, self.model_action_dim - norm.shape[-1])]
         return torch.from_numpy(np.pad(norm, pad))
 
+    @property
+    def _robot_space(self) -> AlohaSpace | None:
+        """The conversion `io.robot_space` names (None: the robot speaks the policy's space); read
+        per call, since `load_adapter` sets the option after the adapter is built."""
+        return robot_space(self.io.robot_space)
+
     def _model_states(self, states: np.ndarray) -> np.ndarray:
         """Raw robot states -> the space the policy was trained in (`io.robot_space`)."""
-        space = robot_space(self.io.robot_space)
+        space = self._robot_space
         return states if space is None else space.state_to_model(states)
 
     def _state_offsets(self, states: np.ndarray) -> np.ndarray:
