@@ -18,6 +18,8 @@ from phyai_edge.cli import main as cli
 from phyai_edge.engines.bundle import (
     BundleError,
     Platform,
+    builtin_source,
+    parse_builtin_source,
     read_manifest,
     seal,
     verify_bundle,
@@ -148,6 +150,14 @@ def test_a_preset_bundle_says_a_checkpoint_cannot_be_checked_against_it(bundle, 
     with pytest.raises(BundleError, match=r"built-in preset \(builtin:tiny:seed=0\).*without a checkpoint") as err:
         verify_bundle(b, checkpoint=checkpoint)
     assert "hash differs" not in str(err.value)
+
+
+def test_the_preset_source_string_reads_back_and_a_folder_is_not_one(tmp_path):
+    """The exporter writes a preset's source with `builtin_source`; eval and the checkpoint check read
+    it back with `parse_builtin_source`, and a folder's path (even one named like a preset) is none."""
+    assert parse_builtin_source(builtin_source("full", 12)) == ("full", 12)
+    assert parse_builtin_source(str(tmp_path / "builtin:tiny")) is None
+    assert parse_builtin_source("builtin:tiny:seed=x") is None
 
 
 def test_refuses_a_newer_format_saying_to_upgrade(bundle, tmp_path):

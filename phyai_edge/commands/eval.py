@@ -131,15 +131,14 @@ def _the_bundles_model(bundle: str, common: dict[str, Any]) -> None:
     """Point `common` at the weights `bundle` was exported from (its manifest's checkpoint source:
     a folder, or a built-in preset and seed), so an engine compared with it runs the same model."""
     from phyai_edge.commands.common import fail
-    from phyai_edge.engines.bundle import BundleError, read_manifest
+    from phyai_edge.engines.bundle import BundleError, parse_builtin_source, read_manifest
 
     try:
         source = str(read_manifest(bundle)["checkpoint"].get("source", ""))
     except (BundleError, KeyError, TypeError):
         return  # loading the bundle says what is wrong with it
-    if source.startswith("builtin:"):
-        _, preset, seed = source.split(":", 2)
-        common.update(preset=preset, seed=int(seed.removeprefix("seed=")))
+    if (built := parse_builtin_source(source)) is not None:
+        common.update(preset=built[0], seed=built[1])
     elif Path(source).is_dir():
         common["checkpoint"] = source
     else:

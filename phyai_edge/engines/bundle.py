@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import platform
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -305,9 +306,20 @@ def check_platform(manifest: dict[str, Any], here: Platform, device: str | torch
                               "serialised engines are tied to the exact version: re-export")
 
 
+def builtin_source(preset: str, seed: int) -> str:
+    """The manifest's `checkpoint.source` of weights built from a preset (no folder)."""
+    return f"builtin:{preset}:seed={seed}"
+
+
+def parse_builtin_source(source: str) -> tuple[str, int] | None:
+    """(preset, seed) of a `builtin_source` string; None for a folder's path."""
+    match = re.fullmatch(r"builtin:([^:]+):seed=(\d+)", source)
+    return (match[1], int(match[2])) if match else None
+
+
 def check_checkpoint(manifest: dict[str, Any], checkpoint: str | Path) -> None:
     source = str(manifest["checkpoint"].get("source", ""))
-    if source.startswith("builtin:"):
+    if parse_builtin_source(source) is not None:
         # Its hash is of the preset's tensors, not of checkpoint files: no folder can match it, and
         # "hash differs" would wrongly suggest the folder holds other weights.
         raise BundleError(f"this bundle was exported from a built-in preset ({source}), not from a checkpoint "

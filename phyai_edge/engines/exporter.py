@@ -27,6 +27,7 @@ from phyai_edge.engines.bundle import (
     FORMAT,
     BundleError,
     Platform,
+    builtin_source,
     checkpoint_sha256,
     now_iso,
     weight_files,
@@ -291,7 +292,7 @@ def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progres
     if req.checkpoint is not None and weight_files(Path(req.checkpoint)):
         ck_hash, ck_source = checkpoint_sha256(req.checkpoint), str(Path(req.checkpoint).resolve())
     else:
-        ck_hash, ck_source = tensor_sha256(adapter.module), f"builtin:{req.preset}:seed={req.seed}"
+        ck_hash, ck_source = tensor_sha256(adapter.module), builtin_source(req.preset, req.seed)
 
     calib_obs, held_out, calib_source = _calibration(req, adapter, echo)
     stage_names = adapter.stage_names()
