@@ -308,11 +308,17 @@ def _batches(frames: list[_Flat], size: int) -> Iterator[list[_Flat]]:
         yield frames[i:i + size]
 
 
+def _recorded_noise(f: Frame) -> tuple[int, int, int] | None:
+    """(seed, 0, frame) of the noise the daemon made the frame's chunk with; None for recordings
+    from before keyed noise."""
+    if f.noise_seed is None or f.index is None:
+        return None
+    return f.noise_seed, 0, f.index
+
+
 def _noise_key(f: Frame, position: int, episode: int, seed: int) -> tuple[int, int, int]:
     """(seed, episode, frame) of the frame's noise: the daemon's own where it recorded it."""
-    if f.noise_seed is not None and f.index is not None:
-        return f.noise_seed, 0, f.index
-    return seed, episode, f.index if f.index is not None else position
+    return _recorded_noise(f) or (seed, episode, f.index if f.index is not None else position)
 
 
 def _predict(policy: Any, batch: list[_Flat], batch_sizes: Sequence[int] | None) -> list[Any]:
@@ -421,8 +427,7 @@ def evaluate(policy: Any, episodes: list[Episode], reference: Any = None, batch:
         "episodes": [r.__dict__ for r in reports],
         "overall": {"frames": len(flat), "recorded_mae": rec_all.mean, "recorded_max": rec_all.maximum,
                     "reference_mae": ref_all.mean, "reference_max": ref_all.maximum, "failures": sum(failures),
-                    # frames replayed with the noise their recorded chunk was made with
-                    "recorded_noise": sum(f.noise_seed is not None and f.index is not None for _, _, f in flat)},
+                    "recorded_noise": sum(_recorded_noise(f) is not None for _, _, f in flat)},
     }
 
 
