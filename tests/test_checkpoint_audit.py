@@ -135,11 +135,24 @@ def test_native_statistics_of_another_width_are_refused_at_load(adapter: PI05Ada
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"q01": [0.0, 0.0], "q99": [1.0]}, "unequal length: q01 has 2, q99 has 1"),
     ({"q01": [0.0, np.nan], "q99": [1.0, 1.0]}, "NaN or Inf values in q01"),
+    ({"q01": [0.0, 2.0, 1.0], "q99": [1.0, 1.0, 1.0]}, "q01 is above q99 at index 1$"),
+    ({"mode": "mean_std", "mean": [0.0, 0.0], "std": [-1.0, 1.0]}, "std is negative at index 0$"),
+    ({"mode": "minmax", "q01": [0.0], "q99": [1.0]}, "mode 'minmax' is not one of quantile, mean_std, identity"),
 ])
 def test_broken_statistics_are_refused_where_they_are_made(kwargs: dict[str, Any], match: str) -> None:
-    """Unequal arrays broadcast or fail mid-run; a NaN only shows as NaN actions."""
+    """Unequal arrays broadcast or fail mid-run; a NaN only shows as NaN actions; an inverted
+    spread mirrors the robot's space; an unknown mode failed at the first observation."""
     with pytest.raises(ValueError, match=match):
-        NormStats("quantile", **kwargs)
+        NormStats(**{"mode": "quantile", **kwargs})
+
+
+def test_a_zero_spread_is_kept_as_the_published_loaders_keep_it() -> None:
+    """A joint that never moved in the data has q01 == q99 (or std 0): LeRobot and openpi divide
+    by an epsilon there, and such checkpoints must still load."""
+    q = NormStats("quantile", q01=[0.5, -1.0], q99=[0.5, 1.0])
+    assert np.allclose(q.unnormalize(np.zeros(2)), [0.5, 0.0])
+    m = NormStats("mean_std", mean=[2.0], std=[0.0])
+    assert np.allclose(m.unnormalize(np.ones(1)), [2.0])
 
 
 def _openpi_stats(folder: Path) -> tuple[Path, dict]:

@@ -187,6 +187,81 @@ def test_wrongly_typed_tensor_is_named(adapter, tmp_path, dtype):
     assert name in str(err.value)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_weight_is_named_at_load(adapter, tmp_path, bad):
+    """One NaN or Inf weight loaded and ran, and every action came back NaN (the daemon then held
+    the robot with no reason given)."""
+    name = "model.action_out_proj.weight"
+
+    def edit(s):
+        s[name][3, 1] = bad
+
+    folder = _broken(adapter, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=r"NaN or Inf weights.*\n.*non-finite tensors \(1\)") as err:
+        load_pi05(folder, structure="tiny")
+    assert name in str(err.value)
+
+
+def test_a_weight_beyond_float16_is_named_when_loaded_as_float16(adapter, tmp_path):
+    """70000 is a fine float32 weight and Inf in float16: refused for the dtype that overflows."""
+    name = "model.time_mlp_in.weight"
+
+    def edit(s):
+        s[name][0, 0] = 7e4
+
+    folder = _broken(adapter, tmp_path, edit)
+    assert load_pi05(folder, structure="tiny") is not None
+    with pytest.raises(CheckpointError, match=r"beyond the range of float16") as err:
+        load_pi05(folder, structure="tiny", dtype=torch.float16)
+    assert name in str(err.value)
+
+
+def _edit_json(path, edit):
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda c: c.update(num_inference_steps=0), r"num_steps = 0: expected a positive integer"),
+    (lambda c: c.update(num_inference_steps=-3), r"num_steps = -3: expected a positive integer"),
+    (lambda c: c.update(tokenizer_max_length=0), r"max_token_len = 0: expected a positive integer"),
+    (lambda c: c.update(chunk_size="fifty"), r"fifty"),
+    (lambda c: c["input_features"]["observation.state"].update(shape=[]), r"metadata does not fit the format"),
+])
+def test_lerobot_config_values_are_checked_at_load(adapter, tmp_path, edit, match):
+    """A negative step count ran no denoising and published the noise; zero steps divided by zero
+    at the first inference; a zero prompt length dropped the instruction; a string or an empty
+    shape raised a bare ValueError / IndexError from inside the reader."""
+    folder = write_lerobot(adapter, tmp_path / "lr")
+    _edit_json(folder / "config.json", edit)
+    with pytest.raises(CheckpointError, match=match) as err:
+        load_pi05(folder, structure="tiny")
+    assert str(folder) in str(err.value)
+
+
+@pytest.mark.parametrize(("file", "edit", "match"), [
+    ("phyai_edge.json", lambda m: m["config"].update(num_steps="10"), r"num_steps = '10'"),
+    ("phyai_edge.json", lambda m: m.pop("io"), r"metadata does not fit the format: no 'io'"),
+    ("phyai_edge.json", lambda m: m["config"].update(unknown_field=1), r"unknown_field"),
+    ("norm_stats.json", lambda st: st["state"].update(mode="minmax"), r"mode 'minmax' is not one of"),
+])
+def test_native_manifest_contents_are_checked_at_load(adapter, tmp_path, file, edit, match):
+    folder = save_native(adapter, tmp_path / "native")
+    _edit_json(folder / file, edit)
+    with pytest.raises(CheckpointError, match=match):
+        load_pi05(folder)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_a_checkpoint_json_that_is_not_an_object_is_named(adapter, tmp_path, text):
+    folder = write_openpi(adapter, tmp_path / "openpi")
+    (stats,) = folder.glob("assets/*/norm_stats.json")
+    stats.write_text(text)
+    with pytest.raises(CheckpointError, match=re.escape(str(stats)) + r" (is not valid JSON|holds a JSON list)"):
+        load_pi05(folder, structure="tiny")
+
+
 def test_all_problems_reported_at_once(adapter, tmp_path):
     def edit(s):
         s.pop("model.action_out_proj.bias")

@@ -63,6 +63,9 @@ def load_safetensors_strict(
     timings: if given, `read_s` (headers, checks, mapping the tensors) and `to_device_s`
         (copying them to `device` and converting; this is where the file's bytes are read)
         are added to it.
+
+    Every tensor must be finite after the conversion (a float16 weight beyond 65504 is not): a
+    NaN or Inf weight is refused by name, where it would load and make every action NaN.
     """
     t0 = time.perf_counter()
     expected = {name: t for name, t in model.state_dict(keep_vars=True).items()}
@@ -93,6 +96,7 @@ def load_safetensors_strict(
     handles = {f: open_safetensors(f) for f in {p for p, _ in found.values()}}
     device = torch.device(device)
     read_s = to_device_s = 0.0
+    finite: dict[str, torch.Tensor] = {}
     try:
         for name, (f, key) in found.items():
             sl = handles[f].get_slice(key)
@@ -129,12 +133,24 @@ def load_safetensors_strict(
                 # and it would change under a running model if the file were rewritten in place.
                 t = t.clone()
             state[name] = t
-            read_s += t2 - t1
-            to_device_s += time.perf_counter() - t2
+            t3 = time.perf_counter()
+            if device.type != "meta":  # (no data there: a test's stand-in for a GPU)
+                finite[key] = _all_finite(t)  # on the device: one transfer of flags at the end
+            read_s += t2 - t1 + time.perf_counter() - t3
+            to_device_s += t3 - t2
         if device.type == "cuda":
             t1 = time.perf_counter()
             torch.cuda.synchronize(device)
             to_device_s += time.perf_counter() - t1
+        t1 = time.perf_counter()
+        bad = [key for key, ok in zip(finite, torch.stack(list(finite.values())).cpu().tolist()) if not ok] \
+            if finite else []
+        read_s += time.perf_counter() - t1
+        if bad:
+            why = "a damaged or diverged checkpoint"
+            if dtype is not None:
+                why += f", or values beyond the range of {str(dtype).removeprefix('torch.')}, which it was converted to"
+            raise CheckpointError(f"checkpoint holds NaN or Inf weights ({why}):\n" + _listing("non-finite tensors", bad))
     finally:
         handles.clear()
     model.load_state_dict(state, strict=True, assign=True)
@@ -142,6 +158,15 @@ def load_safetensors_strict(
         timings["read_s"] = timings.get("read_s", 0.0) + read_s
         timings["to_device_s"] = timings.get("to_device_s", 0.0) + to_device_s
     return skipped
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool on t's device: no NaN or Inf in t. In slices, so the mask never grows to the
+    size of a large embedding (a CPU load of the full model would double its peak memory)."""
+    flat = t.reshape(-1)
+    if not flat.numel():
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    return torch.stack([torch.isfinite(part).all() for part in flat.split(1 << 24)]).all()
 
 
 _ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,

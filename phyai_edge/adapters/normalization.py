@@ -12,7 +12,12 @@ from typing import Literal
 import numpy as np
 
 NormMode = Literal["quantile", "mean_std", "identity"]
+_MODES = ("quantile", "mean_std", "identity")
 _EPS = 1e-8
+
+
+def _indices(where: np.ndarray) -> str:
+    return ", ".join(str(int(i)) for i in np.flatnonzero(where))
 
 
 @dataclass
@@ -24,6 +29,8 @@ class NormStats:
     q99: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(f"normalisation mode {self.mode!r} is not one of {', '.join(_MODES)}")
         for name in ("mean", "std", "q01", "q99"):
             val = getattr(self, name)
             if val is not None:
@@ -42,6 +49,12 @@ class NormStats:
         bad = [n for n, v in used.items() if not np.isfinite(v).all()]
         if bad:
             raise ValueError(f"{self.mode} statistics hold NaN or Inf values in {', '.join(bad)}")
+        # A zero spread is kept (a joint that never moved in the data; LeRobot and openpi divide by
+        # an epsilon there too), an inverted one is not: it would mirror the robot's space.
+        if self.mode == "mean_std" and (self.std < 0).any():
+            raise ValueError(f"mean_std statistics: std is negative at index {_indices(self.std < 0)}")
+        if self.mode == "quantile" and (self.q01 > self.q99).any():
+            raise ValueError(f"quantile statistics: q01 is above q99 at index {_indices(self.q01 > self.q99)}")
 
     def used_fields(self) -> tuple[str, ...]:
         """The statistics this mode reads."""

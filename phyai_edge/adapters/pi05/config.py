@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+
+def _check_fields(spec: Any, where: str) -> None:
+    """Every int field a positive int and every float field a positive number, named on error: a
+    checkpoint's JSON gives these, and a zero or a string there failed (or ran wrongly) only at
+    the first inference."""
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{where}{f.name} = {value!r}: expected a positive integer")
+        if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"{where}{f.name} = {value!r}: expected a positive number")
 
 
 @dataclass(frozen=True)
@@ -15,6 +27,9 @@ class SiglipSpec:
     num_heads: int = 16
     mlp_dim: int = 4304
     ln_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "vision.")
 
     @property
     def tokens_per_image(self) -> int:
@@ -31,6 +46,9 @@ class GemmaSpec:
     head_dim: int = 256
     rms_eps: float = 1e-6
     rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "")
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,10 @@ class PI05Config:
     preset: str = "full"
 
     def __post_init__(self) -> None:
+        _check_fields(self, "")
+        if self.time_min_period >= self.time_max_period:
+            raise ValueError(f"time_min_period {self.time_min_period} must be below time_max_period "
+                             f"{self.time_max_period}")
         if self.prefix.depth != self.expert.depth:
             raise ValueError("PI0.5 pairs every prefix layer with an expert layer: depths must match")
         if (self.prefix.num_heads, self.prefix.num_kv_heads, self.prefix.head_dim) != (

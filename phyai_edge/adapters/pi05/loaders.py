@@ -55,6 +55,19 @@ PI_KEY_RULES = [
 LM_HEAD = r"lm_head\.weight$"
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file, which must hold an object; refused naming the file otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
 def detect_format(folder: Path) -> str:
     folder = Path(folder)
     if not folder.is_dir():
@@ -62,13 +75,8 @@ def detect_format(folder: Path) -> str:
     if (folder / NATIVE_MANIFEST).exists():
         return "native"
     cfg = folder / "config.json"
-    if cfg.exists():
-        try:
-            kind = json.loads(cfg.read_text()).get("type")
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{cfg} is not valid JSON: {exc}") from exc
-        if kind == "pi05":
-            return "lerobot"
+    if cfg.exists() and _read_json(cfg).get("type") == "pi05":
+        return "lerobot"
     if list(folder.glob("assets/*/norm_stats.json")) and (folder / "model.safetensors").exists():
         return "openpi"
     pickles = sorted(p.name for pattern in ("*.pt", "*.pth", "*.bin", "*.ckpt", "*.pkl") for p in folder.glob(pattern))
@@ -135,17 +143,26 @@ def load_pi05(
     fmt = detect_format(folder)
     base = preset(structure) if isinstance(structure, str) else structure
     stored_dtype = None
-    if fmt == "native":
-        cfg, io, key_map_rules = _load_native(folder)
-        stored_dtype = native_weight_dtype(folder)
-        if base is not None and _architecture(base) != _architecture(cfg):
-            raise CheckpointError(
-                f"{folder} records a different structure than the one passed: "
-                f"{_architecture(cfg)} vs {_architecture(base)}"
-            )
-    else:
-        loader = {"lerobot": _load_lerobot, "openpi": _load_openpi}[fmt]
-        cfg, io, key_map_rules = loader(folder, base if base is not None else full())
+    try:
+        if fmt == "native":
+            cfg, io, key_map_rules = _load_native(folder)
+            stored_dtype = native_weight_dtype(folder)
+        else:
+            loader = {"lerobot": _load_lerobot, "openpi": _load_openpi}[fmt]
+            cfg, io, key_map_rules = loader(folder, base if base is not None else full())
+    except CheckpointError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        # The files parsed but hold something of another shape than the format's (a missing
+        # section, a string where a number goes, a value out of range): say so, naming the folder,
+        # instead of a traceback from deep in the reader.
+        what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise CheckpointError(f"{folder}: its {fmt} metadata does not fit the format: {what}") from exc
+    if fmt == "native" and base is not None and _architecture(base) != _architecture(cfg):
+        raise CheckpointError(
+            f"{folder} records a different structure than the one passed: "
+            f"{_architecture(cfg)} vs {_architecture(base)}"
+        )
     if camera_names is not None:
         if len(camera_names) != len(io.camera_names):
             raise ValueError(f"camera_names has {len(camera_names)} entries, the checkpoint has {len(io.camera_names)} views")
@@ -214,10 +231,10 @@ def _find_tokenizer(folder: Path) -> Path:
 
 # -- native ------------------------------------------------------------------------------
 def _load_native(folder: Path) -> tuple[PI05Config, RobotIO, list]:
-    meta = json.loads((folder / NATIVE_MANIFEST).read_text())
+    meta = _read_json(folder / NATIVE_MANIFEST)
     if meta.get("format") != NATIVE_FORMAT:
         raise CheckpointError(f"{folder / NATIVE_MANIFEST}: format {meta.get('format')!r}, expected {NATIVE_FORMAT!r}")
-    stats = json.loads((folder / "norm_stats.json").read_text())
+    stats = _read_json(folder / "norm_stats.json")
     io = meta["io"]
     try:
         state_stats, action_stats = NormStats.from_json(stats["state"]), NormStats.from_json(stats["action"])
@@ -252,7 +269,7 @@ def _native_relative_mask(path: Path, io: dict[str, Any]) -> tuple[bool, ...]:
 def native_weight_dtype(folder: str | Path) -> torch.dtype | None:
     """The engine precision a native folder's weights were written for (`save_native(dtype=...)`),
     or None for a plain float32 folder."""
-    meta = json.loads((Path(folder) / NATIVE_MANIFEST).read_text())
+    meta = _read_json(Path(folder) / NATIVE_MANIFEST)
     name = meta.get("weight_dtype")
     if name is None:
         return None
@@ -317,7 +334,7 @@ def _architecture(cfg: PI05Config) -> dict[str, Any]:
 
 
 def _load_lerobot(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, list]:
-    c = json.loads((folder / "config.json").read_text())
+    c = _read_json(folder / "config.json")
     for key, want in (("paligemma_variant", "gemma_2b"), ("action_expert_variant", "gemma_300m")):
         if c.get(key, want) != want:
             raise CheckpointError(f"config.json {key} = {c[key]!r}; this adapter supports {want!r}")
@@ -435,11 +452,7 @@ def _processor_step(path: Path, registry_name: str) -> dict[str, Any]:
     """The config of the step `registry_name` in a LeRobot processor file ({} if none)."""
     if not path.exists():
         return {}
-    try:
-        pipeline = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-    steps = pipeline.get("steps") if isinstance(pipeline, dict) else None
+    steps = _read_json(path).get("steps")
     if not isinstance(steps, list):
         raise CheckpointError(f"{path} has no list of steps: not a LeRobot processor file")
     found = [e for e in steps if isinstance(e, dict) and e.get("registry_name") == registry_name]
@@ -532,12 +545,12 @@ def _load_openpi(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, l
     stats_files = sorted(folder.glob("assets/*/norm_stats.json"))
     if len(stats_files) > 1:
         log.warning("several norm_stats.json files; using %s", stats_files[0])
-    raw = json.loads(stats_files[0].read_text())
+    raw = _read_json(stats_files[0])
     raw = raw.get("norm_stats", raw)
     cfg = base
     meta_path = folder / "config.json"
     if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
+        meta = _read_json(meta_path)
         width = int(meta.get("action_dim", cfg.max_action_dim))
         # openpi has one width for both: PadStatesAndActions pads the state to action_dim too.
         cfg = cfg.with_overrides(chunk_size=int(meta.get("action_horizon", cfg.chunk_size)),
