@@ -133,3 +133,26 @@ def test_guard_preview_is_what_finalize_will_publish():
     assert np.array_equal(g3.preview(slow), slow) and np.array_equal(g3.finalize(slow[0])[0], slow[0])
     unlimited = ActionGuard(2, Limits(), 0.02, "last")
     assert np.array_equal(unlimited.preview(rows), rows, equal_nan=True)  # no limits: the same values
+
+
+def test_guard_preview_matches_finalize_to_the_bit_where_the_rate_bound_rounds():
+    """preview's shortcut tested |a - last| <= max_step, finalize clips to last + max_step rounded
+    to float32: for a = 0.0040714447 after last = -0.08498785 with a step of 0.08905929 the first
+    passes and the second moves a by one ulp, so RTC's prefix was not what the robot got. Random
+    actions at the bound and one ulp either side must come out of both the same, bit for bit."""
+    def both(last: float, step: float, a: float) -> tuple[np.ndarray, np.ndarray]:
+        g = ActionGuard(1, Limits(max_rate=1.0), 0.02, "last")
+        g.max_step = np.array([step], np.float32)
+        g.last = np.array([last], np.float32)
+        seen = g.preview(np.array([[a]], np.float32))[0]
+        return seen, g.finalize(np.array([a], np.float32))[0]
+
+    seen, published = both(-0.08498785, 0.08905929, 0.0040714447)
+    assert seen.tobytes() == published.tobytes()
+    rng = np.random.default_rng(7)
+    lasts, steps = rng.uniform(-1, 1, 2000).astype(np.float32), rng.uniform(0.001, 0.2, 2000).astype(np.float32)
+    for last, step, side in zip(lasts, steps, rng.choice([-1, 1], 2000)):
+        a = np.float32(last + side * step)  # at the bound, give or take the rounding
+        for b in (np.nextafter(a, np.float32(-2)), a, np.nextafter(a, np.float32(2))):
+            seen, published = both(float(last), float(step), float(b))
+            assert seen.tobytes() == published.tobytes(), (last, step, b)
