@@ -200,10 +200,15 @@ def test_eval_refuses_lerobot_frame_selection_on_a_recording(tmp_path, capsys):
                                           "only; a recording is evaluated whole")
 
 
-def test_a_negative_duration_is_refused_before_loading(capsys):
-    rc, err = run(["run", "--duration", "-1", "--no-realtime"], capsys)
+@pytest.mark.parametrize("command", ["run", "listen", "serve", "sim"])
+@pytest.mark.parametrize("value", ["-1", "inf", "nan"])
+def test_a_duration_that_is_no_number_of_seconds_is_refused_before_loading(capsys, command, value):
+    """argparse's float takes "inf" and "nan": `run` loaded and warmed the model, then died in the
+    clock arithmetic without sending its SHUTDOWN message."""
+    rc, err = run([command, "--duration", value], capsys)
     assert rc == 2
-    assert one_line(err, "run") == "phyai-edge run: --duration -1: expected seconds >= 0 (0: until stopped)"
+    assert one_line(err, command) == (f"phyai-edge {command}: --duration {float(value):g}: expected a finite number "
+                                      "of seconds >= 0 (0: until stopped)")
 
 
 def test_a_reader_that_stops_early_is_not_a_traceback(tmp_path):

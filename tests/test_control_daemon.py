@@ -364,7 +364,8 @@ def test_a_chunk_shorter_than_the_horizon_is_rejected_like_a_failed_inference():
 
 def test_a_state_hold_never_holds_at_a_stale_state():
     """`safety.hold = "state"` holds at the measured state, but not at one too old to trust: when the
-    state itself is what went stale, the hold repeats the last published action."""
+    state itself is what went stale, the hold repeats the last published action. So does the final
+    SHUTDOWN message, which held at the stale state."""
     cfg = test_config(safety={"hold": "state", "state_max_age_ms": 60.0})
     state = SyntheticState(6)
     run = Running(Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), state=state,
@@ -379,6 +380,25 @@ def test_a_state_hold_never_holds_at_a_stale_state():
     assert not np.allclose(acts[first - 1][1], frozen), "the test needs the last action and the state to differ"
     for _, v in acts[first:first + 5]:
         np.testing.assert_array_equal(v, acts[first - 1][1])
+    assert acts[-1][0].flags & Flag.SHUTDOWN
+    np.testing.assert_array_equal(acts[-1][1], acts[first - 1][1])
+
+
+def test_a_hold_carries_every_reason_that_holds():
+    """An e-stop, then the state stream dies: the holds said ESTOP alone, so a controller could not
+    tell that the stream had gone since."""
+    cfg = test_config(safety={"state_max_age_ms": 60.0})
+    state = SyntheticState(6)
+    run = Running(Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), state=state,
+                         realtime=False))
+    run.wait_for(lambda: count(run, lambda h, v: not h.flags & Flag.HOLD) >= 5, what="policy actions")
+    state.estop = True
+    run.wait_for(lambda: count(run, lambda h, v: h.flags & Flag.ESTOP) >= 3, what="ESTOP holds")
+    assert not any(h.flags & Flag.STALE for h, _ in run.actions())
+    state.alive = False
+    run.wait_for(lambda: count(run, lambda h, v: h.flags & Flag.ESTOP and h.flags & Flag.STALE) >= 3,
+                 what="ESTOP | STALE holds")
+    run.stop()
 
 
 def test_every_camera_optional_and_silent_holds_stale_rather_than_running_blind():

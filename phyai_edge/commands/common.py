@@ -83,6 +83,13 @@ def fail(command: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def check_seconds(command: str, flag: str, value: float | None) -> None:
+    """`fail` unless `value` is None or a finite number of seconds >= 0 (argparse's float takes
+    "inf" and "nan": the daemon then died after loading the model, without its SHUTDOWN message)."""
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        fail(command, f"{flag} {value:g}: expected a finite number of seconds >= 0 (0: until stopped)")
+
+
 def check_device(command: str, device: str | None, *, allow_meta: bool = False, flag: str = "--device") -> None:
     """`fail` with `device_problem`'s line; None (the command picks a device itself) passes."""
     if device is None:

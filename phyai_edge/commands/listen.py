@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from phyai_edge.commands.common import check_seconds
+
+    check_seconds("listen", "--duration", args.duration)
     import numpy as np
 
     from phyai_edge.control.listener import Listener

@@ -130,7 +130,10 @@ def _load_error_key(m: Any, exc: BaseException, load_adapter: Any) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from phyai_edge.commands.common import check_seconds
     from phyai_edge.control.config import DEFAULT_CONFIG_TOML, ConfigError, load_config
+
+    check_seconds("run", "--duration", args.duration)
 
     if args.print_default_config:
         sys.stdout.write(DEFAULT_CONFIG_TOML)
@@ -154,9 +157,6 @@ def main(args: argparse.Namespace) -> int:
 
     from phyai_edge.control.log import setup_logging
 
-    if args.duration is not None and args.duration < 0:
-        print(f"phyai-edge run: --duration {args.duration:g}: expected seconds >= 0 (0: until stopped)", file=sys.stderr)
-        return 2
     # argparse checks a given --log-level against its choices, never the default taken from the
     # environment: an unknown one crashed the start with a traceback (exit 1, restarted by systemd).
     if args.log_level.lower() not in LOG_LEVELS:

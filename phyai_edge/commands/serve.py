@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from phyai_edge.commands.common import adapter_options, add_adapter_option_argument
+from phyai_edge.commands.common import adapter_options, add_adapter_option_argument, check_seconds
 from phyai_edge.control.log import LOG_LEVELS, setup_logging
 
 HELP = "one engine on one GPU serving many robot daemons over ZeroMQ"
@@ -86,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_seconds("serve", "--duration", args.duration)
     # The daemon's log lines (journald priorities under systemd, where a server runs for good);
     # stdout carries the JSON report where one is asked for.
     setup_logging(getattr(logging, args.log_level.upper()), to_stderr=args.json_report)

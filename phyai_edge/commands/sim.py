@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from phyai_edge.commands.common import write_json
+from phyai_edge.commands.common import check_seconds, write_json
 from phyai_edge.control.log import LOG_LEVELS, setup_logging
 
 HELP = "a simulated ALOHA robot process that talks to the daemon over ZeroMQ"
@@ -66,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_seconds("sim", "--duration", args.duration)
     # As the daemon logs, on stderr: stdout carries `--summary -`'s JSON.
     setup_logging(getattr(logging, args.log_level.upper()), to_stderr=True)
     log = logging.getLogger("phyai_edge.sim")

@@ -558,7 +558,9 @@ class Daemon:
             state_values = sample.values if sample is not None else None
 
             if stop:
-                payload, extra = guard.finalize(guard.hold_target(state_values))
+                # The same rule as every hold: a state older than its limit is not where the robot is.
+                state_fresh = sample is not None and now_s - sample.time_s <= state_age
+                payload, extra = guard.finalize(guard.hold_target(state_values if state_fresh else None))
                 pub.publish(payload, flags | extra | Flag.HOLD | Flag.SHUTDOWN, 0.0, 0, 0)
                 st.published += 1
                 self._count_hold("shutdown")
@@ -614,8 +616,11 @@ class Daemon:
                 # Do not act on old inputs (nor while an operator holds the robot): hold, forget the
                 # executing chunk (its timing no longer matches the robot), and drop whatever is in
                 # flight. Recovery starts a fresh chunk.
-                reason = "estop" if estop else "stale" if stale else "paused"
-                flags |= Flag.HOLD | (Flag.ESTOP if estop else Flag.STALE if stale else Flag.PAUSED)
+                reason = "estop" if estop else "stale" if stale else "paused"  # the first, for logs and counts
+                # Every reason that holds goes out, so a controller can tell an e-stop from a state
+                # stream that has died since (ESTOP | STALE).
+                flags |= (Flag.HOLD | (Flag.ESTOP if estop else 0) | (Flag.STALE if stale else 0)
+                          | (Flag.PAUSED if paused else 0))
                 # Logged where it stops the policy, and where a hold begins before any chunk ran (a
                 # state or camera stream that never arrives at start-up held silently).
                 if q.current is not None or inflight is not None or not blocked_before:
