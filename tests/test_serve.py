@@ -348,7 +348,7 @@ def test_malformed_header_is_refused_and_the_server_keeps_serving(server, tiny_p
         rep = ask()
         assert (rep.ok, rep.req_id, rep.error) == (False, 9, wire.ERR_BAD_REQUEST) and "timestamp" in rep.message
 
-        def broken(frames):
+        def broken(frames, **kw):
             raise TypeError("unforeseen")
 
         monkeypatch.setattr(wire, "decode_request", broken)
@@ -359,6 +359,57 @@ def test_malformed_header_is_refused_and_the_server_keeps_serving(server, tiny_p
         sock.close(0)
     with RemotePolicy(server.endpoint, robot="after", timeout_s=30) as remote:
         assert remote.infer([make_obs(tiny_policy.adapter, size=(24, 32))]).actions.shape == (1, 50, 14)
+
+
+def _frames(observations: int = 1, rtc: wire.WireRTC | None = None, state_shape: tuple[int, ...] = (14,)) -> list:
+    obs = wire.WireObservation({"top": np.zeros((8, 8, 3), np.uint8)}, np.zeros(state_shape, np.float32), "go")
+    return wire.encode_request(wire.Request("infer", 3, "r", None, [obs] * observations, rtc))
+
+
+@pytest.mark.parametrize(("field", "value"), [("delay", -1), ("execution_horizon", -100),
+                                              ("max_guidance_weight", -1e6)])
+def test_rtc_values_below_zero_are_refused_naming_the_field(field, value):
+    """A negative execution horizon was clamped without a word; a negative guidance weight ran and
+    pushed the chunk away from the prefix."""
+    rtc = dict(mode="guided", prefix=np.zeros((20, 14), np.float32), delay=2, execution_horizon=10,
+               max_guidance_weight=5.0)
+    rtc[field] = value
+    with pytest.raises(wire.WireError, match=rf"^rtc\.{field}: expected a value >= 0"):
+        wire.decode_request(_frames(rtc=wire.WireRTC(**rtc)))
+
+
+def test_oversized_messages_are_refused_before_they_are_decoded():
+    """200,000 observations in a 16 MB header held the server's intake thread for seconds; a shape
+    whose byte count overflows int64 wrapped to 0 bytes and escaped as a bare ValueError."""
+    with pytest.raises(wire.WireError, match=r"^obs: 9 observations; this server runs at most 8 a request"):
+        wire.decode_request(_frames(observations=9), max_observations=8)
+    assert len(wire.decode_request(_frames(observations=8), max_observations=8).observations) == 8
+    frames = _frames()
+    head = json.loads(frames[0])
+    head["pad"] = "x" * wire.MAX_HEADER_BYTES
+    with pytest.raises(wire.WireError, match=r"^header is \d+ bytes; at most"):
+        wire.decode_request([json.dumps(head).encode(), *frames[1:]])
+    head = json.loads(frames[0])
+    head["obs"][0]["state"].update(shape=[2**32, 2**32], dtype="|u1")
+    with pytest.raises(wire.WireError, match=r"^obs\[0\]\.state: shape \[4294967296, 4294967296\] .* at most"):
+        wire.decode_request([json.dumps(head).encode(), *frames[1:]])
+
+
+def test_a_reply_never_carries_non_finite_actions(tiny_policy, make_obs, monkeypatch):
+    """An RTC guidance weight of 1e300 overflows the guided velocity: the server answered ok with
+    NaN actions. It answers inference_failed, and counts the request as failed."""
+    ad = tiny_policy.adapter
+    rtc = RTCRequest("guided", np.zeros((20, ad.action_dim), np.float32), delay=2, execution_horizon=10,
+                     max_guidance_weight=1e300)
+    srv = PolicyServer(LocalExecutor(tiny_policy), "tcp://127.0.0.1:*", SchedulerConfig(max_batch=4)).start()
+    try:
+        with RemotePolicy(srv.endpoint, robot="wild", timeout_s=30) as remote:
+            with pytest.raises(ServeError, match="inference_failed: the policy's actions hold NaN or Inf values"):
+                remote.infer([make_obs(ad, seed=1)], rtc=rtc)
+            rep = remote.server_stats()
+    finally:
+        srv.stop()
+    assert rep["robots"]["wild"]["served"] == 0
 
 
 def test_bad_request_fails_alone(server, tiny_policy, make_obs):
@@ -413,6 +464,31 @@ def test_a_wrong_request_is_refused_before_batching_and_costs_its_neighbours_not
     alone = run_items(tiny_policy, [items[0]])[0]
     # the refusals changed nothing for it: batched with one neighbour, its chunk is its own up to rounding
     np.testing.assert_allclose(got[0].actions, alone.actions, atol=1e-5)
+
+
+@pytest.mark.parametrize(("image", "says"), [
+    (np.full((3, 32, 32), np.nan, np.float32), "NaN or Inf"),
+    (np.full((3, 32, 32), 200.0, np.float32), r"must lie in [0, 1]"),
+    (np.zeros((32, 32, 3), np.int16), "unsupported image dtype"),
+    (np.zeros((32, 32, 4), np.uint8), "1 or 3 channels"),
+    (np.zeros((1, 5000, 3), np.uint8), "keeps no row or column"),
+])
+def test_an_image_preprocess_would_refuse_is_refused_before_batching(tiny_policy, make_obs, monkeypatch, image, says):
+    """Such an image passed the server's check (only its rank was), failed the batch's engine call
+    and made every neighbour rerun alone; the robot that sent it heard inference_failed, and for
+    the 1 x 5000 frame a bare torch error."""
+    from phyai_edge.serve.batching import BatchItem, run_items
+
+    ad = tiny_policy.adapter
+    calls = []
+    real = tiny_policy.infer
+    monkeypatch.setattr(tiny_policy, "infer", lambda obs, **kw: calls.append(len(obs)) or real(obs, **kw))
+    bad = make_obs(ad, seed=2)
+    bad.images[ad.camera_names[0]] = image
+    got = run_items(tiny_policy, [BatchItem([make_obs(ad, seed=1)], None), BatchItem([bad], None),
+                                  BatchItem([make_obs(ad, seed=3)], None)], strict_prompts=True)
+    assert calls == [2] and not any(r.rerun for r in got)
+    assert got[1].bad_request and says in got[1].error and repr(ad.camera_names[0]) in got[1].error
 
 
 class _HeldExecutor:

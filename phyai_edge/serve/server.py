@@ -347,7 +347,7 @@ class PolicyServer:
         ident, body = frames[0].bytes, frames[1:]
         arrival = time.monotonic()
         try:
-            req = wire.decode_request(body)
+            req = wire.decode_request(body, max_observations=self.sched.limit)
         except wire.WireError as exc:
             self._reply_error(ident, _peek_id(body), wire.ERR_BAD_REQUEST, str(exc))
             return
@@ -467,10 +467,16 @@ class PolicyServer:
             ident = p.payload[0]
             latency_ms, queue_ms = (done - p.arrival) * 1e3, (t0 - p.arrival) * 1e3
             missed = done > p.deadline
-            self.stats.answered(p.robot, r.actions is not None, latency_ms, queue_ms, missed)
+            # Never an OK reply with NaN or Inf a robot could act on (the daemon refuses such a chunk
+            # in its own loop; here extreme RTC weights made them).
+            finite = r.actions is not None and bool(np.isfinite(r.actions).all())
+            self.stats.answered(p.robot, finite, latency_ms, queue_ms, missed)
             if r.actions is None:
                 self._reply_error(ident, p.req_id, wire.ERR_BAD_REQUEST if r.bad_request else wire.ERR_INFERENCE,
                                   r.error)
+                continue
+            if not finite:
+                self._reply_error(ident, p.req_id, wire.ERR_INFERENCE, "the policy's actions hold NaN or Inf values")
                 continue
             info = {"stage_ms": r.stage_ms, "batch": r.batch, "queue_ms": queue_ms, "server_ms": latency_ms,
                     "late": missed}
@@ -505,8 +511,11 @@ def _peek_id(body: list[Any]) -> int:
     try:
         import json
 
-        v = json.loads(body[0].bytes).get("id", -1)
-        return v if isinstance(v, int) else -1
+        raw = body[0].bytes
+        if len(raw) > wire.MAX_HEADER_BYTES:
+            return -1  # refused for its size: not parsed here either
+        v = json.loads(raw).get("id", -1)
+        return v if isinstance(v, int) and not isinstance(v, bool) else -1
     except Exception:
         return -1
 

@@ -62,6 +62,12 @@ ERR_EXPIRED = "expired"
 # Far above what a VLA's prompt window holds (PI0.5: 200 tokens); `prompt_fit` tokenises its
 # prompt once per state bin (257 times for PI0.5), so a longer one would only occupy the server.
 MAX_CHECK_PROMPT_CHARS = 4096
+# Refused before decoding, so one oversized message cannot hold the intake thread (a 16 MB header
+# of 200,000 observations took it 3.6 s) or fill the server's memory with one camera frame. A
+# header carries names, shapes and prompts (~1 KB an observation); the largest array is a 4K
+# uint8 frame (25 MB) with room to spare.
+MAX_HEADER_BYTES = 4 << 20
+MAX_ARRAY_BYTES = 64 << 20
 
 
 class WireError(ValueError):
@@ -100,10 +106,10 @@ def _unpack(ref: Any, frames: list[Any], what: str) -> np.ndarray:
         raise WireError(f"{what}: dtype {dtype.str!r} is not accepted (bool, integer or float arrays only)")
     buf = frames[i]
     data = buf.buffer if hasattr(buf, "buffer") else buf  # zmq.Frame or bytes
-    try:
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    except OverflowError:
-        raise WireError(f"{what}: bad shape {list(shape)}: too large") from None
+    expected = math.prod(shape) * dtype.itemsize  # Python integers: numpy's int64 product wraps
+    if expected > MAX_ARRAY_BYTES:
+        raise WireError(f"{what}: shape {list(shape)} of {dtype} is {expected} bytes; at most {MAX_ARRAY_BYTES} "
+                        "an array (send camera frames at the size the model needs)")
     if len(data) != expected:
         raise WireError(f"{what}: buffer has {len(data)} bytes, shape {shape} of {dtype} needs {expected}")
     return np.frombuffer(data, dtype=dtype).reshape(shape)
@@ -113,6 +119,8 @@ def _header(frames: list[Any]) -> dict[str, Any]:
     if not frames:
         raise WireError("empty message")
     raw = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])
+    if len(raw) > MAX_HEADER_BYTES:
+        raise WireError(f"header is {len(raw)} bytes; at most {MAX_HEADER_BYTES}")
     try:
         head = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -132,6 +140,12 @@ def _integer(value: Any, what: str) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise WireError(f"{what}: expected an integer, got {value!r}")
+    return value
+
+
+def _not_negative(value: float, what: str) -> Any:
+    if value < 0:
+        raise WireError(f"{what}: expected a value >= 0, got {value!r}")
     return value
 
 
@@ -222,7 +236,9 @@ def encode_request(req: Request) -> list[Any]:
     return _finish(head, p)
 
 
-def decode_request(frames: list[Any]) -> Request:
+def decode_request(frames: list[Any], max_observations: int | None = None) -> Request:
+    """`max_observations`: the most one request may carry (the server's largest batch), refused
+    before any of them is decoded."""
     head = _header(frames)
     kind = head.get("type")
     if kind not in ("infer", "hello", "stats", "prompt_fit"):
@@ -247,6 +263,8 @@ def decode_request(frames: list[Any]) -> Request:
     raw_obs = head.get("obs")
     if not isinstance(raw_obs, list) or not raw_obs:
         raise WireError("obs: expected a non-empty list of observations")
+    if max_observations is not None and len(raw_obs) > max_observations:
+        raise WireError(f"obs: {len(raw_obs)} observations; this server runs at most {max_observations} a request")
     for j, o in enumerate(raw_obs):
         if not isinstance(o, dict) or not isinstance(o.get("images"), dict):
             raise WireError(f"obs[{j}].images: expected an object of camera name -> array or null")
@@ -270,9 +288,11 @@ def decode_request(frames: list[Any]) -> Request:
         if not isinstance(rtc["mode"], str):
             raise WireError(f"rtc.mode: expected a string, got {rtc['mode']!r}")
         req.rtc = WireRTC(rtc["mode"], _unpack(rtc["prefix"], frames, "rtc.prefix"),
-                          _integer(rtc["delay"], "rtc.delay"),
-                          _integer(rtc["execution_horizon"], "rtc.execution_horizon"),
-                          _number(rtc.get("max_guidance_weight", 5.0), "rtc.max_guidance_weight"))
+                          _not_negative(_integer(rtc["delay"], "rtc.delay"), "rtc.delay"),
+                          _not_negative(_integer(rtc["execution_horizon"], "rtc.execution_horizon"),
+                                        "rtc.execution_horizon"),
+                          _not_negative(_number(rtc.get("max_guidance_weight", 5.0), "rtc.max_guidance_weight"),
+                                        "rtc.max_guidance_weight"))
     if head.get("noise") is not None:
         req.noise = _unpack(head["noise"], frames, "noise")
     return req

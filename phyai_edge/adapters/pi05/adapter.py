@@ -20,6 +20,7 @@ from phyai_edge.adapters.pi05.preprocess import (
     StagedImages,
     discretize_state,
     format_prompt,
+    image_problem,
     image_to_float_chw,
     images_from_staged,
     images_to_model,
@@ -384,12 +385,13 @@ class PI05Adapter:
         `allow_truncation`, a prompt longer than the model takes, which preprocess truncates: with
         the state written last, the robot's state is what it cuts off. A server checks each request
         with this before batching it."""
-        unknown = sorted(set(obs.images) - set(self.camera_names))
-        if unknown:
-            return f"unknown cameras {unknown}; the model expects {self.camera_names}"
+        try:
+            self._camera_slots([obs])  # unknown cameras, or none at all
+        except ValueError as exc:
+            return str(exc).removeprefix("observation 0: ")
         for name, img in obs.images.items():
-            if img is not None and (np.ndim(img) != 3 or 0 in np.shape(img)):
-                return f"camera {name!r}: an image of shape {tuple(np.shape(img))}, expected HWC or CHW with pixels"
+            if img is not None and (problem := image_problem(img, self.cfg.vision.image_size)) is not None:
+                return f"camera {name!r}: {problem}"
         try:
             text = self._prompt_text(obs, 0)
         except ValueError as exc:

@@ -23,29 +23,51 @@ import torch
 import torch.nn.functional as F
 
 
+def _float_is_hwc(shape: tuple[int, ...]) -> bool:
+    """A float image is CHW unless its first axis cannot be channels and its last can."""
+    return shape[0] not in (1, 3) and shape[-1] in (1, 3)
+
+
+def image_problem(img: np.ndarray | torch.Tensor, size: int | None = None) -> str | None:
+    """Why preprocessing cannot take `img` (None if it can): the per-image path's rules, which a
+    server checks before an image joins a batch (where a failure would cost its neighbours a
+    rerun each). `size`: the model's input side, which the image must keep a row and a column of
+    when fitted into it."""
+    shape = tuple(np.shape(img))
+    is_np = isinstance(img, np.ndarray)
+    if len(shape) != 3 or 0 in shape:
+        return f"an image of shape {shape}, expected a 3-D image (HWC or CHW) with pixels"
+    if img.dtype == (np.uint8 if is_np else torch.uint8):
+        if shape[-1] not in (1, 3):
+            return f"uint8 images must be HWC with 1 or 3 channels, got {shape}"
+        h, w = shape[0], shape[1]
+    elif np.issubdtype(img.dtype, np.floating) if is_np else img.is_floating_point():
+        c, h, w = (shape[2], shape[0], shape[1]) if _float_is_hwc(shape) else shape
+        if c not in (1, 3):
+            return f"float images must be CHW with 1 or 3 channels, got {shape}"
+        if not (np.isfinite(img).all() if is_np else torch.isfinite(img).all()):
+            return "image has NaN or Inf values"
+        lo, hi = float(img.min()), float(img.max())
+        if lo < -1e-3 or hi > 1.0 + 1e-3:
+            return f"float images must lie in [0, 1], got range [{lo:.3g}, {hi:.3g}]"
+    else:
+        return f"unsupported image dtype {img.dtype} (use uint8 HWC or float CHW)"
+    if size is not None and 0 in fit(h, w, size)[:2]:
+        return f"a {h} x {w} image keeps no row or column at the model's {size} x {size} input"
+    return None
+
+
 def image_to_float_chw(img: np.ndarray | torch.Tensor, name: str) -> torch.Tensor:
     """uint8 HWC (as cameras give it) or float CHW/HWC in [0, 1] -> float32 CHW in [0, 1]."""
+    problem = image_problem(img)
+    if problem is not None:
+        raise ValueError(f"camera {name!r}: {problem}")
     # A copy: camera buffers are often read-only views, and torch must not alias them.
     t = torch.from_numpy(np.array(img, copy=True)) if isinstance(img, np.ndarray) else img
-    if t.ndim != 3:
-        raise ValueError(f"camera {name!r}: expected a 3-D image (HWC or CHW), got shape {tuple(t.shape)}")
     if t.dtype == torch.uint8:
-        if t.shape[-1] not in (1, 3):
-            raise ValueError(f"camera {name!r}: uint8 images must be HWC with 1 or 3 channels, got {tuple(t.shape)}")
         t = t.permute(2, 0, 1).float() / 255.0
-    elif t.is_floating_point():
-        if t.shape[0] not in (1, 3) and t.shape[-1] in (1, 3):
-            t = t.permute(2, 0, 1)
-        if t.shape[0] not in (1, 3):
-            raise ValueError(f"camera {name!r}: float images must be CHW with 1 or 3 channels, got {tuple(t.shape)}")
-        t = t.float()
-        if not torch.isfinite(t).all():
-            raise ValueError(f"camera {name!r}: image has NaN or Inf values")
-        lo, hi = float(t.min()), float(t.max())
-        if lo < -1e-3 or hi > 1.0 + 1e-3:
-            raise ValueError(f"camera {name!r}: float images must lie in [0, 1], got range [{lo:.3g}, {hi:.3g}]")
     else:
-        raise ValueError(f"camera {name!r}: unsupported image dtype {t.dtype} (use uint8 HWC or float CHW)")
+        t = (t.permute(2, 0, 1) if _float_is_hwc(tuple(t.shape)) else t).float()
     if t.shape[0] == 1:
         t = t.expand(3, -1, -1)
     return t
