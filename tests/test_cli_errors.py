@@ -211,6 +211,24 @@ def test_a_duration_that_is_no_number_of_seconds_is_refused_before_loading(capsy
                                       "of seconds >= 0 (0: until stopped)")
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["eval", "rec", "--batch", "0"], "--batch 0: expected an integer >= 1"),  # evaluated nothing, scored perfect
+    (["eval", "rec", "--stride", "0"], "--stride 0: expected an integer >= 1"),
+    (["bench", "--steps", "0"], "--steps 0: expected an integer >= 1"),  # ran the model's 10
+    (["roofline", "--device", "orin", "--rate", "0"], "--rate 0: expected a number > 0"),  # analysed 50 Hz
+    (["roofline", "--device", "orin", "--horizon", "0"], "--horizon 0: expected an integer >= 1"),
+    (["roofline", "--device", "orin", "--stat", "p42"], "--stat p42: expected one of p50, p90"),  # used p50
+    (["serve", "--max-batch", "0"], "--max-batch 0: expected an integer >= 1"),  # started and served
+    (["serve", "--window-ms", "nan"], "--window-ms nan: expected a number >= 0"),
+    (["export", "--out", "b", "--steps", "0"], "--steps 0: expected an integer >= 1"),
+])
+def test_a_count_or_rate_out_of_range_is_refused_naming_the_flag(capsys, argv, says):
+    """Zeros became the default without a word (`args.x or default`), or ran to a wrong result."""
+    rc, err = run(argv, capsys)
+    assert rc == 2
+    assert one_line(err, argv[0]).startswith(f"phyai-edge {argv[0]}: {says}")
+
+
 def test_a_reader_that_stops_early_is_not_a_traceback(tmp_path):
     """`phyai-edge roofline ... | head` printed a BrokenPipeError traceback and exited 1."""
     import os

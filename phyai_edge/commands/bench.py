@@ -94,15 +94,15 @@ def run_bench(args: argparse.Namespace) -> dict:
     from phyai_edge.adapters.base import ModelInputs, Observation, SolverSpec
     from phyai_edge.commands.common import (
         LOAD_ERRORS,
+        check_at_least,
         check_device,
         fail,
         load_policy_or_fail,
     )
 
     check_device("bench", args.device, allow_meta=True)
-    for flag, value, least in (("--batch", args.batch, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0)):
-        if value < least:
-            fail("bench", f"{flag} {value}: expected an integer >= {least}")
+    check_at_least("bench", ("--batch", args.batch, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
+                   ("--steps", args.steps, 1))
     if args.floor_device and args.floor_device.lower() != "none":
         from phyai_edge.roofline.devices import find_device
 

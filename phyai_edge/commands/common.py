@@ -83,6 +83,22 @@ def fail(command: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def check_at_least(command: str, *checks: tuple[str, float | None, float]) -> None:
+    """`fail` at the first (flag, value, least) whose value is below least; None (not given)
+    passes. For counts a zero would silently turn into the default (`args.x or default`)."""
+    for flag, value, least in checks:
+        if value is not None and not value >= least:  # NaN too
+            kind = "an integer" if isinstance(value, int) else "a number"
+            fail(command, f"{flag} {value:g}: expected {kind} >= {least:g}")
+
+
+def check_positive(command: str, *checks: tuple[str, float | None]) -> None:
+    """`fail` at the first (flag, value) that is not a finite number > 0; None passes."""
+    for flag, value in checks:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            fail(command, f"{flag} {value:g}: expected a number > 0")
+
+
 def check_seconds(command: str, flag: str, value: float | None) -> None:
     """`fail` unless `value` is None or a finite number of seconds >= 0 (argparse's float takes
     "inf" and "nan": the daemon then died after loading the model, without its SHUTDOWN message)."""

@@ -147,7 +147,7 @@ def _the_bundles_model(bundle: str, common: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from phyai_edge.commands.common import fail, load_policy_or_fail
+    from phyai_edge.commands.common import check_at_least, fail, load_policy_or_fail
     from phyai_edge.serve.evaluate import (
         evaluate,
         format_eval,
@@ -158,6 +158,8 @@ def main(args: argparse.Namespace) -> int:
 
     if not 0 <= args.seed < 2**31:
         fail("eval", f"--seed {args.seed}: expected 0 to {2**31 - 1}")
+    # --batch 0 evaluated no frame and reported a perfect score.
+    check_at_least("eval", ("--batch", args.batch, 1), ("--max-frames", args.max_frames, 1), ("--stride", args.stride, 1))
     if not args.lerobot:
         # Frame selection is the LeRobot reader's; a recording is evaluated whole, and these were
         # accepted and ignored there (the whole recording ran where 3 frames were asked for).

@@ -8,7 +8,13 @@ import signal
 import sys
 from pathlib import Path
 
-from phyai_edge.commands.common import adapter_options, add_adapter_option_argument, check_device
+from phyai_edge.commands.common import (
+    adapter_options,
+    add_adapter_option_argument,
+    check_at_least,
+    check_device,
+    check_positive,
+)
 
 HELP = "build an engine bundle (ONNX, TensorRT, CUDA graph) from a checkpoint"
 DESCRIPTION = """\
@@ -123,6 +129,9 @@ def main(args: argparse.Namespace) -> int:
     # Before the export: a device torch cannot use would otherwise fail only at validation,
     # after every stage was exported, and in torch's words rather than the flag's.
     check_device("export", args.device)
+    check_at_least("export", ("--views", args.views, 1), ("--steps", args.steps, 1),
+                   ("--calibration-samples", args.calibration_samples, 1), ("--holdout", args.holdout, 0))
+    check_positive("export", ("--workspace-gb", args.workspace_gb))
     # SIGTERM (systemd, a CI timeout) ends the export as Ctrl-C does, through its clean-up: no hidden
     # half-written folder (gigabytes at full size) is left behind.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from phyai_edge.roofline.sources import STATS
+
 HELP = "what bounds the control rate: model, processing, transport or robot"
 DESCRIPTION = """\
 Control-Time Roofline: given per-stage times (measured or predicted) and the robot's rate and
@@ -50,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="device to predict (a key or name from --list-devices, e.g. orin), or 'all' (repeatable)"
     )
     src.add_argument("--list-devices", action="store_true", help="print the device table and exit")
-    src.add_argument("--stat", default="p90", help="statistic of measured stage times (p50, p90, p99, mean)")
+    src.add_argument("--stat", default="p90", help=f"statistic of measured stage times ({', '.join(STATS)})")
 
     model = p.add_argument_group("model (what-if)")
     model.add_argument("--adapter", default=None, help="adapter name (default: the bench's, else pi05)")
@@ -406,6 +408,15 @@ def _verdict(p: Point) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from phyai_edge.commands.common import check_at_least, check_positive, fail
+
+    # A zero here became the default (`args.rate or ...`): --rate 0 analysed 50 Hz without a word.
+    check_at_least("roofline", ("--batch", args.batch, 1), ("--views", args.views, 1),
+                   ("--prompt-tokens", args.prompt_tokens, 1), ("--steps", args.steps, 1),
+                   ("--horizon", args.horizon, 1), ("--exec-horizon", args.exec_horizon, 1))
+    check_positive("roofline", ("--rate", args.rate), ("--physical-rate", args.physical_rate))
+    if args.stat not in STATS:
+        fail("roofline", f"--stat {args.stat}: expected one of {', '.join(STATS)}")
     args.plot_given = args.plot is not None
     args.plot = args.plot or "roofline.png"
     from phyai_edge.roofline.costs import cost_model
@@ -430,16 +441,16 @@ def main(args: argparse.Namespace) -> int:
             try:
                 text = fetch_metrics(url)
             except OSError as e:
-                print(f"error: cannot read metrics from {url}: {e}", file=sys.stderr)
+                print(f"phyai-edge roofline: cannot read metrics from {url}: {e}", file=sys.stderr)
                 return 2
             m = measurement_from_metrics(text, stat=args.stat, label=f"daemon {url} (measured)")
             if not m.stages_s:
-                print(f"error: {url} exports no stage timings this tool recognises", file=sys.stderr)
+                print(f"phyai-edge roofline: {url} exports no stage timings this tool recognises", file=sys.stderr)
                 return 2
             measurements.append(m)
         device_keys = _device_keys(args.device)
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"phyai-edge roofline: {e}", file=sys.stderr)
         return 2
     if not measurements and not device_keys:
         device_keys = list(DEVICES)
@@ -455,7 +466,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         cal_runs = load_bench(args.calibrate, stat=args.stat) if args.calibrate else measurements
     except (OSError, ValueError) as e:
-        print(f"error: --calibrate: {e}", file=sys.stderr)
+        print(f"phyai-edge roofline: --calibrate: {e}", file=sys.stderr)
         return 2
     for meas in cal_runs:
         if meas.stages_s and (calib := _calibration_from(meas, args, notes)) is not None:
@@ -469,7 +480,7 @@ def main(args: argparse.Namespace) -> int:
                 "set on the command line",
             )
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"phyai-edge roofline: {e}", file=sys.stderr)
             return 2
     if eff.compute < 0.2 or eff.bandwidth < 0.2:
         notes.append(
@@ -489,7 +500,7 @@ def main(args: argparse.Namespace) -> int:
         exec_h = args.exec_horizon or (first.exec_horizon if first else None)
         robot = RobotParams.from_rates(rate, horizon, exec_h, args.physical_rate)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"phyai-edge roofline: {e}", file=sys.stderr)
         return 2
 
     points: list[Point] = []

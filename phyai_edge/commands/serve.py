@@ -13,7 +13,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from phyai_edge.commands.common import adapter_options, add_adapter_option_argument, check_seconds
+from phyai_edge.commands.common import (
+    adapter_options,
+    add_adapter_option_argument,
+    check_at_least,
+    check_positive,
+    check_seconds,
+)
 from phyai_edge.control.log import LOG_LEVELS, setup_logging
 
 HELP = "one engine on one GPU serving many robot daemons over ZeroMQ"
@@ -87,6 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     check_seconds("serve", "--duration", args.duration)
+    check_at_least("serve", ("--max-batch", args.max_batch, 1), ("--queue", args.queue, 1),
+                   ("--per-robot", args.per_robot, 1), ("--workers", args.workers, 1), ("--replicas", args.replicas, 1),
+                   ("--window-ms", args.window_ms, 0), ("--report-s", args.report_s, 0),
+                   ("--threads", args.threads, 0), ("--prompt-tokens", args.prompt_tokens, 0))
+    check_positive("serve", ("--budget-ms", args.budget_ms), ("--gpus-per-replica", args.gpus_per_replica))
     # The daemon's log lines (journald priorities under systemd, where a server runs for good);
     # stdout carries the JSON report where one is asked for.
     setup_logging(getattr(logging, args.log_level.upper()), to_stderr=args.json_report)
