@@ -341,6 +341,9 @@ def _parse_robot(sec: _Section) -> RobotConfig:
     if present:
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ConfigError(f"{sec.key('action_names')}: expected a list of strings, got {_show(names)}")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"{sec.key('action_names')}: {', '.join(map(repr, twice))} named more than once")
         r.action_names = tuple(names)
     r.action_dim = sec.integer("action_dim", r.action_dim, minimum=0)
     if r.action_names and r.action_dim and len(r.action_names) != r.action_dim:
@@ -423,6 +426,8 @@ def _parse_camera(name: str, sec: _Section) -> CameraConfig:
         c.path = sec.string("path", "")
         if not c.path:
             raise ConfigError(f"{sec.key('path')}: required for source = \"file\" (a video file)")
+        if not Path(c.path).is_file():  # as model.checkpoint is checked: found here, not at the first frame
+            raise ConfigError(f"{sec.key('path')}: no file {c.path!r}")
         c.loop = sec.boolean("loop", c.loop)
     elif c.source == "zmq":
         c.endpoint = _endpoint(sec, "endpoint", "", required=True)
@@ -434,6 +439,10 @@ def _parse_camera(name: str, sec: _Section) -> CameraConfig:
             frame_topic(c.topic or name)
         except (ValueError, UnicodeEncodeError) as exc:
             raise ConfigError(f"{sec.key('topic')}: {exc}") from None
+    for key, only in _SOURCE_KEYS.items():
+        if key in sec.data and key not in sec.used:
+            raise ConfigError(f"{sec.key(key)}: only used with source = \"{only}\"; this camera's source is "
+                              f"\"{c.source}\"")
     sec.finish()
     return c
 
@@ -442,13 +451,44 @@ def _endpoint(sec: _Section, name: str, default: str, *, required: bool = False)
     value = sec.string(name, default)
     if required and not value:
         raise ConfigError(f"{sec.key(name)}: required (e.g. \"tcp://127.0.0.1:5556\" or \"ipc:///run/phyai/x\")")
-    if value and "://" not in value:
+    transport = value.partition("://")[0] if "://" in value else ""
+    if value and transport not in ENDPOINT_TRANSPORTS:
         raise ConfigError(f"{sec.key(name)}: expected a ZeroMQ endpoint like tcp://host:port or ipc://path, got {_show(value)}")
-    port = value.rsplit(":", 1)[-1] if value.startswith("tcp://") else ""
+    port = value.rsplit(":", 1)[-1] if transport == "tcp" else ""
+    if transport == "tcp" and (":" not in value.removeprefix("tcp://") or not (port.isdigit() or port == "*")):
+        raise ConfigError(f"{sec.key(name)}: a tcp endpoint needs a port (tcp://host:port), got {_show(value)}")
     if port.isdigit() and not 1 <= int(port) <= 65535:
         # libzmq takes the number modulo 65536: tcp://...:99999 bound port 34463, without an error
         raise ConfigError(f"{sec.key(name)}: port {port} is outside 1..65535, got {_show(value)}")
     return value
+
+
+# What the daemon's sockets talk over between processes (inproc: tests, one process).
+ENDPOINT_TRANSPORTS = ("tcp", "ipc", "inproc")
+# Keys of one camera source only: named as such when given to a camera of another source.
+_SOURCE_KEYS = {"device": "v4l2", "pipeline": "gstreamer", "url": "rtsp", "path": "file", "loop": "file",
+                "endpoint": "zmq", "topic": "zmq", "clock": "zmq"}
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
+
+
+def _tcp_address(endpoint: str) -> tuple[str, str] | None:
+    """(host, port) of a tcp endpoint, localhost read as 127.0.0.1; None for other transports."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    return ("127.0.0.1" if host == "localhost" else host), port
+
+
+def _same_socket(a: str, b: str) -> bool:
+    """Whether binding both endpoints would collide (or connecting one reaches the other)."""
+    if a == b:
+        return True
+    ta, tb = _tcp_address(a), _tcp_address(b)
+    if ta is None or tb is None or ta[1] != tb[1] or ta[1] == "*":
+        return False
+    return ta[0] == tb[0] or {"*", "0.0.0.0"} & {ta[0], tb[0]} != set()
 
 
 def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
@@ -460,6 +500,8 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
     cams = root.table("cameras")
     for name in list(cams.data):
         cams.used.add(name)
+        if not name:
+            raise ConfigError('cameras."": a camera needs a name, e.g. [cameras.top]')
         if not name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"cameras.{name}: camera names may use letters, digits, '_' and '-' only")
         cfg.cameras[name] = _parse_camera(name, _Section(cams.data[name], cams.key(name)))
@@ -473,9 +515,10 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         seen_views[cam.view_name] = cam.name
 
     st = root.table("state")
+    state_source = st.string("source", "synthetic", STATE_SOURCES)
     cfg.state = StateConfig(
-        source=st.string("source", "synthetic", STATE_SOURCES),
-        endpoint=_endpoint(st, "endpoint", StateConfig.endpoint),
+        source=state_source,
+        endpoint=_endpoint(st, "endpoint", StateConfig.endpoint, required=state_source == "zmq"),
         clock=st.string("clock", "monotonic", ("monotonic", "realtime", "receive")),
     )
     st.finish()
@@ -490,7 +533,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         preset=m.string("preset", d.preset),
         backend=m.string("backend", d.backend, tuple(BACKENDS)),
         device=m.string("device", d.device),
-        dtype=m.string("dtype", d.dtype, ("float32", "float16", "bfloat16")),
+        dtype=DTYPE_NAMES[m.string("dtype", d.dtype, tuple(DTYPE_NAMES))],
         prompt=m.string("prompt", d.prompt),
         worker=m.string("worker", d.worker, WORKER_KINDS),
         threads=m.integer("threads", d.threads, minimum=0),
@@ -567,10 +610,8 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         delay_window=c.integer("delay_window", d2.delay_window, minimum=1),
         crossfade_steps=c.integer("crossfade_steps", d2.crossfade_steps, minimum=1),
     )
-    if cfg.chunking.horizon and cfg.chunking.execution_horizon >= cfg.chunking.horizon:
-        raise ConfigError(
-            f"chunking.execution_horizon: must be below chunking.horizon ({cfg.chunking.execution_horizon} >= {cfg.chunking.horizon})"
-        )
+    if cfg.chunking.horizon:
+        check_chunking(cfg.chunking, cfg.chunking.horizon, "chunking.horizon")
     c.finish()
 
     p = root.table("publish")
@@ -619,6 +660,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         host=mt.string("host", "127.0.0.1"),
     )
     mt.finish()
+    _check_sockets(cfg)
 
     ck = root.table("clock")
     d5 = ClockConfig()
@@ -627,6 +669,8 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
     if present:
         if not isinstance(cpus, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in cpus):
             raise ConfigError(f"clock.cpus: expected a list of CPU indices >= 0, got {_show(cpus)}")
+        if len(set(cpus)) != len(cpus):
+            raise ConfigError(f"clock.cpus: a CPU is listed more than once, got {_show(cpus)}")
         cpu_tuple = tuple(cpus)
     cfg.clock = ClockConfig(
         priority=ck.integer("priority", d5.priority, minimum=0, maximum=99),
@@ -645,6 +689,37 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         raise ConfigError("cameras: no camera is configured; add at least one [cameras.NAME] table "
                           "(its view names the policy's camera slot; see --print-default-config)")
     return cfg
+
+
+def check_chunking(c: ChunkingConfig, horizon: int, source: str) -> None:
+    """The chunking values against the horizon H the daemon runs (`source` names where H came
+    from): each counts actions of one chunk, so none may reach past it."""
+    if c.execution_horizon >= horizon:
+        raise ConfigError(f"chunking.execution_horizon: must be below {source} ({c.execution_horizon} >= {horizon})")
+    for key in ("delay", "delay_initial"):
+        if getattr(c, key) >= horizon:
+            raise ConfigError(f"chunking.{key}: {getattr(c, key)} slots is not below {source} ({horizon}): every "
+                              "chunk would be over before it arrived")
+    if c.crossfade_steps > horizon:
+        raise ConfigError(f"chunking.crossfade_steps: {c.crossfade_steps} is longer than {source} ({horizon})")
+
+
+def _check_sockets(cfg: DaemonConfig) -> None:
+    """Sockets the daemon binds must not collide, and it must not subscribe to its own publisher."""
+    binds = [("publish.endpoint", cfg.publish.endpoint)] if cfg.publish.bind else []
+    if cfg.task.endpoint and cfg.task.bind:
+        binds.append(("task.endpoint", cfg.task.endpoint))
+    if cfg.metrics.port:
+        binds.append(("metrics.port", f"tcp://{cfg.metrics.host}:{cfg.metrics.port}"))
+    for i, (key, endpoint) in enumerate(binds):
+        for other, other_endpoint in binds[:i]:
+            if _same_socket(endpoint, other_endpoint):
+                raise ConfigError(f"{key}: {endpoint!r} is the address {other} binds ({other_endpoint!r})")
+    subscribed = [("state.endpoint", cfg.state.endpoint)] if cfg.state.source == "zmq" else []
+    subscribed += [(f"cameras.{c.name}.endpoint", c.endpoint) for c in cfg.cameras.values() if c.source == "zmq"]
+    for key, endpoint in subscribed:
+        if _same_socket(endpoint, cfg.publish.endpoint):
+            raise ConfigError(f"{key}: {endpoint!r} is publish.endpoint, the daemon's own action stream")
 
 
 def _parse_task(sec: _Section, cfg: DaemonConfig) -> TaskConfig:
@@ -672,8 +747,9 @@ def _parse_task(sec: _Section, cfg: DaemonConfig) -> TaskConfig:
         if unused:
             raise ConfigError(f"task.{unused[0]}: only used with task.endpoint (instructions taken at run time); "
                               "set the endpoint or remove it")
-    if t.endpoint and t.endpoint == cfg.publish.endpoint:
-        raise ConfigError(f"task.endpoint: {t.endpoint!r} is publish.endpoint too; give the instruction socket its own")
+    if t.endpoint and _same_socket(t.endpoint, cfg.publish.endpoint):
+        raise ConfigError(f"task.endpoint: {t.endpoint!r} is publish.endpoint's socket too "
+                          f"({cfg.publish.endpoint!r}); give the instruction socket its own")
     sec.finish()
     return t
 
@@ -750,9 +826,11 @@ def load_config(path: str | Path | None = None) -> DaemonConfig:
         return parse_config(tomllib.loads(DEFAULT_CONFIG_TOML), "<embedded default>")
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")  # what TOML is, whatever the locale says
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text, which TOML requires (byte {exc.start}: {exc.reason})") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -785,12 +863,9 @@ def check_against_policy(cfg: DaemonConfig, chunk_size: int, action_dim: int, st
     ch = cfg.chunking
     if ch.horizon > chunk_size:
         raise ConfigError(f"chunking.horizon: {ch.horizon} is longer than the policy's chunk ({chunk_size})")
+    source = "chunking.horizon" if ch.horizon else "the policy's chunk"
     ch.horizon = ch.horizon or chunk_size
-    if ch.execution_horizon >= ch.horizon:
-        raise ConfigError(f"chunking.execution_horizon: must be below the horizon ({ch.execution_horizon} >= {ch.horizon})")
-    if ch.delay >= ch.horizon:
-        raise ConfigError(f"chunking.delay: {ch.delay} slots is not below the horizon ({ch.horizon}): every chunk "
-                          "would be over before it arrived")
+    check_chunking(ch, ch.horizon, source)
 
 
 # The default: the tiny PI0.5 (random seeded weights), one synthetic camera, synthetic state and a
@@ -846,9 +921,9 @@ checkpoint = ""              # a local checkpoint folder (safetensors)
 tokenizer = ""               # the PaliGemma tokenizer.json / tokenizer.model, if not in the checkpoint folder
 bundle = ""                  # or an engine bundle from `phyai-edge export` (then backend, preset and
                              # dtype come from its manifest; a checkpoint set too must be the one it was built from)
-backend = "eager"
-device = "cpu"
-dtype = "float32"
+backend = "eager"            # eager | cudagraph | onnxruntime | tensorrt
+device = "cpu"               # cpu | cuda | cuda:N
+dtype = "float32"            # float32 | bfloat16 | float16 (or fp32 | bf16 | fp16)
 prompt = "pick up the cube"
 worker = "process"           # process | thread: where the policy runs
 threads = 1                  # torch threads in the worker (leave a core for the clock); 0: torch's default
