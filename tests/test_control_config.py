@@ -87,7 +87,7 @@ BAD = [
     ({"robot": []}, "robot: expected a table"),
     ({"robot": {}}, "cameras: no camera is configured"),
     ({"cameras": {}}, "cameras: no camera is configured"),
-    ({"model": {"backend": "tensorrt-llm"}}, "model.backend: expected one of eager, cudagraph, onnxruntime, tensorrt"),
+    ({"model": {"backend": "tensorrt-llm"}}, "model.backend: expected one of eager, cudagraph, onnxruntime, tensorrt, onnx"),
     ({"model": {"device": "gpu"}}, "model.device: expected cpu, cuda or cuda:N, got \"gpu\""),
     ({"model": {"adapter_options": "padded"}}, "model.adapter_options: expected a table of plain values"),
     ({"model": {"bundle": "/tmp", "adapter_options": {"prompt_state": "padded"}}},
@@ -147,6 +147,16 @@ def test_model_dtype_takes_the_short_names_the_commands_take():
     """`bench --dtype fp16` worked, `model.dtype = "fp16"` was refused; both now mean float16."""
     assert parse_config({"model": {"dtype": "fp16"}, **ONE_CAMERA}).model.dtype == "float16"
     assert parse_config({"model": {"dtype": "bf16"}, **ONE_CAMERA}).model.dtype == "bfloat16"
+
+
+def test_backend_short_names_mean_the_same_engine_everywhere():
+    """`export --backend onnx` wrote an onnxruntime bundle, while `bench --backend onnx` and
+    `model.backend = "onnx"` were refused as unknown."""
+    from phyai_edge.engines import backend_name
+
+    assert parse_config({"model": {"backend": "onnx"}, **ONE_CAMERA}).model.backend == "onnxruntime"
+    assert parse_config({"model": {"backend": "trt"}, **ONE_CAMERA}).model.backend == "tensorrt"
+    assert backend_name("ort") == "onnxruntime" and backend_name("cudagraph") == "cudagraph"
 
 
 def test_checks_against_the_policy_name_the_key():

@@ -124,3 +124,11 @@ def test_a_late_join_misses_nothing_and_a_restart_counts_what_it_sent_before_the
         lis.close()
     st = lis.stats.summary()
     assert (st["sessions"], st["restart_missed"], st["gaps"], st["repeats"]) == (2, 3, 1, 1), st
+
+
+def test_a_silent_stream_exits_1(capsys, restored_process):
+    """Nothing published there: the listener exited 0, so a script could not tell a dead stream
+    from a healthy one."""
+    endpoint = free_tcp_endpoint()
+    assert cli(["listen", "--endpoint", endpoint, "--duration", "0.3", "--quiet"]) == 1
+    assert f"phyai-edge listen: no message arrived from {endpoint}" in capsys.readouterr().err

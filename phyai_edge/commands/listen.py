@@ -16,6 +16,8 @@ Examples:
   phyai-edge listen --endpoint ipc:///run/phyai-edge/actions --duration 60 --json summary.json
   phyai-edge listen --print                           # one line per action
   phyai-edge listen --record actions.npz              # every header and payload
+
+Exit status: 0 when messages arrived, 1 when none did (a silent stream), 2 for a usage error.
 """
 
 
@@ -149,4 +151,8 @@ def main(args: argparse.Namespace) -> int:
             f.write(text)
     if not args.quiet and args.json_path != "-":
         print(text, file=sys.stderr)
+    if not lis.stats.received:
+        # A script or health check must tell a dead stream from a healthy one by the status alone.
+        print(f"phyai-edge listen: no message arrived from {args.endpoint} (topic {args.topic!r})", file=sys.stderr)
+        return 1
     return 0

@@ -27,12 +27,16 @@ Examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="daemon configuration (TOML); default: the embedded one")
-    p.add_argument("--print-default-config", action="store_true", help="print the embedded default configuration and exit")
-    p.add_argument("--check-config", metavar="FILE",
+    # One thing to do: each of these names its own file (a --config beside --check-config was
+    # ignored while the other file was checked and called valid).
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--config", metavar="FILE", help="daemon configuration (TOML); default: the embedded one")
+    mode.add_argument("--print-default-config", action="store_true",
+                      help="print the embedded default configuration and exit")
+    mode.add_argument("--check-config", metavar="FILE",
                    help="validate a configuration file, also against the policy's cameras, chunk and dims (read "
                         "without its weights), and exit (0: valid, 2: not)")
-    p.add_argument("--preflight", metavar="FILE",
+    mode.add_argument("--preflight", metavar="FILE",
                    help="open what a configuration names (cameras, state stream, sockets, real-time limits, model "
                         "files, GPU) for --duration seconds (default 3) without loading the policy, print a check "
                         "per item and exit (0: ready, 1: warnings, 2: a failure)")

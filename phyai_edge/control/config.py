@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from phyai_edge.control.geometry import FLIPS, ROTATIONS, FrameGeometry
-from phyai_edge.engines import BACKENDS
+from phyai_edge.engines import BACKEND_ALIASES, BACKENDS, backend_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -531,7 +531,7 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         tokenizer=m.string("tokenizer", d.tokenizer),
         bundle=m.string("bundle", d.bundle),
         preset=m.string("preset", d.preset),
-        backend=m.string("backend", d.backend, tuple(BACKENDS)),
+        backend=backend_name(m.string("backend", d.backend, (*BACKENDS, *BACKEND_ALIASES))),
         device=m.string("device", d.device),
         dtype=DTYPE_NAMES[m.string("dtype", d.dtype, tuple(DTYPE_NAMES))],
         prompt=m.string("prompt", d.prompt),

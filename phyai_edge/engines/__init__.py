@@ -14,7 +14,17 @@ BACKENDS = {
 }
 
 
+# Short names the commands and configs take (`export --backend onnx` writes an onnxruntime bundle).
+BACKEND_ALIASES = {"onnx": "onnxruntime", "ort": "onnxruntime", "trt": "tensorrt"}
+
+
+def backend_name(name: str) -> str:
+    """The backend `name` stands for (itself, or the one its alias names)."""
+    return BACKEND_ALIASES.get(name, name)
+
+
 def make_engine(backend: str, adapter: Any, **kwargs: Any):
+    backend = backend_name(backend)
     try:
         target = BACKENDS[backend]
     except KeyError:

@@ -53,7 +53,6 @@ BLOCK = 64 << 20
 # Backends whose artefacts only run on the GPU architecture (and TensorRT version) they were
 # built with. ONNX files and checkpoint weights are portable.
 ARCH_BOUND = {"tensorrt"}
-BACKEND_ALIASES = {"onnx": "onnxruntime", "ort": "onnxruntime", "trt": "tensorrt"}
 
 
 class BundleError(RuntimeError):

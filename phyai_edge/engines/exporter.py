@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from phyai_edge.adapters.base import Adapter, Observation, SolverSpec
+from phyai_edge.engines import backend_name
 from phyai_edge.engines.bundle import (
-    BACKEND_ALIASES,
     FORMAT,
     BundleError,
     Platform,
@@ -76,7 +76,7 @@ class ExportRequest:
     adapter_options: dict[str, Any] = field(default_factory=dict)  # the adapter's OPTIONS, e.g. prompt_state
 
     def normalised(self) -> ExportRequest:
-        self.backend = BACKEND_ALIASES.get(self.backend, self.backend)
+        self.backend = backend_name(self.backend)
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of onnx, tensorrt, cudagraph")
         if self.precision not in SUPPORTED[self.backend]:
