@@ -187,8 +187,10 @@ def test_wrongly_typed_tensor_is_named(adapter, tmp_path, dtype):
     assert name in str(err.value)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the flags are gathered on the device)"))])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_non_finite_weight_is_named_at_load(adapter, tmp_path, bad):
+def test_a_non_finite_weight_is_named_at_load(adapter, tmp_path, bad, device):
     """One NaN or Inf weight loaded and ran, and every action came back NaN (the daemon then held
     the robot with no reason given)."""
     name = "model.action_out_proj.weight"
@@ -198,8 +200,9 @@ def test_a_non_finite_weight_is_named_at_load(adapter, tmp_path, bad):
 
     folder = _broken(adapter, tmp_path, edit)
     with pytest.raises(CheckpointError, match=r"NaN or Inf weights.*\n.*non-finite tensors \(1\)") as err:
-        load_pi05(folder, structure="tiny")
+        load_pi05(folder, structure="tiny", device=device)
     assert name in str(err.value)
+    assert load_pi05(_broken(adapter, tmp_path / "ok", lambda s: None), structure="tiny", device=device) is not None
 
 
 def test_a_weight_beyond_float16_is_named_when_loaded_as_float16(adapter, tmp_path):
