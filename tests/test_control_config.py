@@ -210,6 +210,13 @@ def test_cli_print_and_check_config(tmp_path):
     ('[cameras.top]\n[model.adapter_options]\nprompt_stat = "x"\n',
      "model.adapter_options: adapter 'pi05' has no option 'prompt_stat'"),
     ('[cameras.top]\n[model.adapter_options]\nprompt_state = "sideways"\n', "model.adapter_options: "),
+    # passed the check, failed the start
+    ('[cameras.top]\n[task]\nendpoint = "tcp://127.0.0.1:5591"\nprompt_tokens = 100000000\n',
+     "task.prompt_tokens: 100000000 is more than the policy takes (128)"),
+    ('[cameras.top]\n[model]\nprompt = "' + "pick up the red cube " * 40 + '"\n',
+     "model.prompt: takes up to"),
+    ('[cameras.top]\n[task]\nendpoint = "tcp://127.0.0.1:5591"\nprompts = ["' + "stack the cups " * 60 + '"]\n',
+     "task.prompts[0]: takes up to"),
 ])
 def test_check_config_reads_the_policy_s_shape_without_its_weights(tmp_path, capsys, sections, message):
     """What only the policy can say (its cameras, its chunk, its adapter's names) is checked by

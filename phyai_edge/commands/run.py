@@ -86,13 +86,14 @@ def model_problem(cfg: Any) -> str | None:
     """What the policy's shape says of `cfg`, read without its weights (the adapter built on torch's
     meta device, in well under a second, where the daemon's start would load and warm it up first):
     an unknown adapter, preset or option, a checkpoint or tokenizer that is not there, a camera view
-    the policy lacks, a horizon longer than its chunk, dims that differ. None where it fits, and for
+    the policy lacks, a horizon longer than its chunk, dims that differ, an instruction or prompt
+    room longer than the model takes. None where it fits, and for
     a model not built from the config (a factory; a bundle, whose manifest `load_config` checks)."""
     import copy
 
     from phyai_edge.adapters import ADAPTERS, load_adapter
     from phyai_edge.commands.common import LOAD_ERRORS
-    from phyai_edge.control.config import ConfigError, check_against_policy
+    from phyai_edge.control.config import ConfigError, check_against_policy, named_instructions
 
     m = cfg.model
     if m.factory or m.bundle:
@@ -111,6 +112,22 @@ def model_problem(cfg: Any) -> str | None:
         check_against_policy(copy.deepcopy(cfg), ad.chunk_size, ad.action_dim, ad.state_dim, list(ad.camera_names))
     except ConfigError as exc:
         return str(exc)
+    # What start-up checks again against the warmed-up engine's room; the model's own limit is
+    # known here already (a 10^8-token room passed the check and failed the start).
+    most = getattr(ad, "max_prompt_tokens", None)
+    if most is None:
+        return None
+    if cfg.task.endpoint and cfg.task.prompt_tokens > most:
+        return f"task.prompt_tokens: {cfg.task.prompt_tokens} is more than the policy takes ({most})"
+    longest = getattr(ad, "longest_prompt_tokens", None)
+    for key, prompt in named_instructions(cfg) if longest is not None else ():
+        try:
+            tokens = int(longest(prompt))
+        except ValueError as exc:
+            return f"{key}: {exc}"
+        if tokens > most:
+            return (f"{key}: takes up to {tokens} prompt tokens with some robot states; the model takes at most "
+                    f"{most}: shorten it")
     return None
 
 

@@ -838,6 +838,14 @@ def load_config(path: str | Path | None = None) -> DaemonConfig:
     return parse_config(data, str(p))
 
 
+def named_instructions(cfg: DaemonConfig) -> list[tuple[str, str]]:
+    """(config key, instruction) of every instruction the config names, which must each fit."""
+    named = [("model.prompt", cfg.model.prompt)]
+    if cfg.task.endpoint:
+        named += [(f"task.prompts[{i}]", p) for i, p in enumerate(cfg.task.prompts)]
+    return named
+
+
 def check_against_policy(cfg: DaemonConfig, chunk_size: int, action_dim: int, state_dim: int, camera_names: Sequence[str]) -> None:
     """Checks that need the loaded policy. Fills in dims and H left at 0 ("take the policy's")."""
     r = cfg.robot

@@ -38,7 +38,7 @@ from phyai_edge.control.clock import (
     realtime_refused,
     setup_realtime,
 )
-from phyai_edge.control.config import ConfigError, DaemonConfig, check_against_policy
+from phyai_edge.control.config import ConfigError, DaemonConfig, check_against_policy, named_instructions
 from phyai_edge.control.log import worth_logging
 from phyai_edge.control.metrics import Metrics
 from phyai_edge.control.notify import Notifier
@@ -432,11 +432,8 @@ class Daemon:
         """Every instruction the config names must run as the policy was warmed up: one the model
         would truncate is a configuration error here, not a robot doing something else later."""
         cfg = self.cfg
-        named = [("model.prompt", cfg.model.prompt)]
-        if cfg.task.endpoint:
-            named += [(f"task.prompts[{i}]", p) for i, p in enumerate(cfg.task.prompts)]
         room = None
-        for key, prompt in named:
+        for key, prompt in named_instructions(cfg):
             fit = self._unless_stopped(lambda prompt=prompt: self.worker.check_prompt(prompt, cfg.model.load_timeout_s))
             if fit.error is not None:
                 raise RuntimeError(f"{key}: the instruction could not be checked: {fit.error}")
