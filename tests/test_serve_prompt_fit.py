@@ -113,11 +113,11 @@ def test_an_older_server_cannot_check_and_the_instruction_goes_unchecked(
         server: PolicyServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
     newer = wire.decode_request
 
-    def older(frames: list[Any]) -> wire.Request:
+    def older(frames: list[Any], **kw: Any) -> wire.Request:
         # What a server from before prompt_fit says to it: its decoder knew three types.
         if json.loads(bytes(frames[0])).get("type") == "prompt_fit":
             raise wire.WireError("type: unknown request type 'prompt_fit'; expected infer, hello or stats")
-        return newer(frames)
+        return newer(frames, **kw)
 
     monkeypatch.setattr(wire, "decode_request", older)  # the server's module reads it per message
     with RemotePolicy(server.endpoint, timeout_s=10.0) as remote, caplog.at_level(logging.WARNING):
