@@ -51,11 +51,11 @@ def test_bundle_key_is_validated_with_its_name(tmp_path, bundle):
         bundle_config(tmp_path / "empty")
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "manifest.json").write_text("{not json")
-    with pytest.raises(ConfigError, match=r"^model\.bundle: .* cannot be read as JSON"):
+    with pytest.raises(ConfigError, match=r"^model\.bundle: .*manifest\.json is not valid JSON"):
         bundle_config(tmp_path / "bad")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "manifest.json").write_text(json.dumps({"format": "something-else"}))
-    with pytest.raises(ConfigError, match=r"^model\.bundle: .* is not a phyai-edge bundle manifest"):
+    with pytest.raises(ConfigError, match=r"^model\.bundle: .*manifest\.json: format 'something-else'"):
         bundle_config(tmp_path / "other")
     with pytest.raises(ConfigError, match=r"^model\.bundle: set either model\.bundle or model\.factory"):
         bundle_config(bundle, factory="phyai_edge.control.fakes:make_fake_policy")

@@ -275,6 +275,21 @@ def test_model_tokenizer_reaches_load_policy(tmp_path):
     assert spec.kwargs["tokenizer"] == tok and spec.kwargs["checkpoint"] == str(tmp_path)
 
 
+def test_a_bundle_manifest_edited_after_export_is_refused_with_the_config(tmp_path):
+    """Passed `--check-config`, then failed the start-up without naming model.bundle."""
+    import json
+
+    from phyai_edge.engines.bundle import seal
+
+    folder = tmp_path / "b"
+    folder.mkdir()
+    manifest = seal({"format": "phyai-edge/bundle/1", "backend": "onnxruntime", "checkpoint": {}, "files": {"x": {}}})
+    manifest["backend"] = "cudagraph"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"^model\.bundle: .*manifest\.json was edited after export"):
+        parse_config({"cameras": {"top": {}}, "model": {"bundle": str(folder)}})
+
+
 def test_what_a_bundle_or_factory_needs_is_checked_with_the_config(tmp_path, monkeypatch):
     """A cudagraph bundle on the CPU, an onnxruntime bundle without onnxruntime, and a factory whose
     package is not installed passed `--check-config` and `--preflight`, then failed the start-up
@@ -282,11 +297,13 @@ def test_what_a_bundle_or_factory_needs_is_checked_with_the_config(tmp_path, mon
     import json
 
     from phyai_edge.control import config
+    from phyai_edge.engines.bundle import seal
 
     def bundle(backend: str):
         folder = tmp_path / backend
         folder.mkdir()
-        (folder / "manifest.json").write_text(json.dumps({"format": "phyai-edge/bundle/1", "backend": backend}))
+        manifest = seal({"format": "phyai-edge/bundle/1", "backend": backend, "checkpoint": {}, "files": {"x": {}}})
+        (folder / "manifest.json").write_text(json.dumps(manifest))
         return str(folder)
 
     with pytest.raises(ConfigError, match=r'^model\.device: a cudagraph bundle runs on a CUDA device; set model\.device = "cuda"'):

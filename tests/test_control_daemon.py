@@ -744,9 +744,9 @@ def test_prometheus_says_which_model_runs_a_bundles_from_its_manifest(tmp_path):
     pytest.importorskip("prometheus_client")
     bundle = tmp_path / 'full "bf16" \\ cudagraph'
     bundle.mkdir()
-    (bundle / "manifest.json").write_text(json.dumps({
+    (bundle / "manifest.json").write_text(json.dumps(_sealed({
         "format": "phyai-edge/bundle/1", "adapter": {"name": "pi05", "preset": "full"},
-        "backend": "cudagraph", "dtype": "bfloat16", "steps": 10, "views": 3}))
+        "backend": "cudagraph", "dtype": "bfloat16", "steps": 10, "views": 3})))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -865,7 +865,15 @@ def _manifest(precision: str, backend: str, dtype: str) -> dict:
     if precision == "fp8" and backend == "cudagraph":
         manifest["fp8"] = {"scope": "expert", "scales": "calibration/fp8_scales.safetensors", "activations": "static",
                            "format": "e4m3fn, per-tensor"}
-    return manifest
+    return _sealed(manifest)
+
+
+def _sealed(manifest: dict) -> dict:
+    """With the fields every bundle loader reads, sealed as `write_manifest` seals it (the config
+    refuses a manifest edited after export)."""
+    from phyai_edge.engines.bundle import seal
+
+    return seal({"checkpoint": {}, "files": {"checkpoint/model.safetensors": {}}, **manifest})
 
 
 def test_model_info_says_a_bundle_is_fp8_where_its_dtype_says_bfloat16(tmp_path, monkeypatch):

@@ -799,12 +799,12 @@ def _check_bundle(m: ModelConfig) -> None:
     manifest = p / "manifest.json"
     if not manifest.is_file():
         raise ConfigError(f"model.bundle: {m.bundle!r} has no manifest.json, so it is not an engine bundle; {expected}")
+    from phyai_edge.engines.bundle import BundleError, read_manifest  # no torch: the manifest's own checks
+
     try:
-        data = json.loads(manifest.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.bundle: {manifest} cannot be read as JSON ({exc}); re-export the bundle") from None
-    if not isinstance(data, dict) or not str(data.get("format", "")).startswith("phyai-edge/bundle/"):
-        raise ConfigError(f"model.bundle: {manifest} is not a phyai-edge bundle manifest (no \"format\": \"phyai-edge/bundle/N\")")
+        data = read_manifest(p)  # JSON, format, its seal (an edit after export), the fields loaders read
+    except (OSError, BundleError) as exc:
+        raise ConfigError(f"model.bundle: {exc}") from None
     # What the bundle's backend needs, checked here (exit 2, no restart under systemd) rather than
     # when the worker loads it (exit 1, five restarts each loading the model).
     backend = data.get("backend")

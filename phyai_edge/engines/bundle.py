@@ -40,9 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,8 @@ class Platform:
     @classmethod
     def current(cls, device: str | torch.device | None = None) -> Platform:
         import importlib.metadata as md
+
+        import torch
 
         def version(pkg: str) -> str | None:
             try:
@@ -275,6 +278,8 @@ def check_files(bundle: Path, manifest: dict[str, Any]) -> None:
 
 
 def check_platform(manifest: dict[str, Any], here: Platform, device: str | torch.device) -> None:
+    import torch
+
     backend = manifest["backend"]
     target = manifest.get("target", {})
     dev = torch.device(device)
@@ -433,6 +438,8 @@ def load_bundle_engine(bundle: str | Path, device: str | torch.device = "cpu", c
     adapter: metadata, tokenizer, model skeleton), engine_s (the engine's construction: casts,
     fusion; CUDA graphs are captured at the first chunk), total_s.
     """
+    import torch
+
     t0 = time.perf_counter()
     bundle = Path(bundle)
     verified: dict[str, float] = {}
