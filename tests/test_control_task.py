@@ -134,6 +134,29 @@ def test_the_channel_takes_an_instruction_that_fits_and_refuses_one_that_does_no
     assert ch.current == (1, "put it in the bowl") and ch.refused == 2
 
 
+def test_a_request_of_several_frames_is_refused_and_the_channel_keeps_serving():
+    """Two frames (a hold and a stray frame) were taken, left unanswered, and ended the channel's
+    thread: every later request went unanswered, so the robot stayed held until a restart."""
+    import zmq
+
+    endpoint = free_tcp_endpoint()
+    ch = TaskChannel(TaskConfig(endpoint=endpoint), "pick up the cube", Checker())
+    ch.start()
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([encode_task_request(None, True), b"stray"])
+        assert sock.poll(5000), "no reply to a two-frame request"
+        reply = TaskReply.decode(sock.recv())
+        assert not reply.ok and "one frame of JSON, got 2 frames" in reply.error and not ch.holding
+        assert request_instruction(endpoint, hold=True, timeout_s=5).holding
+        assert not request_instruction(endpoint, hold=False, timeout_s=5).holding
+    finally:
+        sock.close()
+        ch.close()
+
+
 def test_text_that_cannot_be_an_instruction_never_reaches_the_worker():
     check = Checker()
     ch = TaskChannel(TaskConfig(endpoint="ipc:///unused"), "pick up the cube", check)

@@ -110,9 +110,15 @@ class TaskChannel:
             while not self._closing.is_set():
                 if not sock.poll(POLL_MS):
                     continue
-                data = sock.recv()
+                # The whole message, however many frames: a REP socket that read one frame of
+                # two could not send its reply, and the thread (with every later request) died.
+                frames = sock.recv_multipart()
                 try:
-                    reply = self.handle(data)
+                    if len(frames) != 1:
+                        reply = self._refuse(f"a task request is one frame of JSON, got {len(frames)} frames",
+                                             self.prompt, self.changes)
+                    else:
+                        reply = self.handle(frames[0])
                 except Exception as exc:  # never leave the REQ peer without an answer
                     log.exception("task request failed")
                     reply = TaskReply(False, self.prompt, f"internal error: {exc}", changes=self.changes)
