@@ -85,3 +85,34 @@ def test_the_daemon_logs_the_tick_its_own_work_made_late(caplog):
     summary = daemon.summary()["late_ticks"]
     assert summary["count"] >= 1 and summary["limit_ms"] == 8.0
     assert summary["worst_ms"] >= 15.0
+
+
+def test_a_stall_of_whole_periods_is_late_from_the_first_missed_deadline():
+    """After a 0.5 s stall at 50 Hz the clock skips 25 slots and re-bases the tick on the newest
+    slot's deadline, so its own lateness was what was left past a whole period: under the limit,
+    never counted as late, never logged. The stall counts from the first missed slot."""
+    late = LateTicks(limit_ns=5 * MS, interval_ns=0)
+    t = Tick(slot=125, deadline_ns=125 * 20 * MS, wake_ns=125 * 20 * MS + MS, slots_advanced=26)
+    line = late.note(t, t.wake_ns + MS, "25 slot(s) missed before it", missed_ns=25 * 20 * MS)
+    assert line is not None and "tick 125 published 502.00 ms after its deadline" in line
+    assert "woke 501.00 ms late" in line and late.summary()["count"] == 1
+
+
+def test_the_daemon_logs_a_stall_that_missed_slots(caplog):
+    """A stall of several periods (the process stopped, a long GC) is a late tick in the log and the
+    metrics, with the slots it missed; before, only the end-of-run summary's missed slots said so."""
+    cfg = test_config(clock={"late_warning_ms": 8.0})
+    daemon = Daemon(cfg, policy=FakePolicy(latency_s=0.005), realtime=False)
+    daemon.late_ticks.interval_ns = 0
+    original_setup = daemon.setup
+
+    def setup() -> None:
+        original_setup()
+        daemon.state = _SlowState(daemon.state, slow_call=30, sleep_s=0.105)  # 5 periods and a bit
+
+    daemon.setup = setup  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="phyai_edge.control"):
+        run_ticks(daemon, 60)
+    lines = [r.getMessage() for r in caplog.records if "slot(s) missed before it" in r.getMessage()]
+    assert lines and daemon.stats.missed_slots >= 4, (lines, daemon.stats.missed_slots)
+    assert any(float(ln.split("published ")[1].split(" ms")[0]) >= 80.0 for ln in lines), lines

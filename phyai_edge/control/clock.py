@@ -73,10 +73,14 @@ class LateTicks:
         self._unreported = 0
         self._last_report_ns: int | None = None
 
-    def note(self, tick: Tick, published_ns: int, doing: str) -> str | None:
-        """Count a late tick (the caller checked `published_ns - tick.deadline_ns > limit_ns`);
-        the line to log, or None while the last one is recent."""
-        late = published_ns - tick.deadline_ns
+    def note(self, tick: Tick, published_ns: int, doing: str, missed_ns: int = 0) -> str | None:
+        """Count a late tick (the caller checked `published_ns - tick.deadline_ns > limit_ns`, or
+        that slots were missed before it); the line to log, or None while the last one is recent.
+        `missed_ns`: the missed slots' periods. The tick's deadline is its own slot's, so after a
+        stall the clock's lateness is only what is left of it past a whole period; the stall
+        itself counts from the first missed slot's deadline."""
+        late = published_ns - tick.deadline_ns + missed_ns
+        woke = tick.lateness_ns + missed_ns
         self.count += 1
         self._unreported += 1
         if late > self.worst_ns:
@@ -87,7 +91,7 @@ class LateTicks:
         since = f"; {others} more since the last such line" if others else ""
         self._last_report_ns, self._unreported = tick.wake_ns, 0
         return (f"tick {tick.slot} published {late / 1e6:.2f} ms after its deadline (limit {self.limit_ns / 1e6:g} ms): "
-                f"woke {tick.lateness_ns / 1e6:.2f} ms late, then {(published_ns - tick.wake_ns) / 1e6:.2f} ms in the tick"
+                f"woke {woke / 1e6:.2f} ms late, then {(published_ns - tick.wake_ns) / 1e6:.2f} ms in the tick"
                 f" ({doing or 'an action from the executing chunk'}){since}")
 
     def summary(self) -> dict[str, float | int]:

@@ -683,10 +683,12 @@ class Daemon:
             st.ticks += 1
             late = header.publish_mono_ns - tick.deadline_ns
             st.lateness.add(late)
-            if late > late_ticks.limit_ns:
+            missed_ns = (tick.slots_advanced - 1) * clock.period_ns  # a stall of whole periods: late too
+            if late > late_ticks.limit_ns or missed_ns:
                 m.late_ticks.inc()
                 line = late_ticks.note(tick, header.publish_mono_ns,
-                                       _tick_work(res is not None, started_job, new_task, started is not None, flags, tick))
+                                       _tick_work(res is not None, started_job, new_task, started is not None, flags, tick),
+                                       missed_ns)
                 if line is not None:
                     log.warning(line)
             st.wake_lateness.add(tick.lateness_ns)
