@@ -384,6 +384,31 @@ def test_a_state_hold_never_holds_at_a_stale_state():
     np.testing.assert_array_equal(acts[-1][1], acts[first - 1][1])
 
 
+def test_the_time_without_a_policy_action_grows_from_the_start_when_none_was_ever_sent():
+    """No state ever arrives, so every tick holds STALE: the gauge an alert watches read 0 (it only
+    counted from a first policy action, which never came)."""
+    import socket
+    import urllib.request
+
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = SyntheticState(6)
+    state.alive = False  # never a sample
+    run = Running(Daemon(test_config(metrics={"port": port}), policy=FakePolicy(action_dim=6, state_dim=6),
+                         state=state, realtime=False))
+    try:
+        run.wait_for(lambda: count(run, lambda h, v: h.flags & Flag.STALE) >= 15, what="STALE holds")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        run.stop()
+    import re
+
+    value = float(re.search(r"^phyai_seconds_since_policy_action (\S+)$", text, re.M).group(1))
+    assert value >= 10 * run.daemon.cfg.robot.period_s
+
+
 def test_a_hold_carries_every_reason_that_holds():
     """An e-stop, then the state stream dies: the holds said ESTOP alone, so a controller could not
     tell that the stream had gone since."""

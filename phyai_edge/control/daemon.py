@@ -532,7 +532,10 @@ class Daemon:
         seen = _WorkerSeen()
         worker_hold_logged = False
         blocked_before = False  # the last tick held for stale inputs, an e-stop or an operator
-        last_policy_s: float | None = None  # when the last policy (not HOLD) action went out, monotonic s
+        # When the last policy (not HOLD) action went out, monotonic s; before the first, when
+        # publishing began: a daemon that never acts (stale inputs, held from the start, no worker)
+        # must show its time without one growing, not 0.
+        last_policy_s = clock.start_ns / 1e9
         late_ticks = self.late_ticks
 
         while True:
@@ -699,8 +702,7 @@ class Daemon:
             if not header.flags & Flag.HOLD and obs_t > 0:
                 last_policy_s = sent_s
                 m.action_obs_age.set(sent_s - obs_t)
-            if last_policy_s is not None:
-                m.since_policy_action.set(sent_s - last_policy_s)
+            m.since_policy_action.set(sent_s - last_policy_s)
 
             # -- service duties, rate-limited so they cost nothing most ticks
             if wd_ns and tick.wake_ns - last_watchdog_ns >= wd_ns:

@@ -110,8 +110,8 @@ class Metrics:
             "Age of the observation behind the last policy action, when it was published", registry=registry,
         )
         self.since_policy_action = pc.Gauge(
-            "phyai_seconds_since_policy_action", "Time since the last policy (not HOLD) action was published; "
-            "grows while the daemon holds", registry=registry,
+            "phyai_seconds_since_policy_action", "Time since the last policy (not HOLD) action was published "
+            "(before the first, since publishing began); grows while the daemon holds", registry=registry,
         )
         self.worker_restarts = pc.Counter(
             "phyai_worker_restarts", "Inference worker processes restarted, by outcome", ["result"], registry=registry
