@@ -605,6 +605,28 @@ def test_an_endpoint_zeromq_refuses_names_its_key_and_shutdown_still_returns(key
         pytest.fail("setup accepted the endpoint")
 
 
+def test_a_metrics_port_in_use_stops_the_start_before_the_model_loads():
+    """Another daemon on the port: this one logged "metrics off" after loading and ran on, while
+    Prometheus went on scraping the other and describing it as this one."""
+    import socket
+
+    from phyai_edge.control.config import ConfigError
+
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        pol = FakePolicy(action_dim=6, state_dim=6)
+        d = Daemon(test_config(metrics={"port": port}), policy=pol, realtime=False)
+        try:
+            with pytest.raises(ConfigError, match=rf"^metrics\.port: 127\.0\.0\.1:{port}: .*in use"):
+                d.setup()
+            assert d.worker is None, "the policy was loaded first"
+        finally:
+            d.shutdown()
+
+
 class SlowerWithRTC(FakePolicy):
     """Exact guidance runs a backward pass too: a chunk with an RTC request takes longer."""
 

@@ -40,7 +40,7 @@ from phyai_edge.control.clock import (
 )
 from phyai_edge.control.config import ConfigError, DaemonConfig, check_against_policy, named_instructions
 from phyai_edge.control.log import worth_logging
-from phyai_edge.control.metrics import Metrics
+from phyai_edge.control.metrics import Metrics, listen_problem
 from phyai_edge.control.notify import Notifier
 from phyai_edge.control.protocol import Flag
 from phyai_edge.control.publisher import ActionPublisher
@@ -307,6 +307,10 @@ class Daemon:
             "publish.endpoint", lambda: ActionPublisher(p.endpoint, p.topic, p.chunk_topic, p.bind, p.sndhwm, self.context),
             p.endpoint if p.bind else None,
         )
+        # Likewise the metrics endpoint (it starts once the policy says which model runs): taken
+        # by another daemon, Prometheus would go on scraping that one and describe it as this one.
+        if cfg.metrics.port and (problem := listen_problem(cfg.metrics.host, cfg.metrics.port)):
+            raise ConfigError(f"metrics.port: {problem}")
         if self._policy is not None:
             self.worker = ThreadWorker(policy=self._policy)
         elif cfg.model.worker == "thread":
@@ -395,7 +399,9 @@ class Daemon:
         if cfg.metrics.port:
             # A ThreadWorker's model lives in this process: its memory is in process_* already.
             worker_pid = (lambda: worker.pid) if isinstance(worker, ProcessWorker) else None
-            self.metrics.serve(cfg.metrics.host, cfg.metrics.port, model_info_labels(cfg, info), worker_pid)
+            if not self.metrics.serve(cfg.metrics.host, cfg.metrics.port, model_info_labels(cfg, info), worker_pid):
+                raise ConfigError(f"metrics.port: could not listen on {cfg.metrics.host}:{cfg.metrics.port} "
+                                  "(the line above says why)")
         if cfg.task.endpoint:
             self.task = TaskChannel(cfg.task, cfg.model.prompt, lambda prompt: worker.check_prompt(prompt, TASK_CHECK_TIMEOUT_S),
                                     self.context, self.metrics)

@@ -6,7 +6,9 @@ or with `metrics.port = 0`, every update is an empty method call.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import socket
 from collections.abc import Callable, Mapping
 
 log = logging.getLogger("phyai_edge.control")
@@ -75,7 +77,7 @@ class Metrics:
         try:
             import prometheus_client as pc
         except ImportError:
-            log.warning("metrics: prometheus-client is not installed (pip install 'phyai-edge[metrics]'); metrics off")
+            log.error("metrics: prometheus-client is not installed (pip install 'phyai-edge[metrics]')")
             return False
         registry = pc.CollectorRegistry()
         self.tick_lateness = pc.Histogram(
@@ -148,9 +150,31 @@ class Metrics:
         try:
             pc.start_http_server(port, addr=host, registry=registry)
         except OSError as exc:
-            log.error("metrics: cannot listen on %s:%d (%s); metrics off", host, port, exc.strerror)
+            log.error("metrics: cannot listen on %s:%d (%s)", host, port, exc.strerror)
             self.__init__()  # type: ignore[misc]
             return False
         self.enabled = True
         log.info("metrics: Prometheus on http://%s:%d/metrics", host, port)
         return True
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why the metrics endpoint could not start at host:port (None if it can): prometheus-client
+    missing, a host that does not resolve, an address in use. Binds as the server does: the
+    address family `host` resolves to, and SO_REUSEADDR (http.server's allow_reuse_address);
+    without it, connections a daemon stopped a moment ago left in TIME_WAIT (a Prometheus scrape)
+    would fail the check though the daemon starts fine."""
+    if importlib.util.find_spec("prometheus_client") is None:
+        return "prometheus-client is not installed (pip install 'phyai-edge[metrics]'), or set metrics.port = 0"
+    where = f"{host}:{port}"
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return f"{where}: {exc.strerror}"
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return f"{where}: {exc.strerror}"
+    return None

@@ -338,21 +338,10 @@ def ipc_listening(endpoint: str) -> bool:
 
 
 def _metrics_port_check(host: str, port: int) -> Check:
-    """Binds as the metrics server does: the address family `host` resolves to, and SO_REUSEADDR
-    (http.server's allow_reuse_address). Without it, connections a daemon stopped a moment ago
-    left in TIME_WAIT (a Prometheus scrape) failed this check though the daemon starts fine."""
-    where = f"{host}:{port}"
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as exc:
-        return Check("metrics.port", FAIL, f"{where}: {exc.strerror}")
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(address)
-        except OSError as exc:
-            return Check("metrics.port", FAIL, f"{where}: {exc.strerror}")
-    return Check("metrics.port", OK, f"{where}: free")
+    from phyai_edge.control.metrics import listen_problem
+
+    problem = listen_problem(host, port)
+    return Check("metrics.port", FAIL, problem) if problem else Check("metrics.port", OK, f"{host}:{port}: free")
 
 
 # ---------------------------------------------------------------- cameras and state
