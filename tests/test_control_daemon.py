@@ -605,6 +605,22 @@ def test_an_endpoint_zeromq_refuses_names_its_key_and_shutdown_still_returns(key
         pytest.fail("setup accepted the endpoint")
 
 
+def test_a_starved_hold_is_logged_once_when_it_begins(caplog):
+    """An inference slower than the chunk lasts: the robot held STARVED for seconds with no line in
+    the log (only a hung worker's kill said anything, at inference_timeout_s)."""
+    cfg = test_config(chunking={"horizon": 10, "execution_horizon": 5})
+    run = Running(Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), realtime=False))
+    try:
+        run.wait_for(lambda: count(run, lambda h, v: not h.flags & Flag.HOLD) >= 5, what="policy actions")
+        with caplog.at_level("WARNING", logger="phyai_edge.control"):
+            run.daemon._policy.latency_s = 0.6  # the next inference outlasts the rest of the chunk
+            run.wait_for(lambda: count(run, lambda h, v: h.flags & Flag.STARVED) >= 10, what="STARVED holds")
+    finally:
+        run.stop()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("HOLD: starved")]
+    assert len(lines) == 1 and "the inference in flight started" in lines[0], lines
+
+
 def test_a_metrics_port_in_use_stops_the_start_before_the_model_loads():
     """Another daemon on the port: this one logged "metrics off" after loading and ran on, while
     Prometheus went on scraping the other and describing it as this one."""

@@ -528,3 +528,28 @@ def test_prometheus_shows_the_hold_and_the_instruction_as_states():
     text = scrape()
     assert "phyai_task_holding 0.0" in text and "phyai_task_instruction 1.0" in text
     assert 'phyai_task_requests_total{result="release"} 1.0' in text
+
+
+def test_one_operator_hold_over_an_inference_in_flight_is_one_hold_in_the_log(caplog):
+    """The inference a hold drops stays in flight until it returns; each tick until then counted a
+    new hold ("10 such holds so far" 0.2 s after one operator hold)."""
+    endpoint = free_tcp_endpoint()
+    cfg = test_config(task={"endpoint": endpoint})
+    d = Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.3), realtime=False, status_line=False)
+    d.setup()
+    thread = threading.Thread(target=d.run, kwargs={"duration_s": 30}, daemon=True)
+    thread.start()
+    try:
+        assert d.wait_started(10)
+        end = time.monotonic() + 10
+        while d.stats.adopted < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        with caplog.at_level("WARNING", logger="phyai_edge.control"):
+            request_instruction(endpoint, hold=True)
+            time.sleep(0.5)  # ~25 held ticks, the first with an inference in flight
+    finally:
+        d.stop()
+        thread.join(10)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("HOLD: paused")]
+    assert len(lines) == 1 and "such holds" not in lines[0], lines
+    assert d._holds_logged["paused"] == 1

@@ -538,6 +538,7 @@ class Daemon:
         seen = _WorkerSeen()
         worker_hold_logged = False
         blocked_before = False  # the last tick held for stale inputs, an e-stop or an operator
+        starved_before = False  # the last tick held because the executing chunk had run out
         # When the last policy (not HOLD) action went out, monotonic s; before the first, when
         # publishing began: a daemon that never acts (stale inputs, held from the start, no worker)
         # must show its time without one growing, not 0.
@@ -550,6 +551,7 @@ class Daemon:
                 continue  # a signal that is not a stop request (or its handler has not run yet)
             now_s = tick.wake_ns / 1e9
             flags = 0
+            was_starved, starved_before = starved_before, False
             stop = self._stop.is_set() or (end_ns is not None and tick.wake_ns >= end_ns) or (
                 max_ticks is not None and st.ticks >= max_ticks
             )
@@ -629,7 +631,9 @@ class Daemon:
                           | (Flag.PAUSED if paused else 0))
                 # Logged where it stops the policy, and where a hold begins before any chunk ran (a
                 # state or camera stream that never arrives at start-up held silently).
-                if q.current is not None or inflight is not None or not blocked_before:
+                # One count an episode: an inference this hold already dropped stays in flight
+                # until it returns, and counted every tick (ten "holds" for one operator hold).
+                if q.current is not None or (inflight is not None and inflight.valid) or not blocked_before:
                     # Inputs that flap (a state stream just slower than its age limit) would log this
                     # on every recovery: the 1st, 10th, 100th, ... such hold (the metrics count each).
                     self._holds_logged[reason] = n = self._holds_logged.get(reason, 0) + 1
@@ -664,6 +668,16 @@ class Daemon:
                         if not worker_hold_logged:
                             log.error("HOLD: the executing chunk ran out and the %s", worker.down_reason or "inference worker is down")
                             worker_hold_logged = True
+                    elif reason == "starved" and not was_starved:
+                        # A slow or hung inference: the robot holds from here until it returns or
+                        # model.inference_timeout_s ends it; said when it begins, not only in metrics.
+                        self._holds_logged["starved"] = n = self._holds_logged.get("starved", 0) + 1
+                        if worth_logging(n):
+                            waited = (f"; the inference in flight started {tick.slot - inflight.start_slot} ticks ago"
+                                      if inflight is not None else "")
+                            log.warning("HOLD: starved: the executing chunk ran out before the next one arrived%s%s",
+                                        waited, f"; {n} such holds so far" if n > 1 else "")
+                    starved_before = reason == "starved"
                     payload = guard.hold_target(state_values)
                     obs_t, chunk_id, index = 0.0, 0, 0
                     self._count_hold(reason)
