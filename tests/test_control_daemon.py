@@ -1146,3 +1146,23 @@ def test_a_publish_endpoint_in_use_fails_before_the_model_loads():
         d.shutdown()
     finally:
         taken.close(0)
+
+
+def test_every_counter_with_a_result_label_has_its_series_from_the_first_scrape():
+    """A worker restart or a task request before the first scrape was invisible to increase(): its
+    series did not exist until its first event."""
+    import socket
+    import urllib.request
+
+    pytest.importorskip("prometheus_client")
+    from phyai_edge.control.metrics import TASK_RESULTS, Metrics
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert Metrics().serve("127.0.0.1", port)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for result in ("ok", "failed"):
+        assert f'phyai_worker_restarts_total{{result="{result}"}} 0.0' in text
+    for result in TASK_RESULTS:
+        assert f'phyai_task_requests_total{{result="{result}"}} 0.0' in text

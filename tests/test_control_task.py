@@ -365,6 +365,14 @@ def test_the_task_command_says_when_no_daemon_answers_or_the_endpoint_is_not_one
     assert out.returncode == 2 and "endpoint 'localhost:5557'" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_task_wait_without_an_instruction_is_refused(capsys):
+    """`--release --wait` returned 0 at once: there was no instruction whose action it could wait for."""
+    from phyai_edge.cli import main as cli
+
+    assert cli(["task", "--release", "--wait", "--endpoint", free_tcp_endpoint()]) == 2
+    assert "--wait waits for an instruction's first action" in capsys.readouterr().err
+
+
 def test_the_task_command_sets_and_shows_the_instruction(tmp_path):
     """The CLI against a channel served on its own (no daemon): exit codes and the JSON reply."""
     endpoint = free_tcp_endpoint()

@@ -62,6 +62,10 @@ def main(args: argparse.Namespace) -> int:
     if args.wait and args.hold:
         print("phyai-edge task: --wait waits for an action, and --hold stops them", file=sys.stderr)
         return 2
+    if args.wait and args.prompt is None:
+        # It waits for an instruction's first action; without one it would return at once, as if seen.
+        print("phyai-edge task: --wait waits for an instruction's first action: give the instruction", file=sys.stderr)
+        return 2
     listener = None
     try:
         if args.wait and args.prompt is not None:

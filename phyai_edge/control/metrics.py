@@ -116,15 +116,20 @@ class Metrics:
             "(before the first, since publishing began); grows while the daemon holds", registry=registry,
         )
         self.worker_restarts = pc.Counter(
-            "phyai_worker_restarts", "Inference worker processes restarted, by outcome", ["result"], registry=registry
+            "phyai_worker_restarts", "Inference worker processes restarted, by outcome: ok, failed", ["result"],
+            registry=registry,
         )
+        for result in ("ok", "failed"):  # every series from the first scrape, as the holds'
+            self.worker_restarts.labels(result)
         self.worker_deaths = pc.Counter("phyai_worker_deaths", "Inference worker processes that died", registry=registry)
         self.worker_up = pc.Gauge("phyai_worker_up", "1 while the inference worker is up, 0 while it is down", registry=registry)
         self.worker_up.set(1)
         self.task_requests = pc.Counter(
-            "phyai_task_requests", "Instruction requests (task.endpoint), by result: taken, unchanged, query, refused",
+            "phyai_task_requests", "Instruction requests (task.endpoint), by result: " + ", ".join(TASK_RESULTS),
             ["result"], registry=registry,
         )
+        for result in TASK_RESULTS:
+            self.task_requests.labels(result)
         # States, for a dashboard's "held" light and "which instruction" panel (the counter above has events).
         self.task_holding = pc.Gauge("phyai_task_holding", "1 while an operator holds the robot (HOLD | PAUSED)",
                                      registry=registry)
@@ -156,6 +161,10 @@ class Metrics:
         self.enabled = True
         log.info("metrics: Prometheus on http://%s:%d/metrics", host, port)
         return True
+
+
+# What a task-channel request came to (`TaskChannel.handle`): one series each from the first scrape.
+TASK_RESULTS = ("taken", "unchanged", "query", "refused", "hold", "release")
 
 
 def listen_problem(host: str, port: int) -> str | None:
