@@ -48,7 +48,28 @@ def test_the_engine_compared_with_a_bundle_runs_the_bundles_weights(tmp_path: Pa
         assert cli(["eval", str(data), *args, "--json"]) == 0
         rep = json.loads(capsys.readouterr().out)
         assert rep["overall"]["failures"] == 0 and rep["overall"]["reference_max"] < 1e-3, args
-    # a model named on the command line is still the one used (here: another seed's weights, far off)
+    # other weights named on the command line are refused: the reference column would be the
+    # difference of two models (it ran, and read 1e-1 as the engines' difference)
+    with pytest.raises(SystemExit) as exit_:
+        cli(["eval", str(data), "--engine", str(bundle), "--reference-backend", "eager", "--preset", "tiny",
+             "--json"])
+    assert exit_.value.code == 2
+    assert "was exported from the preset tiny at seed 3" in capsys.readouterr().err
     assert cli(["eval", str(data), "--engine", str(bundle), "--reference-backend", "eager", "--preset", "tiny",
-                "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["overall"]["reference_max"] > 1e-2
+                "--seed", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["overall"]["reference_max"] < 1e-3
+
+
+def test_the_engine_compared_with_a_bundle_runs_its_flow_steps(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A bundle exported with --steps 3 was compared with an eager reference at the preset's 10
+    steps: 0.18 mean difference, reported as the engines'."""
+    bundle = tmp_path / "tiny-3-steps"
+    assert cli(["export", "--preset", "tiny", "--steps", "3", "--out", str(bundle), "--no-validate",
+                "--no-progress"]) == 0
+    data = tmp_path / "rec"
+    assert cli(["eval", str(data), "--synthetic"]) == 0
+    capsys.readouterr()
+    for args in (["--engine", str(bundle), "--reference-backend", "eager"], ["--reference-engine", str(bundle)]):
+        assert cli(["eval", str(data), *args, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["overall"]["reference_max"] < 1e-3, args

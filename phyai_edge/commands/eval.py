@@ -146,6 +146,23 @@ def _the_bundles_model(bundle: str, common: dict[str, Any]) -> None:
              "which is not on this machine; give its copy with --checkpoint, so the other engine runs the same weights")
 
 
+def _check_the_bundles_preset(bundle: str, common: dict[str, Any]) -> None:
+    """`fail` where --preset / --seed name other weights than the preset `bundle` was exported
+    from: the engine compared with it would run another model (its differences read as the
+    engines')."""
+    from phyai_edge.commands.common import fail
+    from phyai_edge.engines.bundle import BundleError, parse_builtin_source, read_manifest
+
+    try:
+        built = parse_builtin_source(str(read_manifest(bundle)["checkpoint"].get("source", "")))
+    except (BundleError, KeyError, TypeError):
+        return  # loading the bundle says what is wrong with it
+    if built is not None and built != (common["preset"], common["seed"]):
+        fail("eval", f"--preset {common['preset']} --seed {common['seed']}: the engine bundle {bundle} was exported "
+             f"from the preset {built[0]} at seed {built[1]}, so the engine compared with it would run other weights; "
+             "leave --preset out (it then loads the bundle's)")
+
+
 def main(args: argparse.Namespace) -> int:
     from phyai_edge.commands.common import check_at_least, fail, load_policy_or_fail
     from phyai_edge.serve.evaluate import (
@@ -181,9 +198,12 @@ def main(args: argparse.Namespace) -> int:
         _the_recordings_model(args, common)
     bundle = args.engine or args.reference_engine
     one_side_loads_weights = not args.engine or (_wants_reference(args) and not args.reference_engine)
-    if bundle and one_side_loads_weights and not (args.checkpoint or args.preset or common["checkpoint"]):
-        # The side that is no bundle loads the weights the bundle was exported from, not the preset.
-        _the_bundles_model(bundle, common)
+    if bundle and one_side_loads_weights:
+        if not (args.checkpoint or args.preset or common["checkpoint"]):
+            # The side that is no bundle loads the weights the bundle was exported from, not the preset.
+            _the_bundles_model(bundle, common)
+        elif args.preset:
+            _check_the_bundles_preset(bundle, common)  # (a checkpoint given is checked against its hash)
     policy = load_policy_or_fail("eval", backend=args.backend, device=args.device, dtype=args.dtype,
                                  bundle=args.engine, **common)
     reference = None
@@ -192,6 +212,16 @@ def main(args: argparse.Namespace) -> int:
         reference = load_policy_or_fail("eval", device_flag, backend=args.reference_backend or "eager",
                                         device=args.reference_device or args.device,
                                         dtype=args.reference_dtype or args.dtype, bundle=args.reference_engine, **common)
+    if bundle and one_side_loads_weights:
+        # ... and runs the bundle's flow steps (an export --steps 3 was compared with 10 steps).
+        from phyai_edge.adapters.base import SolverSpec
+
+        bundled = policy if args.engine else reference
+        assert bundled is not None  # a bundle is one of the two
+        steps = bundled.adapter.solver.num_steps
+        for side, its_bundle in ((policy, args.engine), (reference, args.reference_engine)):
+            if side is not None and not its_bundle:
+                side.adapter.solver = SolverSpec(steps)
     if args.synthetic:
         write_synthetic_recording(args.data, camera_names=policy.camera_names, state_dim=policy.state_dim,
                                   action_dim=policy.action_dim, horizon=policy.chunk_size, seed=args.seed)
