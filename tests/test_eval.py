@@ -65,6 +65,24 @@ def test_read_recording_in_the_daemons_layout(tmp_path):
         read_recording(tmp_path)
 
 
+def test_damaged_records_are_left_out_by_name_and_the_rest_is_read(tmp_path, caplog):
+    """A record cut short, an empty one and one without its state crashed `eval` with a
+    BadZipFile / EOFError / KeyError traceback (exit 1, read as "frames failed")."""
+    one = write_synthetic_recording(tmp_path / "rec", episodes=1, frames=5, image_hw=(8, 12)) / "episode_000"
+    files = sorted(one.glob("obs_*.npz"))
+    files[1].write_bytes(files[1].read_bytes()[:300])
+    files[2].write_bytes(b"")
+    with np.load(files[3]) as z:
+        arrays = {k: z[k] for k in z.files if k != "state"}
+    np.savez(files[3], **arrays)
+    with caplog.at_level("WARNING"):
+        (ep,) = read_recording(one)
+    assert [f.index for f in ep.frames] == [0, 4]
+    (line,) = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert "left out 3 unreadable record(s)" in line
+    assert all(f.name in line for f in files[1:4]) and "BadZipFile" in line and "KeyError" in line
+
+
 def test_eval_command_reports_per_episode_tables(tmp_path, capsys):
     data = tmp_path / "rec"
     rc = cli(["eval", str(data), "--synthetic", "--reference-backend", "eager", "--batch", "4", "--json"])

@@ -32,7 +32,8 @@ def _inference_failed(z: np.lib.npyio.NpzFile) -> bool:
     return "error" in z.files and bool(str(z["error"]))
 
 
-_UNREADABLE = (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile)
+# What reading one damaged record raises (cut short, empty, a member missing, not an npz).
+UNREADABLE = (OSError, EOFError, KeyError, ValueError, zipfile.BadZipFile)
 
 
 def read_records(folder: str | Path, camera_names: list[str] | None = None, limit: int | None = None,
@@ -60,7 +61,7 @@ def read_records(folder: str | Path, camera_names: list[str] | None = None, limi
                     if _inference_failed(z):
                         failed.append(f.name)
                         continue
-            except _UNREADABLE as exc:
+            except UNREADABLE as exc:
                 unreadable.append(f"{f.name} ({type(exc).__name__})")
                 continue
             usable.append(f)
@@ -77,7 +78,7 @@ def read_records(folder: str | Path, camera_names: list[str] | None = None, limi
                 state = np.asarray(z["state"], dtype=np.float32).reshape(-1)
                 prompt = str(z["prompt"]) if "prompt" in z.files else ""
                 ts = float(z["timestamp"]) if "timestamp" in z.files else 0.0
-        except _UNREADABLE as exc:
+        except UNREADABLE as exc:
             unreadable.append(f"{f.name} ({type(exc).__name__})")
             continue
         names = camera_names if camera_names is not None else sorted(views)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,9 +35,12 @@ from typing import Any
 import numpy as np
 
 from phyai_edge.adapters.base import Observation
+from phyai_edge.calibration.records import UNREADABLE
 from phyai_edge.engines.base import SOLVER_RTC_MODES, RTCRequest
 from phyai_edge.engines.noise import frame_noise
 from phyai_edge.serve.batching import BatchItem, run_items
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -129,29 +133,44 @@ def read_recording(path: str | Path, use_rtc: bool = True, max_guidance_weight: 
         room = meta.get("prompt_room")
         if isinstance(room, dict) and isinstance(room.get("prompts"), list):
             ep.prompt_room = (tuple(str(p) for p in room["prompts"]), int(room.get("tokens") or 0))
+        unreadable: list[str] = []
         for number, f in enumerate(sorted(d.glob("obs_*.npz"))):
-            with np.load(f, allow_pickle=False) as z:
-                if str(_scalar(z, "error", "")):
-                    continue  # the daemon got no actions for it; nothing to compare against
-                images = {k[len("image."):]: z[k] for k in z.files if k.startswith("image.")}
-                obs = Observation(images=images, state=z["state"].astype(np.float32), prompt=str(_scalar(z, "prompt", "")),
-                                  timestamp=float(_scalar(z, "timestamp", 0.0)))
-                rtc = None
-                mode = str(_scalar(z, "rtc_mode", "none"))
-                prefix = z["prefix"] if "prefix" in z.files else np.zeros(0)
-                if use_rtc and mode in SOLVER_RTC_MODES and prefix.size:
-                    # The delay the daemon asked the solver for is its estimate at submit time.
-                    d_req = int(_scalar(z, "delay_estimate", _scalar(z, "delay", 0)))
-                    rtc = RTCRequest(mode, prefix.astype(np.float32), min(d_req, len(prefix)), s,  # type: ignore[arg-type]
-                                     beta)
-                target = z["actions"].astype(np.float32) if "actions" in z.files and z["actions"].size else None
-                seed = _scalar(z, "noise_seed", None)
-                if seed is not None and "job_id" in z.files:
-                    ep.frames.append(Frame(obs, rtc, target, int(_scalar(z, "job_id", 0)), int(seed)))
-                else:  # recorded before the daemon drew keyed noise, or by a policy without it
-                    ep.frames.append(Frame(obs, rtc, target, number))
+            try:
+                frame = _read_frame(f, number, use_rtc, s, beta)
+            except UNREADABLE as exc:  # a copy cut short, an empty file: the others still count
+                unreadable.append(f"{f.name} ({type(exc).__name__})")
+                continue
+            if frame is not None:
+                ep.frames.append(frame)
+        if unreadable:
+            log.warning("%s: left out %d unreadable record(s): %s", d, len(unreadable),
+                        ", ".join(unreadable[:5]) + (" ..." if len(unreadable) > 5 else ""))
         episodes.append(ep)
     return episodes
+
+
+def _read_frame(f: Path, number: int, use_rtc: bool, s: int, beta: float) -> Frame | None:
+    """One record -> its frame; None for an inference the daemon got no actions for."""
+    with np.load(f, allow_pickle=False) as z:
+        if str(_scalar(z, "error", "")):
+            return None  # the daemon got no actions for it; nothing to compare against
+        images = {k[len("image."):]: z[k] for k in z.files if k.startswith("image.")}
+        obs = Observation(images=images, state=z["state"].astype(np.float32), prompt=str(_scalar(z, "prompt", "")),
+                          timestamp=float(_scalar(z, "timestamp", 0.0)))
+        rtc = None
+        mode = str(_scalar(z, "rtc_mode", "none"))
+        prefix = z["prefix"] if "prefix" in z.files else np.zeros(0)
+        if use_rtc and mode in SOLVER_RTC_MODES and prefix.size:
+            # The delay the daemon asked the solver for is its estimate at submit time.
+            d_req = int(_scalar(z, "delay_estimate", _scalar(z, "delay", 0)))
+            rtc = RTCRequest(mode, prefix.astype(np.float32), min(d_req, len(prefix)), s,  # type: ignore[arg-type]
+                             beta)
+        target = z["actions"].astype(np.float32) if "actions" in z.files and z["actions"].size else None
+        seed = _scalar(z, "noise_seed", None)
+        if seed is not None and "job_id" in z.files:
+            return Frame(obs, rtc, target, int(_scalar(z, "job_id", 0)), int(seed))
+        # recorded before the daemon drew keyed noise, or by a policy without it
+        return Frame(obs, rtc, target, number)
 
 
 def write_synthetic_recording(path: str | Path, episodes: int = 2, frames: int = 4, camera_names: Sequence[str] = (
