@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,22 @@ def test_the_engine_compared_with_a_bundle_runs_its_flow_steps(tmp_path: Path,
     for args in (["--engine", str(bundle), "--reference-backend", "eager"], ["--reference-engine", str(bundle)]):
         assert cli(["eval", str(data), *args, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["overall"]["reference_max"] < 1e-3, args
+
+
+def test_batch_sizes_a_bundle_lacks_are_one_line_before_anything_runs(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench --engine B --batch 4` on a batch-1 bundle ended in the engine's traceback; `eval
+    --batch-sizes 4` ran, failed every call, and every frame again alone (exit 1)."""
+    bundle = tmp_path / "tiny-b1"
+    assert cli(["export", "--preset", "tiny", "--out", str(bundle), "--no-validate", "--no-progress"]) == 0
+    data = tmp_path / "rec"
+    assert cli(["eval", str(data), "--synthetic"]) == 0
+    capsys.readouterr()
+    for argv, says in ((["bench", "--engine", str(bundle), "--batch", "4"],
+                        "--batch 4: the engine bundle .* was exported for batch sizes 1"),
+                       (["eval", str(data), "--engine", str(bundle), "--batch", "4", "--batch-sizes", "4"],
+                        "--batch-sizes 4: the engine bundle takes batch sizes 1 only")):
+        with pytest.raises(SystemExit) as exit_:
+            cli(argv)
+        assert exit_.value.code == 2
+        assert re.search(says, capsys.readouterr().err), argv

@@ -147,6 +147,10 @@ def run_bench(args: argparse.Namespace) -> dict:
                                  tokenizer=args.tokenizer, engine_options=options,
                                  adapter_options=adapter_options("bench", args))
     adapter = policy.adapter
+    fixed = getattr(policy.engine, "batch_sizes", None)
+    if fixed and args.batch not in fixed:  # said here, not as the engine's traceback at the first call
+        fail("bench", f"--batch {args.batch}: the engine bundle {args.engine} was exported for batch sizes "
+             f"{', '.join(map(str, sorted(fixed)))}; re-export with --batch {args.batch} to time it")
     if args.steps:
         adapter.solver = SolverSpec(args.steps)
     cams = policy.camera_names

@@ -240,7 +240,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"phyai-edge eval: no frames to evaluate in {args.data} (check --episodes, --max-frames, --stride)",
               file=sys.stderr)
         return 2
-    sizes = sizes or fixed_sizes(policy, reference)
+    fixed = fixed_sizes(policy, reference)
+    if sizes and fixed and set(sizes) - set(fixed):
+        # Every call at such a size fails, and each of its frames then fails alone, padded to it again.
+        fail("eval", f"--batch-sizes {args.batch_sizes}: the engine bundle takes batch sizes "
+             f"{', '.join(map(str, fixed))} only; leave --batch-sizes out to use those")
+    sizes = sizes or fixed
     try:
         rep = evaluate(policy, episodes, reference, batch=args.batch, seed=args.seed, batch_sizes=sizes)
     except ValueError as exc:
