@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -287,6 +288,26 @@ def test_a_bundle_manifest_edited_after_export_is_refused_with_the_config(tmp_pa
     manifest["backend"] = "cudagraph"
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match=r"^model\.bundle: .*manifest\.json was edited after export"):
+        parse_config({"cameras": {"top": {}}, "model": {"bundle": str(folder)}})
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"validation": {"status": "failed", "max_abs_error": 3.0}}, "failed its validation at export"),
+    ({"batch_sizes": [2, 4]}, "was exported for batch sizes [2, 4], and the daemon runs batch 1"),
+])
+def test_a_bundle_the_daemon_would_refuse_at_start_up_is_refused_with_the_config(tmp_path, fields, says):
+    """A bundle whose export failed validation, or an ONNX bundle without batch 1, was `valid` for
+    --check-config and --preflight, and refused only by the start-up (after loading)."""
+    import json
+
+    from phyai_edge.engines.bundle import seal
+
+    folder = tmp_path / "b"
+    folder.mkdir()
+    manifest = seal({"format": "phyai-edge/bundle/1", "backend": "onnxruntime", "checkpoint": {}, "files": {"x": {}},
+                     "batch_sizes": [1], **fields})
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=rf"^model\.bundle: .*{re.escape(says)}"):
         parse_config({"cameras": {"top": {}}, "model": {"bundle": str(folder)}})
 
 

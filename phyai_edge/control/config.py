@@ -799,12 +799,20 @@ def _check_bundle(m: ModelConfig) -> None:
     manifest = p / "manifest.json"
     if not manifest.is_file():
         raise ConfigError(f"model.bundle: {m.bundle!r} has no manifest.json, so it is not an engine bundle; {expected}")
-    from phyai_edge.engines.bundle import BundleError, read_manifest  # no torch: the manifest's own checks
+    from phyai_edge.engines.bundle import BundleError, read_manifest, validation_problem  # no torch
 
     try:
         data = read_manifest(p)  # JSON, format, its seal (an edit after export), the fields loaders read
     except (OSError, BundleError) as exc:
         raise ConfigError(f"model.bundle: {exc}") from None
+    problem = validation_problem(p, data)
+    if problem:
+        raise ConfigError(f"model.bundle: {problem}")
+    sizes = data.get("batch_sizes")
+    if data.get("backend") in ("onnxruntime", "tensorrt") and isinstance(sizes, list) and 1 not in sizes:
+        # The daemon runs one observation a chunk; these engines take only the sizes exported.
+        raise ConfigError(f"model.bundle: {m.bundle!r} was exported for batch sizes {sizes}, and the daemon runs "
+                          "batch 1: re-export with --batch 1 (or 1,2,...)")
     # What the bundle's backend needs, checked here (exit 2, no restart under systemd) rather than
     # when the worker loads it (exit 1, five restarts each loading the model).
     backend = data.get("backend")

@@ -359,16 +359,24 @@ def verify_bundle(
     return manifest
 
 
+def validation_problem(bundle: Path, manifest: dict[str, Any]) -> str | None:
+    """Why the bundle must not run on a robot by its export's validation (None if it may)."""
+    v = manifest.get("validation") or {}
+    if v.get("status") == "failed":
+        return (f"{bundle} failed its validation at export ({_validation_summary(v)}): its actions are too far "
+                "from the float32 model's to run on a robot; re-export (another precision, more calibration samples)")
+    return None
+
+
 def check_validation(bundle: Path, manifest: dict[str, Any]) -> None:
     """Refuse a bundle whose export found its actions too far from float32 eager's (`phyai-edge
     export` exits 1 and writes it for inspection, not for a robot); say so where it was never
     validated (a cudagraph bundle exported without a GPU)."""
+    problem = validation_problem(bundle, manifest)
+    if problem:
+        raise BundleError(problem)
     v = manifest.get("validation") or {}
     status = v.get("status")
-    if status == "failed":
-        raise BundleError(f"{bundle} failed its validation at export ({_validation_summary(v)}): its actions are "
-                          "too far from the float32 model's to run on a robot; re-export (another precision, "
-                          "more calibration samples)")
     if status not in (None, "passed"):
         log.warning("%s: not validated at export (%s); its actions were never compared with float32 eager's",
                     bundle, v.get("reason") or status)
