@@ -73,3 +73,20 @@ def test_a_recorded_model_eval_cannot_build_is_refused_by_name(relative: Path, t
     with pytest.raises(SystemExit):
         cli(["eval", str(both)])
     assert "a and b were recorded with different models (model.adapter_options" in capsys.readouterr().err
+
+
+def test_a_recording_made_through_a_bundle_says_the_bundle_s_engine_and_precision(tmp_path: Path) -> None:
+    """The daemon of an int8 ONNX bundle recorded backend eager and dtype float32: the config's
+    defaults, which a bundle does not use."""
+    from phyai_edge.control.daemon import recorded_model
+    from phyai_edge.engines.bundle import seal
+
+    folder = tmp_path / "b"
+    folder.mkdir()
+    manifest = seal({"format": "phyai-edge/bundle/1", "backend": "onnxruntime", "dtype": "float32",
+                     "precision": {"encode_prefix": "int8", "denoise_step": "int8"}, "checkpoint": {},
+                     "files": {"x": {}}, "batch_sizes": [1]})
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    m = recorded_model(test_config(model={"bundle": str(folder)}))
+    assert (m["backend"], m["dtype"], m["precision"]) == ("onnxruntime", "float32", "int8")
+    assert "precision" not in recorded_model(test_config())

@@ -91,6 +91,7 @@ def fixed_sizes(*policies: Any) -> list[int] | None:
 def _the_recordings_model(args: argparse.Namespace, common: dict[str, Any]) -> None:
     """Point `common` (and `args.engine`) at the model the recording's daemon ran, saying so."""
     from phyai_edge.commands.common import fail
+    from phyai_edge.engines.bundle import BundleError
     from phyai_edge.serve.evaluate import ModelsDifferError, recorded_model
 
     try:
@@ -118,9 +119,16 @@ def _the_recordings_model(args: argparse.Namespace, common: dict[str, Any]) -> N
     what = (f"engine bundle {m['bundle']}" if m.get("bundle") else f"checkpoint {m['checkpoint']}"
             if m.get("checkpoint") else f"built-in preset {common['preset']} (weights from seed 0, as the daemon's)")
     options = ", ".join(f"{k}={v}" for k, v in common["adapter_options"].items())
+    ran = f"{m.get('backend')} {m.get('precision') or m.get('dtype')}"
+    replay = f"{args.backend} {args.dtype}"
+    if args.engine:
+        try:
+            said = _precision(args.engine, args.dtype)
+            replay = f"the bundle ({said.get('precision') or said['dtype']})"
+        except BundleError:
+            replay = "the bundle"  # loading it says what is wrong with it
     print(f"phyai-edge eval: the model the recording's daemon ran: {what}" + (f", adapter options {options}" if options
-          else "") + f" (it ran {m.get('backend')} {m.get('dtype')} on {m.get('device')}; this replay: "
-          f"{'the bundle' if args.engine else args.backend} {args.dtype} on {args.device})", file=sys.stderr)
+          else "") + f" (it ran {ran} on {m.get('device')}; this replay: {replay} on {args.device})", file=sys.stderr)
 
 
 def _wants_reference(args: argparse.Namespace) -> bool:
@@ -144,6 +152,18 @@ def _the_bundles_model(bundle: str, common: dict[str, Any]) -> None:
     else:
         fail("eval", f"the engine bundle {bundle} was exported from {source or 'a checkpoint it does not name'}, "
              "which is not on this machine; give its copy with --checkpoint, so the other engine runs the same weights")
+
+
+def _precision(bundle: str | None, dtype: str) -> dict[str, str]:
+    """An engine's dtype for the report, and a bundle's quantised weights ("int8", "fp8"): a bundle
+    runs its manifest's, whatever --dtype says (an int8 bundle's report said float32)."""
+    if not bundle:
+        return {"dtype": dtype}
+    from phyai_edge.engines.bundle import bundle_precision, read_manifest
+
+    manifest = read_manifest(bundle)  # it loaded, so it reads
+    precision = bundle_precision(manifest)
+    return {"dtype": str(manifest.get("dtype", dtype)), **({"precision": precision} if precision else {})}
 
 
 def _check_the_bundles_preset(bundle: str, common: dict[str, Any]) -> None:
@@ -251,11 +271,11 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"phyai-edge eval: {exc}", file=sys.stderr)
         return 2
-    rep["policy"] = {"backend": getattr(policy.engine, "backend", args.backend), "device": args.device, "dtype": args.dtype,
-                     "engine": args.engine}
+    rep["policy"] = {"backend": getattr(policy.engine, "backend", args.backend), "device": args.device,
+                     **_precision(args.engine, args.dtype), "engine": args.engine}
     if reference is not None:
         rep["reference"] = {"backend": getattr(reference.engine, "backend", ""), "engine": args.reference_engine,
-                            "dtype": args.reference_dtype or args.dtype}
+                            **_precision(args.reference_engine, args.reference_dtype or args.dtype)}
     if args.json:
         print(json.dumps(_clean(rep), indent=2))
     else:

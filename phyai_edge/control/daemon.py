@@ -58,6 +58,7 @@ from phyai_edge.control.worker import (
     ThreadWorker,
     make_warmup_job,
 )
+from phyai_edge.engines.bundle import bundle_precision  # torch-free: only JSON
 
 log = logging.getLogger("phyai_edge.control")
 
@@ -127,9 +128,17 @@ def recorded_model(cfg: DaemonConfig) -> dict[str, Any]:
     def path(p: str) -> str:
         return str(Path(p).expanduser().resolve()) if p else ""
 
-    return {"adapter": m.adapter, "checkpoint": path(m.checkpoint), "tokenizer": path(m.tokenizer),
-            "bundle": path(m.bundle), "preset": m.preset, "adapter_options": dict(m.adapter_options),
-            "factory": m.factory, "backend": m.backend, "device": m.device, "dtype": m.dtype}
+    rec = {"adapter": m.adapter, "checkpoint": path(m.checkpoint), "tokenizer": path(m.tokenizer),
+           "bundle": path(m.bundle), "preset": m.preset, "adapter_options": dict(m.adapter_options),
+           "factory": m.factory, "backend": m.backend, "device": m.device, "dtype": m.dtype}
+    if m.bundle:
+        # A bundle's engine, dtype and precision are its manifest's, not the config's defaults
+        # (an int8 ONNX bundle's recording said eager float32).
+        manifest = _bundle_manifest(m.bundle)
+        rec.update({k: manifest[k] for k in ("backend", "dtype") if isinstance(manifest.get(k), str)})
+        if precision := bundle_precision(manifest):
+            rec["precision"] = precision
+    return rec
 
 
 def warmup_inferences_per_round(mode: str) -> int:
@@ -182,7 +191,7 @@ def model_info_labels(cfg: DaemonConfig, info: PolicyInfo) -> dict[str, str]:
         adapter = manifest.get("adapter")
         adapter = adapter if isinstance(adapter, dict) else {}
         named = {"adapter": adapter.get("name"), "preset": adapter.get("preset"), "backend": manifest.get("backend"),
-                 "device": m.device, "dtype": manifest.get("dtype"), "precision": _bundle_precision(manifest),
+                 "device": m.device, "dtype": manifest.get("dtype"), "precision": bundle_precision(manifest),
                  "bundle": m.bundle}
     else:
         named = {k: getattr(m, k) for k in _MODEL_KEYS}
@@ -217,17 +226,6 @@ def _bundle_manifest(bundle: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _bundle_precision(manifest: dict[str, Any]) -> str | None:
-    """"fp8" / "int8" for a bundle whose stages run quantised weights (the manifest's `precision`,
-    stage -> precision, as the loader reads it; an fp8 bundle's `dtype` is "bfloat16", what its
-    activations run in); None otherwise: the dtype says it."""
-    precision = manifest.get("precision")
-    values = {v for v in (precision.values() if isinstance(precision, dict) else [precision]) if isinstance(v, str)}
-    if "fp8" in values or isinstance(manifest.get("fp8"), dict):
-        return "fp8"
-    return "int8" if "int8" in values else None
 
 
 _T = TypeVar("_T")

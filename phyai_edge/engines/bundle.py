@@ -359,6 +359,17 @@ def verify_bundle(
     return manifest
 
 
+def bundle_precision(manifest: dict[str, Any]) -> str | None:
+    """"fp8" / "int8" for a bundle whose stages run quantised weights (the manifest's `precision`,
+    stage -> precision, as the loader reads it; an fp8 bundle's `dtype` is "bfloat16", what its
+    activations run in); None otherwise: the dtype says it."""
+    precision = manifest.get("precision")
+    values = {v for v in (precision.values() if isinstance(precision, dict) else [precision]) if isinstance(v, str)}
+    if "fp8" in values or isinstance(manifest.get("fp8"), dict):
+        return "fp8"
+    return "int8" if "int8" in values else None
+
+
 def validation_problem(bundle: Path, manifest: dict[str, Any]) -> str | None:
     """Why the bundle must not run on a robot by its export's validation (None if it may)."""
     v = manifest.get("validation") or {}
