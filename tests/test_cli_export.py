@@ -34,3 +34,18 @@ def test_progress_bars_on_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert cli([*ARGS, "--out", str(tmp_path / "c"), "--no-progress"]) == 0
     out = capsys.readouterr()
     assert "\r" not in out.err and "onnx b1 fp32: 3 step(s)" in out.out
+
+
+def test_ctrl_c_is_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C cleaned up (no half-written folder) but ended in a KeyboardInterrupt traceback."""
+    import phyai_edge.engines.exporter as exporter
+
+    def interrupted(req):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(exporter, "export_bundle", interrupted)
+    out = tmp_path / "b"
+    assert cli(["export", "--preset", "tiny", "--out", str(out), "--no-progress"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"phyai-edge export: interrupted; {out} is left as it was"]

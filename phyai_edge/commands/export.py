@@ -140,4 +140,7 @@ def main(args: argparse.Namespace) -> int:
     except (BundleError, ValueError, OSError, RuntimeError) as exc:
         print(f"phyai-edge export: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # cleaned up on the way out, as SIGTERM is: one line, not a traceback
+        print(f"phyai-edge export: interrupted; {args.out} is left as it was", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 1 if manifest["validation"].get("status") == "failed" else 0
