@@ -257,8 +257,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if not any(ep.frames for ep in episodes):
         # Exit 0 would read as "every frame passed" for a run that compared nothing.
-        print(f"phyai-edge eval: no frames to evaluate in {args.data} (check --episodes, --max-frames, --stride)",
-              file=sys.stderr)
+        where = "check --episodes, --max-frames, --stride" if args.lerobot else \
+            "every record is unreadable or its inference failed"
+        print(f"phyai-edge eval: no frames to evaluate in {args.data} ({where})", file=sys.stderr)
         return 2
     fixed = fixed_sizes(policy, reference)
     if sizes and fixed and set(sizes) - set(fixed):

@@ -284,7 +284,7 @@ def check_platform(manifest: dict[str, Any], here: Platform, device: str | torch
     target = manifest.get("target", {})
     dev = torch.device(device)
     if (backend in ARCH_BOUND or backend == "cudagraph") and dev.type != "cuda":
-        raise BundleError(f"a {backend} bundle runs on a CUDA device, not {dev}; pass device='cuda'")
+        raise BundleError(f"a {backend} bundle runs on a CUDA device, not {dev} (--device cuda, device='cuda')")
     if backend in ARCH_BOUND:
         want = target.get("compute_capability")
         if not here.cuda_available:
