@@ -144,6 +144,16 @@ def test_a_config_that_is_not_utf8_is_one_line_naming_the_file(tmp_path):
         load_config(f)
 
 
+def test_a_controller_on_another_host_may_use_the_port_the_daemon_publishes_on():
+    """Only a connection through loopback reaches the daemon's own wildcard-bound publisher."""
+    cfg = parse_config({"publish": {"endpoint": "tcp://*:5555"}, "state": {"source": "zmq",
+                        "endpoint": "tcp://192.168.1.5:5555"}, **ONE_CAMERA})
+    assert cfg.state.endpoint == "tcp://192.168.1.5:5555"
+    with pytest.raises(ConfigError, match=r"^state\.endpoint: .* is publish\.endpoint"):
+        parse_config({"publish": {"endpoint": "tcp://*:5555"}, "state": {"source": "zmq",
+                      "endpoint": "tcp://localhost:5555"}, **ONE_CAMERA})
+
+
 def test_model_dtype_takes_the_short_names_the_commands_take():
     """`bench --dtype fp16` worked, `model.dtype = "fp16"` was refused; both now mean float16."""
     assert parse_config({"model": {"dtype": "fp16"}, **ONE_CAMERA}).model.dtype == "float16"

@@ -481,14 +481,24 @@ def _tcp_address(endpoint: str) -> tuple[str, str] | None:
     return ("127.0.0.1" if host == "localhost" else host), port
 
 
-def _same_socket(a: str, b: str) -> bool:
-    """Whether binding both endpoints would collide (or connecting one reaches the other)."""
-    if a == b:
+_ANY_HOST = {"*", "0.0.0.0"}
+
+
+def _same_socket(bound: str, other: str, *, other_bound: bool = True) -> bool:
+    """Whether binding `other` too would collide with `bound` (`other_bound`), or connecting to
+    `other` reaches `bound` on this machine. A wildcard bind takes the port on every interface;
+    a connection reaches it only through loopback (another host's port of the same number is not
+    this one)."""
+    if bound == other:
         return True
-    ta, tb = _tcp_address(a), _tcp_address(b)
+    ta, tb = _tcp_address(bound), _tcp_address(other)
     if ta is None or tb is None or ta[1] != tb[1] or ta[1] == "*":
         return False
-    return ta[0] == tb[0] or {"*", "0.0.0.0"} & {ta[0], tb[0]} != set()
+    if ta[0] == tb[0]:
+        return True
+    if other_bound:
+        return bool(_ANY_HOST & {ta[0], tb[0]})
+    return ta[0] in _ANY_HOST and tb[0].startswith("127.")
 
 
 def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
@@ -718,7 +728,7 @@ def _check_sockets(cfg: DaemonConfig) -> None:
     subscribed = [("state.endpoint", cfg.state.endpoint)] if cfg.state.source == "zmq" else []
     subscribed += [(f"cameras.{c.name}.endpoint", c.endpoint) for c in cfg.cameras.values() if c.source == "zmq"]
     for key, endpoint in subscribed:
-        if _same_socket(endpoint, cfg.publish.endpoint):
+        if _same_socket(cfg.publish.endpoint, endpoint, other_bound=False):
             raise ConfigError(f"{key}: {endpoint!r} is publish.endpoint, the daemon's own action stream")
 
 
@@ -747,7 +757,7 @@ def _parse_task(sec: _Section, cfg: DaemonConfig) -> TaskConfig:
         if unused:
             raise ConfigError(f"task.{unused[0]}: only used with task.endpoint (instructions taken at run time); "
                               "set the endpoint or remove it")
-    if t.endpoint and _same_socket(t.endpoint, cfg.publish.endpoint):
+    if t.endpoint and _same_socket(cfg.publish.endpoint, t.endpoint, other_bound=t.bind):
         raise ConfigError(f"task.endpoint: {t.endpoint!r} is publish.endpoint's socket too "
                           f"({cfg.publish.endpoint!r}); give the instruction socket its own")
     sec.finish()
