@@ -116,3 +116,24 @@ def test_load_policy_default_is_the_tiny_builtin(make_obs, noise_for):
     obs = make_obs(ad)
     noise = noise_for(ad)
     assert torch.equal(pol.infer(obs, noise=noise).chunk, ref.infer(obs, noise=noise).chunk)
+
+
+def test_policy_checks_the_noise_and_the_rtc_mode_as_a_server_does(tiny_policy, make_obs):
+    """Locally, noise of 10 steps gave a chunk of 10 actions, a misspelt RTC mode ran unguided, and
+    numpy noise ended in an AttributeError; the server refused the first two and took the third."""
+    from phyai_edge.engines.base import RTCRequest
+
+    ad = tiny_policy.adapter
+    obs = make_obs(ad, seed=1)
+    for shape in ((1, 10, ad.model_action_dim), (1, ad.chunk_size, ad.action_dim), (2, ad.chunk_size, 32)):
+        with pytest.raises(ValueError, match=r"noise must have shape \(1, 50, 32\)"):
+            tiny_policy.infer(obs, noise=torch.randn(*shape))
+    noise = np.random.default_rng(0).standard_normal((1, ad.chunk_size, ad.model_action_dim)).astype(np.float32)
+    np.testing.assert_array_equal(tiny_policy.infer(obs, noise=noise).actions,
+                                  tiny_policy.infer(obs, noise=torch.from_numpy(noise)).actions)
+    prefix = np.zeros((20, ad.action_dim), np.float32)
+    for mode in ("bogus", "GUIDED"):
+        with pytest.raises(ValueError, match=rf"RTC mode '{mode}' is not one of none, crossfade"):
+            tiny_policy.infer(obs, rtc=RTCRequest(mode, prefix, 3, 25), noise=noise)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="is not one of"):
+            tiny_policy.infer([obs], rtc=[RTCRequest(mode, prefix, 3, 25)], noise=noise)  # type: ignore[arg-type]

@@ -728,3 +728,15 @@ def test_serve_json_report_is_alone_on_stdout():
     report = json.loads(proc.stdout)
     assert isinstance(report, dict) and report
     assert "serving on tcp://127.0.0.1:" in proc.stderr
+
+
+def test_noise_of_another_shape_is_a_bad_request_before_batching(tiny_policy, make_obs):
+    """It failed inside the batch's engine call: inference_failed for the robot that sent it (a
+    server fault, by its code) and a rerun for every neighbour."""
+    from phyai_edge.serve.batching import BatchItem, run_items
+
+    ad = tiny_policy.adapter
+    got = run_items(tiny_policy, [BatchItem([make_obs(ad, seed=1)], None),
+                                  BatchItem([make_obs(ad, seed=2)], None, torch.zeros(1, 10, ad.model_action_dim))])
+    assert got[0].actions is not None and not got[0].rerun
+    assert got[1].bad_request and "noise must have shape (1, 50, 32)" in got[1].error

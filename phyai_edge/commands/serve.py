@@ -208,8 +208,7 @@ def warm_inputs(policy: Any, prompts: Sequence[str] | None, modes: str) -> tuple
     import numpy as np
 
     from phyai_edge.calibration.dataset import synthetic_observations
-    from phyai_edge.engines.base import RTCRequest
-    from phyai_edge.serve.server import RTC_MODES
+    from phyai_edge.engines.base import RTC_MODES, RTCRequest
 
     base = synthetic_observations(policy.adapter, 1)[0]
     absent = getattr(policy, "absent_cameras", ())

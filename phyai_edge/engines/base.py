@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from phyai_edge.adapters.base import ModelInputs
-from phyai_edge.engines.rtc import SOLVER_RTC_MODES, RTCGuidance, RTCMode
+from phyai_edge.engines.rtc import RTC_MODES, SOLVER_RTC_MODES, RTCGuidance, RTCMode
 
-__all__ = ["SOLVER_RTC_MODES", "Engine", "EngineBase", "InferenceResult", "RTCMode", "RTCRequest"]
+__all__ = ["RTC_MODES", "SOLVER_RTC_MODES", "Engine", "EngineBase", "InferenceResult", "RTCMode", "RTCRequest"]
 
 
 

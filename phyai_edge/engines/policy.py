@@ -18,12 +18,29 @@ import torch
 from phyai_edge.adapters import load_adapter
 from phyai_edge.adapters.base import Adapter, ModelInputs, Observation
 from phyai_edge.engines import make_engine
-from phyai_edge.engines.base import SOLVER_RTC_MODES, InferenceResult, RTCRequest
+from phyai_edge.engines.base import RTC_MODES, SOLVER_RTC_MODES, InferenceResult, RTCRequest
 from phyai_edge.engines.bundle import optional_kwargs
 from phyai_edge.engines.rtc import RTCGuidance, prefix_weights
 
 log = logging.getLogger(__name__)
 
+
+
+def _check_mode(rtc: RTCRequest) -> None:
+    # A misspelt mode read as a daemon-side one: RTC silently off.
+    if rtc.mode not in RTC_MODES:
+        raise ValueError(f"RTC mode {rtc.mode!r} is not one of {', '.join(RTC_MODES)}")
+
+
+def checked_noise(noise: torch.Tensor | np.ndarray, shape: tuple[int, int, int]) -> torch.Tensor:
+    """`noise` as a float32 tensor, refused unless it has `shape` (observations, H, model action
+    width) and is finite."""
+    n = noise if isinstance(noise, torch.Tensor) else torch.as_tensor(np.asarray(noise))
+    if tuple(n.shape) != shape:
+        raise ValueError(f"noise must have shape {shape} (observations, H, model action width), got {tuple(n.shape)}")
+    if not torch.isfinite(n).all():
+        raise ValueError("noise has NaN or Inf values")
+    return n.to(torch.float32)
 
 class Policy:
     def __init__(self, adapter: Adapter, engine) -> None:
@@ -71,6 +88,7 @@ class Policy:
         `states`: the new observations' raw states, (batch, state_dim) (`preprocess`'s
         `extras["states"]`), which a relative policy's prefix is made relative to: the new chunk
         is predicted from them, not from the state the executing chunk started at."""
+        _check_mode(rtc)
         if rtc.mode not in SOLVER_RTC_MODES:
             return None
         a = self.adapter
@@ -134,6 +152,7 @@ class Policy:
         for i, r in enumerate(requests):
             if r is None:
                 continue
+            _check_mode(r)
             prefix = r.prefix.detach().cpu().numpy() if isinstance(r.prefix, torch.Tensor) else np.asarray(r.prefix)
             if prefix.ndim == 3 and prefix.shape[0] != 1:
                 raise ValueError(f"sample {i}: a per-sample RTC prefix must be (n, A) or (1, n, A), got {prefix.shape}")
@@ -262,10 +281,11 @@ class Policy:
         self,
         observations: list[Observation] | Observation,
         rtc: RTCRequest | list[RTCRequest | None] | None = None,
-        noise: torch.Tensor | None = None,
+        noise: torch.Tensor | np.ndarray | None = None,
     ) -> InferenceResult:
         """rtc: one request for the whole batch (a (B, n, A) prefix and one d), or a list with
-        one request (or None) per observation."""
+        one request (or None) per observation. noise: the flow's starting point, (B, H, model
+        action width), a tensor or an array; None: the engine's seeded draws."""
         obs = [observations] if isinstance(observations, Observation) else list(observations)
         t0 = time.perf_counter()
         inputs = self.adapter.preprocess(obs, device=self.device)
@@ -279,6 +299,8 @@ class Policy:
             guidance = self.rtc_guidance_per_sample(list(rtc), states)
         else:
             guidance = self.rtc_guidance(rtc, len(obs), states) if rtc is not None else None
+        if noise is not None:  # checked as a server checks it: a wrong H changed the chunk's length
+            noise = checked_noise(noise, (len(obs), self.adapter.chunk_size, self.adapter.model_action_dim))
         chunk = self.engine.run(inputs, noise=noise, rtc=guidance)
         t2 = time.perf_counter()
         actions = self.postprocess(chunk, inputs)

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 RTCMode = Literal["none", "crossfade", "inpaint", "guided-approx", "guided"]
+RTC_MODES: tuple[str, ...] = get_args(RTCMode)
 SOLVER_RTC_MODES = ("inpaint", "guided-approx", "guided")  # the rest are the daemon's business
 
 

@@ -27,6 +27,7 @@ import torch
 
 from phyai_edge.adapters.base import Observation
 from phyai_edge.engines.base import SOLVER_RTC_MODES, RTCRequest
+from phyai_edge.engines.policy import checked_noise
 from phyai_edge.serve.scheduler import compatible, pad_size  # pad_size: also imported from here
 
 log = logging.getLogger(__name__)
@@ -124,12 +125,7 @@ def item_noise(policy: Any, item: BatchItem) -> torch.Tensor:
     device = torch.device(policy.device)
     if item.noise is None:
         return policy.engine.sample_noise(item.size).to(device, torch.float32)
-    n = torch.as_tensor(np.asarray(item.noise) if not isinstance(item.noise, torch.Tensor) else item.noise)
-    if tuple(n.shape) != shape:
-        raise ValueError(f"noise must have shape {shape} (observations, H, model action width), got {tuple(n.shape)}")
-    if not torch.isfinite(n).all():
-        raise ValueError("noise has NaN or Inf values")
-    return n.to(device, torch.float32)
+    return checked_noise(item.noise, shape).to(device)
 
 
 def run_group(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int] | None = None) -> list[ItemResult]:
@@ -175,6 +171,12 @@ def run_items(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int
         for i, it in enumerate(items):
             why = next((f"obs[{j}]: {p}" for j, o in enumerate(it.observations)
                         if (p := problem(o, allow_truncation=not strict_prompts))), None)
+            a = getattr(policy, "adapter", None)
+            if why is None and it.noise is not None and a is not None:
+                try:  # a request's own noise of another shape: its mistake, not the engine's
+                    checked_noise(it.noise, (it.size, a.chunk_size, a.model_action_dim))
+                except ValueError as exc:
+                    why = str(exc)
             if why is not None:
                 results[i] = ItemResult(None, error=why, bad_request=True)
     todo = [i for i, r in enumerate(results) if r is None]

@@ -38,7 +38,7 @@ import torch
 import zmq
 
 from phyai_edge.adapters.base import Observation
-from phyai_edge.engines.base import RTCRequest
+from phyai_edge.engines.base import RTC_MODES, RTCRequest
 from phyai_edge.serve import wire
 from phyai_edge.serve.batching import BatchItem, ItemResult, group_key, run_items, warm_up
 from phyai_edge.serve.scheduler import Pending, Scheduler, SchedulerConfig, pad_size
@@ -46,7 +46,6 @@ from phyai_edge.serve.stats import BatchRecord, ServerStats, format_report
 
 log = logging.getLogger("phyai_edge.serve")
 
-RTC_MODES = ("none", "crossfade", "inpaint", "guided-approx", "guided")
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5570"
 # Instruction checks waiting for the check thread; more are refused `overloaded`. A daemon asks
 # once per instruction sent to it, so a longer queue would only be a client in a loop.
