@@ -106,6 +106,7 @@ int main(int argc, char **argv) {
                 printf("no message for %d ms: HOLD (the daemon stopped or the link is down)\n", SILENT_MS);
                 fflush(stdout);
                 silent = 1;
+                holds++; /* one for the silent episode, as the header says */
             }
             /* A real controller holds the motors here until messages come again. */
             continue;

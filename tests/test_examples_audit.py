@@ -108,3 +108,5 @@ def test_a_daemon_gone_silent_without_shutdown_reads_as_hold(example, tmp_path):
     assert sum(line.startswith("seq") for line in after) == 6, seen
     if example == "c":
         assert seen[-1].startswith("summary: received") and " gaps 0 " in seen[-1], seen[-1]
+        # the silent episode counts as a HOLD, as the header says (it was left out), beside SHUTDOWN's
+        assert " holds 2 " in seen[-1], seen[-1]
