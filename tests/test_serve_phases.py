@@ -79,19 +79,36 @@ def test_warm_up_runs_every_size_for_every_observation_and_rtc_mode(make_obs):
         warm_up(counted, [1], [])
 
 
+class _FailsOnPrompt:
+    """The policy, with an engine that fails on any call holding one request's prompt: a failure
+    no check before batching can see (a wrong state, camera, image, prompt or noise never reaches
+    a batch: `test_serve`'s refusals before batching)."""
+
+    def __init__(self, policy, prompt: str) -> None:
+        self.policy, self.prompt = policy, prompt
+
+    def infer(self, observations, **kw):
+        if any(o.prompt == self.prompt for o in observations):
+            raise RuntimeError("the engine failed")
+        return self.policy.infer(observations, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
 def test_a_failed_call_reruns_alone_and_says_so(tiny_policy, make_obs, noise_for):
-    """An engine call that fails on what no check before batching sees (here a request's own noise of
-    the wrong length) reruns its requests one by one, so only that request fails. (A wrong state,
-    camera or prompt never reaches a batch: `test_serve`'s refusal before batching.)"""
+    """An engine call that fails reruns its requests one by one, so only the request it fails on
+    fails."""
     a = tiny_policy.adapter
+    policy = _FailsOnPrompt(tiny_policy, "poison")
     good = [BatchItem([make_obs(a, seed=i, size=(8, 8))], noise=noise_for(a, 1, seed=i)) for i in range(2)]
-    bad = BatchItem([make_obs(a, seed=9, size=(8, 8))], noise=noise_for(a, 1, seed=9)[:, :10])
-    got = run_items(tiny_policy, [good[0], bad, good[1]])
+    bad = BatchItem([make_obs(a, seed=9, size=(8, 8), prompt="poison")], noise=noise_for(a, 1, seed=9))
+    got = run_items(policy, [good[0], bad, good[1]])
     assert [r.rerun for r in got] == [True] * 3
-    assert got[1].actions is None and got[1].error and not got[1].bad_request
+    assert got[1].actions is None and "the engine failed" in got[1].error and not got[1].bad_request
     for item, r in zip(good, [got[0], got[2]]):
-        np.testing.assert_array_equal(r.actions, run_items(tiny_policy, [item])[0].actions)
-    assert not any(r.rerun for r in run_items(tiny_policy, good))
+        np.testing.assert_array_equal(r.actions, run_items(policy, [item])[0].actions)
+    assert not any(r.rerun for r in run_items(policy, good))
 
 
 def test_server_reports_phases_and_learns_service_time_per_padded_size(tiny_policy, make_obs, noise_for):
