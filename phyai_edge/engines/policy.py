@@ -34,11 +34,12 @@ def _check_mode(rtc: RTCRequest) -> None:
 
 def checked_noise(noise: torch.Tensor | np.ndarray, shape: tuple[int, int, int]) -> torch.Tensor:
     """`noise` as a float32 tensor, refused unless it has `shape` (observations, H, model action
-    width) and is finite."""
+    width) and, where it is on the host, is finite (reading a GPU tensor's values would wait for
+    the device before every chunk)."""
     n = noise if isinstance(noise, torch.Tensor) else torch.as_tensor(np.asarray(noise))
     if tuple(n.shape) != shape:
         raise ValueError(f"noise must have shape {shape} (observations, H, model action width), got {tuple(n.shape)}")
-    if not torch.isfinite(n).all():
+    if n.device.type == "cpu" and not torch.isfinite(n).all():
         raise ValueError("noise has NaN or Inf values")
     return n.to(torch.float32)
 
