@@ -63,9 +63,9 @@ ERR_EXPIRED = "expired"
 # prompt once per state bin (257 times for PI0.5), so a longer one would only occupy the server.
 MAX_CHECK_PROMPT_CHARS = 4096
 # Refused before decoding, so one oversized message cannot hold the intake thread (a 16 MB header
-# of 200,000 observations took it 3.6 s) or fill the server's memory with one camera frame. A
-# header carries names, shapes and prompts (~1 KB an observation); the largest array is a 4K
-# uint8 frame (25 MB) with room to spare.
+# of 200,000 observations took it 3.6 s) or have the server preprocess a giant camera frame (the
+# bytes have arrived by then: ZeroMQ holds the message). A header carries names, shapes and
+# prompts (~1 KB an observation); the largest array is a 4K uint8 frame (25 MB) with room to spare.
 MAX_HEADER_BYTES = 4 << 20
 MAX_ARRAY_BYTES = 64 << 20
 
