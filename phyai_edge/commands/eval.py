@@ -135,16 +135,26 @@ def _wants_reference(args: argparse.Namespace) -> bool:
     return bool(args.reference_backend or args.reference_engine or args.reference_dtype or args.reference_device)
 
 
-def _the_bundles_model(bundle: str, common: dict[str, Any]) -> None:
-    """Point `common` at the weights `bundle` was exported from (its manifest's checkpoint source:
-    a folder, or a built-in preset and seed), so an engine compared with it runs the same model."""
-    from phyai_edge.commands.common import fail
-    from phyai_edge.engines.bundle import BundleError, parse_builtin_source, read_manifest
+def _exported_from(bundle: str) -> str | None:
+    """The weights `bundle` was exported from (its manifest's checkpoint source: a folder, or a
+    built-in preset and seed); None where the manifest cannot say (loading the bundle says why)."""
+    from phyai_edge.engines.bundle import BundleError, read_manifest
 
     try:
-        source = str(read_manifest(bundle)["checkpoint"].get("source", ""))
+        return str(read_manifest(bundle)["checkpoint"].get("source", ""))
     except (BundleError, KeyError, TypeError):
-        return  # loading the bundle says what is wrong with it
+        return None
+
+
+def _the_bundles_model(bundle: str, common: dict[str, Any]) -> None:
+    """Point `common` at the weights `bundle` was exported from, so an engine compared with it
+    runs the same model."""
+    from phyai_edge.commands.common import fail
+    from phyai_edge.engines.bundle import parse_builtin_source
+
+    source = _exported_from(bundle)
+    if source is None:
+        return
     if (built := parse_builtin_source(source)) is not None:
         common.update(preset=built[0], seed=built[1])
     elif Path(source).is_dir():
@@ -171,12 +181,9 @@ def _check_the_bundles_preset(bundle: str, common: dict[str, Any]) -> None:
     from: the engine compared with it would run another model (its differences read as the
     engines')."""
     from phyai_edge.commands.common import fail
-    from phyai_edge.engines.bundle import BundleError, parse_builtin_source, read_manifest
+    from phyai_edge.engines.bundle import parse_builtin_source
 
-    try:
-        built = parse_builtin_source(str(read_manifest(bundle)["checkpoint"].get("source", "")))
-    except (BundleError, KeyError, TypeError):
-        return  # loading the bundle says what is wrong with it
+    built = parse_builtin_source(_exported_from(bundle) or "")
     if built is not None and built != (common["preset"], common["seed"]):
         fail("eval", f"--preset {common['preset']} --seed {common['seed']}: the engine bundle {bundle} was exported "
              f"from the preset {built[0]} at seed {built[1]}, so the engine compared with it would run other weights; "
