@@ -716,6 +716,10 @@ def check_chunking(c: ChunkingConfig, horizon: int, source: str) -> None:
 
 def _check_sockets(cfg: DaemonConfig) -> None:
     """Sockets the daemon binds must not collide, and it must not subscribe to its own publisher."""
+    t = cfg.task
+    if t.endpoint and _same_socket(cfg.publish.endpoint, t.endpoint, other_bound=t.bind):
+        raise ConfigError(f"task.endpoint: {t.endpoint!r} is publish.endpoint's socket too "
+                          f"({cfg.publish.endpoint!r}); give the instruction socket its own")
     binds = [("publish.endpoint", cfg.publish.endpoint)] if cfg.publish.bind else []
     if cfg.task.endpoint and cfg.task.bind:
         binds.append(("task.endpoint", cfg.task.endpoint))
@@ -757,9 +761,6 @@ def _parse_task(sec: _Section, cfg: DaemonConfig) -> TaskConfig:
         if unused:
             raise ConfigError(f"task.{unused[0]}: only used with task.endpoint (instructions taken at run time); "
                               "set the endpoint or remove it")
-    if t.endpoint and _same_socket(cfg.publish.endpoint, t.endpoint, other_bound=t.bind):
-        raise ConfigError(f"task.endpoint: {t.endpoint!r} is publish.endpoint's socket too "
-                          f"({cfg.publish.endpoint!r}); give the instruction socket its own")
     sec.finish()
     return t
 
