@@ -167,11 +167,11 @@ def run_items(policy: Any, items: Sequence[BatchItem], batch_sizes: Sequence[int
     evaluation and rollouts truncate as preprocess does, with its one warning."""
     results: list[ItemResult | None] = [None] * len(items)
     problem = getattr(policy, "observation_problem", None)
+    a = getattr(policy, "adapter", None)
     if problem is not None:
         for i, it in enumerate(items):
             why = next((f"obs[{j}]: {p}" for j, o in enumerate(it.observations)
                         if (p := problem(o, allow_truncation=not strict_prompts))), None)
-            a = getattr(policy, "adapter", None)
             if why is None and it.noise is not None and a is not None:
                 try:  # a request's own noise of another shape: its mistake, not the engine's
                     checked_noise(it.noise, (it.size, a.chunk_size, a.model_action_dim))

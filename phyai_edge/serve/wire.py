@@ -132,7 +132,7 @@ def _header(frames: list[Any]) -> dict[str, Any]:
     return head
 
 
-def _integer(value: Any, what: str) -> int:
+def _integer(value: Any, what: str, *, not_negative: bool = False) -> int:
     """A JSON integer (or an integral float); anything else is a WireError naming the field.
     Header scalars are checked so rather than passed to int(): its ValueError or TypeError
     would say nothing about which field was wrong."""
@@ -140,16 +140,10 @@ def _integer(value: Any, what: str) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise WireError(f"{what}: expected an integer, got {value!r}")
-    return value
+    return _at_least_zero(value, what) if not_negative else value
 
 
-def _not_negative(value: float, what: str) -> Any:
-    if value < 0:
-        raise WireError(f"{what}: expected a value >= 0, got {value!r}")
-    return value
-
-
-def _number(value: Any, what: str) -> float:
+def _number(value: Any, what: str, *, not_negative: bool = False) -> float:
     """A finite JSON number (not a bool); anything else is a WireError naming the field."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float))
     try:
@@ -158,7 +152,13 @@ def _number(value: Any, what: str) -> float:
         ok = False
     if not ok:
         raise WireError(f"{what}: expected a finite number, got {value!r}")
-    return float(value)
+    return _at_least_zero(float(value), what) if not_negative else float(value)
+
+
+def _at_least_zero(value: Any, what: str) -> Any:
+    if value < 0:
+        raise WireError(f"{what}: expected a value >= 0, got {value!r}")
+    return value
 
 
 def _positive_ms(value: Any, what: str) -> float | None:
@@ -288,11 +288,9 @@ def decode_request(frames: list[Any], max_observations: int | None = None) -> Re
         if not isinstance(rtc["mode"], str):
             raise WireError(f"rtc.mode: expected a string, got {rtc['mode']!r}")
         req.rtc = WireRTC(rtc["mode"], _unpack(rtc["prefix"], frames, "rtc.prefix"),
-                          _not_negative(_integer(rtc["delay"], "rtc.delay"), "rtc.delay"),
-                          _not_negative(_integer(rtc["execution_horizon"], "rtc.execution_horizon"),
-                                        "rtc.execution_horizon"),
-                          _not_negative(_number(rtc.get("max_guidance_weight", 5.0), "rtc.max_guidance_weight"),
-                                        "rtc.max_guidance_weight"))
+                          _integer(rtc["delay"], "rtc.delay", not_negative=True),
+                          _integer(rtc["execution_horizon"], "rtc.execution_horizon", not_negative=True),
+                          _number(rtc.get("max_guidance_weight", 5.0), "rtc.max_guidance_weight", not_negative=True))
     if head.get("noise") is not None:
         req.noise = _unpack(head["noise"], frames, "noise")
     return req
