@@ -243,3 +243,11 @@ def test_a_reader_that_stops_early_is_not_a_traceback(tmp_path):
     proc.stdout.close()
     err = proc.stderr.read().decode() if proc.stderr else ""
     assert proc.wait(60) == 0 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "nan"])
+def test_a_record_disk_floor_that_is_no_size_is_refused_before_loading(capsys, value):
+    rc, err = run(["run", "--record-min-free-gb", value], capsys)
+    assert rc == 2
+    assert one_line(err, "run") == (f"phyai-edge run: --record-min-free-gb {float(value):g}: expected a finite "
+                                    "number of GB >= 0 (0: no floor)")

@@ -502,7 +502,23 @@ def test_record_writes_observations_and_chunks(tmp_path):
     assert z["image.top"].shape == (32, 32, 3) and z["state"].shape == (6,)
     assert z["actions"].shape == (50, 6) and str(z["error"]) == ""
     assert int(z["delay"]) >= 1 and z["prefix"].shape[1] == 6
-    assert d.summary()["recorder"] == {"dropped": 0, "failed": 0}  # `--summary` shows what a recording lost
+    # `--summary` shows what a recording lost
+    assert d.summary()["recorder"] == {"dropped": 0, "failed": 0, "skipped_low_disk": 0}
+
+
+def test_record_keeps_its_disk_floor_and_the_robot_runs_on(tmp_path):
+    """A floor above the disk's free space: nothing is written, every record is counted as
+    skipped, and control is untouched (recording is never what stops a robot)."""
+    cfg = test_config()
+    d = Daemon(cfg, policy=FakePolicy(action_dim=6, state_dim=6, latency_s=0.01), record_dir=str(tmp_path),
+               record_min_free_gb=1e12, realtime=False)
+    run = Running(d)
+    run.wait_for(lambda: d.stats.adopted >= 3, what="3 chunks")
+    run.stop()
+    assert list(tmp_path.glob("obs_*")) == [] and (tmp_path / "meta.json").exists()
+    rec = d.summary()["recorder"]
+    assert rec["skipped_low_disk"] >= 3 and rec["dropped"] == 0 and rec["failed"] == 0
+    assert run.listener.stats.gaps == 0
 
 
 @pytest.mark.parametrize("mode", ["crossfade", "guided-approx"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -79,3 +80,71 @@ def test_close_stops_waiting_for_a_stuck_disk_and_says_what_it_left(tmp_path, mo
     # The write under way finished (whole); the two left in the queue were not written, and counted.
     assert rec.written == 1 and rec.dropped == 3
     assert sorted(p.name for p in tmp_path.glob("obs_*")) == ["obs_000001.npz"]
+
+
+class Disk:
+    """`free_bytes` as the test says: the free space a real disk would report."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, free: int) -> None:
+        self.free = free
+        monkeypatch.setattr(recorder_mod, "free_bytes", lambda directory: self.free)
+
+
+def _settle(rec: Recorder, written: int, skipped: int) -> None:
+    deadline = time.monotonic() + 10
+    while (rec.written, rec.skipped_low_disk) != (written, skipped) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (rec.written, rec.skipped_low_disk) == (written, skipped)
+
+
+def test_records_are_skipped_below_the_disk_floor_and_resume_above_it(tmp_path, monkeypatch, caplog):
+    """With no floor a long recording filled the robot computer's disk (~1 GB a minute with three
+    720p cameras). Below the floor each record is skipped and counted; one line says when it
+    starts and one when it ends, not one per record."""
+    disk = Disk(monkeypatch, free=10 * 10**9)
+    with caplog.at_level("INFO", logger="phyai_edge.control"):
+        rec = Recorder(tmp_path, {}, min_free_bytes=2 * 10**9)
+        rec.add(_record(1))
+        _settle(rec, written=1, skipped=0)
+        disk.free = 1 * 10**9
+        for i in (2, 3, 4):
+            rec.add(_record(i))
+        _settle(rec, written=1, skipped=3)
+        disk.free = 5 * 10**9
+        rec.add(_record(5))
+        _settle(rec, written=2, skipped=3)
+        rec.close()
+    assert sorted(p.name for p in tmp_path.glob("obs_*")) == ["obs_000001.npz", "obs_000005.npz"]
+    low = [m for m in caplog.messages if "below the 2.0 GB floor" in m]
+    assert len(low) == 1 and "1.0 GB free" in low[0]
+    assert sum("recording resumes (3 records skipped so far)" in m for m in caplog.messages) == 1
+    assert (f"record: 2 observations written to {tmp_path}, 0 dropped, 0 failed, 3 skipped "
+            "(disk below the --record-min-free-gb floor)") in caplog.messages
+
+
+def test_a_disk_already_below_the_floor_is_said_at_start(tmp_path, monkeypatch, caplog):
+    Disk(monkeypatch, free=10**8)
+    with caplog.at_level("WARNING", logger="phyai_edge.control"):
+        rec = Recorder(tmp_path, {}, min_free_bytes=10**9)
+    assert any("0.1 GB free, below the 1.0 GB floor" in m and "nothing is recorded" in m for m in caplog.messages)
+    rec.add(_record(1))
+    _settle(rec, written=0, skipped=1)
+    rec.close()
+    # one line for the episode: the first skipped record does not say it again
+    assert sum("below the 1.0 GB floor" in m for m in caplog.messages) == 1
+
+
+def test_no_floor_never_asks_the_disk(tmp_path, monkeypatch):
+    def refuse(directory):
+        raise AssertionError("statfs with no floor")
+
+    monkeypatch.setattr(recorder_mod, "free_bytes", refuse)
+    rec = Recorder(tmp_path, {})
+    rec.add(_record(1))
+    _settle(rec, written=1, skipped=0)
+    rec.close()
+
+
+def test_free_bytes_reads_the_real_file_system(tmp_path):
+    st = os.statvfs(tmp_path)
+    assert recorder_mod.free_bytes(tmp_path) == st.f_bavail * st.f_frsize > 0

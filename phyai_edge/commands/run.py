@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from phyai_edge.control.log import LOG_LEVELS
+
+# `--record` keeps this much of its disk free: a robot computer whose disk fills loses its journal,
+# and every other service on it its writes (a recording with three 720p cameras is ~1 GB a minute).
+DEFAULT_RECORD_MIN_FREE_GB = 2.0
 
 HELP = "the real-time control daemon (fixed-period loop, RTC, ZeroMQ actions)"
 DESCRIPTION = """Run a policy on a robot: a fixed-period loop publishes one action per tick over
@@ -43,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=None,
                    help="stop by itself after this many seconds (default, or 0: run until SIGINT / SIGTERM)")
     p.add_argument("--record", metavar="DIR", help="save every inference's observation and chunk to DIR")
+    p.add_argument("--record-min-free-gb", type=float, default=DEFAULT_RECORD_MIN_FREE_GB, metavar="GB",
+                   help="with --record: skip records (counted, logged) while DIR's disk has less than this free, so "
+                        f"a long recording cannot fill the robot computer's disk (default {DEFAULT_RECORD_MIN_FREE_GB:g}; "
+                        "0: no floor)")
     p.add_argument("--no-realtime", action="store_true", help="skip SCHED_FIFO, CPU affinity and mlockall")
     p.add_argument("--summary", metavar="FILE", help="write the run's timing summary as JSON ('-': stdout)")
     p.add_argument("--log-level", default=os.environ.get("PHYAI_EDGE_LOG_LEVEL", "info"),
@@ -151,10 +160,12 @@ def _load_error_key(m: Any, exc: BaseException, load_adapter: Any) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from phyai_edge.commands.common import check_seconds
+    from phyai_edge.commands.common import check_seconds, fail
     from phyai_edge.control.config import DEFAULT_CONFIG_TOML, ConfigError, load_config
 
     check_seconds("run", "--duration", args.duration)
+    if not (math.isfinite(args.record_min_free_gb) and args.record_min_free_gb >= 0):
+        fail("run", f"--record-min-free-gb {args.record_min_free_gb:g}: expected a finite number of GB >= 0 (0: no floor)")
 
     if args.print_default_config:
         sys.stdout.write(DEFAULT_CONFIG_TOML)
@@ -210,7 +221,8 @@ def main(args: argparse.Namespace) -> int:
     # own limits (which say what timed out) are the ones that end a start-up that hangs.
     budget = startup_budget_s(cfg)
     notifier.extend_timeout(budget, f"starting: loading and warming up the policy (limit {budget:.0f} s)")
-    daemon = Daemon(cfg, record_dir=args.record, realtime=not args.no_realtime, notifier=notifier)
+    daemon = Daemon(cfg, record_dir=args.record, record_min_free_gb=args.record_min_free_gb,
+                    realtime=not args.no_realtime, notifier=notifier)
     daemon.install_signal_handlers()
     try:
         daemon.setup()

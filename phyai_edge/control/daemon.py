@@ -246,6 +246,7 @@ class Daemon:
         cameras: dict[str, CameraSource] | None = None,
         state: StateSource | None = None,
         record_dir: str | None = None,
+        record_min_free_gb: float = 0.0,
         realtime: bool = True,
         status_line: bool | None = None,
         notifier: Notifier | None = None,
@@ -256,6 +257,7 @@ class Daemon:
         self._cameras_override = cameras
         self._state_override = state
         self.record_dir = record_dir
+        self.record_min_free_gb = record_min_free_gb
         self.realtime = realtime
         self.status_line_wanted = status_line
         self.notifier = notifier or Notifier()
@@ -428,7 +430,7 @@ class Daemon:
                 # otherwise), its paths made absolute: the daemon's working directory is not eval's.
                 "model": recorded_model(cfg),
             }
-            self.recorder = Recorder(self.record_dir, meta)
+            self.recorder = Recorder(self.record_dir, meta, min_free_bytes=round(self.record_min_free_gb * 1e9))
             log.info("recording observations to %s (each chunk's noise from model.noise_seed %d and its inference "
                      "number: `phyai-edge eval %s` replays them)", self.record_dir, cfg.model.noise_seed, self.record_dir)
 
@@ -959,7 +961,8 @@ class Daemon:
                                                     "refused": self.task.refused},
             # --record: what did not reach the disk (None without recording).
             "recorder": None if self.recorder is None else {"dropped": self.recorder.dropped,
-                                                            "failed": self.recorder.failed},
+                                                            "failed": self.recorder.failed,
+                                                            "skipped_low_disk": self.recorder.skipped_low_disk},
         }
 
 

@@ -1,7 +1,9 @@
 """`--record DIR`: every inference's observation, request and result, for calibration and replay.
 
 One `.npz` per inference, written by a background thread (the clock only enqueues; when the
-queue is full the record is dropped and counted, never waited for). Layout in docs/daemon.md:
+queue is full the record is dropped and counted, never waited for). While the disk has less
+than `min_free_bytes` free, records are skipped and counted: a robot computer whose disk fills
+loses its journal, and every other service on it its writes. Layout in docs/daemon.md:
   meta.json                      daemon config source, policy shape, camera mapping
   obs_000001.npz                 image.<view> (uint8 HxWx3 RGB, cropped, rotated and mirrored
                                  as the policy saw it), state, timestamp, prompt,
@@ -33,8 +35,16 @@ from phyai_edge.control.worker import as_policy_frame
 log = logging.getLogger("phyai_edge.control")
 
 
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged writer may still use on `directory`'s file system (the root-reserved
+    blocks are not the daemon's to fill)."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
 class Recorder:
-    def __init__(self, directory: str | Path, meta: dict[str, Any], max_pending: int = 64) -> None:
+    def __init__(self, directory: str | Path, meta: dict[str, Any], max_pending: int = 64,
+                 min_free_bytes: int = 0) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         _write_atomically(self.dir / "meta.json", lambda f: f.write(json.dumps(meta, indent=2, default=str).encode()))
@@ -44,6 +54,13 @@ class Recorder:
         self.written = 0
         self.dropped = 0  # not queued (queue full, or after close) or left behind by close()
         self.failed = 0  # writes that raised (disk full, permissions)
+        self.min_free_bytes = min_free_bytes
+        self.skipped_low_disk = 0  # not written: the disk had less than min_free_bytes free
+        self._low_disk = False  # in a low-disk episode (logged at its start and its end)
+        if min_free_bytes and (free := free_bytes(self.dir)) < min_free_bytes:
+            log.warning("record: %s has %s free, below the %s floor (--record-min-free-gb): nothing is recorded "
+                        "until space is freed", self.dir, _gb(free), _gb(min_free_bytes))
+            self._low_disk = True
         self._thread = threading.Thread(target=self._run, name="recorder", daemon=True)
         self._thread.start()
 
@@ -78,6 +95,9 @@ class Recorder:
                     except queue.Empty:
                         return
                     self.dropped += 1
+            if self._disk_too_full():
+                self.skipped_low_disk += 1
+                continue
             try:
                 arrays: dict[str, Any] = {}
                 geometry = rec.pop("geometry", None) or {}
@@ -94,6 +114,24 @@ class Recorder:
                 if worth_logging(self.failed):  # a full disk fails every record: 1st, 10th, ...
                     log.error("record: writing failed (%s); %d so far", exc, self.failed)
 
+    def _disk_too_full(self) -> bool:
+        """Checked before each write: one statfs, on this thread (never the clock's)."""
+        if not self.min_free_bytes:
+            return False
+        try:
+            free = free_bytes(self.dir)
+        except OSError:
+            return False  # the write will fail and say why
+        low = free < self.min_free_bytes
+        if low and not self._low_disk:
+            log.warning("record: %s has %s free, below the %s floor (--record-min-free-gb): records are skipped "
+                        "until space is freed", self.dir, _gb(free), _gb(self.min_free_bytes))
+        elif self._low_disk and not low:
+            log.info("record: %s has %s free again: recording resumes (%d records skipped so far)", self.dir,
+                     _gb(free), self.skipped_low_disk)
+        self._low_disk = low
+        return low
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Writes what is pending for at most `timeout_s`, then drops (and counts) the rest. It put
         a None that waited up to `timeout_s` for room behind a full queue, joined for as long again,
@@ -104,8 +142,15 @@ class Recorder:
         # A write still under way at exit leaves no file (see _write_atomically); count it as lost.
         lost = self._queue.qsize() + self._thread.is_alive()
         dropped = self.dropped + lost
-        (log.warning if dropped or self.failed else log.info)(
-            "record: %d observations written to %s, %d dropped, %d failed", self.written, self.dir, dropped, self.failed)
+        skipped = f", {self.skipped_low_disk} skipped (disk below the --record-min-free-gb floor)" \
+            if self.skipped_low_disk else ""
+        (log.warning if dropped or self.failed or skipped else log.info)(
+            "record: %d observations written to %s, %d dropped, %d failed%s", self.written, self.dir, dropped,
+            self.failed, skipped)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
 
 
 def _write_atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
