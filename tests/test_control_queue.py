@@ -43,6 +43,21 @@ def test_missed_slots_skip_actions_and_late_chunks_are_dropped():
     assert q.current.chunk_id == 1
 
 
+def test_a_chunk_that_arrives_too_late_to_run_is_not_a_delay_the_next_prefixes_plan_for():
+    """A stall (a worker restart, a frozen process) delivered a chunk after H slots. Its delay went
+    into the estimator's window, whose maximum then froze the whole prefix of the next ten
+    requests: the robot followed each old chunk to its end before the new one's fresh actions."""
+    q = ChunkQueue("inpaint", 20, 5, 4, DelayEstimator(initial=2, window=10))
+    assert q.adopt(chunk(20, 0.0), 1, start_slot=0, now_slot=3, obs_time_s=0.0) == 3
+    assert q.adopt(chunk(20, 1.0), 2, start_slot=10, now_slot=90, obs_time_s=0.0) is None  # 80 slots: stale
+    assert q.last_delay == 80  # still said (the daemon logs and counts it)
+    assert q.adopt(chunk(20, 2.0), 3, start_slot=100, now_slot=104, obs_time_s=0.0) == 4
+    for _ in range(5):
+        q.next_action()
+    plan = q.plan(109)
+    assert plan.delay == 4 and plan.prefix.shape[0] == 11  # the measured delays, not the stall
+
+
 def test_crossfade_blends_from_old_to_new():
     q = ChunkQueue("crossfade", 20, 5, 4, DelayEstimator(initial=2))
     q.adopt(np.zeros((20, 2), np.float32), 1, 0, 0, 0.0)

@@ -40,7 +40,8 @@ class DelayEstimator:
     """d for the next request: a fixed value, or the maximum of the last `window` measured delays.
 
     The maximum, not the mean: under-estimating d leaves actions that will really execute
-    unconstrained by the solver, which is what makes chunk boundaries jump.
+    unconstrained by the solver, which is what makes chunk boundaries jump. Only chunks that took
+    over are measured (`ChunkQueue.adopt`).
     """
 
     def __init__(self, fixed: int = 0, initial: int = 3, window: int = 10) -> None:
@@ -99,9 +100,11 @@ class ChunkQueue:
         actions = actions[: self.horizon]
         delay = now_slot - start_slot
         self.last_delay = delay
-        self.delays.record(delay)
         if delay >= actions.shape[0]:
+            # Not an inference delay to plan for but a stall (a worker restart, a frozen process):
+            # in the window it would freeze every prefix whole for the next `window` chunks.
             return None
+        self.delays.record(delay)
         if self.mode == "crossfade" and self.current is not None:
             actions = self._crossfade(actions, delay, now_slot)
         self.current = Chunk(np.ascontiguousarray(actions, dtype=np.float32), chunk_id, start_slot, obs_time_s, delay,
