@@ -87,3 +87,10 @@ def test_listener_counts_a_repeat_once_and_no_false_gap_after_it():
         assert (st.repeats, st.gaps, st.last_seq) == (2, 1, 9)
     finally:
         lis.close()
+
+
+@pytest.mark.parametrize("shape", [(2, 7), (1, 14)])
+def test_a_state_of_more_or_less_than_one_row_is_refused_by_the_sender(shape):
+    """A (2, 7) array was flattened into 14 values without a word."""
+    with pytest.raises(ValueError, match=r"state message: values of shape .*send one row"):
+        p.StateMessage(np.zeros(shape, np.float32), seq=1, mono_ns=1).encode()

@@ -140,7 +140,11 @@ class StateMessage:
     flags: int = 0
 
     def encode(self) -> bytes:
-        values = np.ascontiguousarray(self.values, dtype="<f4").reshape(-1)
+        values = np.ascontiguousarray(self.values, dtype="<f4")
+        if values.ndim != 1:
+            # Flattened, a (2, 7) array of two arms' joints reached the policy in whatever order
+            # its rows happened to be; the sender says which value is which.
+            raise ValueError(f"state message: values of shape {values.shape}; send one row (state_dim,)")
         head = _STATE_HEADER.pack(
             STATE_MAGIC, VERSION, self.flags, self.seq, self.mono_ns, self.wall_ns, values.size, 0, 0
         )
