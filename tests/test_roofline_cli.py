@@ -345,3 +345,83 @@ def test_metrics_give_the_rate_and_s_unless_the_flags_do(capsys: pytest.CaptureF
 def test_a_horizon_longer_than_the_model_s_chunk_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run(["--device", "orin", "--horizon", "100", "--no-plot"], capsys)
     assert rc == 2 and "--horizon 100: longer than the model's chunk (50 actions)" in err
+
+
+def fails(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line on stderr a refused command line ends with (exit status 2)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["roofline", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("phyai-edge roofline: ")
+    return err
+
+
+@pytest.mark.parametrize("flag", ["--camera-age-ms", "--preprocess-ms", "--postprocess-ms", "--transport-ms"])
+@pytest.mark.parametrize("value", ["-1", "inf", "nan"])
+def test_time_flags_must_be_finite_ms(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """-1 and nan crashed in StageTimes, inf in the ceiling of L / T: tracebacks, not a line."""
+    err = fails(["--device", "orin", "--no-plot", flag, value], capsys)
+    assert f"{flag} {value}: expected a finite number of milliseconds >= 0" in err
+
+
+@pytest.mark.parametrize("flag", ["--efficiency-compute", "--efficiency-bandwidth"])
+def test_efficiency_flags_are_named_when_out_of_range(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The line read `efficiency.compute must be in (0, 1.5]`, a field no flag is called."""
+    err = fails(["--device", "orin", "--no-plot", flag, "2"], capsys)
+    assert f"{flag} 2: expected a fraction of peak in (0, 1.5]" in err
+
+
+def test_a_calibrate_file_that_cannot_calibrate_is_refused(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """--calibrate with an fp32 run (or one with no GPU) fell back to the default factors, the
+    header saying `default`, with no word that the file asked for was not used."""
+    fp32 = tmp_path / "fp32.json"
+    fp32.write_text(json.dumps({**BENCH, "dtype": "float32"}))
+    err = fails(["--device", "orin", "--no-plot", "--calibrate", str(fp32)], capsys)
+    assert f"--calibrate {fp32}: no run in it can calibrate (precision fp32 not modelled)" in err
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({k: v for k, v in BENCH.items() if k not in ("gpu", "device")}))
+    err = fails(["--device", "orin", "--no-plot", "--calibrate", str(cpu)], capsys)
+    assert "no run in it can calibrate" in err and "no device in it" in err
+    good = tmp_path / "h200.json"
+    good.write_text(json.dumps(BENCH))
+    rc, out, _ = run(["--device", "orin", "--no-plot", "--calibrate", str(good), "--json", "-"], capsys)
+    assert rc == 0 and "calibrated" in json.loads(out)["efficiency"]["source"]
+
+
+def test_outputs_that_cannot_be_written_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --json or --plot under a plain file (not a folder) ended in an OSError traceback."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    err = fails(["--device", "orin", "--no-plot", "--json", str(blocker / "r.json")], capsys)
+    assert f"--json {blocker / 'r.json'}: cannot write it" in err
+    pytest.importorskip("matplotlib")
+    err = fails(["--device", "orin", "--plot", str(blocker / "r.png")], capsys)
+    assert f"--plot {blocker / 'r.png'}: cannot write it" in err
+
+
+def test_a_schedule_with_no_ridge_still_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """s = H leaves s_cap = 0 (no delay fits, L* = 0): the chart's log axis started at 0 and
+    numpy raised `Geometric sequence cannot include zero`."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "r.png"
+    rc, out, _ = run(["--device", "orin", "--horizon", "50", "--exec-horizon", "50", "--plot", str(png)], capsys)
+    assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "inference binds: L = 256 ms > L* = 0 ms, so at most 0.0 Hz" in out
+
+
+def test_a_zero_latency_run_with_no_ridge_has_a_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """H = 1 (L* = 0) with L = 0: the verdict divided L by L* (ZeroDivisionError)."""
+    bench = tmp_path / "zero.json"
+    bench.write_text(json.dumps({**BENCH, "stages": {"embed_images": 0.0}}))
+    rc, out, _ = run(["--bench", str(bench), "--horizon", "1", "--no-plot", "--stat", "p50"], capsys)
+    assert rc == 0 and "L = 0 ms is all of the ridge L* = 0 ms" in out
+
+
+def test_a_bench_with_no_known_stage_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It was analysed as L = 0, physical-bound and feasible, the stages only `ignored` in notes."""
+    bench = tmp_path / "odd.json"
+    bench.write_text(json.dumps({**BENCH, "stages": {"vit": 2.0, "llm": 8.0}}))
+    rc, _, err = run(["--bench", str(bench), "--no-plot"], capsys)
+    assert rc == 2 and f"{bench}: bench run #0 has no stage time this tool recognises (stages: vit, llm" in err

@@ -342,3 +342,94 @@ def test_a_run_with_the_first_step_beside_the_prefix_books_its_chunk_once() -> N
                                  "solver_loop": 10 * step}, steps=10)
     assert not plain.first_step_beside_prefix
     assert plain.stage_times().prefix_s == pytest.approx(5.24e-3)
+
+
+def test_a_negative_stage_time_is_refused_and_a_non_finite_one_unused() -> None:
+    """A negative time reached StageTimes and crashed the CLI with a traceback; a bare NaN (JSON
+    allows it) did the same, where a NaN inside a stage's object was already skipped."""
+    with pytest.raises(ValueError, match=r"stage 'encode_prefix' is -8 ms"):
+        parse_bench({"stages": {"embed_images": 2.0, "encode_prefix": -8.0}})
+    with pytest.raises(ValueError, match=r"stage 'embed_images' is -2 ms"):
+        parse_bench({"stages": {"embed_images": {"p50_ms": -2.0}, "encode_prefix": 8.0}})
+    (m,) = parse_bench({"stages": {"embed_images": float("nan"), "encode_prefix": 8.0}})
+    assert "vision" not in m.stages_s and "stage 'embed_images' has no usable number" in m.notes
+
+
+def test_a_bare_number_takes_its_unit_from_the_stage_name() -> None:
+    """`vision_s: 0.002` was read as 0.002 ms (the name's _s was stripped, the number taken as ms)."""
+    (m,) = parse_bench({"stages": {"embed_images_s": 0.002, "prefix_seconds": {"p50": 0.008},
+                                   "denoise_step_ms": 0.9, "solver_loop": {"p50_us": 9000}}})
+    assert m.stages_s["vision"] == pytest.approx(0.002)
+    assert m.stages_s["prefix"] == pytest.approx(0.008)
+    assert m.stages_s["denoise_step"] == pytest.approx(0.0009)
+    assert m.stages_s["solver_loop"] == pytest.approx(0.009)
+
+
+def test_a_run_with_no_known_stage_is_refused() -> None:
+    """It became a point with L = 0 that the physical loop binds, feasible at any rate."""
+    with pytest.raises(ValueError, match=r"run #0 has no stage time this tool recognises \(stages: foo, bar"):
+        parse_bench({"gpu": "NVIDIA H200", "stages": {"foo": 2.0, "bar": 8.0}})
+    with pytest.raises(ValueError, match=r"stages: none"):
+        parse_bench({"stages": {}})
+
+
+@pytest.mark.parametrize("field, value", [("steps", -2), ("views", 0), ("batch", -1), ("horizon", 0),
+                                          ("num_steps", "-3"), ("exec_horizon", -1)])
+def test_run_counts_below_one_are_refused_by_name(field: str, value: object) -> None:
+    """steps -2 crashed in StageTimes with a traceback; 0 views / batch fell back to the default."""
+    with pytest.raises(ValueError, match=rf"^{field} '?{value}'?: expected a whole number >= "):
+        parse_bench({field: value, "stages": {"embed_images": 2.0}})
+    (m,) = parse_bench({"exec_horizon": 0, "stages": {"embed_images": 2.0}})  # 0: s free, as before
+    assert m.exec_horizon is None
+
+
+def test_load_bench_names_the_file(tmp_path) -> None:
+    bad = tmp_path / "run.json"
+    bad.write_text(json.dumps({"steps": -1, "stages": {"embed_images": 2.0}}))
+    with pytest.raises(ValueError, match=r"run\.json: steps -1"):
+        load_bench(bad)
+
+
+HISTOGRAM = """
+phyai_inference_stage_seconds_bucket{stage="embed_images",le="0.01"} 50
+phyai_inference_stage_seconds_bucket{stage="embed_images",le="0.1"} 100
+phyai_inference_stage_seconds_bucket{stage="embed_images",le="+Inf"} 100
+phyai_inference_stage_seconds_sum{stage="embed_images"} 3.0
+phyai_inference_stage_seconds_count{stage="embed_images"} 100
+"""
+
+
+def test_metrics_mean_is_sum_over_count_and_a_missing_stat_is_noted() -> None:
+    """--stat mean / max / min took the histogram's median from a daemon without a word."""
+    mean = measurement_from_metrics(HISTOGRAM, stat="mean")
+    assert mean.stages_s["vision"] == pytest.approx(0.03) and mean.notes == []
+    for stat in ("max", "min"):
+        m = measurement_from_metrics(HISTOGRAM, stat=stat)
+        assert m.stages_s["vision"] == pytest.approx(0.01)
+        assert m.notes == [f"vision: no {stat} in the metrics, used histogram q0.5"]
+    assert measurement_from_metrics(HISTOGRAM, stat="p50").notes == []
+
+
+def test_fetch_metrics_from_a_port_that_is_not_http_is_an_oserror() -> None:
+    """The daemon's ZeroMQ port given by mistake raised http.client.BadStatusLine (no OSError),
+    a traceback past the CLI's `cannot read metrics` line."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        conn.recv(1024)
+        conn.sendall(b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f")  # a ZMTP greeting, not HTTP
+        conn.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(OSError, match="not an HTTP endpoint"):
+            fetch_metrics(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=5.0)
+    finally:
+        thread.join(5)
+        server.close()

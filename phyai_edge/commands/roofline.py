@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -385,9 +386,11 @@ def _verdict(p: Point) -> str:
     window = f"[{r.s_window[0]}, {r.s_window[1]}]" if r.s_window[0] <= r.s_window[1] else "empty"
     share = r.shares.get("inference", 0.0)
     if r.binding == "physical":
+        # L* is 0 where s_cap is (s = H, or H = 1): only L = 0 is physical-bound then
+        of_ridge = f"{r.latency_s / r.ridge_latency_s:.0%}" if r.ridge_latency_s > 0 else "all"
         why = (
             f"the physical loop binds ({r.physical_rate_hz:g} Hz); L = {r.latency_s * 1e3:.0f} ms is "
-            f"{r.latency_s / r.ridge_latency_s:.0%} of the ridge L* = {r.ridge_latency_s * 1e3:.0f} ms"
+            f"{of_ridge} of the ridge L* = {r.ridge_latency_s * 1e3:.0f} ms"
         )
     else:
         why = (
@@ -407,6 +410,25 @@ def _verdict(p: Point) -> str:
     )
 
 
+def _check_fractions(*checks: tuple[str, float | None]) -> None:
+    """`fail` at the first efficiency flag outside (0, 1.5], the range `Efficiency` accepts."""
+    from phyai_edge.commands.common import fail
+
+    for flag, value in checks:
+        if value is not None and not 0 < value <= 1.5:  # NaN too
+            fail("roofline", f"{flag} {value:g}: expected a fraction of peak in (0, 1.5]")
+
+
+def _check_ms(*checks: tuple[str, float | None]) -> None:
+    """`fail` at the first time flag that is not a finite number of ms >= 0 (a negative one crashed
+    in StageTimes, and inf in the ceiling of L / T)."""
+    from phyai_edge.commands.common import fail
+
+    for flag, value in checks:
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            fail("roofline", f"{flag} {value:g}: expected a finite number of milliseconds >= 0")
+
+
 def main(args: argparse.Namespace) -> int:
     from phyai_edge.commands.common import check_at_least, check_positive, fail
 
@@ -415,6 +437,10 @@ def main(args: argparse.Namespace) -> int:
                    ("--prompt-tokens", args.prompt_tokens, 1), ("--steps", args.steps, 1),
                    ("--horizon", args.horizon, 1), ("--exec-horizon", args.exec_horizon, 1))
     check_positive("roofline", ("--rate", args.rate), ("--physical-rate", args.physical_rate))
+    _check_ms(("--camera-age-ms", args.camera_age_ms), ("--preprocess-ms", args.preprocess_ms),
+              ("--postprocess-ms", args.postprocess_ms), ("--transport-ms", args.transport_ms))
+    _check_fractions(("--efficiency-compute", args.efficiency_compute),
+                     ("--efficiency-bandwidth", args.efficiency_bandwidth))
     if args.stat not in STATS:
         fail("roofline", f"--stat {args.stat}: expected one of {', '.join(STATS)}")
     args.plot_given = args.plot is not None
@@ -468,10 +494,17 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"phyai-edge roofline: --calibrate: {e}", file=sys.stderr)
         return 2
+    cal_notes: list[str] = []
     for meas in cal_runs:
-        if meas.stages_s and (calib := _calibration_from(meas, args, notes)) is not None:
+        if meas.stages_s and (calib := _calibration_from(meas, args, cal_notes)) is not None:
             eff = calib.efficiency
             break
+    if args.calibrate and calib is None:
+        # Asked for by name: the default factors in its place would look like a calibration.
+        why = "; ".join(cal_notes) or "precision {} not modelled".format(
+            ", ".join(sorted({str(m.precision) for m in cal_runs})))
+        fail("roofline", f"--calibrate {args.calibrate}: no run in it can calibrate ({why})")
+    notes.extend(cal_notes)
     if args.efficiency_compute is not None or args.efficiency_bandwidth is not None:
         try:
             eff = Efficiency(
@@ -597,18 +630,24 @@ def main(args: argparse.Namespace) -> int:
     if plotting:
         from phyai_edge.roofline.plot import PlotPoint, plot_roofline
 
-        plot_path = plot_roofline(
-            [PlotPoint(p.label, p.result, p.kind == "measured") for p in points],
-            robot,
-            args.plot,
-            title=f"Control-Time Roofline\n{title}\npredictions at {eff.compute:.2f} / {eff.bandwidth:.2f} "
-            f"of peak FLOPs / bandwidth, {eff.source.split(' (')[0]}",
-        )
+        try:
+            plot_path = plot_roofline(
+                [PlotPoint(p.label, p.result, p.kind == "measured") for p in points],
+                robot,
+                args.plot,
+                title=f"Control-Time Roofline\n{title}\npredictions at {eff.compute:.2f} / {eff.bandwidth:.2f} "
+                f"of peak FLOPs / bandwidth, {eff.source.split(' (')[0]}",
+            )
+        except OSError as e:
+            fail("roofline", f"--plot {args.plot}: cannot write it ({e.strerror or e})")
         report["plot"] = str(plot_path)
 
     if args.json and args.json != "-":
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as e:
+            fail("roofline", f"--json {args.json}: cannot write it ({e.strerror or e})")
     if args.json == "-":
         print(json.dumps(report, indent=2))
         return 0

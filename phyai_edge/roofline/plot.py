@@ -33,8 +33,11 @@ def plot_roofline(points: Sequence[PlotPoint], robot: RobotParams, path: str | P
     s_cap = robot.s_cap
     ridge_ms = s_cap * robot.t_phys * 1e3
     lat_ms = [p.result.latency_s * 1e3 for p in points if p.result.latency_s > 0]
-    lo = min([ridge_ms / 30, *[x / 3 for x in lat_ms]])
-    hi = max([ridge_ms * 10, *[x * 3 for x in lat_ms]])
+    # The axis spans the ridge; with s_cap = 0 (s = H, or H = 1) there is none (no delay fits and
+    # the roof is 0), and a log axis from 0 cannot be drawn: span the physical period instead.
+    anchor_ms = ridge_ms if s_cap > 0 else robot.t_phys * 1e3
+    lo = min([anchor_ms / 30, *[x / 3 for x in lat_ms]])
+    hi = max([anchor_ms * 10, *[x * 3 for x in lat_ms]])
     x = np.geomspace(lo, hi, 400)
 
     fig, ax = plt.subplots(figsize=(10, 7), dpi=100)

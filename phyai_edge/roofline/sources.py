@@ -5,6 +5,7 @@ have aliases, values may be in ms or s, and a missing stage is simply zero (and 
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import re
@@ -126,13 +127,23 @@ def stage_key(name: str) -> str | None:
     return _ALIAS_TO_STAGE.get(n)
 
 
-def _stat_value(entry: Any, stat: str) -> tuple[float | None, str]:
-    """A stage entry -> (seconds, the statistic used). Accepts a number (ms) or a dict whose keys
-    look like p50_ms, p50, p50_s, mean_ms, median... (values in ms unless the key ends in _s)."""
+def _name_unit(name: str) -> float:
+    """Seconds per unit of a stage named with a unit ("vision_s", "prefix_seconds": 1; "_us": 1e-6),
+    else 1e-3: a bench stage's bare numbers are in ms unless its name says otherwise."""
+    n = normalise_name(name)
+    if n.endswith(("_s", "_seconds", "_second")):
+        return 1.0
+    return 1e-6 if n.endswith("_us") else 1e-3
+
+
+def _stat_value(entry: Any, stat: str, unit: float = 1e-3) -> tuple[float | None, str]:
+    """A stage entry -> (seconds, the statistic used). Accepts a number or a dict whose keys look
+    like p50_ms, p50, p50_s, mean_ms, median...: a key's _ms / _us / _s suffix gives its unit, else
+    `unit` (seconds per unit: the stage name's, `_name_unit`). Non-finite numbers are not usable."""
     if isinstance(entry, bool):
         return None, ""
     if isinstance(entry, (int, float)):
-        return float(entry) / 1e3, "value"
+        return (float(entry) * unit, "value") if math.isfinite(entry) else (None, "")
     if not isinstance(entry, Mapping):
         return None, ""
     found: dict[str, float] = {}
@@ -140,7 +151,7 @@ def _stat_value(entry: Any, stat: str) -> tuple[float | None, str]:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             continue
         key = str(k).lower()
-        scale = 1e-3
+        scale = unit
         if key.endswith("_ms"):
             key = key[:-3]
         elif key.endswith("_us"):
@@ -185,13 +196,20 @@ def parse_bench(
             if key is None:
                 m.notes.append(f"ignored stage {name!r}")
                 continue
-            value, used = _stat_value(entry, stat)
+            value, used = _stat_value(entry, stat, _name_unit(str(name)))
             if value is None:
                 m.notes.append(f"stage {name!r} has no usable number")
                 continue
+            if value < 0:  # a time cannot be negative: a broken timer, not something to analyse
+                raise ValueError(f"bench run #{i}: stage {name!r} is {value * 1e3:g} ms, expected a time >= 0")
             if used not in (stat, "value"):
                 m.notes.append(f"{name}: no {stat}, used {used}")
             m.stages_s[key] = value
+        if not m.stages_s:
+            # Zero for every stage would pass as a run the physical loop binds, with L = 0.
+            raise ValueError(f"bench run #{i} has no stage time this tool recognises (stages: "
+                             f"{', '.join(map(str, stages_obj)) or 'none'}; e.g. embed_images, encode_prefix, "
+                             "denoise_step, solver_loop, engine)")
         extra = run.get("notes")
         if isinstance(extra, list):  # a converter's own notes (gpu_report)
             m.notes.extend(str(n) for n in extra)
@@ -210,6 +228,18 @@ def _int_or_none(v: Any) -> int | None:
         return None if v is None else int(v)
     except (TypeError, ValueError):
         return None
+
+
+def _count(run: Mapping[str, Any], *keys: str, least: int = 1) -> int | None:
+    """The first of `keys` that `run` has, as a whole number (None: absent or not a number); a
+    ValueError naming the key where it is below `least` (a negative step count crashed later)."""
+    for key in keys:
+        if run.get(key) is not None:
+            n = _int_or_none(run[key])
+            if n is not None and n < least:
+                raise ValueError(f"{key} {run[key]!r}: expected a whole number >= {least}")
+            return n
+    return None
 
 
 _GENERIC_DEVICES = ("cpu", "cuda", "meta", "gpu", "mps")
@@ -233,10 +263,10 @@ def _fill_run_info(m: Measurement, run: Mapping[str, Any]) -> None:
         dev = run.get("gpu") or dev
     m.device = None if dev is None else str(dev)
     m.backend = run.get("backend")
-    m.batch = _int_or_none(run.get("batch", run.get("batch_size")))
-    m.views = _int_or_none(run.get("views", run.get("num_views")))
-    m.steps = _int_or_none(run.get("steps", run.get("num_steps")))
-    m.prompt_tokens = _int_or_none(run.get("prompt_tokens"))
+    m.batch = _count(run, "batch", "batch_size")
+    m.views = _count(run, "views", "num_views")
+    m.steps = _count(run, "steps", "num_steps")
+    m.prompt_tokens = _count(run, "prompt_tokens", least=0)
     raw = run.get("precision") or run.get("dtype")
     prec = None
     if isinstance(raw, str):
@@ -251,11 +281,11 @@ def _fill_run_info(m: Measurement, run: Mapping[str, Any]) -> None:
             )
             m.calibratable = False
     m.precision = prec
-    m.horizon = _int_or_none(run.get("horizon", run.get("chunk_size")))
+    m.horizon = _count(run, "horizon", "chunk_size")
     # The robot side a run was measured under (the daemon's phyai_model_info, the sim's document);
     # `--rate` / `--exec-horizon` given on the command line win over these.
     m.rate_hz = positive_rate(run.get("rate_hz", run.get("control_hz")))
-    m.exec_horizon = _int_or_none(run.get("exec_horizon", run.get("execution_horizon"))) or None
+    m.exec_horizon = _count(run, "exec_horizon", "execution_horizon", least=0) or None  # 0: free
 
 
 def positive_rate(v: Any) -> float | None:
@@ -291,7 +321,10 @@ def load_bench(path: str | Path, stat: str = "p50") -> list[Measurement]:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not valid JSON ({e})") from None
-    return parse_bench(data, stat=stat, select=select)
+    try:
+        return parse_bench(data, stat=stat, select=select)
+    except ValueError as e:  # name the file: several --bench may be given
+        raise ValueError(f"{p}: {e}") from None
 
 
 # --------------------------------------------------------------------------- Prometheus
@@ -405,7 +438,10 @@ def measurement_from_metrics(text: str, stat: str = "p50", label: str = "daemon 
     and the robot side (rate_hz, exec_horizon) from the daemon's `phyai_model_info` labels, read
     as a bench run's keys; a gauge named for the horizon, the steps, the rate or s overrides its
     label."""
+    # --stat as a quantile; mean is sum / count, and max / min have none (the median stands in, noted).
     q_wanted = {"p50": 0.5, "median": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}.get(stat, 0.5)
+    exact = {"mean"} if stat == "mean" else set() if stat in ("max", "min") else {
+        f"quantile {q_wanted}", f"histogram q{q_wanted}"}
     quantiles: dict[str, dict[float, float]] = {}
     buckets: dict[str, dict[float, float]] = {}  # stage -> le -> count, summed over label sets
     sums: dict[str, float] = {}
@@ -439,10 +475,12 @@ def measurement_from_metrics(text: str, stat: str = "p50", label: str = "daemon 
             gauges[key] = s.value * scale
     for key in set(quantiles) | set(buckets) | set(sums) | set(gauges):
         value, how = None, ""
-        if quantiles.get(key):
+        if stat == "mean" and key in sums and counts.get(key):
+            value, how = sums[key] / counts[key], "mean"
+        if value is None and quantiles.get(key):
             q = min(quantiles[key], key=lambda x: abs(x - q_wanted))
             value, how = quantiles[key][q], f"quantile {q}"
-        elif key in buckets:
+        elif value is None and key in buckets:
             value, how = histogram_quantile(q_wanted, buckets[key].items()), f"histogram q{q_wanted}"
         if value is None and key in sums and counts.get(key):
             value, how = sums[key] / counts[key], "mean"
@@ -450,8 +488,8 @@ def measurement_from_metrics(text: str, stat: str = "p50", label: str = "daemon 
             value, how = gauges[key], "gauge"
         if value is not None and math.isfinite(value):
             m.stages_s[key] = value
-            if how not in (f"quantile {q_wanted}", f"histogram q{q_wanted}"):
-                m.notes.append(f"{key}: used {how}")
+            if how not in exact:
+                m.notes.append(f"{key}: no {stat} in the metrics, used {how}")
     _worker_overhead_as_transport(m)
     return m
 
@@ -499,5 +537,8 @@ def fetch_metrics(url: str, timeout_s: float = 5.0) -> str:
         url = "http://" + url
     if not urllib.parse.urlparse(url).path.strip("/"):
         url = url.rstrip("/") + "/metrics"
-    with urllib.request.urlopen(url, timeout=timeout_s) as r:
-        return r.read().decode("utf-8", "replace")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.read().decode("utf-8", "replace")
+    except http.client.HTTPException as e:  # not OSError: e.g. the daemon's ZeroMQ port given by mistake
+        raise OSError(f"not an HTTP endpoint ({type(e).__name__})") from None
