@@ -366,6 +366,7 @@ def test_a_loop_that_fails_still_saves_its_log(tmp_path: Path, monkeypatch: pyte
 
     def dies(self, on_step=None):
         self.log.step_ns.extend([1, 2, 3])  # three steps logged, then the failure
+        self.steps = 3
         raise RuntimeError("physics diverged")
 
     monkeypatch.setattr(robot_mod.SimRobot, "run", dies)
@@ -375,6 +376,32 @@ def test_a_loop_that_fails_still_saves_its_log(tmp_path: Path, monkeypatch: pyte
     assert rc == 1 and path.exists()
     run = load_log(str(path))
     assert run.meta["error"] == "RuntimeError: physics diverged" and run.meta["summary"]["steps"] == 3
+
+
+@needs_sim
+def test_a_loop_that_fails_without_a_log_still_counts_its_steps(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The summary of a failed loop took its step count from the log, so without --log a run that
+    failed after minutes said 0 steps at 0 Hz."""
+    import json
+
+    from phyai_edge.cli import main as cli
+    from phyai_edge.sim.aloha import AlohaSim
+
+    step = AlohaSim.step
+    calls: list[int] = []
+
+    def diverges(self: AlohaSim, target: np.ndarray) -> None:
+        calls.append(1)
+        if len(calls) > 5:
+            raise RuntimeError("physics diverged")
+        step(self, target)
+
+    monkeypatch.setattr(AlohaSim, "step", diverges)
+    cfg, summary = tmp_path / "loop.toml", tmp_path / "summary.json"
+    launch.loop_config(cfg)  # free ports
+    rc = cli(["sim", "--config", str(cfg), "--duration", "2", "--report-every", "0", "--summary", str(summary)])
+    assert rc == 1 and json.loads(summary.read_text())["steps"] == 5
 
 
 # As the daemon's prometheus-client writes it (labels sorted, values escaped).
@@ -503,3 +530,170 @@ def test_roofline_bench_takes_the_rate_and_s_from_the_daemon(tmp_path: Path) -> 
     (tmp_path / "old.json").write_text(json.dumps(bench))
     (m,) = load_bench(tmp_path / "old.json")
     assert (m.rate_hz, m.exec_horizon) == (50.0, None)
+
+
+@needs_sim
+@pytest.mark.parametrize("hz", [30.0, 60.0, 200.0, 1000.0])
+def test_physics_time_advances_one_control_period_per_step(hz: float) -> None:
+    """The physics ran whole 2 ms substeps, rounded: 4% slow at 60 Hz, 20% at 200 Hz, and twice as
+    fast as the robot's clock at 1000 Hz. A second of steps must be a second of physics."""
+    from phyai_edge.sim.aloha import AlohaSim
+
+    sim = AlohaSim("transfer_cube", control_dt=1.0 / hz)
+    try:
+        assert sim.model.opt.timestep <= 0.002 + 1e-12
+        for _ in range(round(hz)):
+            sim.step(sim.target)
+        assert sim.sim_time == pytest.approx(1.0, abs=1e-9)
+    finally:
+        sim.close()
+
+
+@needs_sim
+def test_cameras_render_at_their_own_fps_with_the_step_s_capture_time() -> None:
+    """Two cameras at 25 and 10 fps (50 Hz control): each renders at its own rate (both rendered at
+    25 fps before), and both frames of one step carry the time of the physics state they show
+    (the second camera's was read after the first one's render, so it looked that much younger)."""
+    from phyai_edge.control.protocol import FrameMessage
+    from phyai_edge.sim.robot import SimRobot, settings_from_config
+
+    cfg = parse_config(_two_cameras())
+    s = settings_from_config(cfg, report_every_s=0)
+    assert [(c.name, c.every) for c in s.cameras] == [("top", 2), ("left_wrist", 5)]
+    robot = SimRobot(s)
+    renders: list[int] = []
+    sent: list[bytes] = []
+
+    def render(camera: str, width: int, height: int) -> np.ndarray:
+        renders.append(time.monotonic_ns())
+        time.sleep(0.01)
+        return np.zeros((height, width, 3), np.uint8)
+
+    class Socket:
+        def send(self, data: bytes, copy: bool = True) -> None:
+            sent.append(bytes(data))
+
+    robot.sim.render = render  # type: ignore[method-assign]
+    for cam in s.cameras:
+        robot._camera_pubs[cam.endpoint] = Socket()
+    try:
+        for step in range(10):
+            robot._publish_frames(step)
+    finally:
+        robot._camera_pubs.clear()
+        robot.close()
+    frames = [FrameMessage.decode(b) for b in sent]
+    assert [f.camera for f in frames].count("top") == 5 and [f.camera for f in frames].count("left_wrist") == 2
+    top0, wrist0 = frames[0], frames[1]  # step 0: both cameras
+    assert (top0.camera, wrist0.camera) == ("top", "left_wrist")
+    assert wrist0.capture_mono_ns == top0.capture_mono_ns <= renders[0]
+    assert wrist0.capture_wall_ns == top0.capture_wall_ns
+
+
+def _two_cameras() -> dict:
+    data = tomllib.loads(ALOHA.read_text())
+    data["cameras"]["wrist"] = {"source": "zmq", "view": "left_wrist", "endpoint": "tcp://127.0.0.1:5561",
+                                "topic": "left_wrist", "width": 64, "height": 48, "fps": 10.0, "max_age_ms": 300.0}
+    data["cameras"]["top"].update(width=64, height=48)
+    return data
+
+
+@pytest.mark.parametrize(("key", "robot"), [
+    ("action_dim", {"action_names": [f"j{i}" for i in range(7)], "limits": {"action_min": -1.0, "action_max": 1.0}}),
+    ("state_dim", {"state_dim": 7}),
+])
+def test_a_config_whose_robot_is_not_the_aloha_is_refused(key: str, robot: dict) -> None:
+    """The sim accepted a 7-joint config without a word, then refused every action (a warning per
+    message) while the daemon refused every state message: the loop held for good."""
+    from phyai_edge.sim.robot import settings_from_config
+
+    data = tomllib.loads(ALOHA.read_text())
+    data["robot"].update(robot)
+    with pytest.raises(ValueError, match=f"robot.{key}: 7, but the simulated ALOHA has 14 joints"):
+        settings_from_config(parse_config(data))
+
+
+def _cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int | str | None, str]:
+    from phyai_edge.cli import main as cli
+
+    try:
+        rc: int | str | None = cli(["sim", *args])
+    except SystemExit as exc:  # `fail` and argparse end the command this way
+        rc = exc.code
+    return rc, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--render-every", "0"], "--render-every 0: expected an integer >= 1"),  # a modulo by zero in the loop
+    (["--render-every", "-2"], "--render-every -2: expected an integer >= 1"),  # rendered every step
+    (["--samples", "-1"], "--samples -1: expected an integer >= 0"),  # a traceback from the GL context
+    (["--report-every", "-1"], "--report-every -1: expected a number >= 0"),  # a status line every step
+    (["--report-every", "nan"], "--report-every nan: expected a number >= 0"),  # never one
+    (["--seed", "-1"], "--seed -1: expected an integer >= 0"),  # numpy's line, naming no flag
+    (["--seed", str(2**32)], f"--seed {2**32}: expected an integer <= {2**32 - 1}"),
+])
+def test_a_flag_out_of_range_is_refused_in_one_line(capsys: pytest.CaptureFixture[str], args: list[str],
+                                                    says: str) -> None:
+    rc, err = _cli(["--duration", "1", *args], capsys)
+    assert rc == 2 and err.startswith(f"phyai-edge sim: {says}"), err
+    assert len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--size", "0x240"], "argument --size: expected a width and height >= 1, got '0x240'"),  # empty frames
+    (["--size", "320"], "argument --size: expected WxH like 640x480, got '320'"),
+    (["--camera-outage", "nan:1"], "argument --camera-outage: expected finite START >= 0 and LENGTH > 0"),
+    (["--camera-outage", "1:inf"], "argument --camera-outage: expected finite START >= 0 and LENGTH > 0"),
+])
+def test_a_bad_size_or_outage_is_a_usage_error(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
+    """A NaN or infinite outage killed the loop on its first step (a traceback turning it into ns)."""
+    rc, err = _cli(["--duration", "1", *args], capsys)
+    assert rc == 2 and err.splitlines()[-1].startswith(f"phyai-edge sim: error: {says}"), err
+
+
+def test_paths_that_cannot_be_written_or_read_are_refused_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --log or --summary in a missing folder failed after the whole run, with a traceback and the
+    run's log lost; a --report that is no log and a missing --metrics-file ended in tracebacks."""
+    missing = tmp_path / "no" / "run.npz"
+    for flag in ("--log", "--summary"):
+        rc, err = _cli(["--duration", "1", flag, str(missing)], capsys)
+        assert rc == 2 and err == f"phyai-edge sim: {flag} {missing}: the folder {missing.parent} does not exist"
+    not_a_log = tmp_path / "run.npz"
+    not_a_log.write_text("hello")
+    rc, err = _cli(["--report", str(not_a_log)], capsys)
+    assert rc == 2 and err == f"phyai-edge sim: --report {not_a_log}: not a run's log (the .npz `phyai-edge sim --log` saves)"
+    np.savez(not_a_log, step_ns=np.zeros(0, np.int64))  # an .npz, but not a sim log (no meta)
+    rc, err = _cli(["--report", str(not_a_log)], capsys)
+    assert rc == 2 and "not a run's log" in err and len(err.splitlines()) == 1, err
+    for flag in ("--plot", "--roofline-json"):
+        rc, err = _cli(["--report", str(not_a_log), flag, str(missing)], capsys)
+        assert rc == 2 and err == f"phyai-edge sim: {flag} {missing}: the folder {missing.parent} does not exist"
+    from phyai_edge.sim.robot import SimLog
+
+    log = tmp_path / "empty.npz"
+    SimLog().save(str(log), {"control_hz": 50.0})
+    rc, err = _cli(["--report", str(log), "--metrics-file", str(tmp_path / "metrics.txt")], capsys)
+    assert rc == 2 and err == f"phyai-edge sim: --metrics-file {tmp_path / 'metrics.txt'}: cannot read it (No such file or directory)"
+
+
+def test_report_matches_applied_actions_to_their_own_daemon_session() -> None:
+    """A daemon restarted 10 s into a run numbers its actions from 0 again. Each applied action's
+    wait for the sim's step was taken against the last session's message with that seq: the first
+    session's waits came out near -10 s (p50 -5 s)."""
+    from phyai_edge.sim.report import SimRun, timing
+
+    ms = 1_000_000
+    publish = np.concatenate([np.arange(10), 500 + np.arange(10)]).astype(np.int64) * 20 * ms
+    received = publish + 1 * ms
+    i64 = lambda v: np.asarray(v, np.int64)  # noqa: E731
+    data = {
+        "step_ns": received + 5 * ms, "step_ms": np.ones(20, np.float32), "applied_seq": i64(list(range(10)) * 2),
+        "rx_seq": i64(list(range(10)) * 2), "rx_session": i64([1] * 10 + [2] * 10), "rx_step": i64(range(20)),
+        "rx_recv_ns": received, "rx_publish_ns": publish, "rx_flags": i64([0] * 20), "rx_chunk": i64([1] * 20),
+        "rx_obs_ns": i64([0] * 20), "rx_index": i64([0] * 20), "frame_capture_ns": i64([]),
+    }
+    out = timing(SimRun(data, {"control_hz": 50.0}))
+    assert out["wait_for_step"]["n"] == 20
+    assert out["wait_for_step"]["min_ms"] == pytest.approx(5.0) and out["wait_for_step"]["max_ms"] == pytest.approx(5.0)
+    assert out["publish_to_apply"]["min_ms"] == pytest.approx(6.0)

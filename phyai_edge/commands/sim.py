@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
+import zipfile
 from pathlib import Path
 
-from phyai_edge.commands.common import check_seconds, write_json
+from phyai_edge.commands.common import check_at_least, check_seconds, check_writable, fail, write_json
 from phyai_edge.control.log import LOG_LEVELS, setup_logging
 
 HELP = "a simulated ALOHA robot process that talks to the daemon over ZeroMQ"
@@ -32,9 +34,20 @@ def _outage(text: str) -> tuple[float, float]:
         start, length = (float(x) for x in text.split(":"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected START:LENGTH in seconds, got {text!r}") from None
-    if start < 0 or length <= 0:
-        raise argparse.ArgumentTypeError(f"expected START >= 0 and LENGTH > 0, got {text!r}")
+    # float() takes "nan" and "inf": the loop then died on its first step, turning them into ns.
+    if not (math.isfinite(start) and math.isfinite(length) and start >= 0 and length > 0):
+        raise argparse.ArgumentTypeError(f"expected finite START >= 0 and LENGTH > 0, got {text!r}")
     return start, length
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WxH like 640x480, got {text!r}") from None
+    if w < 1 or h < 1:  # 0x240 published empty frames without a word
+        raise argparse.ArgumentTypeError(f"expected a width and height >= 1, got {text!r}")
+    return w, h
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,8 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="object placement (gym-aloha's sampler)")
     p.add_argument("--duration", type=float, default=0.0, help="seconds to run; 0: until Ctrl-C")
     p.add_argument("--render-every", type=int, default=None,
-                   help="render every N control steps (default: control rate / camera fps)")
-    p.add_argument("--size", default=None, metavar="WxH", help="override every camera's image size, e.g. 320x240")
+                   help="render every camera every N control steps (default: control rate / each camera's fps)")
+    p.add_argument("--size", type=_size, default=None, metavar="WxH",
+                   help="override every camera's image size, e.g. 320x240")
     p.add_argument("--shadows", action="store_true", help="render shadows and reflections (slow on a CPU)")
     p.add_argument("--samples", type=int, default=0, help="offscreen multisampling (0: off)")
     p.add_argument("--camera-outage", type=_outage, action="append", default=[], metavar="START:LENGTH",
@@ -65,8 +79,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lowest level logged")
 
 
+# gym-aloha seeds numpy's legacy generator, which takes 0 .. 2**32 - 1.
+MAX_SEED = 2**32 - 1
+
+
 def main(args: argparse.Namespace) -> int:
     check_seconds("sim", "--duration", args.duration)
+    # Each of these ran with a traceback from deep inside (a modulo by zero, the GL context), or
+    # silently (a negative --render-every rendered every step, a negative --report-every logged
+    # every step, a zero --render-every without --config was ignored).
+    check_at_least("sim", ("--render-every", args.render_every, 1), ("--samples", args.samples, 0),
+                   ("--seed", args.seed, 0), ("--report-every", args.report_every, 0))
+    if args.seed > MAX_SEED:
+        fail("sim", f"--seed {args.seed}: expected an integer <= {MAX_SEED} (gym-aloha's sampler)")
+    # A path that cannot be written failed after the run (or the analysis), with a traceback and
+    # nothing saved: refuse it before anything runs.
+    for flag, path in (("--log", args.log), ("--summary", args.summary), ("--plot", args.plot),
+                       ("--roofline-json", args.roofline_json)):
+        check_writable("sim", flag, path)
     # As the daemon logs, on stderr: stdout carries `--summary -`'s JSON.
     setup_logging(getattr(logging, args.log_level.upper()), to_stderr=True)
     log = logging.getLogger("phyai_edge.sim")
@@ -76,8 +106,15 @@ def main(args: argparse.Namespace) -> int:
         if not Path(args.report).is_file():
             print(f"phyai-edge sim: --report {args.report}: no such file (a run's --log .npz)", file=sys.stderr)
             return 2
-        run = load_log(args.report)
-        metrics = Path(args.metrics_file).read_text() if args.metrics_file else None
+        try:
+            run = load_log(args.report)
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+            # numpy's own message for a file that is no .npz at all speaks of pickles.
+            fail("sim", f"--report {args.report}: not a run's log (the .npz `phyai-edge sim --log` saves)")
+        try:
+            metrics = Path(args.metrics_file).read_text() if args.metrics_file else None
+        except OSError as exc:
+            fail("sim", f"--metrics-file {args.metrics_file}: cannot read it ({exc.strerror or exc})")
         result = analyse(run, metrics)
         write_json(result, args.summary or "-")
         if args.plot:
@@ -98,7 +135,7 @@ def main(args: argparse.Namespace) -> int:
         log.error("the simulator needs the `sim` extra: pip install 'phyai-edge[sim]' (%s)", exc)
         return 2
 
-    from phyai_edge.control.config import ConfigError, load_config
+    from phyai_edge.control.config import load_config
     from phyai_edge.sim.aloha import RenderSettings
     from phyai_edge.sim.robot import CameraStream, SimRobot, SimSettings, settings_from_config
 
@@ -108,22 +145,19 @@ def main(args: argparse.Namespace) -> int:
     if args.config:
         try:
             cfg = load_config(args.config)
-        except ConfigError as exc:
+            settings = settings_from_config(cfg, **common)
+        except ValueError as exc:  # ConfigError is one
             log.error("configuration: %s", exc)
             return 2
-        settings = settings_from_config(cfg, render_every=args.render_every, **common)
     else:
         settings = SimSettings(cameras=[CameraStream("top", "top", "tcp://127.0.0.1:5560")], **common)
-        if args.render_every:
-            settings.render_every = args.render_every
-    if args.size:
-        try:
-            w, h = (int(x) for x in args.size.lower().split("x"))
-        except ValueError:
-            log.error("--size: expected WxH like 640x480, got %r", args.size)
-            return 2
+    if args.render_every is not None:
+        settings.render_every = args.render_every
         for cam in settings.cameras:
-            cam.width, cam.height = w, h
+            cam.every = 0  # one rate for every camera, as asked
+    if args.size:
+        for cam in settings.cameras:
+            cam.width, cam.height = args.size
 
     try:
         robot = SimRobot(settings, log_data=bool(args.log))
@@ -150,8 +184,7 @@ def main(args: argparse.Namespace) -> int:
         # The loop died: what it logged up to then is what explains it, so --log still keeps it.
         log.exception("the simulation loop failed")
         failure = f"{type(exc).__name__}: {exc}"
-        steps = len(robot.log.step_ns) if robot.log is not None else 0  # counted only when logging
-        summary = robot.summary(steps, time.monotonic() - started)
+        summary = robot.summary(robot.steps, time.monotonic() - started)
     finally:
         robot.close()
     log.info(

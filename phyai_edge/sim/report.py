@@ -122,10 +122,15 @@ def timing(run: SimRun) -> dict[str, Any]:
     out["transport"] = stats_ms((run.rx_recv_ns - run.rx_publish_ns) / 1e6)
     # Arrival to the sim step that applied it: the two clocks' phase, a real part of the latency.
     applied = np.flatnonzero(run.applied_seq >= 0)
-    rx_index = {int(s): i for i, s in enumerate(run.rx_seq)}
+    # A restarted daemon numbers from 0 again, so a seq names one message per session: the one a
+    # step applied is the newest with that seq received by that step. (One index by seq alone
+    # took the last session's message for every session, and a wait of minus the gap between.)
+    by_seq: dict[int, list[int]] = {}
+    for i, s in enumerate(run.rx_seq):
+        by_seq.setdefault(int(s), []).append(i)
     waits, action_lat = [], []
     for k in applied:
-        i = rx_index.get(int(run.applied_seq[k]))
+        i = next((i for i in reversed(by_seq.get(int(run.applied_seq[k]), [])) if run.rx_step[i] <= k), None)
         if i is not None:
             waits.append((steps[k] - run.rx_recv_ns[i]) / 1e6)
             action_lat.append((steps[k] - run.rx_publish_ns[i]) / 1e6)

@@ -6,8 +6,9 @@ Per control step (period T = 1 / control_hz, absolute deadlines on CLOCK_MONOTON
      is held (the robot's own last target, not the HOLD payload: that is the daemon's guess);
   2. step the physics one period (10 MuJoCo substeps of 2 ms);
   3. publish the 14 joint values on the state endpoint (the daemon's `state.endpoint`);
-  4. every `render_every` steps, render each ZeroMQ camera of the daemon's config and publish it
-     with its capture time (the time of the physics state it shows) and a per-camera sequence.
+  4. render each ZeroMQ camera of the daemon's config at its own rate (every `every` steps, from
+     its fps) and publish it with its capture time (the time of the physics state it shows, the
+     same for every camera of one step) and a per-camera sequence.
 The wire formats are `phyai_edge.control.protocol` (docs/protocol.md); that module needs only
 numpy, so the daemon's torch side is never imported here.
 
@@ -35,7 +36,7 @@ from phyai_edge.control.protocol import (
     StateMessage,
     decode_actions,
 )
-from phyai_edge.sim.aloha import AlohaSim, RenderSettings
+from phyai_edge.sim.aloha import JOINT_NAMES, AlohaSim, RenderSettings
 
 log = logging.getLogger("phyai_edge.sim")
 
@@ -53,6 +54,7 @@ class CameraStream:
     width: int = 640
     height: int = 480
     seq: int = 0
+    every: int = 0  # render every N control steps (its fps); 0: SimSettings.render_every
 
 
 @dataclass
@@ -64,6 +66,7 @@ class SimSettings:
     cameras: list[CameraStream] = field(default_factory=list)
     control_hz: float = 50.0
     render_every: int = 2  # 25 fps frames at 50 Hz control: rendering is the expensive part
+    # (a camera's own `every` wins)
     task: str = "transfer_cube"
     seed: int = 0
     render: RenderSettings = field(default_factory=RenderSettings)
@@ -192,6 +195,7 @@ class SimRobot:
         self.log = SimLog() if log_data else None
         self.seq = SeqChecker()
         self.state_seq = 0
+        self.steps = 0  # control steps completed: what a summary after a failed loop reports
         self.received = 0
         self.applied = 0
         self.superseded = 0  # received but replaced by a newer one before the step applied it
@@ -358,15 +362,18 @@ class SimRobot:
         self._pending.clear()
         return newest
 
-    def _publish_frames(self) -> None:
+    def _publish_frames(self, step: int = 0) -> None:
+        """Render and publish the cameras due at `step`."""
+        # The capture time is when the physics was in the state the image shows (like a camera's
+        # exposure), so rendering and encoding count towards the frame's age. Read once for all
+        # cameras: they show the same state, and a camera rendered after another would otherwise
+        # look younger by the other's render time. Both clocks are read together: a daemon with
+        # `clock = "realtime"` must see the same age.
+        capture_ns, capture_wall_ns = time.monotonic_ns(), time.time_ns()
         for cam in self.s.cameras:
             sock = self._camera_pubs.get(cam.endpoint)
-            if sock is None:
+            if sock is None or step % (cam.every or self.s.render_every):
                 continue
-            # The capture time is when the physics was in the state the image shows (like a
-            # camera's exposure), so rendering and encoding count towards the frame's age. Both
-            # clocks are read together: a daemon with `clock = "realtime"` must see the same age.
-            capture_ns, capture_wall_ns = time.monotonic_ns(), time.time_ns()
             t0 = time.perf_counter()
             image = self.sim.render(cam.mujoco_camera, cam.width, cam.height)
             render_ms = (time.perf_counter() - t0) * 1e3
@@ -398,8 +405,9 @@ class SimRobot:
         cameras_live = True
         step = 0
         log.info(
-            "sim: %s at %g Hz, state on %s, actions from %s, %d camera(s) every %d steps",
-            s.task, s.control_hz, s.state_endpoint, s.action_endpoint, len(s.cameras), s.render_every,
+            "sim: %s at %g Hz, state on %s, actions from %s, cameras: %s",
+            s.task, s.control_hz, s.state_endpoint, s.action_endpoint,
+            ", ".join(f"{c.name} every {c.every or s.render_every} steps" for c in s.cameras) or "none",
         )
         while not self._stop and (end_ns is None or next_ns < end_ns):
             self._wait_until(next_ns, step)
@@ -460,8 +468,8 @@ class SimRobot:
             joints = self.sim.joint_state()
             self._state_pub.send(StateMessage(joints, self.state_seq, time.monotonic_ns(), time.time_ns()).encode())
             self.state_seq += 1
-            if cameras_live and s.cameras and step % s.render_every == 0:
-                self._publish_frames()
+            if cameras_live:
+                self._publish_frames(step)
             work_ms = (time.monotonic_ns() - t_step) / 1e6
             lg = self.log
             if lg is not None:
@@ -472,6 +480,7 @@ class SimRobot:
                 lg.applied_seq.append(applied_seq)
                 lg.hold.append(holding)
             step += 1
+            self.steps = step
             if on_step is not None:
                 on_step(step)
             if s.report_every_s and t_step - last_report_ns >= s.report_every_s * 1e9:
@@ -522,19 +531,27 @@ def settings_from_config(cfg: Any, **overrides: Any) -> SimSettings:
     """The robot side of a daemon config: the sim binds what the daemon connects to, and back.
 
     Every `zmq` camera becomes a rendered MuJoCo camera named by its `topic` (or its own name),
-    at the configured size, rendered at the configured fps (rounded to whole control steps).
+    at the configured size, rendered at its configured fps (rounded to whole control steps).
+    Raises ValueError for a robot the simulated ALOHA is not (14 joint targets, 14 state values).
     """
+    # Either mismatch ran silently: the sim refused every action (a warning per message) and the
+    # daemon every state message, so the loop held for good.
+    r = cfg.robot
+    for key, value in (("action_dim", r.action_dim), ("state_dim", r.state_dim)):
+        if value and value != len(JOINT_NAMES):
+            raise ValueError(f"robot.{key}: {value}, but the simulated ALOHA has {len(JOINT_NAMES)} joints "
+                             "(0 or 14; the config's robot is not the ALOHA)")
     # The daemon binds its PUB by default and we connect; with publish.bind = false it connects
     # to us and we bind the same address.
     action_endpoint = _connectable(cfg.publish.endpoint) if cfg.publish.bind else cfg.publish.endpoint
+    hz = cfg.robot.control_hz
     cams = [
-        CameraStream(c.topic or c.name, c.topic or c.name, c.endpoint, c.width, c.height)
+        CameraStream(c.topic or c.name, c.topic or c.name, c.endpoint, c.width, c.height,
+                     every=max(1, round(hz / c.fps)))
         for c in cfg.cameras.values()
         if c.source == "zmq"
     ]
-    fps = [c.fps for c in cfg.cameras.values() if c.source == "zmq"]
-    hz = cfg.robot.control_hz
-    render_every = max(1, round(hz / max(fps))) if fps else 1
+    render_every = min((c.every for c in cams), default=1)  # the fastest camera's, as the log's meta records
     if cfg.state.source != "zmq":
         log.warning("the config's state.source is %r: the daemon will not read the sim's joints", cfg.state.source)
     settings = SimSettings(
