@@ -78,6 +78,20 @@ def test_find_device(name: str, key: str) -> None:
     assert find_device(name).key == key
 
 
+@pytest.mark.parametrize("name", ["NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-40GB",
+                                  "NVIDIA A100 80GB PCIe", "NVIDIA GeForce RTX 4090 Laptop GPU"])
+def test_a_variant_of_a_listed_part_is_not_taken_for_it(name: str) -> None:
+    """Matched by family alone, an H100 PCIe got the SXM's 3.35 TB/s and a laptop RTX 4090 the
+    desktop's peaks: bench's floors and the roofline's calibration were another part's."""
+    with pytest.raises(ValueError, match=r"is a (pcie|nvl|40gb|laptop) part; the table has .* only"):
+        find_device(name)
+
+
+def test_vendor_strings_of_listed_parts_still_resolve() -> None:
+    assert find_device("NVIDIA H100 80GB HBM3").key == "h100-sxm"  # what torch names the SXM part
+    assert find_device("NVIDIA GeForce RTX 5090").key == "rtx-5090"
+
+
 def test_find_unknown_device() -> None:
     with pytest.raises(ValueError, match="unknown device"):
         find_device("tpu-v5e")

@@ -274,17 +274,31 @@ def _norm(name: str) -> str:
     return n
 
 
+# Words in a vendor string that name another part of a family the table has one part of, with
+# other peaks or bandwidth (an H100 PCIe has 60% of the SXM's bandwidth, a laptop RTX 4090 a
+# third of the desktop's): matched by family alone, its floors and calibration were the other part's.
+_VARIANT_WORDS = ("pcie", "nvl", "laptop", "mobile", "40gb")
+
+
 def find_device(name: str) -> Device:
-    """Resolve a key, alias or vendor string ("NVIDIA H200", "NVIDIA RTX PRO 6000 Blackwell ...")."""
+    """Resolve a key, alias or vendor string ("NVIDIA H200", "NVIDIA RTX PRO 6000 Blackwell ...").
+    A vendor string naming a variant of a listed part (`_VARIANT_WORDS`) is a ValueError, not
+    that part."""
     n = _norm(name)
     if n in DEVICES:
         return DEVICES[n]
     if n in _ALIASES:
         return DEVICES[_ALIASES[n]]
-    # Vendor strings carry extra words ("NVIDIA H200 NVL", "H100 80GB HBM3"): match the longest
+    # Vendor strings carry extra words ("H100 80GB HBM3", "A100-SXM4-80GB"): match the longest
     # known key or alias contained in the name.
     hits = [k for k in (*DEVICES, *_ALIASES) if k in n]
     if hits:
         best = max(hits, key=len)
-        return DEVICES.get(best) or DEVICES[_ALIASES[best]]
+        device = DEVICES.get(best) or DEVICES[_ALIASES[best]]
+        listed = f"{device.key} {_norm(device.name)}"
+        variant = next((w for w in _VARIANT_WORDS if w in n.split("-") and w not in listed), None)
+        if variant is not None:
+            raise ValueError(f"device {name!r} is a {variant} part; the table has {device.name} only, whose peaks "
+                             "and bandwidth it does not share (measure its ceilings, or name a listed part)")
+        return device
     raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICES)}")
