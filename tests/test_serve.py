@@ -669,6 +669,41 @@ def test_requests_queued_at_shutdown_are_counted(tiny_policy):
     assert a["requests"] == a["served"] + a["rejected"] + a["errors"] + a["expired"] == 3
 
 
+def test_a_batch_running_at_shutdown_is_still_answered(tiny_policy, make_obs):
+    """Its robot waits for this answer: the intake thread stopped before the batch ended, and the
+    reply was dropped (the robot timed out instead). A request queued behind it hears `shutdown`."""
+    ex = _HeldExecutor(tiny_policy)
+    obs = make_obs(tiny_policy.adapter, size=(8, 8))
+    srv = PolicyServer(ex, "tcp://127.0.0.1:*", SchedulerConfig(max_batch=1, window_s=0.0)).start()
+    results: dict[str, object] = {}
+
+    def call(remote: RemotePolicy, name: str) -> None:
+        try:
+            results[name] = remote.infer([obs])
+        except Exception as exc:
+            results[name] = exc
+
+    with RemotePolicy(srv.endpoint, robot="a", timeout_s=3) as a, RemotePolicy(srv.endpoint, robot="b", timeout_s=3) as b:
+        running = threading.Thread(target=call, args=(a, "a"))
+        running.start()
+        deadline = time.monotonic() + 5
+        while ex.ran != [1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        queued = threading.Thread(target=call, args=(b, "b"))
+        queued.start()
+        while len(srv.sched) != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stopping = threading.Thread(target=srv.stop)
+        stopping.start()
+        time.sleep(0.3)  # past the intake thread's poll: it would have closed the socket by now
+        ex.release.set()
+        for t in (stopping, running, queued):
+            t.join(10)
+    assert not isinstance(results["a"], Exception), results["a"]
+    assert results["a"].actions.shape == (1, 50, 14)
+    assert isinstance(results["b"], ServeError) and results["b"].code == wire.ERR_SHUTDOWN
+
+
 def test_stats_count_expired_per_robot_and_in_total():
     from phyai_edge.serve.stats import ServerStats, format_report
 
@@ -709,12 +744,14 @@ def test_a_busy_endpoint_is_one_line_naming_it(server, tiny_policy):
     assert str(err.value).startswith(f"cannot bind {server.endpoint}: "), str(err.value)
 
 
-@pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
-def test_remote_policy_refuses_a_timeout_that_is_not_positive(timeout):
+@pytest.mark.parametrize("name", ["timeout_s", "connect_timeout_s"])
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf")])
+def test_remote_policy_refuses_a_timeout_that_is_not_positive(name, timeout):
     """The timeout becomes every request's wait_ms, which the server refuses unless positive: the
-    robot hears it at construction, naming the argument, not as a TimeoutError per request."""
-    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
-        RemotePolicy("tcp://127.0.0.1:1", robot="r", timeout_s=timeout)
+    robot hears it at construction, naming the argument, not as a TimeoutError per request. An
+    infinite one raised OverflowError from every call (the poll's milliseconds), never a wait."""
+    with pytest.raises(ValueError, match=f"^{name} must be a positive, finite number of seconds"):
+        RemotePolicy("tcp://127.0.0.1:1", robot="r", **{name: timeout})
 
 
 @pytest.mark.slow

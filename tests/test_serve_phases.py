@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from phyai_edge.engines.base import InferenceResult, RTCRequest
+from phyai_edge.serve import wire
 from phyai_edge.serve.batching import BatchItem, ItemResult, run_items, warm_up
 from phyai_edge.serve.client import RemotePolicy
 from phyai_edge.serve.scheduler import Pending, SchedulerConfig
@@ -63,6 +64,55 @@ class CountingPolicy:
     def infer(self, observations, rtc=None, noise=None):
         self.calls.append((len(observations), "none" if rtc is None else rtc[0].mode))
         return InferenceResult(np.zeros((len(observations), 50, 14), np.float32), noise, {"total": 1.0})
+
+
+def test_a_batch_whose_engine_call_failed_is_no_batch_size(tiny_policy, make_obs):
+    """An executor that raised gives its requests errors, and no engine call: it was counted as a
+    batch of padded size 0, so the mean batch (0.5) fell below the real observations per batch (1.0)
+    and the report showed a "batch 0" row."""
+    class Flaky:
+        fail = True
+
+        def describe(self):
+            return {}
+
+        def run(self, items):
+            if self.fail:
+                raise RuntimeError("replica died")
+            return [ItemResult(np.zeros((it.size, 50, 14), np.float32), batch=1, stage_ms={}) for it in items]
+
+    ex = Flaky()
+    srv = PolicyServer(ex, "tcp://127.0.0.1:*")
+    item = BatchItem([make_obs(tiny_policy.adapter, size=(8, 8))])
+    for fail in (True, False):
+        ex.fail = fail
+        srv._run_batch([Pending("a", int(fail), 1, 1e9, payload=(b"a", item), arrival=0.0)])
+    rep = srv.report()
+    assert (rep["batches"], rep["failed_batches"], rep["batch_size"]["mean"]) == (1, 1, 1.0)
+    assert list(rep["by_size"]) == [1] and rep["robots"]["a"]["errors"] == 1
+    assert "failed batches 1," in format_report(rep)
+
+
+def test_every_request_of_a_batch_is_answered_whatever_the_executor_returns(tiny_policy, make_obs):
+    """Results pair with requests by position: an executor that returned one for a batch of two
+    left the second robot without any reply, to wait out its timeout."""
+    class Short:
+        def describe(self):
+            return {}
+
+        def run(self, items):
+            return [ItemResult(np.zeros((1, 50, 14), np.float32), batch=2, stage_ms={})]
+
+    srv = PolicyServer(Short(), "tcp://127.0.0.1:*")
+    item = BatchItem([make_obs(tiny_policy.adapter, size=(8, 8))])
+    srv._run_batch([Pending(r, i, 1, 1e9, payload=(r.encode(), item), arrival=0.0) for i, r in enumerate("ab")])
+    replies = []
+    while not srv._outbox.empty():
+        ident, frames = srv._outbox.get_nowait()
+        replies.append((ident, wire.decode_reply([bytes(f) for f in frames])))
+    assert [(i, r.req_id, r.ok, r.error) for i, r in replies] == [(b"a", 0, False, wire.ERR_INFERENCE),
+                                                                  (b"b", 1, False, wire.ERR_INFERENCE)]
+    assert "answered 1 request(s) for a batch of 2" in replies[0][1].message
 
 
 def test_warm_up_runs_every_size_for_every_observation_and_rtc_mode(make_obs):
@@ -284,3 +334,44 @@ def test_serve_refuses_prompt_tokens_where_no_warm_up_keeps_them(capsys) -> None
 
     assert cli(["serve", "--prompt-tokens", "96", "--no-warm", "--duration", "0.1"]) == 2
     assert "--prompt-tokens is kept by the start-up warm-up" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--batch-sizes", "1,x"], "--batch-sizes: expected a comma list of integers"),  # exit 1, no prefix, after loading
+    (["--batch-sizes", "0,4"], "--batch-sizes: sizes must be >= 1"),
+    (["--warm-rtc", "sideways"], "--warm-rtc: unknown mode 'sideways'"),  # served on eager without a word
+    (["--gpus-per-replica", "-1"], "--gpus-per-replica -1: expected a finite number >= 0"),
+])
+def test_serve_flags_are_refused_in_one_line_before_loading(monkeypatch, capsys, flags, says):
+    from phyai_edge.cli import main as cli
+    from phyai_edge.commands import common
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(common, "load_policy_or_fail", loaded)
+    with pytest.raises(SystemExit) as exc:
+        cli(["serve", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and err[0].startswith(f"phyai-edge serve: {says}"), err
+
+
+def test_serve_ray_takes_a_replica_without_gpus(monkeypatch):
+    """0 is the default without cuda and what a CPU replica needs; given explicitly, it was
+    refused as `expected a number > 0`."""
+    import sys
+
+    from phyai_edge.cli import main as cli
+
+    asked = {}
+
+    def deploy(load_kwargs, **kw):
+        asked.update(kw)
+        raise SystemExit(0)  # stop here: what was asked for is the test
+
+    # Stands in for the module, which imports ray (an optional extra).
+    monkeypatch.setitem(sys.modules, "phyai_edge.serve.ray_deployment",
+                        SimpleNamespace(RayExecutor=SimpleNamespace(deploy=deploy)))
+    with pytest.raises(SystemExit) as exc:
+        cli(["serve", "--ray", "--gpus-per-replica", "0"])
+    assert exc.value.code == 0 and asked["gpus_per_replica"] == 0.0

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -19,6 +20,7 @@ from phyai_edge.commands.common import (
     check_at_least,
     check_positive,
     check_seconds,
+    fail,
 )
 from phyai_edge.control.log import LOG_LEVELS, setup_logging
 
@@ -97,7 +99,17 @@ def main(args: argparse.Namespace) -> int:
                    ("--per-robot", args.per_robot, 1), ("--workers", args.workers, 1), ("--replicas", args.replicas, 1),
                    ("--window-ms", args.window_ms, 0), ("--report-s", args.report_s, 0),
                    ("--threads", args.threads, 0), ("--prompt-tokens", args.prompt_tokens, 0))
-    check_positive("serve", ("--budget-ms", args.budget_ms), ("--gpus-per-replica", args.gpus_per_replica))
+    check_positive("serve", ("--budget-ms", args.budget_ms))
+    gpus = args.gpus_per_replica
+    if gpus is not None and not (math.isfinite(gpus) and gpus >= 0):  # 0: a replica on CPU, the default without cuda
+        fail("serve", f"--gpus-per-replica {gpus:g}: expected a finite number >= 0")
+    try:
+        # Now, not after loading the model: an unknown RTC mode was not even looked at where
+        # nothing is warmed (eager, --no-warm, --ray).
+        parse_batch_sizes(args.batch_sizes)
+        warm_modes(args.warm_rtc)
+    except ValueError as exc:
+        fail("serve", str(exc))
     # The daemon's log lines (journald priorities under systemd, where a server runs for good);
     # stdout carries the JSON report where one is asked for.
     setup_logging(getattr(logging, args.log_level.upper()), to_stderr=args.json_report)
@@ -183,16 +195,11 @@ def batch_sizes_for(spec: str | None, backend: str | None, engine: Any, max_batc
     any size and padding would only waste work."""
     from phyai_edge.serve.scheduler import serving_batch_sizes
 
-    spec = (spec or "auto").strip().lower()
-    if spec == "any":
-        return None
-    if spec != "auto":
-        try:
-            sizes = sorted({int(x) for x in spec.split(",")})
-        except ValueError:
-            raise SystemExit(f"--batch-sizes: expected a comma list of integers, 'auto' or 'any', got {spec!r}") from None
-        if sizes[0] < 1:
-            raise SystemExit(f"--batch-sizes: sizes must be >= 1, got {sizes}")
+    try:
+        sizes = parse_batch_sizes(spec)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if not isinstance(sizes, str):  # a list, or None for 'any'
         return sizes
     fixed = getattr(engine, "batch_sizes", None)
     if fixed:
@@ -202,13 +209,40 @@ def batch_sizes_for(spec: str | None, backend: str | None, engine: Any, max_batc
     return None
 
 
+def parse_batch_sizes(spec: str | None) -> list[int] | str | None:
+    """--batch-sizes -> its sizes, "auto", or None ('any'); ValueError naming the flag."""
+    spec = (spec or "auto").strip().lower()
+    if spec == "any":
+        return None
+    if spec == "auto":
+        return spec
+    try:
+        sizes = sorted({int(x) for x in spec.split(",")})
+    except ValueError:
+        raise ValueError(f"--batch-sizes: expected a comma list of integers, 'auto' or 'any', got {spec!r}") from None
+    if sizes[0] < 1:
+        raise ValueError(f"--batch-sizes: sizes must be >= 1, got {sizes}")
+    return sizes
+
+
+def warm_modes(modes: str) -> list[str]:
+    """--warm-rtc -> its RTC modes; ValueError naming the flag and the unknown mode."""
+    from phyai_edge.engines.base import RTC_MODES
+
+    out = [m.strip() for m in modes.split(",") if m.strip()]
+    for mode in out:
+        if mode not in RTC_MODES:
+            raise ValueError(f"--warm-rtc: unknown mode {mode!r}; expected some of {RTC_MODES}")
+    return out
+
+
 def warm_inputs(policy: Any, prompts: Sequence[str] | None, modes: str) -> tuple[list[Any], list[Any]]:
     """Warm-up observations (synthetic frames and state, one per prompt) and RTC requests
     (one per mode; the prefix is the rest of a chunk after half of it ran)."""
     import numpy as np
 
     from phyai_edge.calibration.dataset import synthetic_observations
-    from phyai_edge.engines.base import RTC_MODES, RTCRequest
+    from phyai_edge.engines.base import RTCRequest
 
     base = synthetic_observations(policy.adapter, 1)[0]
     absent = getattr(policy, "absent_cameras", ())
@@ -217,9 +251,11 @@ def warm_inputs(policy: Any, prompts: Sequence[str] | None, modes: str) -> tuple
     obs = [base] if not prompts else [dataclasses.replace(base, prompt=p) for p in prompts]
     h = int(policy.chunk_size)
     rtcs: list[Any] = []
-    for mode in (m.strip() for m in modes.split(",") if m.strip()):
-        if mode not in RTC_MODES:
-            raise SystemExit(f"--warm-rtc: unknown mode {mode!r}; expected some of {RTC_MODES}")
+    try:
+        checked = warm_modes(modes)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    for mode in checked:
         rtcs.append(None if mode in ("none", "crossfade") else
                     RTCRequest(mode, np.zeros((h - h // 2, policy.action_dim), np.float32), 0, h // 2))  # type: ignore[arg-type]
     return obs, rtcs or [None]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -82,8 +83,12 @@ class RemotePolicy:
         connect_timeout_s: float = 10.0,
         context: zmq.Context | None = None,
     ) -> None:
-        if not timeout_s > 0:  # also NaN; it becomes each request's wait_ms, which the server refuses unless positive
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        # Each becomes a poll in milliseconds (Inf, NaN: an OverflowError or ValueError from every
+        # call, not a wait), and timeout_s each request's wait_ms, which the server refuses unless
+        # positive and finite. A client that could wait forever would block the robot's worker.
+        for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
         self.endpoint = endpoint
         self.robot = robot or f"robot-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.timeout_s = timeout_s

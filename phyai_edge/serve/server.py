@@ -16,6 +16,9 @@ Threads:
   An executor says how many batches it may run at once (`concurrency`; a local engine: one,
   see `LocalExecutor`), and the server starts no more workers than that.
 
+`stop` answers queued requests `shutting_down`, lets a batch already running finish, and stops the
+intake thread last, so that the robots of that batch get its answers.
+
 A robot that disconnects disturbs no other: replies to a peer that is gone are dropped by the
 ROUTER (ROUTER_MANDATORY off) and sends never block (a peer that stops reading only loses its
 own replies once its high-water mark is reached); its queued requests still run in their
@@ -186,7 +189,9 @@ class PolicyServer:
         self.endpoint = ""
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._checks: queue.Queue[tuple[bytes, wire.Request]] = queue.Queue(CHECKS_QUEUED)
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # the workers and the check thread
+        # The intake thread's own, set after the others stopped: it sends the replies they made last.
+        self._io_stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._wake_addr = f"inproc://phyai-serve-wake-{id(self)}"
         self._model = executor.describe()
@@ -219,17 +224,26 @@ class PolicyServer:
         for p in self.sched.close():
             self.stats.rejected(p.robot)  # counted, so the final report's columns add up
             self._reply_error(p.payload[0], p.req_id, wire.ERR_SHUTDOWN, "server is shutting down")
-        # Checks still queued hear it too, before the intake thread's last flush.
+        # A batch still running finishes and its robots get its answers (they wait for them), as
+        # does a check in progress: the intake thread, which sends them, stops only after.
+        self._stop.set()
+        io, others = self._threads[:1], self._threads[1:]  # start() starts the intake thread first
+        for t in others:
+            t.join(timeout)
+        self._io_stop.set()
+        for t in io:
+            t.join(timeout)
+        self._threads.clear()
+        self._answer_checks_at_shutdown()  # where no intake thread ran to do it (never started)
+
+    def _answer_checks_at_shutdown(self) -> None:
+        """Checks still queued hear that the server is shutting down."""
         while True:
             try:
                 ident, req = self._checks.get_nowait()
             except queue.Empty:
-                break
+                return
             self._reply_error(ident, req.req_id, wire.ERR_SHUTDOWN, "server is shutting down")
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout)
-        self._threads.clear()
 
     def __enter__(self) -> PolicyServer:
         return self.start()
@@ -288,7 +302,7 @@ class PolicyServer:
         poller.register(wake, zmq.POLLIN)
         next_report = time.monotonic() + self.report_s if self.report_s > 0 else float("inf")
         try:
-            while not self._stop.is_set():
+            while not self._io_stop.is_set():
                 events = dict(poller.poll(100))
                 if router in events:
                     for _ in range(1000):  # drain, but keep sending replies under a flood
@@ -309,6 +323,8 @@ class PolicyServer:
                 if time.monotonic() >= next_report:
                     log.info("%s", format_report(self.report()))
                     next_report = time.monotonic() + self.report_s
+            # This thread alone queues checks, and the check thread has stopped: what is left waits for nobody.
+            self._answer_checks_at_shutdown()
             self._flush(router)
         finally:
             router.close(0)
@@ -457,6 +473,12 @@ class PolicyServer:
         except Exception as exc:  # the executor itself failed (e.g. a Ray replica died)
             log.exception("batch of %d failed", len(batch))
             results = [ItemResult(None, error=f"{type(exc).__name__}: {exc}") for _ in batch]
+        if len(results) != len(batch):
+            # Paired by position below: a short list left its last robots without any reply (they
+            # waited out their timeout), a long one gave a robot another's actions. Trust none.
+            log.error("the executor answered %d request(s) for a batch of %d", len(results), len(batch))
+            results = [ItemResult(None, error=f"the executor answered {len(results)} request(s) for a batch of "
+                                             f"{len(batch)}") for _ in batch]
         done = time.monotonic()
         record = batch_record(batch, results, t0, done)
         if record.calls == 1 and not record.reruns:

@@ -92,6 +92,7 @@ class ServerStats:
         self.batch_sizes: deque = deque(maxlen=2000)
         self.records: deque = deque(maxlen=2000)  # BatchRecord, the recent ones
         self.reruns = 0
+        self.failed_batches = 0  # no engine call gave actions: in no batch size or phase above
         self.expired_total = 0  # every robot's, the forgotten ones' too
         self.intake_ms = 0.0  # decoding and admitting infer requests, on the intake thread
         self.intake_n = 0
@@ -133,11 +134,16 @@ class ServerStats:
     def batch(self, size: int, record: BatchRecord | None = None) -> None:
         """A batch the engine ran at `size` (padded) observations."""
         with self._lock:
+            if record is not None:
+                self.reruns += record.reruns
+                if not record.calls:
+                    # Its padded size is 0: counted as a batch it pulled the mean batch below the real
+                    # observations per batch, and showed as a "batch 0" row. Its requests count as errors.
+                    self.failed_batches += 1
+                    return
+                self.records.append(record)
             self.batches += 1
             self.batch_sizes.append(size)
-            if record is not None:
-                self.records.append(record)
-                self.reruns += record.reruns
 
     def intake(self, ms: float) -> None:
         with self._lock:
@@ -171,6 +177,7 @@ class ServerStats:
                 "batch_size": {"mean": sum(sizes) / len(sizes) if sizes else 0.0, "max": max(sizes, default=0)},
                 "observations_per_batch": {"mean": _mean(real), "max": max(real, default=0)},
                 "reruns": self.reruns,
+                "failed_batches": self.failed_batches,
                 "expired": self.expired_total,
                 "intake_ms_per_request": self.intake_ms / self.intake_n if self.intake_n else 0.0,
                 "by_size": self._by_size(),
@@ -183,7 +190,8 @@ def format_report(rep: dict[str, Any]) -> str:
     then one line per robot."""
     lines = [f"serve: {rep['batches']} batches, mean batch {rep['batch_size']['mean']:.1f} "
              f"({rep.get('observations_per_batch', {}).get('mean', 0.0):.1f} real), reruns {rep.get('reruns', 0)}, "
-             f"expired {rep.get('expired', 0)}, "
+             + (f"failed batches {rep['failed_batches']}, " if rep.get("failed_batches") else "")
+             + f"expired {rep.get('expired', 0)}, "
              + (f"graphs built while serving {rep['graphs_built_serving']}, " if "graphs_built_serving" in rep else "")
              + f"uptime {rep['uptime_s']:.0f} s"]
     for size, b in rep.get("by_size", {}).items():
