@@ -163,6 +163,18 @@ def test_entropy_calibrator_feeds_batches_and_caches(tmp_path):
     assert entropy_calibrator(samples, tmp_path / "c.cache", device="cpu", trt=fake_trt).read_calibration_cache() == b"TRT-scales"
 
 
+def test_entropy_calibrator_keeps_its_error_instead_of_raising_into_tensorrt(tmp_path):
+    # TensorRT's Python bridge catches an exception from get_batch and only prints it; the
+    # calibrator must end the data and keep the error for build_engine to raise.
+    fake_trt = types.SimpleNamespace(IInt8EntropyCalibrator2=_FakeCalibratorBase)
+    samples = [{"x_t": np.zeros((2, 4), np.float32)} for _ in range(2)]
+    cal = entropy_calibrator(samples, tmp_path / "c.cache", device="cpu", trt=fake_trt)
+    assert cal.error is None
+    assert cal.get_batch(["x_t", "t"]) is None
+    assert isinstance(cal.error, KeyError) and "no input 't'" in str(cal.error)
+    assert cal.get_batch(["x_t"]) is None  # stays ended after an error
+
+
 def test_int8_onnx_bundle_reports_its_accuracy(tmp_path, adapter):
     pytest.importorskip("onnxruntime")
     from phyai_edge.engines.bundle import read_manifest

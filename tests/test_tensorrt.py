@@ -4,6 +4,7 @@ the builder's decisions are tested against a stand-in `tensorrt` module that rec
 from __future__ import annotations
 
 import importlib.util
+import sys
 import types
 from pathlib import Path
 
@@ -25,11 +26,13 @@ class _Tensor:
 class FakeTRT:
     """Just enough of the TensorRT 10 builder API to watch what build_engine asks for."""
 
-    def __init__(self, inputs: dict[str, tuple[int, ...]] | None, parse_ok: bool = True) -> None:
+    def __init__(self, inputs: dict[str, tuple[int, ...]] | None, parse_ok: bool = True,
+                 profile_ok: bool = True) -> None:
         self.calls: list[tuple] = []
         self.from_file = inputs is None
         self.inputs = inputs or {}
         self.parse_ok = parse_ok
+        self.profile_ok = profile_ok
         log = self.calls
         trt = self
 
@@ -71,11 +74,16 @@ class FakeTRT:
                 self.flags.discard(flag)
 
             def add_optimization_profile(self, p):
+                # Like TensorRT: -1 for a profile that is not valid (here: one that leaves a
+                # network input without shapes, or one the test declares invalid).
+                if not trt.profile_ok or set(p.shapes) != set(trt.inputs):
+                    return -1
                 self.profiles.append(p)
                 return len(self.profiles) - 1
 
             def set_calibration_profile(self, p):
                 log.append(("calibration_profile", self.profiles.index(p)))
+                return True
 
             def create_timing_cache(self, data):
                 log.append(("timing_cache_in", bytes(data)))
@@ -119,6 +127,16 @@ class FakeTRT:
 
             def build_serialized_network(self, network, config):
                 log.append(("build", network.flags, sorted(config.flags)))
+                cal = config.int8_calibrator
+                while cal is not None:
+                    # TensorRT's Python calibrator bridge (python/src/infer/pyInt8.cpp): an exception
+                    # in get_batch is printed and taken as the end of the data; the build goes on.
+                    try:
+                        if cal.get_batch(list(trt.inputs)) is None:
+                            break
+                    except Exception as exc:
+                        print(f"[ERROR] Exception caught in get_batch(): {exc}", file=sys.stderr)
+                        break
                 return b"PLAN"
 
         class Parser:
@@ -141,7 +159,7 @@ class FakeTRT:
                 return "Unsupported op Foo"
 
         self.Logger, self.Builder, self.OnnxParser = Logger, Builder, Parser
-        self.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=5)
+        self.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=1)  # kSTRONGLY_TYPED = 1
         self.BuilderFlag = types.SimpleNamespace(FP16="FP16", BF16="BF16", INT8="INT8", FP8="FP8", TF32="TF32")
         self.MemoryPoolType = types.SimpleNamespace(WORKSPACE="ws")
 
@@ -156,7 +174,7 @@ def test_strongly_typed_build_with_a_profile_per_batch_and_a_reused_timing_cache
     info = build_engine(tmp_path / "d.onnx", tmp_path / "d.plan", SHAPES,
                         BuildOptions("fp16", timing_cache=cache, workspace_bytes=1 << 30), trt=trt)
     assert info["strongly_typed"] and info["profiles"] == [1, 2]
-    assert trt.network.flags == 1 << 5  # STRONGLY_TYPED: types come from the fp16 ONNX
+    assert trt.network.flags == 1 << 1  # STRONGLY_TYPED: types come from the fp16 ONNX
     # Precision flags are refused when strongly typed; TF32 (float32 parts) stays allowed.
     assert trt.config.flags == {"TF32"}
     assert [p.shapes["x_t"] for p in trt.config.profiles] == [((1, 50, 32),) * 3, ((2, 50, 32),) * 3]
@@ -187,11 +205,48 @@ def test_a_timing_cache_from_another_device_is_replaced_not_fatal(tmp_path):
 
 def test_int8_calibrator_build_is_weakly_typed_and_calibrates_at_its_batch(tmp_path):
     trt = FakeTRT({"x_t": (-1, 50, 32), "t": (-1,)})
-    calibrator = types.SimpleNamespace(get_batch_size=lambda: 2)
+    calibrator = types.SimpleNamespace(get_batch_size=lambda: 2, get_batch=lambda names: None)
     info = build_engine(tmp_path / "d.onnx", tmp_path / "d.plan", SHAPES, BuildOptions("int8"), calibrator, trt=trt)
     assert not info["strongly_typed"] and info["calibrated"]
     assert trt.network.flags == 0 and trt.config.flags == {"INT8", "FP16", "TF32"}
     assert trt.config.int8_calibrator is calibrator and ("calibration_profile", 1) in trt.calls
+
+
+def test_the_calibration_profile_is_the_calibrators_batch_or_an_error(tmp_path):
+    # TensorRT reads the calibration profile's opt shape from each get_batch pointer: a calibrator
+    # feeding a batch no profile has would be read past its buffers, not calibrated at profile 0.
+    trt = FakeTRT({"x_t": (-1, 50, 32), "t": (-1,)})
+    calibrator = types.SimpleNamespace(get_batch_size=lambda: 3, get_batch=lambda names: None)
+    with pytest.raises(ValueError, match=r"calibrator feeds batch 3.*\[1, 2\]"):
+        build_engine(tmp_path / "d.onnx", tmp_path / "d.plan", SHAPES, BuildOptions("int8"), calibrator, trt=trt)
+    assert not any(c[0] == "build" for c in trt.calls)
+
+
+def test_a_calibrator_error_fails_the_build_not_only_stderr(tmp_path):
+    # TensorRT's bridge swallows what get_batch raises (prints it, ends calibration) and may
+    # build an engine without int8 scales; build_engine must fail with the calibrator's error.
+    import numpy as np
+
+    from phyai_edge.calibration.trt_calibrator import entropy_calibrator
+
+    class Base:
+        def __init__(self) -> None:
+            pass
+
+    trt = FakeTRT({"x_t": (-1, 50, 32), "t": (-1,)})
+    trt.IInt8EntropyCalibrator2 = Base
+    samples = [{"x_t": np.zeros((2, 50, 32), np.float32)}]  # no "t": the network asks for it
+    cal = entropy_calibrator(samples, tmp_path / "c.cache", device="cpu", trt=trt)
+    with pytest.raises(RuntimeError, match=r"int8 calibration of d\.onnx failed.*no input 't'"):
+        build_engine(tmp_path / "d.onnx", tmp_path / "d.plan", SHAPES, BuildOptions("int8"), cal, trt=trt)
+    assert not (tmp_path / "d.plan").exists()
+
+
+def test_a_refused_optimisation_profile_is_an_error(tmp_path):
+    # add_optimization_profile answers -1 for a profile TensorRT does not take.
+    trt = FakeTRT({"x_t": (-1, 50, 32), "t": (-1,)}, profile_ok=False)
+    with pytest.raises(RuntimeError, match="batch-1 optimisation profile"):
+        build_engine(tmp_path / "d.onnx", tmp_path / "d.plan", SHAPES, BuildOptions("fp16"), trt=trt)
 
 
 def test_parse_errors_are_reported(tmp_path):
@@ -255,8 +310,10 @@ class _FakeContext:
         self.engine, self.profile, self.shapes, self.addresses = engine, 0, {}, {}
 
     def set_optimization_profile_async(self, index, stream):
+        # The Python binding raises on failure rather than returning False
+        # (python/src/infer/pyCore.cpp, PY_ASSERT_RUNTIME_ERROR in 10.0 to 11.x).
         if not 0 <= index < self.engine.num_optimization_profiles:
-            return False
+            raise RuntimeError("Error in set optimization profile async.")
         self.profile = index
         return True
 

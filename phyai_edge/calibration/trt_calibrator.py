@@ -42,6 +42,7 @@ def entropy_calibrator(
             trt.IInt8EntropyCalibrator2.__init__(self)
             self.cache_file = Path(cache_file)
             self.index = 0
+            self.error: Exception | None = None  # what get_batch raised, for build_engine to report
             # Device buffers, written before each batch; their addresses never change, which
             # is what the builder expects of get_batch's pointers.
             self.buffers = {n: torch.empty(samples[0][n].shape, dtype=torch.from_numpy(samples[0][n]).dtype,
@@ -51,7 +52,18 @@ def entropy_calibrator(
             return batch
 
         def get_batch(self, names_asked: list[str]) -> list[int] | None:
-            if self.index >= len(samples):
+            # TensorRT's Python bridge catches whatever this raises, prints it to stderr and treats
+            # it as the end of the data, so the build would go on with missing scales. Keep the
+            # error instead (build_engine raises it after the build) and end the data here.
+            try:
+                return self._next_batch(names_asked)
+            except Exception as exc:
+                log.error("int8 calibrator: %s", exc)
+                self.error = exc
+                return None
+
+        def _next_batch(self, names_asked: list[str]) -> list[int] | None:
+            if self.error is not None or self.index >= len(samples):
                 return None
             sample = samples[self.index]
             self.index += 1

@@ -175,18 +175,33 @@ def build_engine(
             for t in inputs:
                 shape = tuple(input_shapes[b][t.name])
                 profile.set_shape(t.name, shape, shape, shape)
-            config.add_optimization_profile(profile)
+            # add_optimization_profile answers -1 (and logs) for a profile that is not valid; unchecked,
+            # the plan would lack this batch size and the runtime would fail on it much later.
+            if config.add_optimization_profile(profile) < 0:
+                raise RuntimeError(f"TensorRT refused the batch-{b} optimisation profile of {onnx_path.name}")
             profiles.append(profile)
     elif len(batch_sizes) > 1:
         raise ValueError(f"{onnx_path} has static shapes; several batch sizes need a batch-dynamic ONNX")
     if calibrator is not None:
         config.int8_calibrator = calibrator
         if profiles:
-            # Calibrate at the batch size the calibrator feeds.
+            # TensorRT calibrates at the calibration profile's opt shapes and reads that many bytes
+            # from each pointer get_batch hands it: the profile must be the one of the batch size
+            # the calibrator's buffers hold (another one would read past or short of them).
             calib_b = calibrator.get_batch_size()
-            config.set_calibration_profile(profiles[batch_sizes.index(calib_b)] if calib_b in batch_sizes else profiles[0])
+            if calib_b not in batch_sizes:
+                raise ValueError(f"the int8 calibrator feeds batch {calib_b}, but {onnx_path.name} gets profiles "
+                                 f"for batches {batch_sizes} only")
+            if not config.set_calibration_profile(profiles[batch_sizes.index(calib_b)]):
+                raise RuntimeError(f"TensorRT refused the batch-{calib_b} calibration profile of {onnx_path.name}")
     _attach_timing_cache(config, options.timing_cache)
     serialized = builder.build_serialized_network(network, config)
+    # TensorRT's Python calibrator bridge catches an exception raised in get_batch, prints it to
+    # stderr and takes it as "no more batches", so the build may even succeed with missing or
+    # partial int8 scales; the calibrator keeps what it raised and the build fails on it here.
+    calib_error = getattr(calibrator, "error", None) if calibrator is not None else None
+    if calib_error is not None:
+        raise RuntimeError(f"int8 calibration of {onnx_path.name} failed: {calib_error!r}") from calib_error
     if serialized is None:
         raise RuntimeError(f"TensorRT failed to build {onnx_path.name} at {options.precision} (see the log above)")
     plan_path.parent.mkdir(parents=True, exist_ok=True)
@@ -288,13 +303,20 @@ class TensorRTEngine(EngineBase):
             ctx = engine.create_execution_context()
             if ctx is None:
                 raise RuntimeError(f"TensorRT could not create an execution context for {stage} (out of GPU memory?)")
-            # The setters report failure by returning False (and a log line), not by raising:
-            # unchecked, a refused profile or shape surfaces later as a -1 dimension or as
-            # buffers of the wrong size.
-            if (engine.num_optimization_profiles > 1 or profile > 0) and not ctx.set_optimization_profile_async(
-                    profile, self.stream.cuda_stream):
-                raise RuntimeError(f"{stage}: TensorRT refused optimization profile {profile} (batch {batch}); the "
-                                   f"plan has {engine.num_optimization_profiles}: re-export with this batch size")
+            # set_input_shape and set_tensor_address report failure by returning False (and a log
+            # line), not by raising: unchecked, a refused shape surfaces later as a -1 dimension or
+            # as buffers of the wrong size. The Python binding of set_optimization_profile_async
+            # instead raises RuntimeError("Error in set optimization profile async.") on failure
+            # (and otherwise returns True): both are turned into an error that names the plan.
+            if engine.num_optimization_profiles > 1 or profile > 0:
+                try:
+                    switched = ctx.set_optimization_profile_async(profile, self.stream.cuda_stream)
+                except RuntimeError:
+                    switched = False
+                if not switched:
+                    raise RuntimeError(f"{stage}: TensorRT refused optimization profile {profile} (batch {batch}); "
+                                       f"the plan has {engine.num_optimization_profiles}: re-export with this "
+                                       "batch size")
             for name, (shape, _) in specs[stage].inputs.items():
                 if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT and not ctx.set_input_shape(name, shape):
                     raise RuntimeError(f"{stage}: TensorRT refused set_input_shape({name}, {tuple(shape)}) "
