@@ -777,3 +777,41 @@ def test_noise_of_another_shape_is_a_bad_request_before_batching(tiny_policy, ma
                                   BatchItem([make_obs(ad, seed=2)], None, torch.zeros(1, 10, ad.model_action_dim))])
     assert got[0].actions is not None and not got[0].rerun
     assert got[1].bad_request and "noise must have shape (1, 50, 32)" in got[1].error
+
+
+def test_a_connection_lost_between_the_poll_and_the_send_is_an_error_not_a_hang():
+    """The client polled for room, then sent blocking: a server gone between the two (here: the
+    poll says yes, and nobody was ever connected) held the caller forever, with no timeout."""
+    import zmq
+
+    class PollSaysYes:
+        def __init__(self, sock):
+            self.sock = sock
+
+        def poll(self, timeout, flags):
+            return True if flags == zmq.POLLOUT else self.sock.poll(timeout, flags)
+
+        def __getattr__(self, name):
+            return getattr(self.sock, name)
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.connect("tcp://127.0.0.1:9")  # nothing listens: IMMEDIATE leaves no pipe to queue on
+    client = RemotePolicy.__new__(RemotePolicy)
+    client.endpoint, client._lock, client._closed, client._sock = "tcp://127.0.0.1:9", threading.Lock(), False, PollSaysYes(sock)
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client._call(wire.Request("stats", 1, "r"), 0.5)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "the send blocked"  # (the socket is then left open: closing it would hang too)
+    sock.close(0)
+    assert len(outcome) == 1 and isinstance(outcome[0], ConnectionError)

@@ -185,9 +185,15 @@ class RemotePolicy:
                 raise RuntimeError("RemotePolicy is closed")
             deadline = time.monotonic() + timeout_s
             frames = wire.encode_request(req)
+            no_connection = f"serve: no connection to {self.endpoint} within {timeout_s:.1f} s"
             if not self._sock.poll(max(1, int(timeout_s * 1e3)), zmq.POLLOUT):
-                raise ConnectionError(f"serve: no connection to {self.endpoint} within {timeout_s:.1f} s")
-            self._sock.send_multipart(frames, copy=False)
+                raise ConnectionError(no_connection)
+            try:
+                # Not blocking: a connection lost between the poll and the send would otherwise
+                # hold the robot's worker here with no timeout at all (IMMEDIATE queues nothing).
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise ConnectionError(no_connection) from None
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._sock.poll(max(1, int(left * 1e3)), zmq.POLLIN):
