@@ -250,14 +250,6 @@ class Scheduler:
             gone, self._expired = self._expired, []
             return sorted(gone, key=lambda p: p.seq)
 
-    def drop_robot(self, robot: str) -> list[Pending]:
-        """Remove a robot's queued requests (it went away); returns them."""
-        with self._cond:
-            gone = [p for p in self._queue if p.robot == robot]
-            self._queue = [p for p in self._queue if p.robot != robot]
-            self._per_robot.pop(robot, None)
-            return gone
-
     def __len__(self) -> int:
         """Queued requests not past their expiry."""
         with self._cond:
