@@ -697,3 +697,31 @@ def test_report_matches_applied_actions_to_their_own_daemon_session() -> None:
     assert out["wait_for_step"]["n"] == 20
     assert out["wait_for_step"]["min_ms"] == pytest.approx(5.0) and out["wait_for_step"]["max_ms"] == pytest.approx(5.0)
     assert out["publish_to_apply"]["min_ms"] == pytest.approx(6.0)
+
+
+def test_ctrl_c_while_the_cameras_are_timed_stops_the_sim_without_a_traceback(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signal handlers went in after the start-up render timing, so a Ctrl-C there raised
+    KeyboardInterrupt through the command."""
+    import json
+    import os
+    import signal
+
+    from phyai_edge.cli import main as cli
+    from phyai_edge.sim.aloha import AlohaSim
+
+    def interrupted(self: AlohaSim, *args: object, **kwargs: object) -> float:
+        os.kill(os.getpid(), signal.SIGINT)
+        return 0.001
+
+    monkeypatch.setattr(AlohaSim, "time_render", interrupted)
+    cfg, summary = tmp_path / "loop.toml", tmp_path / "summary.json"
+    launch.loop_config(cfg)
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # what the sim takes over
+    old = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        rc = cli(["sim", "--config", str(cfg), "--duration", "5", "--report-every", "0", "--summary", str(summary)])
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    assert rc == 0 and json.loads(summary.read_text())["steps"] == 0

@@ -164,12 +164,13 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    # Before the render timing (seconds with several cameras): a Ctrl-C there was a traceback.
+    robot.install_signal_handlers()
     for cam in settings.cameras:
         ms = robot.sim.time_render(cam.mujoco_camera, cam.width, cam.height) * 1e3
         log.info("camera %s: %dx%d on %s, %.1f ms per frame (MUJOCO_GL=%s, shadows %s, %d samples)",
                  cam.name, cam.width, cam.height, cam.endpoint, ms, os.environ.get("MUJOCO_GL"),
                  "on" if render.shadows else "off", render.samples)
-    robot.install_signal_handlers()
     try:
         robot.open()
     except Exception as exc:
