@@ -107,6 +107,7 @@ BAD = [
     # accepted before, and refused only by `run` (the endpoints) or never (the rest)
     ({"publish": {"endpoint": "http://127.0.0.1:25555"}}, "publish.endpoint: expected a ZeroMQ endpoint"),
     ({"publish": {"endpoint": "tcp://127.0.0.1"}}, "publish.endpoint: a tcp endpoint needs a port"),
+    ({"publish": {"endpoint": "tcp://127.0.0.1:\u00b2"}}, "publish.endpoint: a tcp endpoint needs a port"),  # int() refuses it
     ({"state": {"source": "zmq", "endpoint": ""}}, "state.endpoint: required"),
     ({"state": {"source": "zmq", "endpoint": "tcp://localhost:5555"}, "publish": {"endpoint": "tcp://127.0.0.1:5555"}},
      "state.endpoint: 'tcp://localhost:5555' is publish.endpoint, the daemon's own action stream"),

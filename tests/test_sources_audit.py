@@ -74,6 +74,20 @@ def test_an_opencv_source_without_opencv_fails_at_start_not_by_holding_forever(m
     assert cam._thread is None
 
 
+@pytest.mark.parametrize("device, fix", [("0", "device = 0, a number"), ("video2", '"/dev/video2"'),
+                                         ("", '"/dev/video0"')])
+def test_a_v4l2_device_string_that_is_not_a_path_is_refused_when_the_config_is_read(device, fix):
+    """OpenCV opens a string device as a file path, relative to the working directory: `device =
+    "0"` (a quoted index) or "video2" never named the camera, the capture thread retried it for
+    ever and the daemon held STALE. Refused when read, with the spelling that works."""
+    from phyai_edge.control.config import parse_config
+
+    with pytest.raises(ConfigError, match=rf"^cameras\.top\.device: .*not a device path.*write {fix}"):
+        parse_config({"cameras": {"top": {"source": "v4l2", "device": device}}})
+    for ok in (0, "/dev/video0", "/dev/v4l/by-id/usb-cam-video-index0"):
+        assert parse_config({"cameras": {"top": {"source": "v4l2", "device": ok}}}).cameras["top"].device == ok
+
+
 def _joined(pub: Any, send: Callable[[], None], latest: Callable[[], Any]) -> Any:
     """Resend until the SUB has joined and one reading came through; that reading."""
     end = time.monotonic() + 10
@@ -109,6 +123,46 @@ def test_an_empty_frame_over_zeromq_is_refused_and_the_last_good_one_ages():
                                                                    time.monotonic_ns()).encode()), cam.latest)
             assert got is good, f"a {shape} frame was taken"
         assert cam.bad_messages == 3
+    finally:
+        cam.stop()
+        ctx.destroy(linger=0)
+
+
+def test_a_gray_frame_over_zeromq_is_not_copied_on_the_clock_thread():
+    """`latest()` runs on the clock thread, before the tick publishes: a GRAY8 frame was repeated
+    into three channels there (np.repeat, 4 ms for a 1080p frame, 12 ms at worst). The policy
+    must still get three equal channels, in its own contiguous copy made by the worker."""
+    import tracemalloc
+
+    from phyai_edge.control.protocol import PIXEL_GRAY8
+    from phyai_edge.control.worker import as_policy_frame
+
+    ctx = zmq.Context()
+    endpoint = free_tcp_endpoint()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(endpoint)
+    cam = ZmqCamera(CameraConfig("top", source="zmq", endpoint=endpoint), ctx)
+    cam.start()
+    gray = np.arange(480 * 640, dtype=np.uint32).astype(np.uint8).reshape(480, 640, 1)
+
+    def send() -> None:
+        pub.send(FrameMessage("top", gray, 1, time.monotonic_ns(), pixel_format=PIXEL_GRAY8).encode())
+
+    try:
+        _joined(pub, send, cam.latest)
+        send()
+        time.sleep(0.1)
+        tracemalloc.start()
+        try:
+            fr = cam.latest()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert fr is not None and fr.seq == 1
+        assert peak < gray.nbytes, f"latest() allocated {peak} bytes for a {gray.nbytes}-byte gray frame"
+        seen = as_policy_frame(fr.image, fr.bgr, None)
+        assert seen.shape == (480, 640, 3) and seen.flags.c_contiguous and seen.flags.writeable
+        np.testing.assert_array_equal(seen, np.repeat(gray, 3, axis=-1))
     finally:
         cam.stop()
         ctx.destroy(linger=0)

@@ -413,6 +413,12 @@ def _parse_camera(name: str, sec: _Section) -> CameraConfig:
         if present:
             if isinstance(dev, bool) or not isinstance(dev, (int, str)) or (isinstance(dev, int) and dev < 0):
                 raise ConfigError(f"{sec.key('device')}: expected a device index >= 0 or a path like /dev/video0, got {_show(dev)}")
+            if isinstance(dev, str) and not dev.startswith("/"):
+                # OpenCV opens a string as a path, relative to the working directory: "0" or
+                # "video0" never named the camera, and the daemon retried it forever holding STALE.
+                hint = f"device = {int(dev)}, a number" if dev.isdecimal() else f"\"/dev/{dev or 'video0'}\""
+                raise ConfigError(f"{sec.key('device')}: {_show(dev)} is not a device path (OpenCV would open it "
+                                  f"as a file); write {hint}, or a /dev/v4l/by-id/... path")
             c.device = dev
     elif c.source == "gstreamer":
         c.pipeline = sec.string("pipeline", "")
@@ -455,9 +461,10 @@ def _endpoint(sec: _Section, name: str, default: str, *, required: bool = False)
     if value and transport not in ENDPOINT_TRANSPORTS:
         raise ConfigError(f"{sec.key(name)}: expected a ZeroMQ endpoint like tcp://host:port or ipc://path, got {_show(value)}")
     port = value.rsplit(":", 1)[-1] if transport == "tcp" else ""
-    if transport == "tcp" and (":" not in value.removeprefix("tcp://") or not (port.isdigit() or port == "*")):
+    # isdecimal, not isdigit: "²" is a digit that int() refuses (a ValueError, not the key's error)
+    if transport == "tcp" and (":" not in value.removeprefix("tcp://") or not (port.isdecimal() or port == "*")):
         raise ConfigError(f"{sec.key(name)}: a tcp endpoint needs a port (tcp://host:port), got {_show(value)}")
-    if port.isdigit() and not 1 <= int(port) <= 65535:
+    if port.isdecimal() and not 1 <= int(port) <= 65535:
         # libzmq takes the number modulo 65536: tcp://...:99999 bound port 34463, without an error
         raise ConfigError(f"{sec.key(name)}: port {port} is outside 1..65535, got {_show(value)}")
     return value
