@@ -223,7 +223,8 @@ def test_start_up_extends_systemds_start_timeout_to_the_load_timeouts(tmp_path, 
     root = logging.getLogger("phyai_edge")
     handlers, level, propagate = list(root.handlers), root.level, root.propagate
     args = argparse.Namespace(print_default_config=False, check_config=None, preflight=None, log_level="warning",
-                              config=str(cfg), record=None, no_realtime=True, duration=None, summary=None)
+                              config=str(cfg), record=None, record_min_free_gb=2.0, no_realtime=True, duration=None,
+                                  summary=None)
     try:
         assert run_cmd.main(args) == 0
     finally:
