@@ -32,7 +32,9 @@ if not sock.poll(10_000):
     raise SystemExit(f"no answer from {endpoint}")
 reply = json.loads(sock.recv().decode("utf-8"))
 if reply["ok"]:
+    # tokens and room are 0 where the daemon did not count (a query, a hold) or cannot.
+    size = f"; {reply['tokens']} of {reply['room']} tokens" if reply.get("room") else ""
     held = ", held" if reply.get("holding") else ""
-    print(f"running: {reply['prompt']!r} ({reply['changes']} change(s); {reply['tokens']} of {reply['room']} tokens{held})")
+    print(f"running: {reply['prompt']!r} ({reply['changes']} change(s){size}{held})")
 else:
     raise SystemExit(f"refused: {reply['error']} (still running {reply['prompt']!r})")

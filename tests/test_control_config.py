@@ -242,6 +242,19 @@ def test_check_config_reads_the_policy_s_shape_without_its_weights(tmp_path, cap
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
 
 
+def test_check_config_names_a_factory_policy_not_the_unused_preset(tmp_path, capsys):
+    """A config whose policy comes from `model.factory` (the multi-robot server's RemotePolicy) was
+    reported as "model: pi05 tiny", the preset it never loads."""
+    from phyai_edge.cli import main as cli
+
+    cfg = tmp_path / "remote.toml"
+    cfg.write_text('[cameras.top]\n[model]\nfactory = "phyai_edge.serve.client:remote_policy"\n'
+                   'factory_args = { endpoint = "tcp://127.0.0.1:5570" }\n')
+    assert cli(["run", "--check-config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "model: factory phyai_edge.serve.client:remote_policy," in out and "tiny" not in out
+
+
 def test_shipped_daemon_configs_are_valid():
     from pathlib import Path
 

@@ -181,8 +181,11 @@ def main(args: argparse.Namespace) -> int:
             print(f"{args.check_config}: invalid: {problem}", file=sys.stderr)
             return 2
         cams = ", ".join(f"{c.name} ({c.source})" for c in cfg.cameras.values()) or "none"
+        m = cfg.model
+        # A factory builds the policy itself (e.g. RemotePolicy): adapter and preset are not used.
+        model = f"factory {m.factory}" if m.factory else f"{m.adapter} {m.bundle or m.checkpoint or m.preset}"
         print(f"{args.check_config}: valid. {cfg.robot.control_hz:g} Hz, cameras: {cams}, state: {cfg.state.source}, "
-              f"model: {cfg.model.adapter} {cfg.model.bundle or cfg.model.checkpoint or cfg.model.preset}, "
+              f"model: {model}, "
               f"RTC {cfg.chunking.mode}, publish {cfg.publish.endpoint}"
               + (f", instructions at {cfg.task.endpoint}" if cfg.task.endpoint else ""))
         return 0
