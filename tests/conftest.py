@@ -17,7 +17,7 @@ import torch
 
 # Triton kernels (tests/test_triton_ops.py) run in Triton's CPU interpreter where there is no GPU.
 # Triton reads this when it decorates kernels, its own library's included, so it is set here, before
-# anything imports triton (torch._dynamo does, where triton is installed). CI has no triton.
+# anything imports triton (torch._dynamo does, where triton is installed). (CI installs the pinned triton of the test extra.)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
