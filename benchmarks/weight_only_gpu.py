@@ -206,7 +206,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             best: tuple[float, dict[str, int]] | None = None
             for cfg in configs(args.tiny, k):
                 part = torch.empty(cfg["splits"], m, n, dtype=torch.float32, device=dev) if cfg["splits"] > 1 else None
-                got = wo_linear(a, q, scale, cfg, out, part).float()
+                try:
+                    got = wo_linear(a, q, scale, cfg, out, part).float()
+                except triton.runtime.errors.OutOfResources:  # a tile the GPU's shared memory cannot hold
+                    continue
                 err = float((got - a.float() @ deq.t()).abs().max())
                 ref_scale = float((a.float() @ deq.t()).abs().max())
                 if err > 2e-2 * ref_scale:
