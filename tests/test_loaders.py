@@ -108,9 +108,14 @@ def test_openpi_round_trip(adapter, tmp_path, noise_for):
     assert loaded.camera_names == OPENPI_CAMERAS
     assert not loaded.io.pad_state_in_prompt  # openpi PI0.5 tokenises before padding the state
     assert loaded.io.resize_antialias  # openpi resizes frames as PIL's BILINEAR does
+    # and normalises with its own epsilon
+    assert loaded.io.state_stats.convention == loaded.io.action_stats.convention == "openpi"
     noise = noise_for(adapter)
     as_openpi = copy.copy(adapter)
-    as_openpi.io = dataclasses.replace(adapter.io, resize_antialias=True)
+    as_openpi.io = dataclasses.replace(
+        adapter.io, resize_antialias=True,
+        state_stats=dataclasses.replace(adapter.io.state_stats, convention="openpi"),
+        action_stats=dataclasses.replace(adapter.io.action_stats, convention="openpi"))
     ra = _run(as_openpi, _obs(adapter), noise)
     rb = _run(loaded, _obs(loaded, OPENPI_CAMERAS), noise)
     assert torch.equal(ra.chunk, rb.chunk)
@@ -126,6 +131,15 @@ def test_resize_convention_follows_the_checkpoint_through_a_native_folder(adapte
     assert again.io.resize_antialias
     obs = _obs(from_openpi, OPENPI_CAMERAS)
     assert torch.equal(again.preprocess([obs]).tensors["images"], from_openpi.preprocess([obs]).tensors["images"])
+
+
+def test_openpi_normalisation_follows_the_checkpoint_through_a_native_folder(adapter, tmp_path):
+    """openpi folders normalise with openpi's epsilon, and a native folder (a bundle) keeps it."""
+    from_openpi = load_pi05(write_openpi(adapter, tmp_path / "openpi"), structure="tiny")
+    again = load_pi05(save_native(from_openpi, tmp_path / "native"))
+    for stats in (again.io.state_stats, again.io.action_stats):
+        assert stats.convention == "openpi"
+    assert load_pi05(write_lerobot(adapter, tmp_path / "lr"), structure="tiny").io.state_stats.convention == "lerobot"
 
 
 def test_full_structure_is_the_default_and_says_so(adapter, tmp_path):

@@ -253,6 +253,37 @@ def test_norm_stats_formulas():
     assert NormStats.from_json(q.to_json()).to_json() == q.to_json()
 
 
+def test_openpi_statistics_use_openpi_epsilon():
+    """openpi (transforms.Normalize / Unnormalize) adds 1e-6 to every quantile spread, both ways;
+    LeRobot (NormalizerProcessorStep) divides by the spread, by 1e-8 only where it is 0. The prompt
+    bins follow: a joint that never moved in openpi's data, reported 2e-7 off, reads 53 there."""
+    q01, q99 = np.array([0.25, -1.0, 0.0]), np.array([0.25, 1.0, 1e-4])
+    state = np.array([0.25 + 2e-7, 0.3, 5e-5], np.float32)
+    openpi = NormStats("quantile", q01=q01, q99=q99, convention="openpi")
+    want = (state - q01) / (q99 - q01 + 1e-6) * 2.0 - 1.0  # openpi's formula, in float64
+    np.testing.assert_allclose(openpi.normalize(state), want, rtol=1e-6, atol=1e-6)
+    assert discretize_state(openpi.normalize(state)).tolist() == _expected_bins(want).tolist() == [53, 166, 126]
+    lerobot = NormStats("quantile", q01=q01, q99=q99)
+    assert discretize_state(lerobot.normalize(state)).tolist() == [255, 166, 128]
+    a = np.array([-1.0, 0.5, 1.0], np.float32)
+    np.testing.assert_allclose(openpi.unnormalize(a), (a + 1.0) / 2.0 * (q99 - q01 + 1e-6) + q01, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(openpi.unnormalize(openpi.normalize(state)), state, atol=1e-6)
+    # kept through a native folder's JSON; LeRobot's JSON stays as it was
+    assert NormStats.from_json(openpi.to_json()).convention == "openpi"
+    assert "convention" not in lerobot.to_json()
+    with pytest.raises(ValueError, match="convention 'jax'"):
+        NormStats("quantile", q01=q01, q99=q99, convention="jax")
+
+
+def test_lerobot_mean_std_unnormalize_adds_no_epsilon():
+    """LeRobot un-normalises MEAN_STD as `x * std + mean` (the epsilon only divides): bit for bit,
+    which an epsilon of 1e-8 still changes in float32 for a small std or a zero mean."""
+    m = NormStats("mean_std", mean=[0.0, 0.0, 1.0], std=[0.01, 0.0, 3.0])
+    x = np.array([0.7, -1.3, 0.2], np.float32)
+    assert np.array_equal(m.unnormalize(x), x * m.std + m.mean)
+    assert m.unnormalize(x)[1] == 0.0  # a dim that never moved: its mean, exactly
+
+
 def test_postprocess_unnormalizes_and_drops_padding(tiny_adapter):
     io = tiny_adapter.io
     io.action_stats = NormStats("quantile", q01=np.arange(14) - 5.0, q99=np.arange(14) + 5.0)

@@ -51,6 +51,24 @@ def test_truncation_is_flagged(tiny_tokenizer_path):
     assert not exact.truncated and all(exact.mask)
 
 
+def test_padding_and_truncation_saved_in_the_file_are_ignored(tiny_tokenizer_path, tmp_path):
+    """transformers writes the padding and truncation of its last call into tokenizer.json on
+    save_pretrained (LeRobot saves its processor's tokenizer after training called it with
+    padding="max_length", truncation=True, max_length=200). Honoured, they would hand the pads
+    back as text (unmasked) and cut the prompt at the file's length."""
+    plain = PromptTokenizer(tiny_tokenizer_path)
+    raw = Tokenizer.from_file(str(tiny_tokenizer_path))
+    short = len(plain.encode_plain(PROMPT)) - 4
+    raw.enable_truncation(max_length=short)
+    raw.enable_padding(length=short, pad_id=plain.pad_id, pad_token="<pad>")
+    (tmp_path / "tok").mkdir()
+    raw.save(str(tmp_path / "tok" / "tokenizer.json"))
+    saved = PromptTokenizer(tmp_path / "tok")
+    for text, n in ((PROMPT, 64), ("place it", 64), (PROMPT, 12)):
+        assert saved(text, n) == plain(text, n)
+    assert saved.count(PROMPT) == plain.count(PROMPT) == short + 5
+
+
 def _train(tmp_path, specials):
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -2,6 +2,8 @@
 
 Quantile mode maps [q01, q99] to [-1, 1]; mean/std mode is the usual z-score. The mode is a
 property of how the checkpoint was trained and is read from its files, never guessed silently.
+So is the convention, how the spread is kept off zero, which LeRobot and openpi do differently
+(`NormStats.convention`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import numpy as np
 
 NormMode = Literal["quantile", "mean_std", "identity"]
 _MODES = ("quantile", "mean_std", "identity")
-_EPS = 1e-8
+NormConvention = Literal["lerobot", "openpi"]
+_CONVENTIONS = ("lerobot", "openpi")
+_EPS = 1e-8  # LeRobot's NormalizerProcessorStep.eps
+_OPENPI_EPS = 1e-6  # openpi's transforms.Normalize / Unnormalize
 
 
 def _indices(where: np.ndarray) -> str:
@@ -27,10 +32,19 @@ class NormStats:
     std: np.ndarray | None = None
     q01: np.ndarray | None = None
     q99: np.ndarray | None = None
+    # The formulas of the trainer that wrote the statistics. "lerobot" (NormalizerProcessorStep):
+    # quantiles divide by q99 - q01, by 1e-8 only where that is 0; mean/std by std + 1e-8, and
+    # un-normalising multiplies by std alone. "openpi" (transforms.Normalize / Unnormalize): 1e-6
+    # is added to every spread, both ways. It matters where a spread is small: at 0.04 (a gripper
+    # in metres) about 0.3 % of the prompt's state bins differ, and a joint that never moved in
+    # the data (q01 == q99) reported 2e-7 off reads bin 255 with one, 53 with the other.
+    convention: NormConvention = "lerobot"
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
             raise ValueError(f"normalisation mode {self.mode!r} is not one of {', '.join(_MODES)}")
+        if self.convention not in _CONVENTIONS:
+            raise ValueError(f"normalisation convention {self.convention!r} is not one of {', '.join(_CONVENTIONS)}")
         for name in ("mean", "std", "q01", "q99"):
             val = getattr(self, name)
             if val is not None:
@@ -70,6 +84,13 @@ class NormStats:
         if self.mode == "identity":
             return x
         self._check(x)
+        # Each in its trainer's order of operations, in float32 as LeRobot computes (openpi in
+        # float64: a bin differs about once in 10^5 values, where a value lies within rounding
+        # of a bin edge).
+        if self.convention == "openpi":
+            if self.mode == "quantile":
+                return (x - self.q01) / (self.q99 - self.q01 + np.float32(_OPENPI_EPS)) * 2.0 - 1.0
+            return (x - self.mean) / (self.std + np.float32(_OPENPI_EPS))
         if self.mode == "quantile":
             denom = self.q99 - self.q01
             denom = np.where(denom == 0, _EPS, denom)
@@ -81,11 +102,15 @@ class NormStats:
         if self.mode == "identity":
             return x
         self._check(x)
+        if self.convention == "openpi":
+            if self.mode == "quantile":
+                return (x + 1.0) / 2.0 * (self.q99 - self.q01 + np.float32(_OPENPI_EPS)) + self.q01
+            return x * (self.std + np.float32(_OPENPI_EPS)) + self.mean
         if self.mode == "quantile":
             denom = self.q99 - self.q01
             denom = np.where(denom == 0, _EPS, denom)
             return (x + 1.0) * denom / 2.0 + self.q01
-        return x * (self.std + _EPS) + self.mean
+        return x * self.std + self.mean  # LeRobot adds no epsilon on the way back
 
     def _check(self, x: np.ndarray) -> None:
         if x.shape[-1] != self.dim:
@@ -97,8 +122,11 @@ class NormStats:
             val = getattr(self, name)
             if val is not None:
                 out[name] = val.tolist()
+        if self.convention != "lerobot":  # only then: LeRobot-convention files stay as they were
+            out["convention"] = self.convention
         return out
 
     @classmethod
     def from_json(cls, d: dict) -> NormStats:
-        return cls(d["mode"], d.get("mean"), d.get("std"), d.get("q01"), d.get("q99"))
+        return cls(d["mode"], d.get("mean"), d.get("std"), d.get("q01"), d.get("q99"),
+                   d.get("convention", "lerobot"))

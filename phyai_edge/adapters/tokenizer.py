@@ -39,6 +39,13 @@ class PromptTokenizer:
             from tokenizers import Tokenizer
 
             self._tok = Tokenizer.from_file(str(path))
+            # A tokenizer.json can carry padding and truncation switched on: transformers writes
+            # the settings of its last call into it on save_pretrained, and LeRobot saves its
+            # processor's tokenizer (pretrained_model/tokenizer/) after training called it with
+            # padding="max_length", truncation=True. Left on, `encode` would return the pads as
+            # text (unmasked) and cut the text at its own length; `__call__` pads and cuts itself.
+            self._tok.no_padding()
+            self._tok.no_truncation()
             self._kind = "hf"
             self.bos_id = self._special_id(["<bos>", "<s>", "[BOS]"])
             self.pad_id = self._special_id(["<pad>", "[PAD]"], default=0)

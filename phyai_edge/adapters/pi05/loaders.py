@@ -576,8 +576,9 @@ def _load_openpi(folder: Path, base: PI05Config) -> tuple[PI05Config, RobotIO, l
         raise CheckpointError(f"{stats_files[0]}: no {', '.join(missing)}: openpi normalises PI0.5's state and "
                               "actions with the q01/q99 quantiles (compute_norm_stats.py writes them)")
     try:
-        state_stats = NormStats("quantile", s.get("mean"), s.get("std"), s["q01"], s["q99"])
-        action_stats = NormStats("quantile", a.get("mean"), a.get("std"), a["q01"], a["q99"])
+        # With openpi's formulas (its epsilon, `NormStats.convention`): the policy was trained with them.
+        state_stats = NormStats("quantile", s.get("mean"), s.get("std"), s["q01"], s["q99"], convention="openpi")
+        action_stats = NormStats("quantile", a.get("mean"), a.get("std"), a["q01"], a["q99"], convention="openpi")
     except ValueError as exc:
         raise CheckpointError(f"{stats_files[0]}: {exc}") from None
     io = RobotIO(
