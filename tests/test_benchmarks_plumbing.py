@@ -23,6 +23,8 @@ CASES = {
     "expert_layer_gpu": ([], ["| per-op kernels (before) |", "| phases one by one |"]),
     "gemm_gpu": ([], ["Suggested `triton_gemm.CONFIGS` entries"]),
     "siglip_padding_gpu": ([], ["fc1 us", "sdpa us"]),
+    # its kernel checks every config against the dequantised weights and raises on a mismatch
+    "weight_only_gpu": ([], ["| qkv |", "int8 / bf16", "One expert layer's four projections"]),
     "policy_overhead_gpu": (["--reps", "2", "--layouts", "1+2 masked", "--rtc", "none,guided-approx"],
                             ["| 1+2 masked, none |", "| 1+2 masked, guided-approx |", "infer - run"]),
 }
