@@ -1171,7 +1171,7 @@ def test_every_counter_with_a_result_label_has_its_series_from_the_first_scrape(
     import urllib.request
 
     pytest.importorskip("prometheus_client")
-    from phyai_edge.control.metrics import TASK_RESULTS, Metrics
+    from phyai_edge.control.metrics import RECORD_RESULTS, TASK_RESULTS, Metrics
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -1182,3 +1182,5 @@ def test_every_counter_with_a_result_label_has_its_series_from_the_first_scrape(
         assert f'phyai_worker_restarts_total{{result="{result}"}} 0.0' in text
     for result in TASK_RESULTS:
         assert f'phyai_task_requests_total{{result="{result}"}} 0.0' in text
+    for result in RECORD_RESULTS:
+        assert f'phyai_record_observations_total{{result="{result}"}} 0.0' in text

@@ -148,3 +148,41 @@ def test_no_floor_never_asks_the_disk(tmp_path, monkeypatch):
 def test_free_bytes_reads_the_real_file_system(tmp_path):
     st = os.statvfs(tmp_path)
     assert recorder_mod.free_bytes(tmp_path) == st.f_bavail * st.f_frsize > 0
+
+
+class Counted:
+    """A labelled counter as prometheus-client's: what each label was incremented by."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, float] = {}
+
+    def labels(self, result: str) -> Counted:
+        self._label = result
+        return self
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.counts[self._label] = self.counts.get(self._label, 0.0) + amount
+
+
+def test_each_record_s_outcome_reaches_the_metrics(tmp_path, monkeypatch):
+    """A recording that stopped reaching the disk was only in the log; a dashboard now sees
+    phyai_record_observations{result} grow by written, skipped_low_disk, dropped and failed."""
+    disk = Disk(monkeypatch, free=10 * 10**9)
+    counter = Counted()
+    rec = Recorder(tmp_path, {}, min_free_bytes=10**9, counter=counter)
+    rec.add(_record(1))
+    _settle(rec, written=1, skipped=0)
+    disk.free = 10**8
+    rec.add(_record(2))
+    _settle(rec, written=1, skipped=1)
+    disk.free = 10 * 10**9
+    bad = _record(3)
+    bad["images"] = {"top": "not an image"}  # the write raises: counted as failed
+    rec.add(bad)
+    deadline = time.monotonic() + 10
+    while rec.failed == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rec.close()
+    rec.add(_record(4))  # after close: dropped
+    assert counter.counts == {"written": 1, "skipped_low_disk": 1, "failed": 1, "dropped": 1}
+    assert (rec.written, rec.skipped_low_disk, rec.failed, rec.dropped) == (1, 1, 1, 1)

@@ -430,7 +430,8 @@ class Daemon:
                 # otherwise), its paths made absolute: the daemon's working directory is not eval's.
                 "model": recorded_model(cfg),
             }
-            self.recorder = Recorder(self.record_dir, meta, min_free_bytes=round(self.record_min_free_gb * 1e9))
+            self.recorder = Recorder(self.record_dir, meta, min_free_bytes=round(self.record_min_free_gb * 1e9),
+                                     counter=self.metrics.records)
             log.info("recording observations to %s (each chunk's noise from model.noise_seed %d and its inference "
                      "number: `phyai-edge eval %s` replays them)", self.record_dir, cfg.model.noise_seed, self.record_dir)
 

@@ -65,6 +65,7 @@ class Metrics:
         self.task_requests = nop
         self.task_holding = nop
         self.task_instruction = nop
+        self.records = nop
 
     def serve(
         self, host: str, port: int, model: Mapping[str, str] | None = None,
@@ -137,6 +138,12 @@ class Metrics:
             "phyai_task_instruction", "The instruction taken last: 0 is model.prompt, n the n-th over the task channel",
             registry=registry,
         )
+        # `--record`: a recording that stopped reaching the disk (full, slow, below its floor) is
+        # otherwise only in the log.
+        self.records = pc.Counter("phyai_record_observations", "--record: inferences by what became of their "
+                                  "record: " + ", ".join(RECORD_RESULTS), ["result"], registry=registry)
+        for result in RECORD_RESULTS:
+            self.records.labels(result)
         # The standard process_* series (resident memory, CPU seconds, open files, start time) of the
         # daemon, and the same of the worker process under phyai_worker_process_*: a leak or a
         # runaway thread shows there first. A pid that is gone reads as no samples, not an error.
@@ -163,6 +170,8 @@ class Metrics:
         return True
 
 
+# What became of a `--record` record (`Recorder`): written, or why not.
+RECORD_RESULTS = ("written", "dropped", "failed", "skipped_low_disk")
 # What a task-channel request came to (`TaskChannel.handle`): one series each from the first scrape.
 TASK_RESULTS = ("taken", "unchanged", "query", "refused", "hold", "release")
 

@@ -44,7 +44,9 @@ def free_bytes(directory: Path) -> int:
 
 class Recorder:
     def __init__(self, directory: str | Path, meta: dict[str, Any], max_pending: int = 64,
-                 min_free_bytes: int = 0) -> None:
+                 min_free_bytes: int = 0, counter: Any = None) -> None:
+        """`counter`: a labelled counter (`Metrics.records`) told each record's outcome
+        (`metrics.RECORD_RESULTS`), or None."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         _write_atomically(self.dir / "meta.json", lambda f: f.write(json.dumps(meta, indent=2, default=str).encode()))
@@ -55,6 +57,7 @@ class Recorder:
         self.dropped = 0  # not queued (queue full, or after close) or left behind by close()
         self.failed = 0  # writes that raised (disk full, permissions)
         self.min_free_bytes = min_free_bytes
+        self._counter = counter
         self.skipped_low_disk = 0  # not written: the disk had less than min_free_bytes free
         self._low_disk = False  # in a low-disk episode (logged at its start and its end)
         if min_free_bytes and (free := free_bytes(self.dir)) < min_free_bytes:
@@ -66,12 +69,12 @@ class Recorder:
 
     def add(self, record: dict[str, Any]) -> None:
         if self._closing.is_set():
-            self.dropped += 1
+            self._note("dropped")
             return
         try:
             self._queue.put_nowait(record)
         except queue.Full:
-            self.dropped += 1
+            self._note("dropped")
 
     def _run(self) -> None:
         next_drop_log = 1  # drops are logged here at 1, 10, 100, ... (never on the clock thread)
@@ -88,15 +91,15 @@ class Recorder:
                 continue
             if time.monotonic() > self._deadline:
                 # close() stopped waiting: what is left is dropped, and counted as such.
-                self.dropped += 1
+                self._note("dropped")
                 while True:
                     try:
                         self._queue.get_nowait()
                     except queue.Empty:
                         return
-                    self.dropped += 1
+                    self._note("dropped")
             if self._disk_too_full():
-                self.skipped_low_disk += 1
+                self._note("skipped_low_disk")
                 continue
             try:
                 arrays: dict[str, Any] = {}
@@ -108,11 +111,17 @@ class Recorder:
                 for key, value in rec.items():
                     arrays[key] = np.asarray(value if value is not None else np.zeros(0, np.float32))
                 _write_atomically(self.dir / f"obs_{rec['job_id']:06d}.npz", lambda f, arrays=arrays: np.savez(f, **arrays))
-                self.written += 1
+                self._note("written")
             except Exception as exc:
-                self.failed += 1
+                self._note("failed")
                 if worth_logging(self.failed):  # a full disk fails every record: 1st, 10th, ...
                     log.error("record: writing failed (%s); %d so far", exc, self.failed)
+
+    def _note(self, result: str) -> None:
+        """One record's outcome: its count here (`written`, `dropped`, ...) and the counter's."""
+        setattr(self, result, getattr(self, result) + 1)
+        if self._counter is not None:
+            self._counter.labels(result).inc()
 
     def _disk_too_full(self) -> bool:
         """Checked before each write: one statfs, on this thread (never the clock's)."""
@@ -142,6 +151,8 @@ class Recorder:
         # A write still under way at exit leaves no file (see _write_atomically); count it as lost.
         lost = self._queue.qsize() + self._thread.is_alive()
         dropped = self.dropped + lost
+        if lost and self._counter is not None:
+            self._counter.labels("dropped").inc(lost)
         skipped = f", {self.skipped_low_disk} skipped (disk below the --record-min-free-gb floor)" \
             if self.skipped_low_disk else ""
         (log.warning if dropped or self.failed or skipped else log.info)(
