@@ -4,6 +4,7 @@ dtype / adapter, a device torch cannot use here, a bundle exported from another 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,12 @@ def cpu_only_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--batch", "0"], "--batch 0: expected an integer >= 1"),
         (["--floor-device", "foo"], "--floor-device: unknown device 'foo'"),
         (["--views", "9"], "--views 9: expected 1 to 3 for this model"),
+        (["--views", "0"], "--views 0: expected an integer >= 1"),  # timed every camera
+        (["--prompt-tokens", "-5"], "--prompt-tokens -5: expected an integer >= 1"),  # a traceback
+        (["--threads", "-1"], "--threads -1: expected an integer >= 0"),  # a traceback
+        # SystemExit(text): exit 1 and no command name, unlike every other usage error here
+        (["--fp8", "expert"], "--fp8 / --fp8-scales need --backend cudagraph (got --backend eager)"),
+        (["--device", "meta", "--engine", "{tmp}"], "--device meta counts a checkpoint's or preset's parameters"),
     ],
 )
 def test_bench_names_the_mistake(args: list[str], expected: str, tmp_path: Path,
@@ -131,8 +138,24 @@ def test_output_paths_are_checked_before_anything_runs(tmp_path: Path, capsys: p
     assert rc == 2 and f"--record {blocker / 'rec'}: cannot make this folder" in one_line(err, "run")
     rc, err = run(["listen", "--json", str(missing)], capsys)
     assert rc == 2 and "--json" in one_line(err, "listen")
+    # Before asking: the daemon took the instruction, then the reply's write was a traceback (exit 1: "refused").
+    rc, err = run(["task", "fold the towel", "--endpoint", "tcp://127.0.0.1:9", "--timeout", "0.3", "--json",
+                   str(missing)], capsys)
+    assert rc == 2 and f"--json {missing}: the folder {missing.parent} does not exist" in one_line(err, "task")
     rc, err = run(["sim", "--report", str(tmp_path / "none.npz")], capsys)
     assert rc == 2 and "--report" in one_line(err, "sim")
+
+
+def test_bench_on_meta_counts_the_checkpoint_it_is_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--device meta` ignored --checkpoint: it printed the preset's count (a missing folder too)."""
+    from phyai_edge.adapters.pi05 import builtin_adapter, save_native
+
+    ckpt = save_native(builtin_adapter("tiny", seed=0), tmp_path / "ckpt")
+    assert cli(["bench", "--device", "meta", "--preset", "full", "--checkpoint", str(ckpt), "--json"]) == 0
+    counted = json.loads(capsys.readouterr().out)
+    assert counted["preset"] == "checkpoint" and counted["params"] < 10**6, counted  # tiny's, not full's 3.35e9
+    rc, err = run(["bench", "--device", "meta", "--checkpoint", str(tmp_path / "nowhere")], capsys)
+    assert rc == 2 and "checkpoint folder not found" in one_line(err, "bench")
 
 
 def test_bench_refuses_no_timed_calls(capsys: pytest.CaptureFixture[str]) -> None:
@@ -215,12 +238,19 @@ def test_a_duration_that_is_no_number_of_seconds_is_refused_before_loading(capsy
     (["eval", "rec", "--batch", "0"], "--batch 0: expected an integer >= 1"),  # evaluated nothing, scored perfect
     (["eval", "rec", "--stride", "0"], "--stride 0: expected an integer >= 1"),
     (["bench", "--steps", "0"], "--steps 0: expected an integer >= 1"),  # ran the model's 10
-    (["roofline", "--device", "orin", "--rate", "0"], "--rate 0: expected a number > 0"),  # analysed 50 Hz
+    (["roofline", "--device", "orin", "--rate", "0"], "--rate 0: expected a finite number > 0"),  # analysed 50 Hz
     (["roofline", "--device", "orin", "--horizon", "0"], "--horizon 0: expected an integer >= 1"),
     (["roofline", "--device", "orin", "--stat", "p42"], "--stat p42: expected one of p50, p90"),  # used p50
     (["serve", "--max-batch", "0"], "--max-batch 0: expected an integer >= 1"),  # started and served
     (["serve", "--window-ms", "nan"], "--window-ms nan: expected a number >= 0"),
     (["export", "--out", "b", "--steps", "0"], "--steps 0: expected an integer >= 1"),
+    (["listen", "--count", "0"], "--count 0: expected an integer >= 1"),  # ran on, past the daemon's SHUTDOWN
+    (["listen", "--count", "-1"], "--count -1: expected an integer >= 1"),  # stopped at the first message
+    (["listen", "--priority", "-5"], "--priority -5: expected an integer >= 0"),  # ran unprioritised
+    (["listen", "--print", "--json", "-"], "--print and --json - both write to stdout"),
+    (["task", "--timeout", "inf"], "--timeout inf: expected a finite number > 0"),  # ZeroMQ's traceback, exit 1
+    (["task", "--timeout", "nan"], "--timeout nan: expected a finite number > 0"),
+    (["task", "--timeout", "1e30"], "--timeout 1e+30: expected at most 3600 seconds"),  # overflowed ZeroMQ's poll
 ])
 def test_a_count_or_rate_out_of_range_is_refused_naming_the_flag(capsys, argv, says):
     """Zeros became the default without a word (`args.x or default`), or ran to a wrong result."""

@@ -89,6 +89,21 @@ def test_info_says_a_cpu_only_torch_is_one(monkeypatch: pytest.MonkeyPatch, caps
     assert line.split(None, 1)[1] == "none: this torch is a CPU-only build"  # not "not installed"
 
 
+def test_info_tells_a_module_that_fails_to_import_from_a_missing_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """TensorRT's Python package without its libnvinfer read "not installed", hiding what to fix."""
+    (tmp_path / "tensorrt.py").write_text('raise ImportError("libnvinfer.so.10: cannot open shared object file")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "tensorrt", raising=False)
+    assert cli(["info"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tensorrt "))
+    assert line.split(None, 1)[1] == ("installed, but fails to import (ImportError: libnvinfer.so.10: cannot open "
+                                      "shared object file)")
+    from phyai_edge.commands.info import _version
+
+    assert _version("no_such_module_here") is None
+
+
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     """A unit file or script that lost its `run` must not exit 0 as if the daemon had run."""
     assert cli([]) == 2

@@ -205,8 +205,10 @@ def test_bench_says_the_first_step_ran_beside_the_prefix(capsys) -> None:
     assert json.loads(capsys.readouterr().out)["early_step"] is False
     assert cli([*args, "--no-early-step", "--json"]) == 0  # the fused stages, the option off
     assert json.loads(capsys.readouterr().out)["early_step"] is False
-    with pytest.raises(SystemExit, match="--early-step is a cudagraph engine option"):
+    with pytest.raises(SystemExit) as exc:  # a usage error: exit 2, one line naming the flag
         cli(["bench", "--backend", "eager", "--early-step", "--iters", "1", "--warmup", "0"])
+    assert exc.value.code == 2 and "phyai-edge bench: --early-step is a cudagraph engine option" in (
+        capsys.readouterr().err)
 
 
 def test_full_batches_run_the_first_step_beside_the_unmasked_prefix(tiny, monkeypatch) -> None:  # noqa: F811

@@ -395,8 +395,10 @@ def test_bench_fp8_option(capsys) -> None:
                 "--warmup", "0", "--steps", "2", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["fp8"] == "expert" and res["fp8_linears"] > 0
-    with pytest.raises(SystemExit, match="--backend cudagraph"):
+    with pytest.raises(SystemExit) as exc:  # a usage error: exit 2, one line naming the flag
         cli(["bench", "--fp8", "expert", "--iters", "1"])
+    assert exc.value.code == 2 and "phyai-edge bench: --fp8 / --fp8-scales need --backend cudagraph" in (
+        capsys.readouterr().err)
 
 
 # -- on a GPU with fp8 tensor cores -------------------------------------------------------

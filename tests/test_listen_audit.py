@@ -132,3 +132,35 @@ def test_a_silent_stream_exits_1(capsys, restored_process):
     endpoint = free_tcp_endpoint()
     assert cli(["listen", "--endpoint", endpoint, "--duration", "0.3", "--quiet"]) == 1
     assert f"phyai-edge listen: no message arrived from {endpoint}" in capsys.readouterr().err
+
+
+def test_duration_0_stops_at_the_daemon_s_shutdown_as_the_help_says(restored_process):
+    """`--duration 0` is "no limit", as leaving it out is, which stops at SHUTDOWN: it ran on
+    after the daemon had said goodbye, until Ctrl-C."""
+    import os
+
+    endpoint = free_tcp_endpoint()
+    served = _daemons(endpoint, runs=1, seconds=1.0)
+    # Ctrl-C, in case it runs on: the listener's own handler stops it (it must run in the main thread).
+    ctrl_c = threading.Timer(10.0, os.kill, (os.getpid(), signal.SIGINT))
+    ctrl_c.start()
+    t0 = time.monotonic()
+    try:
+        rc = cli(["listen", "--endpoint", endpoint, "--duration", "0", "--quiet"])
+    finally:
+        ctrl_c.cancel()
+    served.join(10)
+    assert rc == 0 and time.monotonic() - t0 < 8.0, "listen --duration 0 ran on after the daemon's SHUTDOWN"
+
+
+def test_json_to_stdout_is_one_json_object_with_the_per_second_lines_on_stderr(capsys, restored_process):
+    """`--json -` without --quiet printed the per-second lines on stdout before the summary: not
+    JSON (`... --json - | jq` failed)."""
+    endpoint = free_tcp_endpoint()
+    served = _daemons(endpoint, runs=1, seconds=2.5)
+    rc = cli(["listen", "--endpoint", endpoint, "--duration", "2.5", "--json", "-"])
+    served.join(10)
+    assert rc == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["received"] > 0
+    assert " msg/s " in err

@@ -358,7 +358,7 @@ def test_serve_flags_are_refused_in_one_line_before_loading(monkeypatch, capsys,
 
 def test_serve_ray_takes_a_replica_without_gpus(monkeypatch):
     """0 is the default without cuda and what a CPU replica needs; given explicitly, it was
-    refused as `expected a number > 0`."""
+    refused as `expected a finite number > 0`."""
     import sys
 
     from phyai_edge.cli import main as cli

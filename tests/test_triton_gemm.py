@@ -754,8 +754,9 @@ def test_bench_triton_gemm_option(capsys) -> None:
                 "--batch", "1", "--iters", "1", "--warmup", "0", "--steps", "1", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["triton_gemm"] is True and res["triton_ops"] in ("triton", "reference")
-    with pytest.raises(SystemExit, match="--triton-gemm"):
+    with pytest.raises(SystemExit) as exc:  # a usage error: exit 2, one line naming the flag
         cli(["bench", "--backend", "eager", "--triton-gemm", "--iters", "1"])
+    assert exc.value.code == 2 and "phyai-edge bench: --triton-gemm" in capsys.readouterr().err
 
 
 # -- large-M tile order and the GELU epilogue -------------------------------------------------------------

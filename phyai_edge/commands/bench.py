@@ -25,6 +25,7 @@ Examples:
   phyai-edge bench --preset full --device cuda --dtype bfloat16 --backend cudagraph --fp8 expert
   phyai-edge bench --engine engines/pi05-orin            # an exported bundle
   phyai-edge bench --preset full --device meta           # structure and parameter count only
+  phyai-edge bench --checkpoint ~/ckpt/pi05 --device meta   # a checkpoint's, its weights not read
 """
 
 STAGE_ORDER = ["preprocess", "embed_images", "encode_prefix", "denoise_step", "solver_loop", "postprocess", "total"]
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=48, help="valid prompt tokens per sample (rest is padding)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first")
     p.add_argument("--iters", type=int, default=20, help="timed calls")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default, or 0: torch's own choice)")
     p.add_argument("--fp8", choices=["expert", "prefix", "all"], default=None,
                    help="cudagraph backend: run these linears in fp8 E4M3 (torch._scaled_mm on Ada/Hopper, "
                    "the plain-torch reference path elsewhere); default: none")
@@ -101,8 +102,11 @@ def run_bench(args: argparse.Namespace) -> dict:
     )
 
     check_device("bench", args.device, allow_meta=True)
+    # --views 0 timed every camera (`args.views or all`), a negative --prompt-tokens or --threads
+    # was a traceback; a prompt has at least one token (its BOS).
     check_at_least("bench", ("--batch", args.batch, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
-                   ("--steps", args.steps, 1))
+                   ("--steps", args.steps, 1), ("--views", args.views, 1), ("--prompt-tokens", args.prompt_tokens, 1),
+                   ("--threads", args.threads, 0))
     if args.floor_device and args.floor_device.lower() != "none":
         from phyai_edge.roofline.devices import find_device
 
@@ -115,32 +119,38 @@ def run_bench(args: argparse.Namespace) -> dict:
     if args.device == "meta":
         from phyai_edge.adapters import load_adapter
 
-        try:
-            adapter = load_adapter(args.adapter, checkpoint=None, preset_name=args.preset, device="meta")
+        if args.engine:  # it counted the preset's parameters instead, as if they were the bundle's
+            fail("bench", "--device meta counts a checkpoint's or preset's parameters, not an engine bundle's: "
+                 "leave out --engine")
+        try:  # the checkpoint's structure, read without its weights (it counted the preset's)
+            adapter = load_adapter(args.adapter, adapter_options("bench", args) or None, checkpoint=args.checkpoint,
+                                   preset_name=args.preset, device="meta", tokenizer=args.tokenizer)
         except LOAD_ERRORS as exc:
             fail("bench", str(exc))
         n = sum(p.numel() for p in adapter.module.parameters())
         parts = {name: sum(p.numel() for p in m.parameters()) for name, m in adapter.module.named_children()}
-        return {"adapter": args.adapter, "preset": args.preset, "device": "meta", "params": n, "params_by_part": parts}
+        return {"adapter": args.adapter, "preset": args.preset if not args.checkpoint else "checkpoint",
+                "device": "meta", "params": n, "params_by_part": parts}
 
     fp8 = getattr(args, "fp8", None)
     options = {}
+    # `fail`, not SystemExit(text): a usage error is exit 2 with the command's name, as every other here.
     if fp8 is not None or getattr(args, "fp8_scales", None):
         if args.engine:
-            raise SystemExit("--fp8 / --fp8-scales do not apply to a bundle: its fp8 setting was fixed at export")
+            fail("bench", "--fp8 / --fp8-scales do not apply to a bundle: its fp8 setting was fixed at export")
         if args.backend != "cudagraph":
-            raise SystemExit(f"--fp8 needs --backend cudagraph (got --backend {args.backend})")
+            fail("bench", f"--fp8 / --fp8-scales need --backend cudagraph (got --backend {args.backend})")
         options = {"fp8": fp8 or "expert", "fp8_scales": args.fp8_scales}
     if getattr(args, "triton_ops", None) is not None:
         if args.engine:
-            raise SystemExit("--triton-ops does not apply to a bundle (it is a cudagraph engine option)")
+            fail("bench", "--triton-ops does not apply to a bundle (it is a cudagraph engine option)")
         if args.backend != "cudagraph":
-            raise SystemExit(f"--triton-ops needs --backend cudagraph (got --backend {args.backend})")
+            fail("bench", f"--triton-ops needs --backend cudagraph (got --backend {args.backend})")
         options["triton_ops"] = args.triton_ops
     for flag, name in (("--triton-gemm", "triton_gemm"), ("--early-step", "early_step")):
         if getattr(args, name, None) is not None:
             if args.engine or args.backend != "cudagraph":
-                raise SystemExit(f"{flag} is a cudagraph engine option: it needs --backend cudagraph and no --engine")
+                fail("bench", f"{flag} is a cudagraph engine option: it needs --backend cudagraph and no --engine")
             options[name] = getattr(args, name)
     policy = load_policy_or_fail("bench", adapter=args.adapter, checkpoint=args.checkpoint, preset=args.preset,
                                  backend=args.backend, device=args.device, dtype=args.dtype, bundle=args.engine,
@@ -278,7 +288,8 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     if result["device"] == "meta":
-        print(f"{result['adapter']} preset {result['preset']}: {result['params']:,} parameters")
+        what = f"checkpoint {args.checkpoint}" if args.checkpoint else f"preset {result['preset']}"
+        print(f"{result['adapter']} {what}: {result['params']:,} parameters")
         for name, n in result["params_by_part"].items():
             print(f"  {name:<18}{n:>15,}")
         return 0

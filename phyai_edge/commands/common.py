@@ -96,7 +96,7 @@ def check_positive(command: str, *checks: tuple[str, float | None]) -> None:
     """`fail` at the first (flag, value) that is not a finite number > 0; None passes."""
     for flag, value in checks:
         if value is not None and not (math.isfinite(value) and value > 0):
-            fail(command, f"{flag} {value:g}: expected a number > 0")
+            fail(command, f"{flag} {value:g}: expected a finite number > 0")
 
 
 def check_seconds(command: str, flag: str, value: float | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import platform
 import sys
@@ -17,10 +18,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _version(module: str) -> str | None:
+    """The module's version; None where it is not installed. One that is installed but fails to
+    import (TensorRT's Python package without its libnvinfer, a wheel built for another CUDA) was
+    reported "not installed", hiding the error that says what to fix."""
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+    except (ImportError, ValueError):  # a broken parent package, a module without a spec
+        return None
     try:
         return getattr(importlib.import_module(module), "__version__", "installed")
-    except Exception:
-        return None
+    except Exception as exc:
+        return f"installed, but fails to import ({type(exc).__name__}: {exc})"
 
 
 def collect() -> dict:

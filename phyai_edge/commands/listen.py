@@ -16,6 +16,7 @@ Examples:
   phyai-edge listen --endpoint ipc:///run/phyai-edge/actions --duration 60 --json summary.json
   phyai-edge listen --print                           # one line per action
   phyai-edge listen --record actions.npz              # every header and payload
+  phyai-edge listen --duration 10 --json - | jq .rate_hz   # the summary alone on stdout
 
 Exit status: 0 when messages arrived, 1 when none did (a silent stream), 2 for a usage error.
 """
@@ -35,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop after this many actions (default: at Ctrl-C, or when the daemon sends SHUTDOWN)")
     p.add_argument("--print", dest="print_each", action="store_true", help="print every action")
     p.add_argument("--wall", action="store_true", help="latency from CLOCK_REALTIME (other host, PTP-synced)")
-    p.add_argument("--json", dest="json_path", help="write the final summary as JSON to this file ('-': stdout)")
+    p.add_argument("--json", dest="json_path",
+                   help="write the final summary as JSON to this file ('-': stdout, the per-second lines then on stderr)")
     p.add_argument("--record", help="save every received header and payload to this .npz file: one entry per "
                    "message in the header arrays (session, seq, kind, ...); actions holds the kind-1 payloads in "
                    "order, chunk_rows the kind-2 rows one message after another (rows says how many each)")
@@ -45,9 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from phyai_edge.commands.common import check_seconds
+    from phyai_edge.commands.common import check_at_least, check_seconds, fail
 
     check_seconds("listen", "--duration", args.duration)
+    # --count 0 never stopped and no longer stopped at SHUTDOWN; --count -1 stopped at the first
+    # message; a negative --priority left the listener unprioritised without a word.
+    check_at_least("listen", ("--count", args.count, 1), ("--priority", args.priority, 0))
+    if args.print_each and args.json_path == "-":
+        fail("listen", "--print and --json - both write to stdout: give --json a file")
     import numpy as np
 
     from phyai_edge.control.listener import Listener
@@ -58,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
 
         for line in setup_realtime(args.priority, (), False):
             print(line.replace("clock thread", "listener"), file=sys.stderr)
-    from phyai_edge.commands.common import check_writable, fail, json_text
+    from phyai_edge.commands.common import check_writable, json_text
 
     check_writable("listen", "--json", args.json_path)
     check_writable("listen", "--record", args.record)
@@ -82,6 +89,8 @@ def main(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()  # no full collection over start-up objects in the middle of measuring
     t_end = time.monotonic() + args.duration if args.duration else None
+    # With the summary on stdout, the per-second lines go to stderr: stdout stays one JSON object.
+    lines_to = sys.stderr if args.json_path == "-" else sys.stdout
     next_report = time.monotonic() + 1.0
     last_count, printed = 0, 0
     while not stop:
@@ -113,13 +122,13 @@ def main(args: argparse.Namespace) -> int:
             p99 = f"{np.percentile(lat, 99):.0f}" if lat.size else "-"
             p50 = f"{np.percentile(lat, 50):.0f}" if lat.size else "-"
             print(f"{rate} msg/s  seq {st.last_seq}  gaps {st.gaps}  repeats {st.repeats}  latency p50 {p50} us p99 {p99} us  "
-                  f"holds {st.flags.get('HOLD', 0)}", flush=True)
+                  f"holds {st.flags.get('HOLD', 0)}", file=lines_to, flush=True)
             last_count = st.received
             next_report = now + 1.0
         if (t_end and now >= t_end) or (args.count and st.received >= args.count):
             break
-        if st.flags.get("SHUTDOWN") and args.count is None and args.duration is None:
-            break  # the daemon said goodbye
+        if st.flags.get("SHUTDOWN") and args.count is None and not args.duration:
+            break  # the daemon said goodbye (--duration 0 means no limit, as leaving it out does)
     summary = lis.stats.summary()
     lis.close()
     if args.record:

@@ -8,8 +8,10 @@ import sys
 import time
 from typing import Any
 
-from phyai_edge.commands.common import write_json
+from phyai_edge.commands.common import check_positive, check_writable, fail, write_json
 from phyai_edge.control.protocol import KIND_ACTION
+
+MAX_TIMEOUT_S = 3600.0  # a daemon answers in milliseconds; an hour is any real wait
 
 HELP = "set or show the instruction (prompt) a running daemon's policy follows"
 DESCRIPTION = """Send a new instruction to a running `phyai-edge run` (its [task] endpoint), or show the
@@ -56,9 +58,13 @@ def main(args: argparse.Namespace) -> int:
 
     from phyai_edge.control.task import request_instruction
 
-    if args.timeout <= 0:
-        print(f"phyai-edge task: --timeout must be positive, got {args.timeout:g}", file=sys.stderr)
-        return 2
+    # argparse's float takes "inf" and "nan": ZeroMQ's poll then raised a traceback (exit 1, read as
+    # "refused") or a line about converting NaN.
+    check_positive("task", ("--timeout", args.timeout))
+    if args.timeout > MAX_TIMEOUT_S:  # 1e30 s overflowed ZeroMQ's poll in milliseconds: a traceback
+        fail("task", f"--timeout {args.timeout:g}: expected at most {MAX_TIMEOUT_S:g} seconds")
+    # Checked before asking: a reply that cannot be written was a traceback after the daemon took it.
+    check_writable("task", "--json", args.json_path)
     if args.wait and args.hold:
         print("phyai-edge task: --wait waits for an action, and --hold stops them", file=sys.stderr)
         return 2
