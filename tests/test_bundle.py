@@ -376,3 +376,13 @@ def test_bench_on_a_bundle_reports_its_precision(bundle, capsys):
     assert cli(["bench", "--engine", str(bundle), "--iters", "1", "--warmup", "0", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["bundle"] == str(bundle) and report["precision"] == "fp32"
+
+
+def test_bench_takes_a_bundle_s_floors_at_its_own_precision(bundle, capsys):
+    """The floors were taken at --dtype's peak: an fp32 bundle benched with --dtype bfloat16 was
+    compared with bf16 floors it never ran at. The table has no fp32 peak, so now it says so."""
+    assert cli(["bench", "--engine", str(bundle), "--dtype", "bfloat16", "--floor-device", "h200", "--iters", "1",
+                "--warmup", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["dtype"] == "float32" and report["floors"] == {}
+    assert "the table has no float32 peak" in report["floor_note"]

@@ -227,15 +227,17 @@ def run_bench(args: argparse.Namespace) -> dict:
     early = bool(getattr(policy.engine, "last_early_step", False))
     steps = adapter.solver.num_steps
     loop_steps = steps - 1 if early and steps > 1 else steps
-    floor_device, floors, floor_note = _floors(args, adapter, views, n_valid, gpu, getattr(policy.engine, "fp8", None),
-                                               loop_steps)
-    # A bundle's precision is its manifest's, whatever --dtype says (the roofline reads "precision" first).
+    # A bundle's precision is its manifest's, whatever --dtype says (the roofline reads "precision" first),
+    # and so are its floors: an fp32 bundle's were taken at --dtype's bf16 peak.
     manifest = getattr(policy, "manifest", None) or {}
     precisions = set((manifest.get("precision") or {}).values())
+    dtype = manifest.get("dtype", args.dtype)
+    floor_device, floors, floor_note = _floors(args, adapter, views, n_valid, gpu, getattr(policy.engine, "fp8", None),
+                                               loop_steps, dtype)
     return {
         "adapter": args.adapter, "preset": args.preset if not args.checkpoint else "checkpoint",
         "backend": getattr(policy.engine, "backend", args.backend), "device": args.device,
-        "dtype": manifest.get("dtype", args.dtype), "bundle": args.engine,
+        "dtype": dtype, "bundle": args.engine,
         "precision": precisions.pop() if len(precisions) == 1 else None,
         "fp8": getattr(policy.engine, "fp8", None), "fp8_linears": getattr(policy.engine, "fp8_linears", 0),
         "triton_ops": getattr(policy.engine, "triton_ops", None),
@@ -249,11 +251,12 @@ def run_bench(args: argparse.Namespace) -> dict:
 
 
 def _floors(args: argparse.Namespace, adapter: Any, views: int, prompt_tokens: int | None, gpu: str | None,
-            fp8: str | None, loop_steps: int) -> tuple[str | None, dict[str, dict[str, float | str]], str]:
+            fp8: str | None, loop_steps: int, dtype: str) -> tuple[str | None, dict[str, dict[str, float | str]], str]:
     """(device name, {stage: floor_ms, bound}, note): each model stage's floor from the adapter's
     FLOP / byte count (`roofline.costs`) at the device's peaks, the solver loop's for the
     `loop_steps` steps it timed; empty, with the reason, where there is no floor to print (no
-    device, no cost model, a precision the table has no peak for)."""
+    device, no cost model, a precision the table has no peak for). `dtype`: what the engine computes
+    in (a bundle's, from its manifest)."""
     from phyai_edge.roofline.costs import stage_costs
     from phyai_edge.roofline.devices import find_device
     from phyai_edge.roofline.predict import stage_floors
@@ -266,9 +269,9 @@ def _floors(args: argparse.Namespace, adapter: Any, views: int, prompt_tokens: i
         device = find_device(name)
     except ValueError as exc:
         return name, {}, str(exc)
-    precision = DTYPE_PRECISIONS.get(args.dtype)
+    precision = DTYPE_PRECISIONS.get(dtype)
     if precision is None or fp8:
-        why = f"fp8 {fp8} mixes precisions" if fp8 else f"the table has no {args.dtype} peak"
+        why = f"fp8 {fp8} mixes precisions" if fp8 else f"the table has no {dtype} peak"
         return device.name, {}, f"no floors: {why}"
     try:
         costs = stage_costs(args.adapter, adapter.cfg, batch=args.batch, views=views, prompt_tokens=prompt_tokens,
