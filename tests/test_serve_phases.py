@@ -341,6 +341,7 @@ def test_serve_refuses_prompt_tokens_where_no_warm_up_keeps_them(capsys) -> None
     (["--batch-sizes", "0,4"], "--batch-sizes: sizes must be >= 1"),
     (["--warm-rtc", "sideways"], "--warm-rtc: unknown mode 'sideways'"),  # served on eager without a word
     (["--gpus-per-replica", "-1"], "--gpus-per-replica -1: expected a finite number >= 0"),
+    (["--window-ms", "inf"], "--window-ms inf: expected a finite number of milliseconds"),  # waited out each budget
 ])
 def test_serve_flags_are_refused_in_one_line_before_loading(monkeypatch, capsys, flags, says):
     from phyai_edge.cli import main as cli

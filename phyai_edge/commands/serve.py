@@ -100,6 +100,10 @@ def main(args: argparse.Namespace) -> int:
                    ("--window-ms", args.window_ms, 0), ("--report-s", args.report_s, 0),
                    ("--threads", args.threads, 0), ("--prompt-tokens", args.prompt_tokens, 0))
     check_positive("serve", ("--budget-ms", args.budget_ms))
+    if args.window_ms is not None and not math.isfinite(args.window_ms):
+        # An endless window closed batches only at each request's deadline less the service time:
+        # every robot waited nearly its whole budget.
+        fail("serve", f"--window-ms {args.window_ms:g}: expected a finite number of milliseconds")
     gpus = args.gpus_per_replica
     if gpus is not None and not (math.isfinite(gpus) and gpus >= 0):  # 0: a replica on CPU, the default without cuda
         fail("serve", f"--gpus-per-replica {gpus:g}: expected a finite number >= 0")
