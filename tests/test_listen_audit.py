@@ -63,6 +63,7 @@ def test_a_recording_across_a_daemon_restart_tells_the_sessions_apart_and_keeps_
               "--record", str(record), "--json", str(summary)])
     served.join(10)
     assert rc == 0
+    assert summary.read_text().endswith("}\n")  # a text file's last line ends
     stats = json.loads(summary.read_text())
     assert stats["sessions"] == 2 and stats["repeats"] == 0 and stats["gaps"] == 0, stats
     rec = np.load(record)

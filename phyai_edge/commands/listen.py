@@ -157,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
         print(text)
     elif args.json_path:
         with open(args.json_path, "w") as f:
-            f.write(text)
+            f.write(text + "\n")  # a text file ends in one, as write_json's do
     if not args.quiet and args.json_path != "-":
         print(text, file=sys.stderr)
     if not lis.stats.received:
