@@ -242,7 +242,7 @@ def test_a_duration_that_is_no_number_of_seconds_is_refused_before_loading(capsy
     (["roofline", "--device", "orin", "--horizon", "0"], "--horizon 0: expected an integer >= 1"),
     (["roofline", "--device", "orin", "--stat", "p42"], "--stat p42: expected one of p50, p90"),  # used p50
     (["serve", "--max-batch", "0"], "--max-batch 0: expected an integer >= 1"),  # started and served
-    (["serve", "--window-ms", "nan"], "--window-ms nan: expected a number >= 0"),
+    (["serve", "--window-ms", "nan"], "--window-ms nan: expected a finite number of milliseconds >= 0"),
     (["export", "--out", "b", "--steps", "0"], "--steps 0: expected an integer >= 1"),
     (["listen", "--count", "0"], "--count 0: expected an integer >= 1"),  # ran on, past the daemon's SHUTDOWN
     (["listen", "--count", "-1"], "--count -1: expected an integer >= 1"),  # stopped at the first message

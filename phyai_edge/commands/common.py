@@ -99,11 +99,20 @@ def check_positive(command: str, *checks: tuple[str, float | None]) -> None:
             fail(command, f"{flag} {value:g}: expected a finite number > 0")
 
 
+def check_finite(command: str, *checks: tuple[str, float | None, float, str], hint: str = "") -> None:
+    """`fail` at the first (flag, value, least, unit) whose value is not a finite number >= least;
+    None passes. `check_at_least` takes "inf" (argparse's float does), which as a time or a size
+    overflowed or ran forever; `unit` ("seconds", "GB", or "" for none) and `hint` go in the line."""
+    for flag, value, least, unit in checks:
+        if value is not None and not (math.isfinite(value) and value >= least):
+            of = f" of {unit}" if unit else ""
+            fail(command, f"{flag} {value:g}: expected a finite number{of} >= {least:g}" + (f" ({hint})" if hint else ""))
+
+
 def check_seconds(command: str, flag: str, value: float | None) -> None:
     """`fail` unless `value` is None or a finite number of seconds >= 0 (argparse's float takes
     "inf" and "nan": the daemon then died after loading the model, without its SHUTDOWN message)."""
-    if value is not None and not (math.isfinite(value) and value >= 0):
-        fail(command, f"{flag} {value:g}: expected a finite number of seconds >= 0 (0: until stopped)")
+    check_finite(command, (flag, value, 0, "seconds"), hint="0: until stopped")
 
 
 def check_device(command: str, device: str | None, *, allow_meta: bool = False, flag: str = "--device") -> None:

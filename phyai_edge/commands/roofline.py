@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -419,26 +418,18 @@ def _check_fractions(*checks: tuple[str, float | None]) -> None:
             fail("roofline", f"{flag} {value:g}: expected a fraction of peak in (0, 1.5]")
 
 
-def _check_ms(*checks: tuple[str, float | None]) -> None:
-    """`fail` at the first time flag that is not a finite number of ms >= 0 (a negative one crashed
-    in StageTimes, and inf in the ceiling of L / T)."""
-    from phyai_edge.commands.common import fail
-
-    for flag, value in checks:
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            fail("roofline", f"{flag} {value:g}: expected a finite number of milliseconds >= 0")
-
-
 def main(args: argparse.Namespace) -> int:
-    from phyai_edge.commands.common import check_at_least, check_positive, fail
+    from phyai_edge.commands.common import check_at_least, check_finite, check_positive, fail
 
     # A zero here became the default (`args.rate or ...`): --rate 0 analysed 50 Hz without a word.
     check_at_least("roofline", ("--batch", args.batch, 1), ("--views", args.views, 1),
                    ("--prompt-tokens", args.prompt_tokens, 1), ("--steps", args.steps, 1),
                    ("--horizon", args.horizon, 1), ("--exec-horizon", args.exec_horizon, 1))
     check_positive("roofline", ("--rate", args.rate), ("--physical-rate", args.physical_rate))
-    _check_ms(("--camera-age-ms", args.camera_age_ms), ("--preprocess-ms", args.preprocess_ms),
-              ("--postprocess-ms", args.postprocess_ms), ("--transport-ms", args.transport_ms))
+    # A negative time crashed in StageTimes, and inf in the ceiling of L / T.
+    check_finite("roofline", *((flag, value, 0, "milliseconds") for flag, value in (
+        ("--camera-age-ms", args.camera_age_ms), ("--preprocess-ms", args.preprocess_ms),
+        ("--postprocess-ms", args.postprocess_ms), ("--transport-ms", args.transport_ms))))
     _check_fractions(("--efficiency-compute", args.efficiency_compute),
                      ("--efficiency-bandwidth", args.efficiency_bandwidth))
     if args.stat not in STATS:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 from pathlib import Path
@@ -160,12 +159,11 @@ def _load_error_key(m: Any, exc: BaseException, load_adapter: Any) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from phyai_edge.commands.common import check_seconds, fail
+    from phyai_edge.commands.common import check_finite, check_seconds
     from phyai_edge.control.config import DEFAULT_CONFIG_TOML, ConfigError, load_config
 
     check_seconds("run", "--duration", args.duration)
-    if not (math.isfinite(args.record_min_free_gb) and args.record_min_free_gb >= 0):
-        fail("run", f"--record-min-free-gb {args.record_min_free_gb:g}: expected a finite number of GB >= 0 (0: no floor)")
+    check_finite("run", ("--record-min-free-gb", args.record_min_free_gb, 0, "GB"), hint="0: no floor")
 
     if args.print_default_config:
         sys.stdout.write(DEFAULT_CONFIG_TOML)

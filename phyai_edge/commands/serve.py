@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import signal
 import sys
 import threading
@@ -18,6 +17,7 @@ from phyai_edge.commands.common import (
     adapter_options,
     add_adapter_option_argument,
     check_at_least,
+    check_finite,
     check_positive,
     check_seconds,
     fail,
@@ -97,16 +97,13 @@ def main(args: argparse.Namespace) -> int:
     check_seconds("serve", "--duration", args.duration)
     check_at_least("serve", ("--max-batch", args.max_batch, 1), ("--queue", args.queue, 1),
                    ("--per-robot", args.per_robot, 1), ("--workers", args.workers, 1), ("--replicas", args.replicas, 1),
-                   ("--window-ms", args.window_ms, 0), ("--report-s", args.report_s, 0),
+                   ("--report-s", args.report_s, 0),
                    ("--threads", args.threads, 0), ("--prompt-tokens", args.prompt_tokens, 0))
     check_positive("serve", ("--budget-ms", args.budget_ms))
-    if args.window_ms is not None and not math.isfinite(args.window_ms):
-        # An endless window closed batches only at each request's deadline less the service time:
-        # every robot waited nearly its whole budget.
-        fail("serve", f"--window-ms {args.window_ms:g}: expected a finite number of milliseconds")
-    gpus = args.gpus_per_replica
-    if gpus is not None and not (math.isfinite(gpus) and gpus >= 0):  # 0: a replica on CPU, the default without cuda
-        fail("serve", f"--gpus-per-replica {gpus:g}: expected a finite number >= 0")
+    # An endless window closed batches only at each request's deadline less the service time (every
+    # robot waited nearly its whole budget); 0 GPUs is a replica on CPU, the default without cuda.
+    check_finite("serve", ("--window-ms", args.window_ms, 0, "milliseconds"),
+                 ("--gpus-per-replica", args.gpus_per_replica, 0, ""))
     try:
         # Now, not after loading the model: an unknown RTC mode was not even looked at where
         # nothing is warmed (eager, --no-warm, --ray).
