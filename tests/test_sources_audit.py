@@ -3,9 +3,10 @@ another clock, and OpenCV sources on a machine without OpenCV."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -106,9 +107,9 @@ def _after(send: Callable[[], None], latest: Callable[[], Any]) -> Any:
     return latest()
 
 
-def test_an_empty_frame_over_zeromq_is_refused_and_the_last_good_one_ages():
-    """A sender whose camera failed may still send a 0 x 0 frame: taken, it counted as a fresh
-    frame and the policy ran on nothing; refused, the last good frame ages into STALE."""
+@contextlib.contextmanager
+def _top_camera() -> Iterator[tuple[Any, ZmqCamera]]:
+    """A PUB bound here and the ZeroMQ camera "top" reading it, both closed after."""
     ctx = zmq.Context()
     endpoint = free_tcp_endpoint()
     pub = ctx.socket(zmq.PUB)
@@ -116,6 +117,16 @@ def test_an_empty_frame_over_zeromq_is_refused_and_the_last_good_one_ages():
     cam = ZmqCamera(CameraConfig("top", source="zmq", endpoint=endpoint), ctx)
     cam.start()
     try:
+        yield pub, cam
+    finally:
+        cam.stop()
+        ctx.destroy(linger=0)
+
+
+def test_an_empty_frame_over_zeromq_is_refused_and_the_last_good_one_ages():
+    """A sender whose camera failed may still send a 0 x 0 frame: taken, it counted as a fresh
+    frame and the policy ran on nothing; refused, the last good frame ages into STALE."""
+    with _top_camera() as (pub, cam):
         good = _joined(pub, lambda: pub.send(FrameMessage("top", np.zeros((4, 6, 3), np.uint8), 1,
                                                           time.monotonic_ns()).encode()), cam.latest)
         for shape in [(0, 0, 3), (0, 6, 3), (4, 0, 3)]:
@@ -123,9 +134,6 @@ def test_an_empty_frame_over_zeromq_is_refused_and_the_last_good_one_ages():
                                                                    time.monotonic_ns()).encode()), cam.latest)
             assert got is good, f"a {shape} frame was taken"
         assert cam.bad_messages == 3
-    finally:
-        cam.stop()
-        ctx.destroy(linger=0)
 
 
 def test_a_gray_frame_over_zeromq_is_not_copied_on_the_clock_thread():
@@ -137,18 +145,12 @@ def test_a_gray_frame_over_zeromq_is_not_copied_on_the_clock_thread():
     from phyai_edge.control.protocol import PIXEL_GRAY8
     from phyai_edge.control.worker import as_policy_frame
 
-    ctx = zmq.Context()
-    endpoint = free_tcp_endpoint()
-    pub = ctx.socket(zmq.PUB)
-    pub.bind(endpoint)
-    cam = ZmqCamera(CameraConfig("top", source="zmq", endpoint=endpoint), ctx)
-    cam.start()
     gray = np.arange(480 * 640, dtype=np.uint32).astype(np.uint8).reshape(480, 640, 1)
+    with _top_camera() as (pub, cam):
 
-    def send() -> None:
-        pub.send(FrameMessage("top", gray, 1, time.monotonic_ns(), pixel_format=PIXEL_GRAY8).encode())
+        def send() -> None:
+            pub.send(FrameMessage("top", gray, 1, time.monotonic_ns(), pixel_format=PIXEL_GRAY8).encode())
 
-    try:
         _joined(pub, send, cam.latest)
         send()
         time.sleep(0.1)
@@ -163,9 +165,6 @@ def test_a_gray_frame_over_zeromq_is_not_copied_on_the_clock_thread():
         seen = as_policy_frame(fr.image, fr.bgr, None)
         assert seen.shape == (480, 640, 3) and seen.flags.c_contiguous and seen.flags.writeable
         np.testing.assert_array_equal(seen, np.repeat(gray, 3, axis=-1))
-    finally:
-        cam.stop()
-        ctx.destroy(linger=0)
 
 
 @pytest.mark.parametrize("clock", ["monotonic", "realtime"])
