@@ -126,7 +126,7 @@ def test_a_disk_already_below_the_floor_is_said_at_start(tmp_path, monkeypatch, 
     Disk(monkeypatch, free=10**8)
     with caplog.at_level("WARNING", logger="phyai_edge.control"):
         rec = Recorder(tmp_path, {}, min_free_bytes=10**9)
-    assert any("0.1 GB free, below the 1.0 GB floor" in m and "nothing is recorded" in m for m in caplog.messages)
+    assert any("0.1 GB free, below the 1.0 GB floor" in m and "records are skipped" in m for m in caplog.messages)
     rec.add(_record(1))
     _settle(rec, written=0, skipped=1)
     rec.close()

@@ -60,10 +60,7 @@ class Recorder:
         self._counter = counter
         self.skipped_low_disk = 0  # not written: the disk had less than min_free_bytes free
         self._low_disk = False  # in a low-disk episode (logged at its start and its end)
-        if min_free_bytes and (free := free_bytes(self.dir)) < min_free_bytes:
-            log.warning("record: %s has %s free, below the %s floor (--record-min-free-gb): nothing is recorded "
-                        "until space is freed", self.dir, _gb(free), _gb(min_free_bytes))
-            self._low_disk = True
+        self._disk_too_full()  # a disk already below the floor is said at start-up, not at the first record
         self._thread = threading.Thread(target=self._run, name="recorder", daemon=True)
         self._thread.start()
 
