@@ -352,6 +352,8 @@ def test_fp8_cudagraph_bundle_uses_its_scales(tmp_path, monkeypatch) -> None:
                   adapter=builtin_adapter("tiny", seed=0), echo=lines.append)
     m = read_manifest(out)
     assert m["fp8"]["scope"] == "expert" and m["fp8"]["activations"] == "static"
+    # Only the stage that runs the expert's linears is fp8; vision and prefix run in bf16.
+    assert m["precision"] == {"embed_images": "bf16", "encode_prefix": "bf16", "denoise_step": "fp8"}
     assert m["fp8"]["scales"] in m["files"]
     report = m["calibration"]["fp8_engine_vs_fp32"]
     print(f"fp8 cudagraph bundle (expert, calibrated, cpu reference path) vs fp32: rel-RMSE "
@@ -378,6 +380,30 @@ def test_fp8_cudagraph_bundle_uses_its_scales(tmp_path, monkeypatch) -> None:
     with pytest.raises(bundle_mod.BundleError, match="no fp8 scales"):
         cudagraph_fp8_options(out, m2)
     assert cudagraph_fp8_options(out, {**m, "precision": {"denoise_step": "bf16"}}) == {}
+
+
+def test_linear_calls_are_attributed_to_their_stage() -> None:
+    """What the exporter's per-stage precision rests on: every linear call seen while calibrating
+    is told to the stage that made it, so a scope's roots map onto the stages that run them."""
+    from phyai_edge.calibration.dataset import synthetic_observations
+    from phyai_edge.calibration.fp8 import collect_amax
+    from phyai_edge.engines.stage_inputs import collect_stage_inputs
+
+    adapter = builtin_adapter("tiny", seed=0)
+    obs = synthetic_observations(adapter, 1, seed=1)
+    current = [""]
+    seen: dict[str, set[str]] = {}
+    collect_amax(adapter.module,
+                 lambda: collect_stage_inputs(adapter, obs, on_stage=lambda n: current.__setitem__(0, n)),
+                 on_call=lambda lin: seen.setdefault(current[0], set()).add(lin))
+    assert set(seen) == set(adapter.stage_names())
+
+    def roots(stage: str) -> set[str]:
+        return {name.split(".")[0] for name in seen[stage]}
+
+    assert "vision" in roots("embed_images") and not roots("embed_images") & {"prefix_layers", "expert_layers"}
+    assert "prefix_layers" in roots("encode_prefix") and "expert_layers" not in roots("encode_prefix")
+    assert "expert_layers" in roots("denoise_step") and "prefix_layers" not in roots("denoise_step")
 
 
 def test_export_fp8_scope_is_checked() -> None:

@@ -30,9 +30,11 @@ def _linears(module: nn.Module) -> dict[str, nn.Linear]:
 
 
 @torch.no_grad()
-def collect_amax(module: nn.Module, run: Callable[[], Any]) -> dict[str, dict[str, float]]:
+def collect_amax(module: nn.Module, run: Callable[[], Any],
+                 on_call: Callable[[str], None] | None = None) -> dict[str, dict[str, float]]:
     """{linear name: {"weight_amax", "input_amax", "calls"}} after calling `run()` once, which
-    should push the calibration set through every stage of `module`."""
+    should push the calibration set through every stage of `module`. `on_call(name)` is told of
+    every linear call as it happens."""
     stats: dict[str, dict[str, float]] = {}
     handles = []
     for name, lin in _linears(module).items():
@@ -42,6 +44,8 @@ def collect_amax(module: nn.Module, run: Callable[[], Any]) -> dict[str, dict[st
             s = stats[name]
             s["input_amax"] = max(s["input_amax"], float(args[0].detach().abs().max()))
             s["calls"] += 1
+            if on_call is not None:
+                on_call(name)
 
         handles.append(lin.register_forward_pre_hook(hook))
     try:

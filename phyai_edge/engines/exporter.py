@@ -311,6 +311,9 @@ def _build(req: ExportRequest, adapter: Adapter, views: int, work: Path, progres
             done("scales")
         if req.backend == "cudagraph":
             artefacts["fp8_scales"] = "calibration/fp8_scales.safetensors"
+            # The scope's stages run fp8 linears; the rest of the engine runs in its dtype.
+            fp8_stages = calibration_info["fp8_stages"]
+            stage_precision = {n: "fp8" if n in fp8_stages else "bf16" for n in stage_names}
 
     specs = {}
     from phyai_edge.engines.onnx_export import export_ready
@@ -474,13 +477,22 @@ def _export_tensorrt(req: ExportRequest, adapter: Adapter, views: int, work: Pat
 
 def _fp8_scales(adapter: Adapter, work: Path, calib: list[Observation], held: list[Observation],
                 req: ExportRequest) -> dict[str, Any]:
-    """Per-tensor fp8 scales from the calibration set, and their fake-quantised accuracy."""
+    """Per-tensor fp8 scales from the calibration set, and their fake-quantised accuracy. For a
+    cudagraph bundle, also `fp8_stages`: the stages that call a linear of the fp8 scope (the others
+    run in bf16), seen by running them, so no adapter has to declare which modules a stage uses."""
     from phyai_edge.calibration.fp8 import collect_amax, fake_fp8, save_scales, scales_from_amax
     from phyai_edge.engines.accuracy import compare_engines, reference_engine
     from phyai_edge.engines.stage_inputs import collect_stage_inputs
+    from phyai_edge.layers.fp8 import SCOPES
 
-    amax = collect_amax(adapter.module, lambda: collect_stage_inputs(adapter, calib, seed=_calibration_seed(req),
-                                                                      denoise_every=1))
+    current = [""]
+    stage_linears: dict[str, set[str]] = {}
+    amax = collect_amax(
+        adapter.module,
+        lambda: collect_stage_inputs(adapter, calib, seed=_calibration_seed(req), denoise_every=1,
+                                     on_stage=lambda name: current.__setitem__(0, name)),
+        on_call=lambda linear: stage_linears.setdefault(current[0], set()).add(linear),
+    )
     scales = scales_from_amax(amax)
     save_scales(work / "calibration" / "fp8_scales.safetensors", scales, {"samples": len(calib)})
     from phyai_edge.engines.eager import EagerEngine
@@ -504,6 +516,10 @@ def _fp8_scales(adapter: Adapter, work: Path, calib: list[Observation], held: li
         info["fp8_engine"] = {"scope": req.fp8_scope, "linears": eng.fp8_linears, "path": "reference (cpu)"}
         info["fp8_engine_vs_fp32"] = compare_engines(adapter, eng, ref, held, seed=req.seed)
         del eng, twin
+        roots = SCOPES[req.fp8_scope]
+        info["fp8_stages"] = [stage for stage in adapter.stage_names()
+                              if any(linear == root or linear.startswith(root + ".")
+                                     for linear in stage_linears.get(stage, ()) for root in roots)]
     return info
 
 

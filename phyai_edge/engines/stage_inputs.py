@@ -7,7 +7,7 @@ run once with a velocity function that records what it is given.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -37,9 +37,11 @@ def collect_stage_inputs(
     batch_size: int = 1,
     seed: int = 0,
     denoise_every: int = 1,
+    on_stage: Callable[[str], None] | None = None,
 ) -> StageSamples:
     """{stage: [ {input name: array}, ... ]} for every group of `batch_size` observations;
-    the denoise stage gets one sample per `denoise_every` flow steps."""
+    the denoise stage gets one sample per `denoise_every` flow steps. `on_stage(name)` is called
+    before each stage runs (to attribute what a hook sees to its stage)."""
     from phyai_edge.engines.stages import stage_graph
 
     module = adapter.module
@@ -54,6 +56,8 @@ def collect_stage_inputs(
         env = dict(adapter.preprocess(group).tensors)
         for name, inputs, outputs in graph.prefix:
             feeds = {n: env[n] for n in inputs}
+            if on_stage is not None:
+                on_stage(name)
             result = adapter.stage(name)(*feeds.values())
             out[name].append({n: _np(t) for n, t in feeds.items()})
             env.update(zip(outputs, result if isinstance(result, (tuple, list)) else (result,)))
@@ -65,6 +69,8 @@ def collect_stage_inputs(
                 out[graph.step].append({graph.step_x: xt.numpy().copy(), graph.step_t: t.numpy().copy(),
                                         **{n: _np(c) for n, c in zip(graph.step_context, context)}})
             counter["i"] += 1
+            if on_stage is not None:
+                on_stage(graph.step)
             return step(xt, t, *context)
 
         noise = torch.randn(len(group), adapter.chunk_size, adapter.model_action_dim, generator=gen)
