@@ -51,7 +51,9 @@ def plot_roofline(points: Sequence[PlotPoint], robot: RobotParams, path: str | P
         label=f"RTC roof: min(f_phys, s_cap / L), H = {robot.horizon}, {s_txt}",
     )
     ax.axhline(f_phys, color=_COLORS["physical"], ls=":", lw=1)
-    # As RooflineResult.sync_rate_hz: a fixed s is the stretch executed between two waits.
+    # As RooflineResult.sync_rate_hz, but at T = T_phys, as the roof is: the most either runner
+    # can do at each latency (the JSON's sync_rate_hz is at the requested period). A fixed s is the
+    # stretch executed between two waits.
     stretch = robot.horizon if robot.exec_horizon is None else robot.exec_horizon
     sync = stretch / (stretch * robot.t_phys + x / 1e3)
     ax.plot(
@@ -60,7 +62,7 @@ def plot_roofline(points: Sequence[PlotPoint], robot: RobotParams, path: str | P
         color="grey",
         ls="--",
         lw=1.2,
-        label=f"no RTC: average rate, robot stops for L every {'H' if robot.exec_horizon is None else 's'} actions",
+        label=f"no RTC at T_phys: average rate, robot stops for L every {'H' if robot.exec_horizon is None else 's'} actions",
     )
     if s_cap > 0:
         ax.axvline(ridge_ms, color="grey", ls=":", lw=1)
