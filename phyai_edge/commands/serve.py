@@ -81,6 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="--ray: inference threads, at least one per replica (a local engine runs "
                    "one batch at a time, so one thread)")
     p.add_argument("--report-s", type=float, default=10.0, help="log the per-robot latency table this often (0: never)")
+    p.add_argument("--forget-robot-s", type=float, default=600.0,
+                   help="a robot that sends no request this long leaves the per-robot table (a restarted daemon "
+                        "with the default name is a new robot)")
+    p.add_argument("--heartbeat-s", type=float, default=5.0,
+                   help="ZeroMQ heartbeat interval: a robot connection that answers nothing for 3 intervals (a robot "
+                        "that hung or lost power) is closed (0: never)")
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until SIGINT/SIGTERM)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--ray", action="store_true", help="run the engine as a Ray Serve deployment")
@@ -99,11 +105,12 @@ def main(args: argparse.Namespace) -> int:
                    ("--per-robot", args.per_robot, 1), ("--workers", args.workers, 1), ("--replicas", args.replicas, 1),
                    ("--report-s", args.report_s, 0),
                    ("--threads", args.threads, 0), ("--prompt-tokens", args.prompt_tokens, 0))
-    check_positive("serve", ("--budget-ms", args.budget_ms))
+    check_positive("serve", ("--budget-ms", args.budget_ms), ("--forget-robot-s", args.forget_robot_s))
     # An endless window closed batches only at each request's deadline less the service time (every
     # robot waited nearly its whole budget); 0 GPUs is a replica on CPU, the default without cuda.
     check_finite("serve", ("--window-ms", args.window_ms, 0, "milliseconds"),
-                 ("--gpus-per-replica", args.gpus_per_replica, 0, ""))
+                 ("--gpus-per-replica", args.gpus_per_replica, 0, ""),
+                 ("--heartbeat-s", args.heartbeat_s, 0, "seconds"))
     try:
         # Now, not after loading the model: an unknown RTC mode was not even looked at where
         # nothing is warmed (eager, --no-warm, --ray).
@@ -159,7 +166,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = SchedulerConfig(max_batch=max_batch, window_s=args.window_ms / 1e3, capacity=args.queue,
                           per_robot=args.per_robot, batch_sizes=tuple(sizes) if sizes else None)
     server = PolicyServer(executor, args.bind, cfg, default_budget_ms=args.budget_ms, workers=workers,
-                          report_s=args.report_s)
+                          report_s=args.report_s, forget_robot_s=args.forget_robot_s, heartbeat_s=args.heartbeat_s)
     if policy is not None and sizes and not args.no_warm:
         obs, rtcs = warm_inputs(policy, args.warm_prompt, args.warm_rtc)
         t0 = time.perf_counter()

@@ -23,6 +23,18 @@ A robot that disconnects disturbs no other: replies to a peer that is gone are d
 ROUTER (ROUTER_MANDATORY off) and sends never block (a peer that stops reading only loses its
 own replies once its high-water mark is reached); its queued requests still run in their
 batch, and its stats show it idle.
+
+What the server keeps per robot, for a server that runs for weeks while robots come and go:
+- no RTC or session state: every `infer` request carries its own observations, RTC prefix and
+  delay (the robot's daemon keeps its executing chunk; a restarted daemon has none, so its first
+  request carries no prefix), and a reply goes back to the connection that asked (a robot that
+  reconnects is a new ZeroMQ peer: replies to its old connection are dropped);
+- its share of the queue (`Scheduler`), only while it has requests queued;
+- its row in the stats, forgotten once the robot has sent nothing for `forget_robot_s`;
+- its connection: closed by the robot, or, for a robot that hung or lost power without closing
+  it, dropped once it has answered no ZeroMQ heartbeat for `HEARTBEAT_MISSES` intervals
+  (`heartbeat_s`). Without heartbeats such a connection is held for good (its TCP peer never
+  closes it), an open file each, until the server's file limit refuses every new robot.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -45,7 +58,7 @@ from phyai_edge.engines.base import RTC_MODES, RTCRequest
 from phyai_edge.serve import wire
 from phyai_edge.serve.batching import BatchItem, ItemResult, group_key, run_items, warm_up
 from phyai_edge.serve.scheduler import Pending, Scheduler, SchedulerConfig, pad_size
-from phyai_edge.serve.stats import BatchRecord, ServerStats, format_report
+from phyai_edge.serve.stats import FORGET_ROBOT_S, BatchRecord, ServerStats, format_report
 
 log = logging.getLogger("phyai_edge.serve")
 
@@ -53,6 +66,12 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:5570"
 # Instruction checks waiting for the check thread; more are refused `overloaded`. A daemon asks
 # once per instruction sent to it, so a longer queue would only be a client in a loop.
 CHECKS_QUEUED = 16
+# How often the ROUTER pings each connection (ZMTP heartbeats: a live peer's ZeroMQ I/O thread
+# answers by itself, whatever its application does), and after how many intervals without any
+# traffic back it drops the connection. The same time is sent to the robots as the heartbeat TTL,
+# so a robot's socket also drops (and reconnects) a connection to a server that went silent.
+HEARTBEAT_S = 5.0
+HEARTBEAT_MISSES = 3
 
 
 class Executor(Protocol):
@@ -165,7 +184,14 @@ class PolicyServer:
         workers: int = 1,
         report_s: float = 0.0,
         context: zmq.Context | None = None,
+        forget_robot_s: float = FORGET_ROBOT_S,
+        heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
+        """forget_robot_s: a robot that sent no request this long leaves the per-robot stats.
+        heartbeat_s: ZeroMQ heartbeat interval of the robots' connections; one that answers
+        nothing for `HEARTBEAT_MISSES` intervals is dropped (0: never)."""
+        if not (math.isfinite(heartbeat_s) and heartbeat_s >= 0):
+            raise ValueError(f"heartbeat_s must be a finite number of seconds >= 0, got {heartbeat_s!r}")
         self.executor = executor
         self.bind_endpoint = endpoint
         cfg = scheduler or SchedulerConfig()
@@ -184,7 +210,8 @@ class PolicyServer:
                         type(executor).__name__, most, most, self.workers)
             self.workers = most
         self.report_s = report_s
-        self.stats = ServerStats()
+        self.stats = ServerStats(forget_robot_s)
+        self.heartbeat_s = heartbeat_s
         self.ctx = context or zmq.Context.instance()
         self.endpoint = ""
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -287,6 +314,12 @@ class PolicyServer:
             router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # unroutable replies (robot gone) are dropped
             router.setsockopt(zmq.SNDHWM, 64)
             router.setsockopt(zmq.RCVHWM, 1000)
+            if self.heartbeat_s > 0:
+                ivl = max(1, round(self.heartbeat_s * 1e3))
+                router.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+                router.setsockopt(zmq.HEARTBEAT_TIMEOUT, ivl * HEARTBEAT_MISSES)
+                # ZeroMQ sends the TTL in deciseconds, at most 6553.5 s.
+                router.setsockopt(zmq.HEARTBEAT_TTL, min(ivl * HEARTBEAT_MISSES, 6_553_500))
             router.bind(self.bind_endpoint)
             self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             wake.bind(self._wake_addr)

@@ -6,9 +6,16 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# How long a robot may send nothing before its row leaves the per-robot table (`serve
+# --forget-robot-s`). A running daemon asks every s control ticks (0.5 s at 50 Hz, s = 25), so ten
+# silent minutes is a robot that is off or restarted under another name; each row kept costs up to
+# ~130 KB (its recent latencies) and ~1 ms of every report, made on the intake thread.
+FORGET_ROBOT_S = 600.0
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -37,14 +44,15 @@ class RobotStats:
     latency_ms: deque = field(default_factory=lambda: deque(maxlen=2000))
     queue_ms: deque = field(default_factory=lambda: deque(maxlen=2000))
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, now: float | None = None) -> dict[str, Any]:
         lat, q = list(self.latency_ms), list(self.queue_ms)
+        now = time.monotonic() if now is None else now
         return {
             "requests": self.requests, "served": self.served, "rejected": self.rejected, "errors": self.errors,
             "expired": self.expired, "deadline_misses": self.deadline_misses,
             "latency_ms": {"p50": percentile(lat, 50), "p99": percentile(lat, 99), "max": max(lat, default=0.0)},
             "queue_ms": {"p50": percentile(q, 50), "p99": percentile(q, 99)},
-            "idle_s": round(time.monotonic() - self.last_seen, 3) if self.last_seen else None,
+            "idle_s": round(now - self.last_seen, 3) if self.last_seen else None,
         }
 
 
@@ -82,12 +90,17 @@ class ServerStats:
     """Thread-safe: the intake thread counts arrivals and rejections, inference threads count
     answers, and either counts the requests that expired in the queue."""
 
-    def __init__(self, forget_s: float = 3600.0) -> None:
+    def __init__(self, forget_s: float = FORGET_ROBOT_S, clock: Callable[[], float] = time.monotonic) -> None:
         # A daemon's default robot name carries its pid, so every restart is a new robot:
         # forget robots idle this long, or the table (and memory) grows with every restart.
+        if not (math.isfinite(forget_s) and forget_s > 0):
+            raise ValueError(f"forget_s must be a finite number of seconds > 0, got {forget_s!r}")
         self.forget_s = forget_s
+        self.clock = clock
         self._lock = threading.Lock()
-        self.robots: dict[str, RobotStats] = {}
+        # In the order their robots last sent a request (`arrived` moves a robot to the end), so
+        # the idle ones are at the front and forgetting them costs only the rows it removes.
+        self.robots: OrderedDict[str, RobotStats] = OrderedDict()
         self.batches = 0
         self.batch_sizes: deque = deque(maxlen=2000)
         self.records: deque = deque(maxlen=2000)  # BatchRecord, the recent ones
@@ -96,19 +109,34 @@ class ServerStats:
         self.expired_total = 0  # every robot's, the forgotten ones' too
         self.intake_ms = 0.0  # decoding and admitting infer requests, on the intake thread
         self.intake_n = 0
-        self.started = time.monotonic()
+        self.started = clock()
 
     def _robot(self, name: str) -> RobotStats:
         r = self.robots.get(name)
         if r is None:
-            r = self.robots[name] = RobotStats()
+            # Seen now: a row made by an answer after its robot was forgotten is forgotten again in turn.
+            r = self.robots[name] = RobotStats(last_seen=self.clock())
         return r
 
+    def _forget_idle(self, now: float) -> None:
+        """Drop the robots that sent no request for `forget_s` (the front of the table)."""
+        while self.robots:
+            name, r = next(iter(self.robots.items()))
+            if now - r.last_seen <= self.forget_s:
+                return
+            del self.robots[name]
+
     def arrived(self, robot: str) -> None:
+        """A request from `robot`. Robots idle past `forget_s` are forgotten here too, not only when
+        a report is made: a server that never reports (`report_s` 0, no `stats` request) would
+        otherwise keep a row for every robot name it ever saw."""
         with self._lock:
+            now = self.clock()
             r = self._robot(robot)
+            self.robots.move_to_end(robot)  # the most recently seen
             r.requests += 1
-            r.last_seen = time.monotonic()
+            r.last_seen = now
+            self._forget_idle(now)
 
     def rejected(self, robot: str) -> None:
         with self._lock:
@@ -165,13 +193,12 @@ class ServerStats:
 
     def report(self) -> dict[str, Any]:
         with self._lock:
-            now = time.monotonic()
-            for name in [n for n, r in self.robots.items() if r.last_seen and now - r.last_seen > self.forget_s]:
-                del self.robots[name]
+            now = self.clock()
+            self._forget_idle(now)
             sizes = list(self.batch_sizes)
             real = [r.observations for r in self.records]
             return {
-                "uptime_s": round(time.monotonic() - self.started, 3),
+                "uptime_s": round(now - self.started, 3),
                 "batches": self.batches,
                 # Padded: the sizes the engine ran. Real observations per batch beside it.
                 "batch_size": {"mean": sum(sizes) / len(sizes) if sizes else 0.0, "max": max(sizes, default=0)},
@@ -181,7 +208,7 @@ class ServerStats:
                 "expired": self.expired_total,
                 "intake_ms_per_request": self.intake_ms / self.intake_n if self.intake_n else 0.0,
                 "by_size": self._by_size(),
-                "robots": {name: r.summary() for name, r in sorted(self.robots.items())},
+                "robots": {name: r.summary(now) for name, r in sorted(self.robots.items())},
             }
 
 

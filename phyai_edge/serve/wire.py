@@ -68,6 +68,10 @@ MAX_CHECK_PROMPT_CHARS = 4096
 # prompts (~1 KB an observation); the largest array is a 4K uint8 frame (25 MB) with room to spare.
 MAX_HEADER_BYTES = 4 << 20
 MAX_ARRAY_BYTES = 64 << 20
+# A robot's name keys its row in the server's per-robot table (kept until it has been idle
+# `--forget-robot-s`) and its line in every report: a name of a header's size (a client bug)
+# would be held that long per request. A daemon's default name is ~20 characters.
+MAX_ROBOT_NAME_CHARS = 256
 
 
 class WireError(ValueError):
@@ -248,6 +252,8 @@ def decode_request(frames: list[Any], max_observations: int | None = None) -> Re
         raise WireError(f"id: expected an integer, got {req_id!r}")
     if not isinstance(robot, str) or not robot:
         raise WireError(f"robot: expected a non-empty name, got {robot!r}")
+    if len(robot) > MAX_ROBOT_NAME_CHARS:
+        raise WireError(f"robot: a name of {len(robot)} characters; at most {MAX_ROBOT_NAME_CHARS}")
     req = Request(kind, req_id, robot)
     if kind == "prompt_fit":
         prompt = head.get("prompt")
