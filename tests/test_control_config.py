@@ -161,14 +161,30 @@ def test_model_dtype_takes_the_short_names_the_commands_take():
     assert parse_config({"model": {"dtype": "bf16"}, **ONE_CAMERA}).model.dtype == "bfloat16"
 
 
-def test_backend_short_names_mean_the_same_engine_everywhere():
+def test_backend_short_names_mean_the_same_engine_everywhere(monkeypatch):
     """`export --backend onnx` wrote an onnxruntime bundle, while `bench --backend onnx` and
     `model.backend = "onnx"` were refused as unknown."""
+    from phyai_edge.control import config as config_mod
     from phyai_edge.engines import backend_name
 
+    # As on a machine that has TensorRT: without it the key is refused (the next test).
+    monkeypatch.setattr(config_mod, "_importable", lambda module: True)
     assert parse_config({"model": {"backend": "onnx"}, **ONE_CAMERA}).model.backend == "onnxruntime"
     assert parse_config({"model": {"backend": "trt"}, **ONE_CAMERA}).model.backend == "tensorrt"
     assert backend_name("ort") == "onnxruntime" and backend_name("cudagraph") == "cudagraph"
+
+
+def test_a_backend_whose_library_is_missing_is_refused_by_its_key(monkeypatch):
+    """Not a worker that fails at load (exit 1, restarted by systemd, loading the model each time)."""
+    from phyai_edge.control import config as config_mod
+
+    monkeypatch.setattr(config_mod, "_importable", lambda module: module != "tensorrt")
+    with pytest.raises(ConfigError, match=r"^model.backend: tensorrt needs tensorrt, not installed here "
+                                          r"\(JetPack's python3-libnvinfer, or pip install 'phyai-edge\[tensorrt\]'\)"):
+        parse_config({"model": {"backend": "trt"}, **ONE_CAMERA})
+    assert parse_config({"model": {"backend": "onnx"}, **ONE_CAMERA}).model.backend == "onnxruntime"
+    # A factory builds its own policy: the backend key is not what it runs.
+    parse_config({"model": {"backend": "trt", "factory": "json:loads"}, **ONE_CAMERA})
 
 
 def test_checks_against_the_policy_name_the_key():

@@ -100,6 +100,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         fail,
         load_policy_or_fail,
     )
+    from phyai_edge.extras import with_install_hint
 
     check_device("bench", args.device, allow_meta=True)
     # --views 0 timed every camera (`args.views or all`), a negative --prompt-tokens or --threads
@@ -126,7 +127,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             adapter = load_adapter(args.adapter, adapter_options("bench", args) or None, checkpoint=args.checkpoint,
                                    preset_name=args.preset, device="meta", tokenizer=args.tokenizer)
         except LOAD_ERRORS as exc:
-            fail("bench", str(exc))
+            fail("bench", with_install_hint(exc))
         n = sum(p.numel() for p in adapter.module.parameters())
         parts = {name: sum(p.numel() for p in m.parameters()) for name, m in adapter.module.named_children()}
         return {"adapter": args.adapter, "preset": args.preset if not args.checkpoint else "checkpoint",

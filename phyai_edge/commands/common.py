@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from phyai_edge.engines.device import device_problem
+from phyai_edge.extras import with_install_hint
 
 if TYPE_CHECKING:
     from phyai_edge.engines.policy import Policy
@@ -134,7 +135,7 @@ def load_policy_or_fail(command: str, device_flag: str = "--device", **kwargs: A
     try:
         return load_policy(**kwargs)
     except LOAD_ERRORS as exc:
-        fail(command, str(exc) or type(exc).__name__)
+        fail(command, with_install_hint(exc))
 
 
 def add_adapter_option_argument(p: argparse.ArgumentParser) -> None:

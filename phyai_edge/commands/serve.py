@@ -23,6 +23,7 @@ from phyai_edge.commands.common import (
     fail,
 )
 from phyai_edge.control.log import LOG_LEVELS, setup_logging
+from phyai_edge.extras import with_install_hint
 
 HELP = "one engine on one GPU serving many robot daemons over ZeroMQ"
 DESCRIPTION = """Serve one policy to many robots. Robot daemons connect with a ZeroMQ DEALER
@@ -141,7 +142,10 @@ def main(args: argparse.Namespace) -> int:
     workers = args.workers
     policy = None
     if args.ray:
-        from phyai_edge.serve.ray_deployment import RayExecutor
+        try:
+            from phyai_edge.serve.ray_deployment import RayExecutor
+        except ImportError as exc:
+            fail("serve", with_install_hint(exc))
 
         sizes = batch_sizes_for(args.batch_sizes, args.backend if not args.engine else None, None, args.max_batch)
         max_batch = min(args.max_batch, max(sizes)) if sizes else args.max_batch

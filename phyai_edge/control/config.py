@@ -22,6 +22,7 @@ from typing import Any
 
 from phyai_edge.control.geometry import FLIPS, ROTATIONS, FrameGeometry
 from phyai_edge.engines import BACKEND_ALIASES, BACKENDS, backend_name
+from phyai_edge.extras import install_hint
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -611,6 +612,12 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
         raise ConfigError(f"model.device: expected cpu, cuda or cuda:N, got {_show(cfg.model.device)}")
     if cfg.model.bundle:
         _check_bundle(cfg.model)
+    elif not cfg.model.factory:
+        missing = [mod for mod in _BACKEND_NEEDS.get(cfg.model.backend, ()) if not _importable(mod)]
+        if missing:
+            # As for a bundle's backend: exit 2 here, not a worker that fails at load and restarts.
+            raise ConfigError(f"model.backend: {cfg.model.backend} needs {' and '.join(missing)}, not installed "
+                              f"here ({_install_how(missing[0])})")
     if cfg.model.tokenizer:
         _check_tokenizer(cfg.model)
     m.finish()
@@ -795,6 +802,16 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+# What a backend imports to build its engines from a checkpoint (ONNX export first); a bundle of
+# that backend only runs them (`_check_bundle`).
+_BACKEND_NEEDS = {"onnxruntime": ("onnx", "onnxruntime"), "tensorrt": ("tensorrt", "onnx")}
+
+
+def _install_how(module: str) -> str:
+    how = install_hint(module) or f"pip install {module}"
+    return f"JetPack's python3-libnvinfer, or {how}" if module == "tensorrt" else how
+
+
 def _check_tokenizer(m: ModelConfig) -> None:
     if not m.checkpoint:
         raise ConfigError("model.tokenizer: only used with model.checkpoint (the built-in presets ship their own)")
@@ -837,13 +854,11 @@ def _check_bundle(m: ModelConfig) -> None:
     if backend in ("cudagraph", "tensorrt") and not m.device.startswith("cuda"):
         raise ConfigError(f"model.device: a {backend} bundle runs on a CUDA device; set model.device = \"cuda\" "
                           f"(got {_show(m.device)})")
-    needs = {"onnxruntime": ("onnxruntime", "pip install 'phyai-edge[onnx]'"),
-             "tensorrt": ("tensorrt", "JetPack's python3-libnvinfer, or pip install 'phyai-edge[tensorrt]'")}
-    if backend in needs and not _importable(needs[backend][0]):
-        module, how = needs[backend]
+    module = {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt"}.get(backend)
+    if module and not _importable(module):
         article = "an" if backend[0] in "aeiou" else "a"
         raise ConfigError(f"model.bundle: {m.bundle!r} is {article} {backend} bundle, and {module} is not installed "
-                          f"here ({how})")
+                          f"here ({_install_how(module)})")
 
 
 def load_config(path: str | Path | None = None) -> DaemonConfig:

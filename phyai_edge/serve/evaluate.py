@@ -38,6 +38,7 @@ from phyai_edge.adapters.base import Observation
 from phyai_edge.calibration.records import UNREADABLE
 from phyai_edge.engines.base import SOLVER_RTC_MODES, RTCRequest
 from phyai_edge.engines.noise import frame_noise
+from phyai_edge.extras import install_hint
 from phyai_edge.serve.batching import BatchItem, run_items
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,7 @@ def read_lerobot(path: str | Path, horizon: int, camera_map: dict[str, str] | No
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
-        raise RuntimeError("reading a LeRobot dataset needs pyarrow: pip install pyarrow") from exc
+        raise RuntimeError(f"reading a LeRobot dataset needs pyarrow: {install_hint('pyarrow')}") from exc
     root = Path(path)
     info_path = root / "meta" / "info.json"
     if not info_path.exists():
