@@ -24,6 +24,15 @@ EXTRA_OF: dict[str, str] = {
     "dm_control": "sim",
 }
 
+# What a backend imports to build its engines from a checkpoint (an ONNX export first).
+BACKEND_NEEDS: dict[str, tuple[str, ...]] = {"onnxruntime": ("onnx", "onnxruntime"), "tensorrt": ("onnx", "tensorrt")}
+
+
+def backend_install_hint(backend: str) -> str | None:
+    """How to get what `backend` needs: its own extra (tensorrt's brings onnx too)."""
+    needs = BACKEND_NEEDS.get(backend)
+    return install_hint(needs[-1]) if needs else None
+
 
 def install_hint(module: str) -> str | None:
     """`pip install 'phyai-edge[NAME]'` for the extra that brings `module` (a dotted name is

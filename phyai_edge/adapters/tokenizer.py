@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from phyai_edge.extras import install_hint
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
@@ -60,7 +62,7 @@ class PromptTokenizer:
                 import sentencepiece as spm
             except ImportError as exc:
                 raise ImportError(
-                    f"{path} is a SentencePiece model; install phyai-edge[sentencepiece] or provide tokenizer.json"
+                    f"{path} is a SentencePiece model: {install_hint('sentencepiece')}, or provide a tokenizer.json"
                 ) from exc
             self._tok = spm.SentencePieceProcessor(model_file=str(path))
             self._kind = "sp"

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from phyai_edge.adapters.base import Observation
+from phyai_edge.extras import install_hint
 
 IMAGE_PREFIX = "observation.images."
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def _pyarrow() -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
-        raise ImportError("reading a LeRobot dataset needs pyarrow: pip install 'phyai-edge[lerobot]'") from exc
+        raise ImportError(f"reading a LeRobot dataset needs pyarrow: {install_hint('pyarrow')}") from exc
     return pq
 
 

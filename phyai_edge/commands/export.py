@@ -15,6 +15,8 @@ from phyai_edge.commands.common import (
     check_device,
     check_positive,
 )
+from phyai_edge.engines import backend_name
+from phyai_edge.extras import BACKEND_NEEDS, backend_install_hint
 
 HELP = "build an engine bundle (ONNX, TensorRT, CUDA graph) from a checkpoint"
 DESCRIPTION = """\
@@ -100,11 +102,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--seed", type=int, default=0, help="seed for the built-in preset and sample noise")
 
 
-# Modules each backend's export imports (checked first, so a missing one is one clear line,
-# not a traceback after the checkpoint has loaded).
-NEEDS = {"onnx": ("onnx", "onnxruntime"), "onnxruntime": ("onnx", "onnxruntime"), "tensorrt": ("onnx", "tensorrt")}
-
-
 def main(args: argparse.Namespace) -> int:
     from phyai_edge.engines.bundle import BundleError
     from phyai_edge.engines.exporter import DEFAULT_TIMING_CACHE, ExportRequest, export_bundle
@@ -121,10 +118,13 @@ def main(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, progress=not args.no_progress and sys.stderr.isatty(), tokenizer=args.tokenizer,
         adapter_options=adapter_options("export", args),
     )
-    missing = [m for m in NEEDS.get(req.backend, ()) if importlib.util.find_spec(m) is None]
+    # Checked first, so a missing module is one clear line, not a traceback after the checkpoint
+    # has loaded.
+    backend = backend_name(req.backend)
+    missing = [m for m in BACKEND_NEEDS.get(backend, ()) if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"phyai-edge export: the {req.backend} backend needs {', '.join(missing)}: "
-              f"pip install 'phyai-edge[{'tensorrt' if req.backend == 'tensorrt' else 'onnx'}]'", file=sys.stderr)
+        print(f"phyai-edge export: the {backend} backend needs {', '.join(missing)}: "
+              f"{backend_install_hint(backend)}", file=sys.stderr)
         return 2
     # Before the export: a device torch cannot use would otherwise fail only at validation,
     # after every stage was exported, and in torch's words rather than the flag's.

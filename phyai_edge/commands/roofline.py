@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from phyai_edge.extras import install_hint
 from phyai_edge.roofline.sources import STATS
 
 HELP = "what bounds the control rate: model, processing, transport or robot"
@@ -615,8 +616,8 @@ def main(args: argparse.Namespace) -> int:
     if plotting and importlib.util.find_spec("matplotlib") is None:
         # The table is the answer; the chart is optional (robot computers often lack matplotlib).
         if args.plot_given:
-            raise SystemExit("--plot needs matplotlib: pip install 'phyai-edge[plot]' (or pass --no-plot)")
-        notes.append("no chart: matplotlib is not installed (pip install 'phyai-edge[plot]')")
+            raise SystemExit(f"--plot needs matplotlib: {install_hint('matplotlib')} (or pass --no-plot)")
+        notes.append(f"no chart: matplotlib is not installed ({install_hint('matplotlib')})")
         plotting = False
     if plotting:
         from phyai_edge.roofline.plot import PlotPoint, plot_roofline

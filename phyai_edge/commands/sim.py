@@ -13,6 +13,7 @@ from pathlib import Path
 
 from phyai_edge.commands.common import check_at_least, check_seconds, check_writable, fail, write_json
 from phyai_edge.control.log import LOG_LEVELS, setup_logging
+from phyai_edge.extras import install_hint
 
 HELP = "a simulated ALOHA robot process that talks to the daemon over ZeroMQ"
 DESCRIPTION = """Run gym-aloha's MuJoCo ALOHA arm pair as a robot with its own 50 Hz clock: it
@@ -132,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
         import gym_aloha  # noqa: F401
         import mujoco  # noqa: F401
     except ImportError as exc:
-        log.error("the simulator needs the `sim` extra: pip install 'phyai-edge[sim]' (%s)", exc)
+        log.error("the simulator needs the `sim` extra: %s (%s)", install_hint("mujoco"), exc)
         return 2
 
     from phyai_edge.control.config import load_config

@@ -22,7 +22,7 @@ from typing import Any
 
 from phyai_edge.control.geometry import FLIPS, ROTATIONS, FrameGeometry
 from phyai_edge.engines import BACKEND_ALIASES, BACKENDS, backend_name
-from phyai_edge.extras import install_hint
+from phyai_edge.extras import BACKEND_NEEDS, backend_install_hint
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -613,11 +613,13 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> DaemonConfig:
     if cfg.model.bundle:
         _check_bundle(cfg.model)
     elif not cfg.model.factory:
-        missing = [mod for mod in _BACKEND_NEEDS.get(cfg.model.backend, ()) if not _importable(mod)]
+        # Building its engines from the checkpoint imports these (a bundle of that backend only runs
+        # them: `_check_bundle`). As for a bundle: exit 2 here, not a worker that fails at load and
+        # is restarted, loading the model each time.
+        missing = [mod for mod in BACKEND_NEEDS.get(cfg.model.backend, ()) if not _importable(mod)]
         if missing:
-            # As for a bundle's backend: exit 2 here, not a worker that fails at load and restarts.
             raise ConfigError(f"model.backend: {cfg.model.backend} needs {' and '.join(missing)}, not installed "
-                              f"here ({_install_how(missing[0])})")
+                              f"here ({_install_how(cfg.model.backend)})")
     if cfg.model.tokenizer:
         _check_tokenizer(cfg.model)
     m.finish()
@@ -802,14 +804,10 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-# What a backend imports to build its engines from a checkpoint (ONNX export first); a bundle of
-# that backend only runs them (`_check_bundle`).
-_BACKEND_NEEDS = {"onnxruntime": ("onnx", "onnxruntime"), "tensorrt": ("tensorrt", "onnx")}
 
-
-def _install_how(module: str) -> str:
-    how = install_hint(module) or f"pip install {module}"
-    return f"JetPack's python3-libnvinfer, or {how}" if module == "tensorrt" else how
+def _install_how(backend: str) -> str:
+    how = backend_install_hint(backend)
+    return f"JetPack's python3-libnvinfer, or {how}" if backend == "tensorrt" else str(how)
 
 
 def _check_tokenizer(m: ModelConfig) -> None:
@@ -858,7 +856,7 @@ def _check_bundle(m: ModelConfig) -> None:
     if module and not _importable(module):
         article = "an" if backend[0] in "aeiou" else "a"
         raise ConfigError(f"model.bundle: {m.bundle!r} is {article} {backend} bundle, and {module} is not installed "
-                          f"here ({_install_how(module)})")
+                          f"here ({_install_how(backend)})")
 
 
 def load_config(path: str | Path | None = None) -> DaemonConfig:

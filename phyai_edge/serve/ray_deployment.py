@@ -20,13 +20,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from phyai_edge.extras import install_hint
 from phyai_edge.serve.batching import BatchItem, ItemResult, run_items
 from phyai_edge.serve.server import describe_policy
 
 try:
     from ray import serve
 except ImportError as exc:  # pragma: no cover - exercised only without ray
-    raise ImportError("the Ray Serve deployment needs ray[serve]: pip install 'phyai-edge[ray]'") from exc
+    raise ImportError(f"the Ray Serve deployment needs ray[serve]: {install_hint('ray')}") from exc
 
 
 @serve.deployment(name="phyai_edge_policy", max_ongoing_requests=64)
