@@ -160,7 +160,7 @@ def test_the_wheel_declares_the_cli_and_only_the_base_dependencies(built: Built)
 def test_the_sdist_builds_the_same_wheel_as_the_tree(built: Built) -> None:
     with tarfile.open(built.sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    assert {"pyproject.toml", "README.md", "PKG-INFO"} <= names
+    assert {"pyproject.toml", "README.md", "PKG-INFO", "LICENSE"} <= names
     assert sorted(_wheel_files(built.wheel)) == sorted(_wheel_files(built.tree_wheel))
 
 
@@ -168,6 +168,9 @@ def test_the_build_raises_no_setuptools_deprecation(built: Built) -> None:
     found = [line.strip() for line in built.warnings.splitlines() if "DeprecationWarning" in line]
     assert not found, "setuptools deprecates part of pyproject.toml (a future setuptools refuses it):\n" + "\n".join(found)
     assert _metadata(built.wheel)["License-Expression"] == PYPROJECT["project"]["license"]
+    # Apache-2.0 asks that its text go with every copy: the wheel carries it beside its metadata.
+    text = zipfile.ZipFile(built.wheel).read(DIST_INFO + "licenses/LICENSE").decode()
+    assert "Apache License" in text and "Version 2.0" in text
 
 
 def test_the_unpacked_wheel_alone_finds_its_assets_and_runs(built: Built, tmp_path: Path) -> None:
