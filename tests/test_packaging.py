@@ -169,7 +169,8 @@ def test_the_build_raises_no_setuptools_deprecation(built: Built) -> None:
     assert not found, "setuptools deprecates part of pyproject.toml (a future setuptools refuses it):\n" + "\n".join(found)
     assert _metadata(built.wheel)["License-Expression"] == PYPROJECT["project"]["license"]
     # Apache-2.0 asks that its text go with every copy: the wheel carries it beside its metadata.
-    text = zipfile.ZipFile(built.wheel).read(DIST_INFO + "licenses/LICENSE").decode()
+    with zipfile.ZipFile(built.wheel) as z:
+        text = z.read(DIST_INFO + "licenses/LICENSE").decode()
     assert "Apache License" in text and "Version 2.0" in text
 
 
