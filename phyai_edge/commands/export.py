@@ -123,7 +123,7 @@ def main(args: argparse.Namespace) -> int:
     backend = backend_name(req.backend)
     missing = [m for m in BACKEND_NEEDS.get(backend, ()) if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"phyai-edge export: the {backend} backend needs {', '.join(missing)}: "
+        print(f"phyai-edge export: the {req.backend} backend needs {', '.join(missing)}: "
               f"{backend_install_hint(backend)}", file=sys.stderr)
         return 2
     # Before the export: a device torch cannot use would otherwise fail only at validation,
