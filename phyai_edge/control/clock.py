@@ -47,7 +47,16 @@ class LatenessLog:
         self.count += 1
 
     def samples(self) -> np.ndarray:
+        """Every sample kept, in storage order (once the log has wrapped, not in time order)."""
         return self.values[: min(self.count, self.values.size)]
+
+    def recent(self, n: int) -> np.ndarray:
+        """The last `n` samples (fewer before there are n), oldest first, across the wrap."""
+        n = min(n, self.count, self.values.size)
+        end = self.count % self.values.size
+        if n <= end:
+            return self.values[end - n:end]
+        return np.concatenate((self.values[self.values.size - (n - end):], self.values[:end]))
 
     def summary_ms(self) -> dict[str, float]:
         s = self.samples()

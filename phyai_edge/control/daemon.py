@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -73,6 +74,11 @@ class _Inflight:
     instruction: int = 0  # the task channel's count of the instruction the job runs
 
 
+# Inferences whose delay and times the summary and the status line keep (the lateness log keeps
+# its last 2**18 ticks likewise).
+STATS_WINDOW = 4096
+
+
 @dataclass
 class DaemonStats:
     ticks: int = 0
@@ -86,9 +92,12 @@ class DaemonStats:
     worker_deaths: int = 0  # inference worker processes that died
     worker_restarts: int = 0  # ... and were replaced by a loaded, warmed one
     worker_restart_failures: int = 0
-    delays: list[int] = field(default_factory=list)
-    infer_ms: list[float] = field(default_factory=list)
-    stage_ms: dict[str, list[float]] = field(default_factory=dict)
+    # The last STATS_WINDOW inferences only: lists appended per inference grew for the life of the
+    # daemon (~340 B an inference with PI0.5's seven stages: ~58 MB a day at 50 Hz, s = 25;
+    # `benchmarks/daemon_resources.py --collect 172800`).
+    delays: deque[int] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    infer_ms: deque[float] = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    stage_ms: dict[str, deque[float]] = field(default_factory=dict)
     holds: dict[str, int] = field(default_factory=dict)
     lateness: LatenessLog = field(default_factory=lambda: LatenessLog(1 << 18))
     wake_lateness: LatenessLog = field(default_factory=lambda: LatenessLog(1 << 18))
@@ -810,7 +819,10 @@ class Daemon:
         st.infer_ms.append(res.infer_ms)
         m.inference_seconds.observe(res.infer_ms / 1e3)
         for stage, ms in res.stage_ms.items():
-            st.stage_ms.setdefault(stage, []).append(ms)
+            window = st.stage_ms.get(stage)
+            if window is None:
+                window = st.stage_ms[stage] = deque(maxlen=STATS_WINDOW)
+            window.append(ms)
             m.stage_seconds.labels(stage).observe(ms / 1e3)
         if not inflight.valid:
             st.stale_results += 1
@@ -886,7 +898,9 @@ class Daemon:
         st = self.stats
         q = getattr(self, "queue", None)
         cur = q.current if q is not None else None
-        lat = st.lateness.samples()[-500:]
+        # The newest ticks: once the log has wrapped (2**18 ticks, 87 min at 50 Hz) the end of its
+        # storage holds ticks from a whole log ago.
+        lat = st.lateness.recent(500)
         p99 = float(np.percentile(lat, 99)) / 1e6 if lat.size else float("nan")
         # "-" until there is one (systemd's STATUS= showed "d -1 infer nan ms" before the first chunk)
         infer = f"{st.infer_ms[-1]:.1f}" if st.infer_ms else "-"
