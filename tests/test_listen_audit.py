@@ -165,3 +165,53 @@ def test_json_to_stdout_is_one_json_object_with_the_per_second_lines_on_stderr(c
     out, err = capsys.readouterr()
     assert json.loads(out)["received"] > 0
     assert " msg/s " in err
+
+
+def _feed(lis: Any, messages: list[tuple[int, int, int]]) -> None:
+    """(session, seq, receive time in ns) -> what the listener's socket would hand it."""
+    from phyai_edge.control.protocol import ActionHeader, encode_actions
+
+    for session, seq, t_ns in messages:
+        header = ActionHeader(seq, 1, 1, 0, 0, 0, 1, 2, session=session)
+        lis.handle(encode_actions(b"action", header, np.zeros((1, 2), np.float32)), t_ns, t_ns)
+
+
+def test_the_rate_across_a_daemon_restart_is_the_sessions_own():
+    """A daemon restarted after 5 s down: the outage was one 'interval', and a 50 Hz stream read
+    as ~3 Hz over a few seconds."""
+    from phyai_edge.control.listener import Listener
+
+    ms = 1_000_000
+    lis = Listener(free_tcp_endpoint())
+    try:
+        before = [(7, k, k * 20 * ms) for k in range(100)]
+        after = [(9, k, 5000 * ms + 2000 * ms + k * 20 * ms) for k in range(100)]
+        _feed(lis, before + after)
+    finally:
+        lis.close()
+    st = lis.stats.summary()
+    assert st["sessions"] == 2
+    assert st["rate_hz"] == pytest.approx(50.0)
+    assert st["interval_ms"]["max"] == pytest.approx(20.0)
+
+
+def test_a_listener_left_running_keeps_a_window_of_latencies_and_the_run_s_maxima(monkeypatch):
+    from phyai_edge.control import listener as listener_mod
+    from phyai_edge.control.listener import Listener
+
+    monkeypatch.setattr(listener_mod, "WINDOW", 16)
+    lis = Listener(free_tcp_endpoint())
+    try:
+        # One slow arrival early on, then many on time: the percentiles follow the recent ones,
+        # the maxima remember the slow one.
+        t0 = 1_000_000_000
+        times = [t0, t0 + 500_000_000, *(t0 + 500_000_000 + k * 20_000_000 for k in range(1, 200))]
+        _feed(lis, [(1, k, t) for k, t in enumerate(times)])
+    finally:
+        lis.close()
+    st = lis.stats
+    assert st.latency_ns.samples().size == 16 and st.interval_ns.samples().size == 16
+    s = st.summary()
+    assert s["received"] == 201 and s["gaps"] == 0
+    assert s["interval_ms"]["p99"] == pytest.approx(20.0) and s["interval_ms"]["max"] == pytest.approx(500.0)
+    assert s["rate_hz"] == pytest.approx(50.0)

@@ -117,8 +117,8 @@ def main(args: argparse.Namespace) -> int:
                   f"running, and is this its publish.endpoint?", file=sys.stderr, flush=True)
             said_silent = True
         if now >= next_report and not args.quiet:
-            lat = np.asarray(st.latency_ns[last_count:], dtype=np.float64) / 1e3
             rate = st.received - last_count
+            lat = st.latency_ns.recent(rate).astype(np.float64) / 1e3
             p99 = f"{np.percentile(lat, 99):.0f}" if lat.size else "-"
             p50 = f"{np.percentile(lat, 50):.0f}" if lat.size else "-"
             print(f"{rate} msg/s  seq {st.last_seq}  gaps {st.gaps}  repeats {st.repeats}  latency p50 {p50} us p99 {p99} us  "
