@@ -82,6 +82,29 @@ def test_close_stops_waiting_for_a_stuck_disk_and_says_what_it_left(tmp_path, mo
     assert sorted(p.name for p in tmp_path.glob("obs_*")) == ["obs_000001.npz"]
 
 
+def test_a_slow_disk_holds_a_bounded_amount_of_frames(tmp_path, monkeypatch):
+    """64 queued records of three 720p cameras held ~0.5 GB of frames while the disk lagged; the
+    queue now also stops at `max_pending_bytes` of frames (a record bigger than that alone still
+    goes in), and what it held is given back as records are taken."""
+    disk = SlowDisk(monkeypatch)
+    frame = 6 * 8 * 3  # bytes of one _record's frame
+    rec = Recorder(tmp_path, {}, max_pending_bytes=3 * frame)
+    try:
+        rec.add(_record(1))
+        assert disk.writing.wait(10)  # record 1 is being written: out of the queue
+        for i in range(2, 7):
+            rec.add(_record(i))
+        assert rec._queue.qsize() == 3 and rec.dropped == 2 and rec._pending_bytes == 3 * frame
+    finally:
+        disk.go.set()
+    rec.close()
+    assert rec.written == 4 and rec.dropped == 2 and rec._pending_bytes == 0
+    big = Recorder(tmp_path / "big", {}, max_pending_bytes=frame // 2)
+    big.add(_record(7))  # larger than the cap, into an empty queue
+    big.close()
+    assert big.written == 1 and big.dropped == 0
+
+
 class Disk:
     """`free_bytes` as the test says: the free space a real disk would report."""
 

@@ -42,15 +42,24 @@ def free_bytes(directory: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+# Frames the queue may hold while the disk is slower than inference: 64 records of three 720p
+# cameras held ~0.5 GB, the robot computer's memory, which on a Jetson the GPU's model shares.
+MAX_PENDING_BYTES = 256 << 20
+
+
 class Recorder:
     def __init__(self, directory: str | Path, meta: dict[str, Any], max_pending: int = 64,
-                 min_free_bytes: int = 0, counter: Any = None) -> None:
+                 min_free_bytes: int = 0, counter: Any = None, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         """`counter`: a labelled counter (`Metrics.records`) told each record's outcome
-        (`metrics.RECORD_RESULTS`), or None."""
+        (`metrics.RECORD_RESULTS`), or None. A record is dropped when the queue holds `max_pending`
+        records, or frames of `max_pending_bytes` and more (one record is always taken)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         _write_atomically(self.dir / "meta.json", lambda f: f.write(json.dumps(meta, indent=2, default=str).encode()))
-        self._queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=max_pending)
+        self._queue: queue.Queue[tuple[dict[str, Any], int]] = queue.Queue(maxsize=max_pending)
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0  # the queued records' frames
+        self._bytes_lock = threading.Lock()
         self._closing = threading.Event()
         self._deadline = float("inf")  # time.monotonic() after which close() gives up on what is pending
         self.written = 0
@@ -68,10 +77,22 @@ class Recorder:
         if self._closing.is_set():
             self._note("dropped")
             return
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
-            self._note("dropped")
+        # getattr: the clock thread calls this, and must not fail on what only the write would refuse.
+        size = sum(getattr(img, "nbytes", 0) for img in record.get("images", {}).values())
+        with self._bytes_lock:
+            if self._pending_bytes and self._pending_bytes + size > self.max_pending_bytes:
+                self._note("dropped")
+                return
+            try:
+                self._queue.put_nowait((record, size))
+            except queue.Full:
+                self._note("dropped")
+                return
+            self._pending_bytes += size
+
+    def _taken(self, size: int) -> None:
+        with self._bytes_lock:
+            self._pending_bytes -= size
 
     def _run(self) -> None:
         next_drop_log = 1  # drops are logged here at 1, 10, 100, ... (never on the clock thread)
@@ -81,17 +102,18 @@ class Recorder:
                 while self.dropped >= next_drop_log:
                     next_drop_log *= 10
             try:
-                rec = self._queue.get(timeout=0.05)
+                rec, size = self._queue.get(timeout=0.05)
             except queue.Empty:
                 if self._closing.is_set():
                     return
                 continue
+            self._taken(size)
             if time.monotonic() > self._deadline:
                 # close() stopped waiting: what is left is dropped, and counted as such.
                 self._note("dropped")
                 while True:
                     try:
-                        self._queue.get_nowait()
+                        self._taken(self._queue.get_nowait()[1])
                     except queue.Empty:
                         return
                     self._note("dropped")
