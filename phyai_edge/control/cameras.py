@@ -23,6 +23,7 @@ import numpy as np
 from phyai_edge.control.config import CameraConfig, ConfigError
 from phyai_edge.control.log import worth_logging
 from phyai_edge.control.state import ARRIVAL_AGE_WARN_S, arrival_age_hint
+from phyai_edge.extras import install_hint
 
 log = logging.getLogger("phyai_edge.control")
 # OpenCV logs its own warnings to stderr ("[ WARN:0@0.013] global cap_v4l.cpp ..."), outside the
@@ -181,7 +182,7 @@ class OpenCVCamera:
             except ImportError as exc:
                 # The capture thread would retry the import forever while the daemon held STALE.
                 raise ConfigError(f"cameras.{self.name}: source = {self.cfg.source!r} needs OpenCV, which does not "
-                                  f"import ({exc}): pip install 'phyai-edge[camera]'") from None
+                                  f"import ({exc}): {install_hint('cv2')}") from None
         self._thread = threading.Thread(target=self._run, name=f"camera-{self.name}", daemon=True)
         self._thread.start()
 

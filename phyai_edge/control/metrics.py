@@ -11,6 +11,8 @@ import logging
 import socket
 from collections.abc import Callable, Mapping
 
+from phyai_edge.extras import install_hint
+
 log = logging.getLogger("phyai_edge.control")
 
 # Tick lateness spans tens of microseconds (healthy) to whole periods (overrun).
@@ -78,7 +80,7 @@ class Metrics:
         try:
             import prometheus_client as pc
         except ImportError:
-            log.error("metrics: prometheus-client is not installed (pip install 'phyai-edge[metrics]')")
+            log.error("metrics: prometheus-client is not installed (%s)", install_hint("prometheus_client"))
             return False
         registry = pc.CollectorRegistry()
         self.tick_lateness = pc.Histogram(
@@ -183,7 +185,7 @@ def listen_problem(host: str, port: int) -> str | None:
     without it, connections a daemon stopped a moment ago left in TIME_WAIT (a Prometheus scrape)
     would fail the check though the daemon starts fine."""
     if importlib.util.find_spec("prometheus_client") is None:
-        return "prometheus-client is not installed (pip install 'phyai-edge[metrics]'), or set metrics.port = 0"
+        return f"prometheus-client is not installed ({install_hint('prometheus_client')}), or set metrics.port = 0"
     where = f"{host}:{port}"
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
