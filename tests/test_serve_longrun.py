@@ -293,3 +293,28 @@ def test_serve_refuses_bad_forget_and_heartbeat_flags_in_one_line(capsys, flags,
         cli(["serve", *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and err[0].startswith(f"phyai-edge serve: {says}"), err
+
+
+def test_a_report_summarises_outside_the_stats_lock(monkeypatch):
+    """The inference threads count every answer under the stats lock; a report that sorted every
+    robot's latency windows under it (~0.6 ms a robot with full windows) held their replies back."""
+    from phyai_edge.serve import stats as stats_mod
+
+    s = ServerStats()
+    for k in range(3):
+        s.arrived(f"r{k}")
+        s.answered(f"r{k}", True, 10.0 + k, 1.0, False)
+    held: list[bool] = []
+    summary = stats_mod.RobotStats.summary
+
+    def watched(self, now=None):
+        held.append(s._lock.locked())
+        return summary(self, now)
+
+    monkeypatch.setattr(stats_mod.RobotStats, "summary", watched)
+    rep = s.report()
+    assert held == [False, False, False]
+    assert rep["robots"]["r2"]["latency_ms"] == {"p50": 12.0, "p99": 12.0, "max": 12.0}
+    # The report's copies are its own: counting goes on in the live rows.
+    s.answered("r0", True, 99.0, 1.0, False)
+    assert rep["robots"]["r0"]["served"] == 1 and s.report()["robots"]["r0"]["latency_ms"]["max"] == 99.0
