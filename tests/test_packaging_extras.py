@@ -86,3 +86,26 @@ def test_eval_lerobot_without_pyarrow_names_the_lerobot_extra(monkeypatch, capsy
     rc = exit_status(["eval", str(tmp_path / "ds"), "--lerobot", "--preset", "tiny"])
     assert rc == 2
     assert one_line_naming(capsys.readouterr().err, "lerobot")
+
+
+def test_the_extras_table_names_only_extras_the_package_declares() -> None:
+    """A hint naming an extra pyproject.toml lacks would send the user to a pip error."""
+    from test_packaging import PYPROJECT
+
+    from phyai_edge.extras import BACKEND_NEEDS, EXTRA_OF, backend_install_hint, with_install_hint
+
+    declared = set(PYPROJECT["project"]["optional-dependencies"])
+    assert set(EXTRA_OF.values()) <= declared
+    assert {m for needs in BACKEND_NEEDS.values() for m in needs} <= set(EXTRA_OF)
+    assert backend_install_hint("tensorrt") == "pip install 'phyai-edge[tensorrt]'"
+    # The hint follows a chain of causes, and is not said twice.
+    try:
+        try:
+            raise ModuleNotFoundError("No module named 'onnx'", name="onnx")
+        except ImportError as exc:
+            raise RuntimeError("loading the bundle failed") from exc
+    except RuntimeError as outer:
+        assert with_install_hint(outer) == "loading the bundle failed (pip install 'phyai-edge[onnx]')"
+    said = ImportError("needs ray: pip install 'phyai-edge[ray]'", name="ray")
+    assert with_install_hint(said) == str(said)
+    assert with_install_hint(ImportError("no module", name="not_an_extra")) == "no module"
