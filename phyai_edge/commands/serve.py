@@ -82,10 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, help="--ray: inference threads, at least one per replica (a local engine runs "
                    "one batch at a time, so one thread)")
     p.add_argument("--report-s", type=float, default=10.0, help="log the per-robot latency table this often (0: never)")
-    p.add_argument("--forget-robot-s", type=float, default=600.0,
-                   help="a robot that sends no request this long leaves the per-robot table (a restarted daemon "
-                        "with the default name is a new robot)")
-    p.add_argument("--heartbeat-s", type=float, default=5.0,
+    p.add_argument("--forget-robot-s", type=float, default=600.0, metavar="S",
+                   help="a robot that sends no request this long leaves the per-robot table (a daemon restarted "
+                        "under its pid-based name is a new robot)")
+    p.add_argument("--heartbeat-s", type=float, default=5.0, metavar="S",
                    help="ZeroMQ heartbeat interval: a robot connection that answers nothing for 3 intervals (a robot "
                         "that hung or lost power) is closed (0: never)")
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: until SIGINT/SIGTERM)")
