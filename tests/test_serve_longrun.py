@@ -159,13 +159,15 @@ def test_a_connection_whose_robot_hung_is_dropped_after_missed_heartbeats(tiny_p
 
 
 def test_an_idle_robot_keeps_its_connection_through_the_heartbeats(tiny_policy):
-    """Its ZeroMQ I/O thread answers every heartbeat by itself, however long the robot sends nothing."""
-    srv = PolicyServer(LocalExecutor(tiny_policy), "tcp://127.0.0.1:*", SchedulerConfig(), heartbeat_s=0.05).start()
+    """Its ZeroMQ I/O thread answers every heartbeat by itself, however long the robot sends nothing.
+    (0.2 s intervals, dropped after 0.6 s: room for a loaded 2-core CI machine to schedule the
+    I/O threads late without the test calling that a dead robot.)"""
+    srv = PolicyServer(LocalExecutor(tiny_policy), "tcp://127.0.0.1:*", SchedulerConfig(), heartbeat_s=0.2).start()
     port = int(srv.endpoint.rsplit(":", 1)[1])
     try:
         with RemotePolicy(srv.endpoint, robot="idle", timeout_s=10.0) as remote:
             events = remote._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            time.sleep(1.0)  # 20 heartbeat intervals
+            time.sleep(2.0)  # 10 heartbeat intervals
             assert not events.poll(0), "an idle, live robot lost its connection"
             if _server_connections_supported():
                 assert _server_connections(port) == 1
