@@ -371,21 +371,15 @@ class Load:
                     pass
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(worker: str, hz: float, s: int) -> tuple[dict[str, Any], str, str, int]:
     """The embedded default with this run's changes: worker, rate, s, local endpoints, metrics,
     task channel, no real-time setup (a shared machine)."""
     from phyai_edge.control.config import DEFAULT_CONFIG_TOML, tomllib  # tomli on Python 3.10
+    from phyai_edge.control.fakes import free_tcp_endpoint
 
     data = tomllib.loads(DEFAULT_CONFIG_TOML)
-    publish, task, port = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
+    publish, task = free_tcp_endpoint(), free_tcp_endpoint()
+    port = int(free_tcp_endpoint().rsplit(":", 1)[1])
     data["robot"]["control_hz"] = hz
     data["chunking"]["execution_horizon"] = s
     data["model"].update(worker=worker, restart_backoff_s=0.2, load_timeout_s=120.0)

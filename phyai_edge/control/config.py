@@ -804,7 +804,6 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-
 def _install_how(backend: str) -> str:
     how = backend_install_hint(backend)
     return f"JetPack's python3-libnvinfer, or {how}" if backend == "tensorrt" else str(how)
@@ -852,10 +851,10 @@ def _check_bundle(m: ModelConfig) -> None:
     if backend in ("cudagraph", "tensorrt") and not m.device.startswith("cuda"):
         raise ConfigError(f"model.device: a {backend} bundle runs on a CUDA device; set model.device = \"cuda\" "
                           f"(got {_show(m.device)})")
-    module = {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt"}.get(backend)
-    if module and not _importable(module):
+    # A bundle only runs its engines: the backend's runtime, whose module has the backend's name (no onnx).
+    if backend in BACKEND_NEEDS and not _importable(backend):
         article = "an" if backend[0] in "aeiou" else "a"
-        raise ConfigError(f"model.bundle: {m.bundle!r} is {article} {backend} bundle, and {module} is not installed "
+        raise ConfigError(f"model.bundle: {m.bundle!r} is {article} {backend} bundle, and {backend} is not installed "
                           f"here ({_install_how(backend)})")
 
 

@@ -204,36 +204,30 @@ class ServerStats:
         return out
 
     def report(self) -> dict[str, Any]:
-        # Copied under the lock, summarised after it: the inference threads count their answers
-        # under the same lock, and waited for the whole report (~1 ms a robot with full windows).
+        # The robots' windows copied under the lock and summarised after it: the inference threads
+        # count their answers under the same lock, and waited for the whole report (~1 ms a robot
+        # with full windows). The batch records are summarised after it too.
         with self._lock:
             now = self.clock()
             self._forget_idle(now)
             sizes = list(self.batch_sizes)
             records = list(self.records)
-            robots = {name: r.copy() for name, r in self.robots.items()}
-            head = {
+            real = [r.observations for r in records]
+            rep: dict[str, Any] = {
                 "uptime_s": round(now - self.started, 3),
                 "batches": self.batches,
+                # Padded: the sizes the engine ran. Real observations per batch beside it.
+                "batch_size": {"mean": sum(sizes) / len(sizes) if sizes else 0.0, "max": max(sizes, default=0)},
+                "observations_per_batch": {"mean": _mean(real), "max": max(real, default=0)},
                 "reruns": self.reruns,
                 "failed_batches": self.failed_batches,
                 "expired": self.expired_total,
                 "intake_ms_per_request": self.intake_ms / self.intake_n if self.intake_n else 0.0,
             }
-        real = [r.observations for r in records]
-        return {
-            "uptime_s": head["uptime_s"],
-            "batches": head["batches"],
-            # Padded: the sizes the engine ran. Real observations per batch beside it.
-            "batch_size": {"mean": sum(sizes) / len(sizes) if sizes else 0.0, "max": max(sizes, default=0)},
-            "observations_per_batch": {"mean": _mean(real), "max": max(real, default=0)},
-            "reruns": head["reruns"],
-            "failed_batches": head["failed_batches"],
-            "expired": head["expired"],
-            "intake_ms_per_request": head["intake_ms_per_request"],
-            "by_size": self._by_size(records),
-            "robots": {name: r.summary(now) for name, r in sorted(robots.items())},
-        }
+            robots = {name: r.copy() for name, r in self.robots.items()}
+        rep["by_size"] = self._by_size(records)
+        rep["robots"] = {name: r.summary(now) for name, r in sorted(robots.items())}
+        return rep
 
 
 def format_report(rep: dict[str, Any]) -> str:
